@@ -1,0 +1,5 @@
+"""The trainer side: the sender daemon, the generic publisher, Megatron integration."""
+
+from weightsync.sender.publisher import Publisher, PublishResult
+
+__all__ = ["Publisher", "PublishResult"]

@@ -1,0 +1,36 @@
+"""Data-plane transports behind one interface, looked up by name."""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.registry import Registry
+from weightsync.transports.base import MappedBuffers, StagingBuffer, Transport
+
+TRANSPORTS: Registry[type[Transport]] = Registry(
+    "transport",
+    {
+        "shm": "weightsync.transports.shm:ShmTransport",
+        "cuda_ipc": "weightsync.transports.cuda_ipc:CudaIpcTransport",
+    },
+)
+
+_instances: dict[str, Transport] = {}
+
+
+def get_transport(name: str) -> Transport:
+    """The process-wide instance of transport ``name`` ("shm", "cuda_ipc")."""
+    if name not in _instances:
+        _instances[name] = TRANSPORTS.get(name)()
+    return _instances[name]
+
+
+def resolve_transport(name: str, device: torch.device) -> str:
+    """``auto`` -> ``cuda_ipc`` for CUDA tensors, ``shm`` for CPU ones; other names pass."""
+    if name == "auto":
+        return "cuda_ipc" if device.type == "cuda" else "shm"
+    TRANSPORTS.get(name)
+    return name
+
+
+__all__ = ["MappedBuffers", "StagingBuffer", "Transport", "get_transport", "resolve_transport"]

@@ -1,0 +1,218 @@
+"""The receiver core every engine adapter reuses: subscribe, validate, map, verify, load, ack."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+import uuid
+
+import grpc
+import torch
+
+from weightsync.buckets import Bucket, ChunkAssembler, unpack_bucket
+from weightsync.checksum import ALGORITHM, bucket_checksum
+from weightsync.control.client import connect
+from weightsync.errors import (
+    ChecksumError,
+    ProtocolError,
+    ReceiverFailedError,
+    SyncTimeoutError,
+    TransportError,
+    WeightSyncError,
+)
+from weightsync.manifest import VersionManifest
+from weightsync.receiver.target import WeightTarget
+from weightsync.transports import MappedBuffers
+from weightsync.transports.cuda_ipc import device_uuid
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import bucket_from_pb, describe, error_to_pb, manifest_from_pb
+
+_STREAM_CLOSED = object()
+
+
+class ReceiverCore:
+    """Subscribes ``target`` to the sender at ``address``; ``sync()`` applies versions.
+
+    Registration happens in the constructor, so any version published afterwards is
+    addressed to this receiver.
+
+    Args:
+        target: the engine adapter that validates and loads tensors.
+        address: the sender's ``unix:/path`` or ``host:port``.
+        engine, rank: how this receiver shows in ``weightsync status``.
+        receiver_id: unique per engine worker (default: generated).
+        verify_checksums: check every bucket's checksum before loading it.
+
+    Raises:
+        TransportError: no sender answers at ``address``.
+    """
+
+    def __init__(
+        self,
+        target: WeightTarget,
+        address: str,
+        *,
+        engine: str = "torch",
+        rank: int = 0,
+        receiver_id: str | None = None,
+        verify_checksums: bool = True,
+        connect_timeout_s: float = 10.0,
+        transports: tuple[str, ...] = ("shm", "cuda_ipc"),
+    ) -> None:
+        self.target = target
+        self.address = address
+        self.verify_checksums = verify_checksums
+        self.applied_version = 0
+        self.dirty = False
+        """True when a failed version wrote some weights: they match no version until the next."""
+        self.last_error: WeightSyncError | None = None
+        self._buffers = MappedBuffers()
+        self._inbox: queue.Queue = queue.Queue()
+        self._requests: queue.Queue = queue.Queue()
+        self._channel, stub = connect(address, connect_timeout_s)
+        device = target.device
+        self._requests.put(pb.ReceiverMessage(hello=pb.ReceiverHello(
+            receiver_id=receiver_id or f"{engine}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            engine=engine, rank=rank, device=str(device), device_uuid=device_uuid(device),
+            transports=list(transports),
+        )))
+        self._stream = stub.Receive(iter(self._requests.get, None))
+        try:
+            first = next(self._stream)
+        except grpc.RpcError as e:
+            raise TransportError(f"register with the sender at {address}: {e.details()}") from None
+        self.receiver_id = first.welcome.receiver_id
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        try:
+            for msg in self._stream:
+                self._inbox.put(msg)
+        except grpc.RpcError as e:
+            self._inbox.put((_STREAM_CLOSED, e.details() or str(e.code())))
+            return
+        self._inbox.put((_STREAM_CLOSED, "the sender ended the stream"))
+
+    def _next(self, deadline: float | None, waiting_for: str) -> pb.Announcement:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            msg = self._inbox.get(timeout=left)
+        except queue.Empty:
+            raise SyncTimeoutError(f"receiver {self.receiver_id}: no {waiting_for} in time") from None
+        if isinstance(msg, tuple):
+            self._inbox.put(msg)  # every later call sees the closed stream too
+            raise TransportError(f"receiver {self.receiver_id}: lost the sender at "
+                                 f"{self.address}: {msg[1]}")
+        return msg
+
+    def _send(self, **kind) -> None:
+        self._requests.put(pb.ReceiverMessage(**kind))
+
+    def sync(self, timeout: float | None = None) -> int:
+        """Apply the next version announced to this receiver and return it.
+
+        Waits up to ``timeout`` seconds (None: forever) for a version to start.
+
+        Raises:
+            NameResolutionError, ManifestMismatchError: the manifest does not fit the model;
+                nothing was written, the previous version stays.
+            ChecksumError: a bucket arrived corrupted; ``dirty`` says whether weights changed.
+            ReceiverFailedError: the sender gave up on this receiver for the version.
+            TransportError: the sender went away.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        msg = self._next(deadline, "version")
+        while msg.WhichOneof("kind") != "start":
+            msg = self._next(deadline, "version")  # leftovers of a version already left
+        manifest = manifest_from_pb(msg.start.manifest)
+        try:
+            self.target.validate(manifest)
+        except WeightSyncError as e:
+            self._send(verdict=pb.ManifestVerdict(
+                version=manifest.version, accepted=False, error=error_to_pb(e)
+            ))
+            self.last_error = e
+            raise
+        self._send(verdict=pb.ManifestVerdict(version=manifest.version, accepted=True))
+        return self._apply(manifest)
+
+    def _apply(self, manifest: VersionManifest) -> int:
+        version = manifest.version
+        self.target.begin(manifest)
+        assembler = ChunkAssembler()
+        touched = False  # did any write reach the model? (decides `dirty` on failure)
+        index = -1
+        try:
+            while True:
+                msg = self._next(None, f"bucket of version {version}")
+                kind = msg.WhichOneof("kind")
+                if kind == "bucket":
+                    index = msg.bucket.layout.index
+                    bucket, buffer = self._verified_bucket(msg.bucket)
+                    touched = True
+                    self.target.load(list(unpack_bucket(buffer, bucket, assembler)))
+                    self._finish_reads(buffer)
+                    self._send(ack=pb.BucketAck(version=version, index=index, ok=True))
+                elif kind == "end":
+                    if assembler.pending:
+                        raise ProtocolError(
+                            f"version {version} ended with chunks missing for {assembler.pending[0]!r}"
+                        )
+                    self.target.commit(manifest)
+                    self._send(applied=pb.VersionApplied(version=version, ok=True))
+                    self.applied_version, self.dirty, self.last_error = version, False, None
+                    return version
+                elif kind == "abort":
+                    raise ReceiverFailedError(
+                        f"the sender abandoned version {version} for receiver "
+                        f"{self.receiver_id}: {describe(msg.abort.reason)}"
+                    )
+                else:
+                    raise ProtocolError(f"unexpected {kind} inside version {version}")
+        except WeightSyncError as e:
+            if index >= 0 and not isinstance(e, ReceiverFailedError):
+                self._send(ack=pb.BucketAck(version=version, index=index, ok=False,
+                                            error=error_to_pb(e)))
+            self.dirty = self.dirty or touched
+            self.last_error = e
+            self.target.abort(manifest, e)
+            raise
+
+    def _verified_bucket(self, msg: pb.BucketAnnouncement) -> tuple[Bucket, torch.Tensor]:
+        """Map the bucket's buffer and check its checksum; nothing is written yet."""
+        bucket = bucket_from_pb(msg.layout)
+        buffer = self._buffers.get(msg.buffer)
+        if not self.verify_checksums:
+            return bucket, buffer
+        if msg.checksum_algorithm != ALGORITHM:
+            raise ChecksumError(f"unknown checksum algorithm {msg.checksum_algorithm!r}; "
+                                f"this receiver knows {ALGORITHM}: upgrade weightsync")
+        got = bucket_checksum(buffer, bucket.nbytes)
+        if got != msg.checksum:
+            first = bucket.entries[0].name if bucket.entries else "-"
+            raise ChecksumError(
+                f"bucket {bucket.index} of version {msg.version} (first tensor {first!r}, "
+                f"{bucket.nbytes} bytes) fails its checksum: got {got:#018x}, sender "
+                f"announced {msg.checksum:#018x}; not loaded. Re-publish to heal"
+            )
+        return bucket, buffer
+
+    def _finish_reads(self, buffer: torch.Tensor) -> None:
+        # The ack frees the buffer for the next bucket: every read of it must be done.
+        if buffer.is_cuda:
+            torch.cuda.current_stream(buffer.device).synchronize()
+        if self.target.device.type == "cuda" and self.target.device != buffer.device:
+            torch.cuda.current_stream(self.target.device).synchronize()
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._stream.cancel()
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,429 @@
+"""The sender's version state machine: who gets what, which buffer is free, who failed.
+
+One lock guards all state; one condition wakes every waiter (drivers waiting for a free slot
+or for packed buckets, ``WaitApplied`` callers). A monitor thread fails receivers that owe a
+reply past ``ack_timeout_s``, so a dead or stalled receiver never blocks the others.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections import OrderedDict
+
+import torch
+
+from weightsync.sender.runs import APPLIED, FAILED, PENDING, Outcome, RankConn, ReceiverConn, Slot, VersionRun
+from weightsync import __version__
+from weightsync.buckets import plan_buckets
+from weightsync.checksum import ALGORITHM, bucket_checksum
+from weightsync.config import SenderSettings
+from weightsync.errors import (
+    ConfigError,
+    ProtocolError,
+    SyncTimeoutError,
+    TransportError,
+    VersionError,
+    WeightSyncError,
+)
+from weightsync.manifest import VersionManifest
+from weightsync.metrics import SenderMetrics
+from weightsync.transports import get_transport, resolve_transport
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import bucket_to_pb, error_to_pb, manifest_to_pb
+
+
+class _RunAborted(Exception):
+    pass
+
+
+class Coordinator:
+    def __init__(self, settings: SenderSettings, metrics: SenderMetrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self._cond = threading.Condition()
+        self._receivers: dict[str, ReceiverConn] = {}
+        self._publishers: dict[str, pb.PublisherStatus] = {}
+        self._joining: dict[tuple[str, int], tuple[VersionManifest, int, dict[int, RankConn]]] = {}
+        self._runs: OrderedDict[int, VersionRun] = OrderedDict()
+        self._slots: list[Slot] = []
+        self._last_version = 0
+        self._drive_lock = threading.Lock()
+        self._closed = False
+        self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
+        self._monitor.start()
+
+    # ---- receivers ----
+
+    def add_receiver(self, hello: pb.ReceiverHello) -> ReceiverConn:
+        with self._cond:
+            rid = hello.receiver_id or f"{hello.engine or 'receiver'}-{uuid.uuid4().hex[:8]}"
+            old = self._receivers.get(rid)
+            if old is not None and old.connected:
+                raise ConfigError(f"receiver id {rid!r} is already connected; ids must be unique")
+            conn = ReceiverConn(
+                rid, hello.engine, hello.rank, hello.device, tuple(hello.transports)
+            )
+            if old is not None:
+                conn.applied_version, conn.dirty = old.applied_version, old.dirty
+            self._receivers[rid] = conn
+            return conn
+
+    def receiver_gone(self, conn: ReceiverConn, why: str) -> None:
+        with self._cond:
+            if not conn.connected:
+                return
+            conn.connected = False
+            conn.state = "disconnected"
+            for run in self._runs.values():
+                if run.outcomes.get(conn.receiver_id, Outcome(APPLIED)).state == PENDING:
+                    self._fail(run, conn.receiver_id, ProtocolError(f"receiver {why}"))
+            conn.outbox.put(None)
+
+    def on_receiver_message(self, conn: ReceiverConn, msg: pb.ReceiverMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        body = getattr(msg, kind)
+        with self._cond:
+            run = self._runs.get(body.version)
+            outcome = run.outcomes.get(conn.receiver_id) if run else None
+            if run is None or outcome is None or outcome.state != PENDING:
+                return  # late reply for a version it already left
+            timeout = self.settings.ack_timeout_s
+            if kind == "verdict":
+                outcome.got("verdict", timeout)
+                if not body.accepted:
+                    # Rejected before any write: it still holds its previous weights.
+                    conn.state = "dirty" if conn.dirty else "idle"
+                    conn.last_error = body.error.message
+                    self._fail(run, conn.receiver_id, body.error, notify=False)
+            elif kind == "ack":
+                outcome.got(f"bucket:{body.index}", timeout)
+                self._release_reader(conn.receiver_id, run.version, body.index)
+                if not body.ok:
+                    conn.state, conn.dirty, conn.last_error = "dirty", True, body.error.message
+                    self._fail(run, conn.receiver_id, body.error, notify=False)
+            elif kind == "applied":
+                outcome.got("applied", timeout)
+                if body.ok:
+                    outcome.state, outcome.applied_at = APPLIED, time.time()
+                    conn.applied_version, conn.state, conn.last_error = run.version, "idle", ""
+                    conn.dirty = False
+                    self.metrics.receiver_applied(conn.receiver_id, run.version)
+                else:
+                    conn.state, conn.dirty, conn.last_error = "dirty", True, body.error.message
+                    self._fail(run, conn.receiver_id, body.error, notify=False)
+            self._maybe_complete(run)
+            self._cond.notify_all()
+
+    # ---- publishers ----
+
+    def join(self, hello: pb.PublisherHello, begin: pb.BeginVersion) -> tuple[VersionRun | None, RankConn]:
+        """Add one publisher rank to a version; the last rank to join starts the run."""
+        from weightsync.wire import manifest_from_pb
+
+        manifest = manifest_from_pb(begin.manifest)
+        world = max(hello.world_size, 1)
+        if hello.rank >= world:
+            raise ConfigError(f"publisher rank {hello.rank} is not below world_size {world}")
+        with self._cond:
+            if manifest.version <= self._last_version:
+                raise VersionError(
+                    f"version {manifest.version} is not greater than the last published version "
+                    f"{self._last_version}; publish {self._last_version + 1} or later"
+                )
+            key = (hello.publisher_id, manifest.version)
+            first, first_world, ranks = self._joining.setdefault(key, (manifest, world, {}))
+            if world != first_world:
+                raise ConfigError(f"rank {hello.rank} says world_size {world}, others {first_world}")
+            if manifest != first:
+                raise ConfigError(
+                    f"rank {hello.rank} announced a manifest for version {manifest.version} that "
+                    "differs from the other ranks'; every rank must plan the same HF tensors"
+                )
+            if hello.rank in ranks:
+                raise ConfigError(f"publisher rank {hello.rank} joined version {manifest.version} twice")
+            conn = RankConn(hello.rank, hello.device)
+            ranks[hello.rank] = conn
+            self._publishers[hello.publisher_id] = pb.PublisherStatus(
+                publisher_id=hello.publisher_id,
+                ranks_connected=len(ranks),
+                world_size=world,
+                device=hello.device,
+            )
+            if len(ranks) < world:
+                return None, conn
+            del self._joining[key]
+            device = torch.device(ranks[0].device if 0 in ranks else hello.device)
+            transport = resolve_transport(self.settings.transport, device)
+            plan = plan_buckets(manifest.tensors, self.settings.bucket_size_bytes)
+            run = VersionRun(manifest, plan, hello.publisher_id, transport, ranks)
+            self._last_version = manifest.version
+            self._runs[manifest.version] = run
+            while len(self._runs) > self.settings.history:
+                self._runs.popitem(last=False)
+        threading.Thread(target=self._drive, args=(run, device), daemon=True).start()
+        return run, conn
+
+    def on_packed(self, run: VersionRun, rank: RankConn, index: int) -> None:
+        with self._cond:
+            rank.packed.add(index)
+            self._cond.notify_all()
+
+    def publisher_failed(self, run: VersionRun, error: WeightSyncError | pb.ErrorDetail) -> None:
+        with self._cond:
+            if run.staged_s or run.done:
+                return
+            detail = error if isinstance(error, pb.ErrorDetail) else error_to_pb(error)
+            self._abort(run, detail)
+
+    # ---- the driver: one thread per version, one version packing at a time ----
+
+    def _drive(self, run: VersionRun, device: torch.device) -> None:
+        with self._drive_lock:
+            try:
+                self._start(run, device)
+                for bucket in run.plan.buckets:
+                    slot = self._acquire_slot(run)
+                    layout = bucket_to_pb(bucket)
+                    for rank in run.ranks.values():
+                        rank.outbox.put(
+                            pb.SenderReply(pack=pb.PackBucket(
+                                version=run.version, layout=layout, buffer=slot.buffer.handle
+                            ))
+                        )
+                    self._wait(run, lambda: all(bucket.index in r.packed for r in run.ranks.values()),
+                               self.settings.pack_timeout_s, f"publisher to pack bucket {bucket.index}")
+                    checksum = bucket_checksum(slot.buffer.tensor, bucket.nbytes)
+                    self._announce(run, slot, layout, checksum)
+                self._staged(run)
+            except _RunAborted:
+                pass
+            except WeightSyncError as e:
+                with self._cond:
+                    self._abort(run, error_to_pb(e))
+            finally:
+                with self._cond:
+                    for slot in self._slots:
+                        slot.packing = False
+                    self._cond.notify_all()
+
+    def _start(self, run: VersionRun, device: torch.device) -> None:
+        with self._cond:
+            self._ensure_slots(run, device)
+            start = pb.Announcement(start=pb.VersionStart(
+                manifest=manifest_to_pb(run.manifest), num_buckets=len(run.plan.buckets)
+            ))
+            for conn in self._receivers.values():
+                if not conn.connected:
+                    continue
+                outcome = run.outcomes[conn.receiver_id] = Outcome()
+                if conn.transports and run.transport not in conn.transports:
+                    self._fail(run, conn.receiver_id, TransportError(
+                        f"receiver {conn.receiver_id} opens {list(conn.transports)}, the sender "
+                        f"stages with {run.transport}"
+                    ))
+                    continue
+                outcome.expect("verdict", self.settings.ack_timeout_s)
+                conn.state = "applying"
+                conn.send(start)
+            self.metrics.version_started(run)
+
+    def _ensure_slots(self, run: VersionRun, device: torch.device) -> None:
+        need = max((b.nbytes for b in run.plan.buckets), default=0) or 256
+        if all(s.buffer.nbytes >= need and s.device == str(device) for s in self._slots) and len(
+            self._slots
+        ) == self.settings.num_buffers:
+            return
+        self._wait_locked(run, lambda: all(s.free for s in self._slots),
+                          self.settings.ack_timeout_s, "receivers to release staging buffers")
+        transport = get_transport(run.transport)
+        for slot in self._slots:
+            get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
+        # Round up so small growth does not reallocate every version.
+        capacity = min(max(need, 1 << 20), self.settings.bucket_size_bytes)
+        capacity = max(capacity, need)
+        self._slots = [
+            Slot(transport.allocate(capacity, device), str(device))
+            for _ in range(self.settings.num_buffers)
+        ]
+
+    def _acquire_slot(self, run: VersionRun) -> Slot:
+        with self._cond:
+            self._wait_locked(run, lambda: any(s.free for s in self._slots),
+                              self.settings.ack_timeout_s + 5, "a free staging buffer")
+            slot = next(s for s in self._slots if s.free)
+            slot.packing, slot.readers = True, set()
+            return slot
+
+    def _announce(self, run: VersionRun, slot: Slot, layout: pb.BucketLayout, checksum: int) -> None:
+        with self._cond:
+            if run.done:
+                raise _RunAborted()
+            slot.packing, slot.version, slot.bucket_index = False, run.version, layout.index
+            msg = pb.Announcement(bucket=pb.BucketAnnouncement(
+                version=run.version, layout=layout, buffer=slot.buffer.handle,
+                checksum_algorithm=ALGORITHM, checksum=checksum,
+            ))
+            for rid in run.active():
+                slot.readers.add(rid)
+                run.outcomes[rid].expect(f"bucket:{layout.index}", self.settings.ack_timeout_s)
+                self._receivers[rid].send(msg)
+            self.metrics.bucket_announced(layout.nbytes)
+            self._cond.notify_all()
+
+    def _staged(self, run: VersionRun) -> None:
+        with self._cond:
+            if run.done:
+                return
+            run.staged_s = time.monotonic() - run.started_mono
+            run.state = "staged"
+            for rank in run.ranks.values():
+                rank.outbox.put(pb.SenderReply(
+                    staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
+                ))
+                rank.outbox.put(None)
+            end = pb.Announcement(end=pb.VersionEnd(version=run.version))
+            for rid in run.active():
+                run.outcomes[rid].expect("applied", self.settings.ack_timeout_s)
+                self._receivers[rid].send(end)
+            self._maybe_complete(run)
+            self._cond.notify_all()
+
+    # ---- waiting ----
+
+    def _wait(self, run: VersionRun, ready, timeout_s: float, what: str) -> None:
+        with self._cond:
+            self._wait_locked(run, ready, timeout_s, what)
+
+    def _wait_locked(self, run: VersionRun, ready, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if run.done:
+                raise _RunAborted()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeoutError(
+                    f"version {run.version}: waited {timeout_s:.0f} s for {what}"
+                )
+            self._cond.wait(min(left, 1.0))
+        if run.done:
+            raise _RunAborted()
+
+    def wait_applied(self, version: int, timeout_s: float) -> pb.VersionStatus:
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        with self._cond:
+            run = self._runs.get(version)
+            if run is None:
+                raise VersionError(f"version {version} is unknown to this sender (never published or "
+                                   f"dropped from its history of {self.settings.history})")
+            while not run.done:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise SyncTimeoutError(
+                        f"version {version} not applied by every receiver within {timeout_s} s; "
+                        f"still pending: {run.active()}"
+                    )
+                self._cond.wait(1.0 if left is None else min(left, 1.0))
+            return run.to_pb()
+
+    def _watch_deadlines(self) -> None:
+        while not self._closed:
+            with self._cond:
+                now = time.monotonic()
+                for run in list(self._runs.values()):
+                    for rid, outcome in list(run.outcomes.items()):
+                        if outcome.state == PENDING and outcome.deadline and outcome.deadline < now:
+                            owed = ", ".join(sorted(outcome.awaiting))
+                            self._fail(run, rid, SyncTimeoutError(
+                                f"receiver {rid} sent nothing for {self.settings.ack_timeout_s:.0f} s "
+                                f"during version {run.version} (owed: {owed})"
+                            ))
+                self._cond.wait(0.2)
+
+    # ---- failure bookkeeping (lock held) ----
+
+    def _fail(self, run: VersionRun, rid: str, error, notify: bool = True) -> None:
+        detail = error if isinstance(error, pb.ErrorDetail) else error_to_pb(error)
+        outcome = run.outcomes[rid]
+        outcome.state, outcome.error, outcome.awaiting, outcome.deadline = FAILED, detail, set(), None
+        conn = self._receivers[rid]
+        if conn.state == "applying":
+            conn.state = "failed"
+        conn.last_error = conn.last_error or detail.message
+        for slot in self._slots:
+            slot.readers.discard(rid)
+        if notify:
+            conn.send(pb.Announcement(abort=pb.VersionAbort(version=run.version, reason=detail)))
+        self.metrics.receiver_failed(rid)
+        self._maybe_complete(run)
+        self._cond.notify_all()
+
+    def _abort(self, run: VersionRun, detail: pb.ErrorDetail) -> None:
+        if run.done:
+            return
+        run.abort_reason = detail
+        for rid in run.active():
+            self._fail(run, rid, detail)
+        for slot in self._slots:
+            if slot.version == run.version:
+                slot.readers.clear()
+        for rank in run.ranks.values():
+            rank.outbox.put(WeightSyncError(f"version {run.version} abandoned: {detail.message}"))
+        run.state = "failed"
+        run.complete_s = time.monotonic() - run.started_mono
+        self._cond.notify_all()
+
+    def _release_reader(self, rid: str, version: int, index: int) -> None:
+        for slot in self._slots:
+            if slot.version == version and slot.bucket_index == index:
+                slot.readers.discard(rid)
+
+    def _maybe_complete(self, run: VersionRun) -> None:
+        if run.state != "staged" or run.active():
+            return
+        run.complete_s = time.monotonic() - run.started_mono
+        run.state = "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
+        self.metrics.version_done(run)
+
+    # ---- status ----
+
+    def status(self) -> pb.StatusReply:
+        with self._cond:
+            return pb.StatusReply(
+                sender_version=__version__,
+                transport=self.settings.transport,
+                bucket_size_bytes=self.settings.bucket_size_bytes,
+                num_buffers=self.settings.num_buffers,
+                publishers=list(self._publishers.values()),
+                receivers=[
+                    pb.ReceiverStatus(
+                        receiver_id=c.receiver_id, engine=c.engine, rank=c.rank, device=c.device,
+                        connected=c.connected, applied_version=c.applied_version, state=c.state,
+                        last_error=c.last_error,
+                    )
+                    for c in sorted(self._receivers.values(), key=lambda c: c.receiver_id)
+                ],
+                versions=[run.to_pb() for run in self._runs.values()],
+            )
+
+    def run_of(self, version: int) -> VersionRun | None:
+        with self._cond:
+            return self._runs.get(version)
+
+    @property
+    def last_version(self) -> int:
+        return self._last_version
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            for run in self._runs.values():
+                if not run.done:
+                    self._abort(run, error_to_pb(TransportError("the sender is shutting down")))
+            for conn in self._receivers.values():
+                conn.outbox.put(None)
+            for slot in self._slots:
+                get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
+            self._slots = []
+            self._cond.notify_all()

@@ -1,0 +1,66 @@
+"""``weightsync.Sender``: the daemon beside a trainer that hosts control plane and staging."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from weightsync.config import SenderSettings
+from weightsync.control.server import create_server
+from weightsync.metrics import SenderMetrics
+from weightsync.sender.coordinator import Coordinator
+from weightsync.sender.service import WeightSyncServicer
+from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+
+
+class Sender:
+    """Hosts the gRPC control plane and the staging buffers.
+
+    Args:
+        listen: ``unix:/path`` or ``host:port`` (``host:0`` picks a free port; see ``address``).
+        **settings: any :class:`~weightsync.config.SenderSettings` field (bucket_size_bytes,
+            num_buffers, transport, ack_timeout_s, ...); unset fields come from
+            ``WEIGHTSYNC_*`` env vars, then defaults.
+
+    Raises:
+        ConfigError: a malformed address or one already in use, or an invalid setting.
+
+    Use as a context manager, or call ``close()``.
+    """
+
+    def __init__(self, listen: str | None = None, **settings) -> None:
+        if listen is not None:
+            settings["listen"] = listen
+        self.settings = SenderSettings(**settings)
+        self.metrics = SenderMetrics()
+        self.coordinator = Coordinator(self.settings, self.metrics)
+        servicer = WeightSyncServicer(self.coordinator)
+        self._server, bound, self._health = create_server(
+            self.settings.listen, lambda s: pb_grpc.add_WeightSyncServicer_to_server(servicer, s)
+        )
+        self.address = bound.text
+        self._server.start()
+        if self.settings.metrics_port:
+            self.metrics.serve(self.settings.metrics_port)
+        self._closed = threading.Event()
+
+    def wait(self) -> None:
+        """Serve until ``close()`` or SIGINT/SIGTERM (when called from the main thread)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: self.close())
+        self._closed.wait()
+
+    def close(self, grace_s: float = 1.0) -> None:
+        if self._closed.is_set():
+            return
+        self._health.enter_graceful_shutdown()
+        self.coordinator.close()
+        self._server.stop(grace_s).wait()
+        self._closed.set()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,187 @@
+"""``Publisher``: publish HF-named tensors from any process (a trainer rank) to a sender."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from weightsync.buckets import Bucket, TensorSpec, pack_entry
+from weightsync.control.client import connect
+from weightsync.errors import ReceiverFailedError, WeightSyncError, error_from_rpc
+from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.transports import MappedBuffers
+from weightsync.transports.cuda_ipc import device_uuid
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import bucket_from_pb, describe, error_to_pb, manifest_to_pb
+
+PackFn = Callable[[Bucket, torch.Tensor], None]
+"""Writes this rank's bytes of ``bucket`` into the mapped staging buffer (flat uint8)."""
+
+
+@dataclass(frozen=True)
+class PublishResult:
+    version: int
+    staged_s: float
+    """Seconds until every byte was out of trainer memory (the trainer may step again)."""
+    receivers: int
+    """How many receivers the version was addressed to."""
+    status: pb.VersionStatus | None = None
+    """With ``wait=True``: each receiver's outcome and the version's timings."""
+
+
+class Publisher:
+    """Publishes versions of named tensors to the sender at ``address``.
+
+    Args:
+        address: the sender's ``unix:/path`` or ``host:port``.
+        publisher_id: shared by all ranks of one trainer job (default: unique per process).
+        rank, world_size: this packer among the ranks that together fill every bucket.
+
+    Raises:
+        TransportError: no sender answers at ``address``.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        publisher_id: str | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.address = address
+        self.publisher_id = publisher_id or f"publisher-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.rank, self.world_size = rank, world_size
+        self._channel, self._stub = connect(address, connect_timeout_s)
+        self._buffers = MappedBuffers()
+
+    def publish(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        wait: bool = False,
+        timeout_s: float = 600.0,
+        lora: LoraAdapterSpec | None = None,
+    ) -> PublishResult:
+        """Publish ``named_tensors`` as ``version``.
+
+        Returns once every byte is copied out of these tensors (the trainer may change them),
+        or, with ``wait=True``, once every receiver applied the version.
+
+        Raises:
+            VersionError: ``version`` is not greater than the last published one.
+            ReceiverFailedError: with ``wait=True``, a receiver failed; names each and why.
+            SyncTimeoutError: the sender or receivers took longer than ``timeout_s``.
+        """
+        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
+        tensors = dict(items)
+        manifest = VersionManifest(
+            version, tuple(TensorSpec.of(n, t) for n, t in tensors.items()), lora
+        )
+        device = next((t.device for t in tensors.values()), torch.device("cpu"))
+
+        def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
+            for entry in bucket.entries:
+                pack_entry(buffer, entry, tensors[entry.name])
+
+        return self.publish_packed(manifest, pack, device=device, wait=wait, timeout_s=timeout_s)
+
+    def publish_packed(
+        self,
+        manifest: VersionManifest,
+        pack: PackFn,
+        *,
+        device: torch.device,
+        wait: bool = False,
+        timeout_s: float = 600.0,
+    ) -> PublishResult:
+        """Publish a version whose buckets ``pack`` fills (this rank's part of each bucket).
+
+        Every rank of a multi-rank publisher calls this with the same manifest.
+        """
+        what = f"publish version {manifest.version} to {self.address}"
+        requests: queue.Queue = queue.Queue()
+        requests.put(pb.PublisherMessage(hello=pb.PublisherHello(
+            publisher_id=self.publisher_id, rank=self.rank, world_size=self.world_size,
+            device=str(device), device_uuid=device_uuid(device),
+        )))
+        requests.put(pb.PublisherMessage(begin=pb.BeginVersion(manifest=manifest_to_pb(manifest))))
+        replies = self._stub.Publish(iter(requests.get, None), timeout=timeout_s)
+        staged: pb.VersionStaged | None = None
+        start = time.monotonic()
+        try:
+            for reply in replies:
+                kind = reply.WhichOneof("kind")
+                if kind == "pack":
+                    self._pack_one(reply.pack, pack, requests, device)
+                elif kind == "staged":
+                    staged = reply.staged
+                    break
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, what) from None
+        except BaseException as e:
+            requests.put(pb.PublisherMessage(error=error_to_pb(e)))
+            raise
+        finally:
+            requests.put(None)
+            replies.cancel()
+        if staged is None:
+            raise WeightSyncError(f"{what}: the sender closed the stream before staging")
+        result = PublishResult(manifest.version, time.monotonic() - start, staged.receivers)
+        if not wait:
+            return result
+        status = self.wait_applied(manifest.version, timeout_s)
+        return PublishResult(result.version, result.staged_s, result.receivers, status)
+
+    def _pack_one(
+        self, msg: pb.PackBucket, pack: PackFn, requests: queue.Queue, device: torch.device
+    ) -> None:
+        buffer = self._buffers.get(msg.buffer)
+        pack(bucket_from_pb(msg.layout), buffer)
+        # The sender checksums and receivers read right after `packed`: copies must be done.
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        if buffer.is_cuda and buffer.device != device:
+            torch.cuda.current_stream(buffer.device).synchronize()
+        requests.put(pb.PublisherMessage(
+            packed=pb.BucketPacked(version=msg.version, index=msg.layout.index)
+        ))
+
+    def wait_applied(self, version: int, timeout_s: float = 600.0) -> pb.VersionStatus:
+        """Block until every receiver addressed by ``version`` applied it.
+
+        Raises:
+            ReceiverFailedError: naming each receiver that failed and why.
+        """
+        try:
+            reply = self._stub.WaitApplied(
+                pb.WaitAppliedRequest(version=version, timeout_s=timeout_s), timeout=timeout_s + 5
+            )
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, f"wait for version {version} at {self.address}") from None
+        failed = [o for o in reply.version.receivers if o.state != "applied"]
+        if failed:
+            lines = "; ".join(f"{o.receiver_id}: {describe(o.error)}" for o in failed)
+            raise ReceiverFailedError(f"version {version} failed on {len(failed)} receiver(s): {lines}")
+        return reply.version
+
+    def status(self) -> pb.StatusReply:
+        return self._stub.Status(pb.StatusRequest(), timeout=10)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,136 @@
+"""In-memory state of the sender: connected peers, staging slots and version runs.
+
+No gRPC and no threads here: the coordinator (``sender/coordinator.py``) owns the lock and
+mutates these records; the servicer only moves messages.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+
+from weightsync.buckets import BucketPlan
+from weightsync.manifest import VersionManifest
+from weightsync.transports import StagingBuffer
+from weightsync.v1 import weightsync_pb2 as pb
+
+# Outcome states of one receiver for one version.
+PENDING, APPLIED, FAILED = "pending", "applied", "failed"
+
+
+@dataclass
+class ReceiverConn:
+    """One subscribed engine worker and the queue of announcements going to it."""
+
+    receiver_id: str
+    engine: str
+    rank: int
+    device: str
+    transports: tuple[str, ...]
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    connected: bool = True
+    applied_version: int = 0
+    state: str = "idle"
+    dirty: bool = False
+    """Some bucket of a failed version was written: its weights match no version."""
+    last_error: str = ""
+
+    def send(self, msg: pb.Announcement | None) -> None:
+        if self.connected or msg is None:
+            self.outbox.put(msg)
+
+
+@dataclass
+class RankConn:
+    """One publisher rank's stream for one version."""
+
+    rank: int
+    device: str
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    packed: set[int] = field(default_factory=set)
+
+
+@dataclass
+class Outcome:
+    """What one receiver did with one version."""
+
+    state: str = PENDING
+    error: pb.ErrorDetail | None = None
+    applied_at: float = 0.0
+    awaiting: set[str] = field(default_factory=set)
+    """What the sender waits for from it: "verdict", "bucket:<i>", "applied"."""
+    deadline: float | None = None
+
+    def expect(self, what: str, timeout_s: float) -> None:
+        if not self.awaiting:
+            self.deadline = time.monotonic() + timeout_s
+        self.awaiting.add(what)
+
+    def got(self, what: str, timeout_s: float) -> None:
+        self.awaiting.discard(what)
+        self.deadline = time.monotonic() + timeout_s if self.awaiting else None
+
+
+@dataclass
+class Slot:
+    """A staging buffer and the receivers that still read the bucket it holds."""
+
+    buffer: StagingBuffer
+    device: str
+    version: int = 0
+    bucket_index: int = -1
+    readers: set[str] = field(default_factory=set)
+    packing: bool = False
+
+    @property
+    def free(self) -> bool:
+        return not self.readers and not self.packing
+
+
+@dataclass
+class VersionRun:
+    """One published version from begin to every receiver's outcome."""
+
+    manifest: VersionManifest
+    plan: BucketPlan
+    publisher_id: str
+    transport: str
+    ranks: dict[int, RankConn]
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    started_mono: float = field(default_factory=time.monotonic)
+    staged_s: float = 0.0
+    complete_s: float = 0.0
+    state: str = "packing"
+    abort_reason: pb.ErrorDetail | None = None
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("complete", "failed")
+
+    def active(self) -> list[str]:
+        """Receivers still taking part (not failed, not yet applied)."""
+        return [rid for rid, o in self.outcomes.items() if o.state == PENDING]
+
+    def to_pb(self) -> pb.VersionStatus:
+        return pb.VersionStatus(
+            version=self.version,
+            state=self.state,
+            total_bytes=self.plan.total_bytes,
+            num_tensors=len(self.manifest.tensors),
+            num_buckets=len(self.plan.buckets),
+            started_at_unix_s=self.started_at,
+            staged_s=self.staged_s,
+            complete_s=self.complete_s,
+            receivers=[
+                pb.ReceiverOutcome(
+                    receiver_id=rid, state=o.state, error=o.error, applied_at_unix_s=o.applied_at
+                )
+                for rid, o in sorted(self.outcomes.items())
+            ],
+        )

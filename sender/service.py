@@ -1,0 +1,115 @@
+"""The gRPC servicer: moves messages between streams and the coordinator, nothing more."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from weightsync.errors import ProtocolError, WeightSyncError, grpc_code_for
+from weightsync.sender.coordinator import Coordinator
+from weightsync.sender.runs import ReceiverConn
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+
+
+def _next(requests: Iterator, kind: str, context: grpc.ServicerContext):
+    try:
+        msg = next(requests)
+    except StopIteration:
+        context.abort(grpc.StatusCode.CANCELLED, f"peer closed the stream before sending {kind}")
+    if msg.WhichOneof("kind") != kind:
+        context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"expected a {kind} message first, got {msg.WhichOneof('kind')}",
+        )
+    return getattr(msg, kind)
+
+
+def _abort(context: grpc.ServicerContext, error: WeightSyncError):
+    context.abort(grpc_code_for(error), str(error))
+
+
+class WeightSyncServicer(pb_grpc.WeightSyncServicer):
+    def __init__(self, coordinator: Coordinator) -> None:
+        self._co = coordinator
+
+    def Publish(self, request_iterator, context):
+        hello = _next(request_iterator, "hello", context)
+        yield pb.SenderReply(welcome=pb.PublisherWelcome(
+            bucket_size_bytes=self._co.settings.bucket_size_bytes,
+            transport=self._co.settings.transport,
+            last_version=self._co.last_version,
+        ))
+        begin = _next(request_iterator, "begin", context)
+        try:
+            run, rank = self._co.join(hello, begin)
+        except WeightSyncError as e:
+            _abort(context, e)
+        run_ref: list = [run]
+
+        def consume() -> None:
+            try:
+                for msg in request_iterator:
+                    kind = msg.WhichOneof("kind")
+                    current = run_ref[0] or self._co.run_of(begin.manifest.version)
+                    if current is None:
+                        continue
+                    if kind == "packed":
+                        self._co.on_packed(current, rank, msg.packed.index)
+                    elif kind == "error":
+                        self._co.publisher_failed(current, msg.error)
+                        return
+            except grpc.RpcError:
+                pass
+            current = run_ref[0] or self._co.run_of(begin.manifest.version)
+            if current is not None:
+                self._co.publisher_failed(
+                    current, ProtocolError(f"publisher rank {hello.rank} closed its stream")
+                )
+
+        threading.Thread(target=consume, daemon=True).start()
+        while True:
+            item = rank.outbox.get()
+            if item is None:
+                return
+            if isinstance(item, WeightSyncError):
+                _abort(context, item)
+            yield item
+
+    def Receive(self, request_iterator, context):
+        hello = _next(request_iterator, "hello", context)
+        try:
+            conn = self._co.add_receiver(hello)
+        except WeightSyncError as e:
+            _abort(context, e)
+        context.add_callback(lambda: self._co.receiver_gone(conn, "disconnected"))
+        threading.Thread(target=self._consume_receiver, args=(conn, request_iterator),
+                         daemon=True).start()
+        yield pb.Announcement(welcome=pb.ReceiverWelcome(receiver_id=conn.receiver_id))
+        while True:
+            item = conn.outbox.get()
+            if item is None:
+                return
+            yield item
+
+    def _consume_receiver(self, conn: ReceiverConn, requests) -> None:
+        try:
+            for msg in requests:
+                self._co.on_receiver_message(conn, msg)
+        except grpc.RpcError:
+            pass
+        self._co.receiver_gone(conn, "closed its stream")
+
+    def Status(self, request, context):
+        return self._co.status()
+
+    def WaitApplied(self, request, context):
+        timeout = request.timeout_s
+        if context.time_remaining() is not None:
+            timeout = min(timeout or context.time_remaining(), context.time_remaining())
+        try:
+            return pb.WaitAppliedReply(version=self._co.wait_applied(request.version, timeout))
+        except WeightSyncError as e:
+            _abort(context, e)

@@ -1,0 +1,48 @@
+"""Configuration models. Every field can be set by an env var with the ``WEIGHTSYNC_`` prefix."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from weightsync.buckets import ALIGNMENT_BYTES, DEFAULT_BUCKET_SIZE_BYTES
+
+DEFAULT_ADDRESS = "unix:/tmp/weightsync.sock"
+
+
+class SenderSettings(BaseSettings):
+    """Settings of the sender daemon (``weightsync-sender``)."""
+
+    model_config = SettingsConfigDict(env_prefix="WEIGHTSYNC_", extra="forbid")
+
+    listen: str = Field(DEFAULT_ADDRESS, description="unix:/path or host:port (port 0: any)")
+    bucket_size_bytes: int = Field(DEFAULT_BUCKET_SIZE_BYTES, gt=0)
+    num_buffers: int = Field(2, ge=2, description="staging buffers; >= 2 so packing overlaps")
+    transport: Literal["auto", "shm", "cuda_ipc"] = "auto"
+    ack_timeout_s: float = Field(
+        120.0, gt=0, description="a receiver silent this long during a version is failed for it"
+    )
+    pack_timeout_s: float = Field(
+        600.0, gt=0, description="a publisher silent this long while packing abandons the version"
+    )
+    metrics_port: int = Field(0, ge=0, description="Prometheus metrics port; 0 = off")
+    history: int = Field(64, ge=1, description="how many versions Status keeps")
+
+    @field_validator("bucket_size_bytes")
+    @classmethod
+    def _aligned(cls, v: int) -> int:
+        if v % ALIGNMENT_BYTES:
+            raise ValueError(f"must be a multiple of {ALIGNMENT_BYTES}")
+        return v
+
+
+class ReceiverSettings(BaseSettings):
+    """Settings of a receiver inside an engine worker."""
+
+    model_config = SettingsConfigDict(env_prefix="WEIGHTSYNC_RECEIVER_", extra="forbid")
+
+    address: str = DEFAULT_ADDRESS
+    verify_checksums: bool = True
+    connect_timeout_s: float = Field(30.0, gt=0)

@@ -1,0 +1,68 @@
+"""The data-plane interface: staging buffers the sender owns, mapped by packers and receivers."""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from weightsync.v1 import weightsync_pb2 as pb
+
+
+@dataclass
+class StagingBuffer:
+    """A flat uint8 buffer owned by the sender; ``handle`` lets other processes map it."""
+
+    buffer_id: str
+    tensor: torch.Tensor
+    handle: pb.BufferHandle
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel()
+
+
+class Transport(ABC):
+    """Allocates staging buffers (sender side) and maps them (publisher and receiver side)."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
+        """Create a buffer of ``nbytes`` that other processes on this host can map."""
+
+    @abstractmethod
+    def release(self, buffer: StagingBuffer) -> None:
+        """Free a buffer this process allocated. Mappings elsewhere stay valid until closed."""
+
+    @abstractmethod
+    def map(self, handle: pb.BufferHandle) -> torch.Tensor:
+        """Map a buffer announced by ``handle`` as a flat uint8 tensor (no copy)."""
+
+
+class MappedBuffers:
+    """A process's cache of mapped buffers: each handle is opened once, by ``buffer_id``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._mapped: dict[str, torch.Tensor] = {}
+
+    def get(self, handle: pb.BufferHandle) -> torch.Tensor:
+        with self._lock:
+            tensor = self._mapped.get(handle.buffer_id)
+            if tensor is None:
+                tensor = transport_for_handle(handle).map(handle)
+                self._mapped[handle.buffer_id] = tensor
+            return tensor
+
+    def __len__(self) -> int:
+        return len(self._mapped)
+
+
+def transport_for_handle(handle: pb.BufferHandle) -> Transport:
+    from weightsync.transports import get_transport
+
+    return get_transport(handle.WhichOneof("kind"))

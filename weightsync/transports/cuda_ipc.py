@@ -1,0 +1,99 @@
+"""CUDA IPC buffers: one handle per staging buffer, mapped once per process and cached.
+
+Receivers on another GPU of the same host map the handle too: the owner's device is named
+by UUID (indices differ between processes with different ``CUDA_VISIBLE_DEVICES``).
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import torch
+
+from weightsync.errors import TransportError
+from weightsync.transports.base import StagingBuffer, Transport
+from weightsync.v1 import weightsync_pb2 as pb
+
+
+def device_uuid(device: torch.device) -> str:
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def local_index_of(uuid_str: str, fallback: int) -> int:
+    """This process's index of the GPU with ``uuid_str``."""
+    for i in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(i).uuid) == uuid_str:
+            return i
+    if uuid_str:
+        raise TransportError(
+            f"GPU {uuid_str} that holds the buffer is not visible here; make it visible "
+            "(CUDA_VISIBLE_DEVICES) or use the nccl transport"
+        )
+    return fallback
+
+
+class CudaIpcTransport(Transport):
+    name = "cuda_ipc"
+
+    def allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
+        if device.type != "cuda":
+            raise TransportError(f"cuda_ipc stages on a CUDA device, not on {device}")
+        tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        handle = export_handle(tensor)
+        return StagingBuffer(handle.buffer_id, tensor, handle)
+
+    def release(self, buffer: StagingBuffer) -> None:
+        buffer.tensor = torch.empty(0, dtype=torch.uint8)
+
+    def map(self, handle: pb.BufferHandle) -> torch.Tensor:
+        h = handle.cuda_ipc
+        index = local_index_of(h.device_uuid, h.device_index)
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(
+                index,
+                h.memory_handle,
+                h.storage_size_bytes,
+                h.storage_offset_bytes,
+                h.ref_counter_handle,
+                h.ref_counter_offset,
+                h.event_handle,
+                h.event_sync_required,
+            )
+        except RuntimeError as e:
+            raise TransportError(f"cannot map CUDA IPC buffer {handle.buffer_id}: {e}") from e
+        out = torch.empty(0, dtype=torch.uint8, device=f"cuda:{index}")
+        out.set_(storage, 0, (handle.nbytes,), (1,))
+        return out
+
+
+def export_handle(tensor: torch.Tensor, buffer_id: str | None = None) -> pb.BufferHandle:
+    """A CUDA IPC handle for ``tensor`` (which must start at its storage's first byte)."""
+    if tensor.storage_offset() != 0 or not tensor.is_contiguous():
+        raise TransportError("cuda_ipc exports whole contiguous storages only")
+    (
+        device_index,
+        memory_handle,
+        size_bytes,
+        offset_bytes,
+        ref_counter_handle,
+        ref_counter_offset,
+        event_handle,
+        event_sync_required,
+    ) = tensor.untyped_storage()._share_cuda_()
+    return pb.BufferHandle(
+        buffer_id=buffer_id or f"cuda-{uuid.uuid4().hex[:12]}",
+        nbytes=tensor.numel() * tensor.element_size(),
+        cuda_ipc=pb.CudaIpcHandle(
+            device_uuid=device_uuid(tensor.device),
+            device_index=device_index,
+            memory_handle=memory_handle,
+            storage_size_bytes=size_bytes,
+            storage_offset_bytes=offset_bytes,
+            ref_counter_handle=ref_counter_handle,
+            ref_counter_offset=ref_counter_offset,
+            event_handle=event_handle or b"",
+            event_sync_required=event_sync_required,
+        ),
+    )

@@ -1,0 +1,411 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "dtype", "shape")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LoraAdapter(_message.Message):
+    __slots__ = ("name", "config_json", "tensor_names")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_NAMES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    config_json: str
+    tensor_names: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ..., tensor_names: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class Manifest(_message.Message):
+    __slots__ = ("version", "tensors", "lora")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    lora: LoraAdapter
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+
+class ShmHandle(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class CudaIpcHandle(_message.Message):
+    __slots__ = ("device_uuid", "device_index", "memory_handle", "storage_size_bytes", "storage_offset_bytes", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_OFFSET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTER_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    EVENT_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    EVENT_SYNC_REQUIRED_FIELD_NUMBER: _ClassVar[int]
+    device_uuid: str
+    device_index: int
+    memory_handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    def __init__(self, device_uuid: _Optional[str] = ..., device_index: _Optional[int] = ..., memory_handle: _Optional[bytes] = ..., storage_size_bytes: _Optional[int] = ..., storage_offset_bytes: _Optional[int] = ..., ref_counter_handle: _Optional[bytes] = ..., ref_counter_offset: _Optional[int] = ..., event_handle: _Optional[bytes] = ..., event_sync_required: _Optional[bool] = ...) -> None: ...
+
+class BufferHandle(_message.Message):
+    __slots__ = ("buffer_id", "nbytes", "shm", "cuda_ipc")
+    BUFFER_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_IPC_FIELD_NUMBER: _ClassVar[int]
+    buffer_id: str
+    nbytes: int
+    shm: ShmHandle
+    cuda_ipc: CudaIpcHandle
+    def __init__(self, buffer_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
+
+class BucketEntry(_message.Message):
+    __slots__ = ("tensor", "offset", "nbytes", "tensor_offset", "chunk_index", "num_chunks")
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    tensor: TensorSpec
+    offset: int
+    nbytes: int
+    tensor_offset: int
+    chunk_index: int
+    num_chunks: int
+    def __init__(self, tensor: _Optional[_Union[TensorSpec, _Mapping]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+
+class BucketLayout(_message.Message):
+    __slots__ = ("index", "is_last", "nbytes", "entries")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    is_last: bool
+    nbytes: int
+    entries: _containers.RepeatedCompositeFieldContainer[BucketEntry]
+    def __init__(self, index: _Optional[int] = ..., is_last: _Optional[bool] = ..., nbytes: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[BucketEntry, _Mapping]]] = ...) -> None: ...
+
+class ErrorDetail(_message.Message):
+    __slots__ = ("code", "message", "tensor")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    code: str
+    message: str
+    tensor: str
+    def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., tensor: _Optional[str] = ...) -> None: ...
+
+class PublisherHello(_message.Message):
+    __slots__ = ("publisher_id", "rank", "world_size", "device", "device_uuid")
+    PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    publisher_id: str
+    rank: int
+    world_size: int
+    device: str
+    device_uuid: str
+    def __init__(self, publisher_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+
+class BeginVersion(_message.Message):
+    __slots__ = ("manifest",)
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
+
+class BucketPacked(_message.Message):
+    __slots__ = ("version", "index")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    index: int
+    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
+
+class PublisherMessage(_message.Message):
+    __slots__ = ("hello", "begin", "packed", "error")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    hello: PublisherHello
+    begin: BeginVersion
+    packed: BucketPacked
+    error: ErrorDetail
+    def __init__(self, hello: _Optional[_Union[PublisherHello, _Mapping]] = ..., begin: _Optional[_Union[BeginVersion, _Mapping]] = ..., packed: _Optional[_Union[BucketPacked, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+
+class PublisherWelcome(_message.Message):
+    __slots__ = ("bucket_size_bytes", "transport", "last_version")
+    BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    bucket_size_bytes: int
+    transport: str
+    last_version: int
+    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ...) -> None: ...
+
+class PackBucket(_message.Message):
+    __slots__ = ("version", "layout", "buffer")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    layout: BucketLayout
+    buffer: BufferHandle
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ...) -> None: ...
+
+class VersionStaged(_message.Message):
+    __slots__ = ("version", "receivers")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    receivers: int
+    def __init__(self, version: _Optional[int] = ..., receivers: _Optional[int] = ...) -> None: ...
+
+class SenderReply(_message.Message):
+    __slots__ = ("welcome", "pack", "staged")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    PACK_FIELD_NUMBER: _ClassVar[int]
+    STAGED_FIELD_NUMBER: _ClassVar[int]
+    welcome: PublisherWelcome
+    pack: PackBucket
+    staged: VersionStaged
+    def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ...) -> None: ...
+
+class ReceiverHello(_message.Message):
+    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports")
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    engine: str
+    rank: int
+    device: str
+    device_uuid: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ManifestVerdict(_message.Message):
+    __slots__ = ("version", "accepted", "error")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    accepted: bool
+    error: ErrorDetail
+    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+
+class BucketAck(_message.Message):
+    __slots__ = ("version", "index", "ok", "error")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    index: int
+    ok: bool
+    error: ErrorDetail
+    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+
+class VersionApplied(_message.Message):
+    __slots__ = ("version", "ok", "error")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    ok: bool
+    error: ErrorDetail
+    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+
+class ReceiverMessage(_message.Message):
+    __slots__ = ("hello", "verdict", "ack", "applied")
+    HELLO_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    ACK_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    hello: ReceiverHello
+    verdict: ManifestVerdict
+    ack: BucketAck
+    applied: VersionApplied
+    def __init__(self, hello: _Optional[_Union[ReceiverHello, _Mapping]] = ..., verdict: _Optional[_Union[ManifestVerdict, _Mapping]] = ..., ack: _Optional[_Union[BucketAck, _Mapping]] = ..., applied: _Optional[_Union[VersionApplied, _Mapping]] = ...) -> None: ...
+
+class ReceiverWelcome(_message.Message):
+    __slots__ = ("receiver_id",)
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    def __init__(self, receiver_id: _Optional[str] = ...) -> None: ...
+
+class VersionStart(_message.Message):
+    __slots__ = ("manifest", "num_buckets")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    manifest: Manifest
+    num_buckets: int
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ...) -> None: ...
+
+class BucketAnnouncement(_message.Message):
+    __slots__ = ("version", "layout", "buffer", "checksum_algorithm", "checksum")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    layout: BucketLayout
+    buffer: BufferHandle
+    checksum_algorithm: str
+    checksum: int
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
+
+class VersionEnd(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class VersionAbort(_message.Message):
+    __slots__ = ("version", "reason")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    reason: ErrorDetail
+    def __init__(self, version: _Optional[int] = ..., reason: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+
+class Announcement(_message.Message):
+    __slots__ = ("welcome", "start", "bucket", "end", "abort")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    welcome: ReceiverWelcome
+    start: VersionStart
+    bucket: BucketAnnouncement
+    end: VersionEnd
+    abort: VersionAbort
+    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PublisherStatus(_message.Message):
+    __slots__ = ("publisher_id", "ranks_connected", "world_size", "device")
+    PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
+    RANKS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    publisher_id: str
+    ranks_connected: int
+    world_size: int
+    device: str
+    def __init__(self, publisher_id: _Optional[str] = ..., ranks_connected: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class ReceiverStatus(_message.Message):
+    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error")
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    engine: str
+    rank: int
+    device: str
+    connected: bool
+    applied_version: int
+    state: str
+    last_error: str
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
+
+class ReceiverOutcome(_message.Message):
+    __slots__ = ("receiver_id", "state", "error", "applied_at_unix_s")
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    state: str
+    error: ErrorDetail
+    applied_at_unix_s: float
+    def __init__(self, receiver_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., applied_at_unix_s: _Optional[float] = ...) -> None: ...
+
+class VersionStatus(_message.Message):
+    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    STAGED_S_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_S_FIELD_NUMBER: _ClassVar[int]
+    RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    state: str
+    total_bytes: int
+    num_tensors: int
+    num_buckets: int
+    started_at_unix_s: float
+    staged_s: float
+    complete_s: float
+    receivers: _containers.RepeatedCompositeFieldContainer[ReceiverOutcome]
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("sender_version", "transport", "bucket_size_bytes", "num_buffers", "publishers", "receivers", "versions")
+    SENDER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHERS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    sender_version: str
+    transport: str
+    bucket_size_bytes: int
+    num_buffers: int
+    publishers: _containers.RepeatedCompositeFieldContainer[PublisherStatus]
+    receivers: _containers.RepeatedCompositeFieldContainer[ReceiverStatus]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionStatus]
+    def __init__(self, sender_version: _Optional[str] = ..., transport: _Optional[str] = ..., bucket_size_bytes: _Optional[int] = ..., num_buffers: _Optional[int] = ..., publishers: _Optional[_Iterable[_Union[PublisherStatus, _Mapping]]] = ..., receivers: _Optional[_Iterable[_Union[ReceiverStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionStatus, _Mapping]]] = ...) -> None: ...
+
+class WaitAppliedRequest(_message.Message):
+    __slots__ = ("version", "timeout_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    timeout_s: float
+    def __init__(self, version: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class WaitAppliedReply(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: VersionStatus
+    def __init__(self, version: _Optional[_Union[VersionStatus, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,85 @@
+"""Conversions between the in-process dataclasses and their protobuf messages."""
+
+from __future__ import annotations
+
+from weightsync.buckets import Bucket, BucketEntry, TensorSpec
+from weightsync.errors import WeightSyncError
+from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.v1 import weightsync_pb2 as pb
+
+
+def spec_to_pb(spec: TensorSpec) -> pb.TensorSpec:
+    return pb.TensorSpec(name=spec.name, dtype=spec.dtype, shape=list(spec.shape))
+
+
+def spec_from_pb(msg: pb.TensorSpec) -> TensorSpec:
+    return TensorSpec(msg.name, msg.dtype, tuple(msg.shape))
+
+
+def manifest_to_pb(manifest: VersionManifest) -> pb.Manifest:
+    msg = pb.Manifest(version=manifest.version, tensors=[spec_to_pb(t) for t in manifest.tensors])
+    if manifest.lora is not None:
+        msg.lora.CopyFrom(
+            pb.LoraAdapter(
+                name=manifest.lora.name,
+                config_json=manifest.lora.config_json,
+                tensor_names=list(manifest.lora.tensor_names),
+            )
+        )
+    return msg
+
+
+def manifest_from_pb(msg: pb.Manifest) -> VersionManifest:
+    lora = None
+    if msg.HasField("lora"):
+        lora = LoraAdapterSpec(msg.lora.name, msg.lora.config_json, tuple(msg.lora.tensor_names))
+    return VersionManifest(msg.version, tuple(spec_from_pb(t) for t in msg.tensors), lora)
+
+
+def bucket_to_pb(bucket: Bucket) -> pb.BucketLayout:
+    return pb.BucketLayout(
+        index=bucket.index,
+        is_last=bucket.is_last,
+        nbytes=bucket.nbytes,
+        entries=[
+            pb.BucketEntry(
+                tensor=spec_to_pb(e.spec),
+                offset=e.offset,
+                nbytes=e.nbytes,
+                tensor_offset=e.tensor_offset,
+                chunk_index=e.chunk_index,
+                num_chunks=e.num_chunks,
+            )
+            for e in bucket.entries
+        ],
+    )
+
+
+def bucket_from_pb(msg: pb.BucketLayout) -> Bucket:
+    entries = tuple(
+        BucketEntry(
+            spec_from_pb(e.tensor), e.offset, e.nbytes, e.tensor_offset, e.chunk_index, e.num_chunks
+        )
+        for e in msg.entries
+    )
+    return Bucket(msg.index, entries, msg.nbytes, msg.is_last)
+
+
+def error_to_pb(error: BaseException, tensor: str = "") -> pb.ErrorDetail:
+    return pb.ErrorDetail(
+        code=type(error).__name__, message=str(error), tensor=tensor or getattr(error, "tensor", "")
+    )
+
+
+def describe(detail: pb.ErrorDetail) -> str:
+    return f"{detail.code}: {detail.message}" if detail.code else detail.message
+
+
+def raise_for(detail: pb.ErrorDetail, fallback: type[WeightSyncError]) -> None:
+    """Re-raise an error a peer reported, as our exception of the same name when we have one."""
+    from weightsync import errors
+
+    cls = getattr(errors, detail.code, None)
+    if not (isinstance(cls, type) and issubclass(cls, WeightSyncError)):
+        cls = fallback
+    raise cls(detail.message)
