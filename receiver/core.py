@@ -10,6 +10,7 @@ import uuid
 
 import grpc
 import torch
+from weightsync.receiver.target import WeightTarget
 
 from weightsync.buckets import Bucket, ChunkAssembler, unpack_bucket
 from weightsync.checksum import ALGORITHM, bucket_checksum
@@ -23,7 +24,6 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.manifest import VersionManifest
-from weightsync.receiver.target import WeightTarget
 from weightsync.transports import MappedBuffers
 from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
@@ -73,11 +73,18 @@ class ReceiverCore:
         self._requests: queue.Queue = queue.Queue()
         self._channel, stub = connect(address, connect_timeout_s)
         device = target.device
-        self._requests.put(pb.ReceiverMessage(hello=pb.ReceiverHello(
-            receiver_id=receiver_id or f"{engine}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-            engine=engine, rank=rank, device=str(device), device_uuid=device_uuid(device),
-            transports=list(transports),
-        )))
+        self._requests.put(
+            pb.ReceiverMessage(
+                hello=pb.ReceiverHello(
+                    receiver_id=receiver_id or f"{engine}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+                    engine=engine,
+                    rank=rank,
+                    device=str(device),
+                    device_uuid=device_uuid(device),
+                    transports=list(transports),
+                )
+            )
+        )
         self._stream = stub.Receive(iter(self._requests.get, None))
         try:
             first = next(self._stream)
@@ -100,11 +107,14 @@ class ReceiverCore:
         try:
             msg = self._inbox.get(timeout=left)
         except queue.Empty:
-            raise SyncTimeoutError(f"receiver {self.receiver_id}: no {waiting_for} in time") from None
+            raise SyncTimeoutError(
+                f"receiver {self.receiver_id}: no {waiting_for} in time"
+            ) from None
         if isinstance(msg, tuple):
             self._inbox.put(msg)  # every later call sees the closed stream too
-            raise TransportError(f"receiver {self.receiver_id}: lost the sender at "
-                                 f"{self.address}: {msg[1]}")
+            raise TransportError(
+                f"receiver {self.receiver_id}: lost the sender at {self.address}: {msg[1]}"
+            )
         return msg
 
     def _send(self, **kind) -> None:
@@ -130,9 +140,11 @@ class ReceiverCore:
         try:
             self.target.validate(manifest)
         except WeightSyncError as e:
-            self._send(verdict=pb.ManifestVerdict(
-                version=manifest.version, accepted=False, error=error_to_pb(e)
-            ))
+            self._send(
+                verdict=pb.ManifestVerdict(
+                    version=manifest.version, accepted=False, error=error_to_pb(e)
+                )
+            )
             self.last_error = e
             raise
         self._send(verdict=pb.ManifestVerdict(version=manifest.version, accepted=True))
@@ -158,7 +170,8 @@ class ReceiverCore:
                 elif kind == "end":
                     if assembler.pending:
                         raise ProtocolError(
-                            f"version {version} ended with chunks missing for {assembler.pending[0]!r}"
+                            f"version {version} ended with chunks missing for "
+                            f"{assembler.pending[0]!r}"
                         )
                     self.target.commit(manifest)
                     self._send(applied=pb.VersionApplied(version=version, ok=True))
@@ -173,8 +186,9 @@ class ReceiverCore:
                     raise ProtocolError(f"unexpected {kind} inside version {version}")
         except WeightSyncError as e:
             if index >= 0 and not isinstance(e, ReceiverFailedError):
-                self._send(ack=pb.BucketAck(version=version, index=index, ok=False,
-                                            error=error_to_pb(e)))
+                self._send(
+                    ack=pb.BucketAck(version=version, index=index, ok=False, error=error_to_pb(e))
+                )
             self.dirty = self.dirty or touched
             self.last_error = e
             self.target.abort(manifest, e)
@@ -187,8 +201,10 @@ class ReceiverCore:
         if not self.verify_checksums:
             return bucket, buffer
         if msg.checksum_algorithm != ALGORITHM:
-            raise ChecksumError(f"unknown checksum algorithm {msg.checksum_algorithm!r}; "
-                                f"this receiver knows {ALGORITHM}: upgrade weightsync")
+            raise ChecksumError(
+                f"unknown checksum algorithm {msg.checksum_algorithm!r}; "
+                f"this receiver knows {ALGORITHM}: upgrade weightsync"
+            )
         got = bucket_checksum(buffer, bucket.nbytes)
         if got != msg.checksum:
             first = bucket.entries[0].name if bucket.entries else "-"

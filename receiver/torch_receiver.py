@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from weightsync.receiver.core import ReceiverCore
 
 from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, NameResolutionError, WeightSyncError
 from weightsync.manifest import VersionManifest
-from weightsync.receiver.core import ReceiverCore
 
 _LISTED = 5
 
@@ -36,7 +36,8 @@ class TorchModuleTarget:
             if tuple(live.shape) != spec.shape or live.dtype != spec.torch_dtype:
                 raise ManifestMismatchError(
                     f"version {manifest.version}: tensor {spec.name!r} is {spec.shape} "
-                    f"{spec.dtype} but the module holds {tuple(live.shape)} {dtype_name(live.dtype)}"
+                    f"{spec.dtype} but the module holds {tuple(live.shape)} "
+                    f"{dtype_name(live.dtype)}"
                 )
 
     def begin(self, manifest: VersionManifest) -> None:

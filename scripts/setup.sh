@@ -13,12 +13,15 @@ if [ ! -f "$venv/.complete" ]; then
   rm -rf "$venv"
   mkdir -p "$cache"
   "$py" -m venv "$venv"
-  "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel
-  "$venv/bin/python" -m pip install -q -r requirements/ci.txt
+  # pip warns about every missing local index folder; keep the log readable.
+  "$venv/bin/python" -m pip install -q --upgrade pip setuptools wheel 2>&1 | grep -v "is ignored" >&2 || true
+  "$venv/bin/python" -m pip install -q -r requirements/ci.txt 2>&1 | grep -v "is ignored" >&2 || true
   # PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `import vllm` on CPU torch.
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$venv/bin/python" -c "import torch, vllm, megatron.core, transformers, grpc_tools"
   touch "$venv/.complete"
 fi
 # The project itself is installed editable on every run (seconds), pointing at this clone.
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
+  || "$venv/bin/python" -m pip install --no-deps --no-build-isolation -e .
 ln -sfn "$venv" .venv

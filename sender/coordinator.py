@@ -13,8 +13,17 @@ import uuid
 from collections import OrderedDict
 
 import torch
+from weightsync.sender.runs import (
+    APPLIED,
+    FAILED,
+    PENDING,
+    Outcome,
+    RankConn,
+    ReceiverConn,
+    Slot,
+    VersionRun,
+)
 
-from weightsync.sender.runs import APPLIED, FAILED, PENDING, Outcome, RankConn, ReceiverConn, Slot, VersionRun
 from weightsync import __version__
 from weightsync.buckets import plan_buckets
 from weightsync.checksum import ALGORITHM, bucket_checksum
@@ -118,7 +127,9 @@ class Coordinator:
 
     # ---- publishers ----
 
-    def join(self, hello: pb.PublisherHello, begin: pb.BeginVersion) -> tuple[VersionRun | None, RankConn]:
+    def join(
+        self, hello: pb.PublisherHello, begin: pb.BeginVersion
+    ) -> tuple[VersionRun | None, RankConn]:
         """Add one publisher rank to a version; the last rank to join starts the run."""
         from weightsync.wire import manifest_from_pb
 
@@ -135,14 +146,18 @@ class Coordinator:
             key = (hello.publisher_id, manifest.version)
             first, first_world, ranks = self._joining.setdefault(key, (manifest, world, {}))
             if world != first_world:
-                raise ConfigError(f"rank {hello.rank} says world_size {world}, others {first_world}")
+                raise ConfigError(
+                    f"rank {hello.rank} says world_size {world}, others {first_world}"
+                )
             if manifest != first:
                 raise ConfigError(
                     f"rank {hello.rank} announced a manifest for version {manifest.version} that "
                     "differs from the other ranks'; every rank must plan the same HF tensors"
                 )
             if hello.rank in ranks:
-                raise ConfigError(f"publisher rank {hello.rank} joined version {manifest.version} twice")
+                raise ConfigError(
+                    f"publisher rank {hello.rank} joined version {manifest.version} twice"
+                )
             conn = RankConn(hello.rank, hello.device)
             ranks[hello.rank] = conn
             self._publishers[hello.publisher_id] = pb.PublisherStatus(
@@ -188,12 +203,18 @@ class Coordinator:
                     layout = bucket_to_pb(bucket)
                     for rank in run.ranks.values():
                         rank.outbox.put(
-                            pb.SenderReply(pack=pb.PackBucket(
-                                version=run.version, layout=layout, buffer=slot.buffer.handle
-                            ))
+                            pb.SenderReply(
+                                pack=pb.PackBucket(
+                                    version=run.version, layout=layout, buffer=slot.buffer.handle
+                                )
+                            )
                         )
-                    self._wait(run, lambda: all(bucket.index in r.packed for r in run.ranks.values()),
-                               self.settings.pack_timeout_s, f"publisher to pack bucket {bucket.index}")
+                    self._wait(
+                        run,
+                        lambda i=bucket.index: all(i in r.packed for r in run.ranks.values()),
+                        self.settings.pack_timeout_s,
+                        f"publisher to pack bucket {bucket.index}",
+                    )
                     checksum = bucket_checksum(slot.buffer.tensor, bucket.nbytes)
                     self._announce(run, slot, layout, checksum)
                 self._staged(run)
@@ -211,18 +232,25 @@ class Coordinator:
     def _start(self, run: VersionRun, device: torch.device) -> None:
         with self._cond:
             self._ensure_slots(run, device)
-            start = pb.Announcement(start=pb.VersionStart(
-                manifest=manifest_to_pb(run.manifest), num_buckets=len(run.plan.buckets)
-            ))
+            start = pb.Announcement(
+                start=pb.VersionStart(
+                    manifest=manifest_to_pb(run.manifest), num_buckets=len(run.plan.buckets)
+                )
+            )
             for conn in self._receivers.values():
                 if not conn.connected:
                     continue
                 outcome = run.outcomes[conn.receiver_id] = Outcome()
                 if conn.transports and run.transport not in conn.transports:
-                    self._fail(run, conn.receiver_id, TransportError(
-                        f"receiver {conn.receiver_id} opens {list(conn.transports)}, the sender "
-                        f"stages with {run.transport}"
-                    ))
+                    self._fail(
+                        run,
+                        conn.receiver_id,
+                        TransportError(
+                            f"receiver {conn.receiver_id} opens {list(conn.transports)}, "
+                            "the sender "
+                            f"stages with {run.transport}"
+                        ),
+                    )
                     continue
                 outcome.expect("verdict", self.settings.ack_timeout_s)
                 conn.state = "applying"
@@ -231,12 +259,17 @@ class Coordinator:
 
     def _ensure_slots(self, run: VersionRun, device: torch.device) -> None:
         need = max((b.nbytes for b in run.plan.buckets), default=0) or 256
-        if all(s.buffer.nbytes >= need and s.device == str(device) for s in self._slots) and len(
-            self._slots
-        ) == self.settings.num_buffers:
+        if (
+            all(s.buffer.nbytes >= need and s.device == str(device) for s in self._slots)
+            and len(self._slots) == self.settings.num_buffers
+        ):
             return
-        self._wait_locked(run, lambda: all(s.free for s in self._slots),
-                          self.settings.ack_timeout_s, "receivers to release staging buffers")
+        self._wait_locked(
+            run,
+            lambda: all(s.free for s in self._slots),
+            self.settings.ack_timeout_s,
+            "receivers to release staging buffers",
+        )
         transport = get_transport(run.transport)
         for slot in self._slots:
             get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
@@ -250,21 +283,32 @@ class Coordinator:
 
     def _acquire_slot(self, run: VersionRun) -> Slot:
         with self._cond:
-            self._wait_locked(run, lambda: any(s.free for s in self._slots),
-                              self.settings.ack_timeout_s + 5, "a free staging buffer")
+            self._wait_locked(
+                run,
+                lambda: any(s.free for s in self._slots),
+                self.settings.ack_timeout_s + 5,
+                "a free staging buffer",
+            )
             slot = next(s for s in self._slots if s.free)
             slot.packing, slot.readers = True, set()
             return slot
 
-    def _announce(self, run: VersionRun, slot: Slot, layout: pb.BucketLayout, checksum: int) -> None:
+    def _announce(
+        self, run: VersionRun, slot: Slot, layout: pb.BucketLayout, checksum: int
+    ) -> None:
         with self._cond:
             if run.done:
                 raise _RunAborted()
             slot.packing, slot.version, slot.bucket_index = False, run.version, layout.index
-            msg = pb.Announcement(bucket=pb.BucketAnnouncement(
-                version=run.version, layout=layout, buffer=slot.buffer.handle,
-                checksum_algorithm=ALGORITHM, checksum=checksum,
-            ))
+            msg = pb.Announcement(
+                bucket=pb.BucketAnnouncement(
+                    version=run.version,
+                    layout=layout,
+                    buffer=slot.buffer.handle,
+                    checksum_algorithm=ALGORITHM,
+                    checksum=checksum,
+                )
+            )
             for rid in run.active():
                 slot.readers.add(rid)
                 run.outcomes[rid].expect(f"bucket:{layout.index}", self.settings.ack_timeout_s)
@@ -279,9 +323,11 @@ class Coordinator:
             run.staged_s = time.monotonic() - run.started_mono
             run.state = "staged"
             for rank in run.ranks.values():
-                rank.outbox.put(pb.SenderReply(
-                    staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
-                ))
+                rank.outbox.put(
+                    pb.SenderReply(
+                        staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
+                    )
+                )
                 rank.outbox.put(None)
             end = pb.Announcement(end=pb.VersionEnd(version=run.version))
             for rid in run.active():
@@ -315,8 +361,10 @@ class Coordinator:
         with self._cond:
             run = self._runs.get(version)
             if run is None:
-                raise VersionError(f"version {version} is unknown to this sender (never published or "
-                                   f"dropped from its history of {self.settings.history})")
+                raise VersionError(
+                    f"version {version} is unknown to this sender (never published or "
+                    f"dropped from its history of {self.settings.history})"
+                )
             while not run.done:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -335,10 +383,15 @@ class Coordinator:
                     for rid, outcome in list(run.outcomes.items()):
                         if outcome.state == PENDING and outcome.deadline and outcome.deadline < now:
                             owed = ", ".join(sorted(outcome.awaiting))
-                            self._fail(run, rid, SyncTimeoutError(
-                                f"receiver {rid} sent nothing for {self.settings.ack_timeout_s:.0f} s "
-                                f"during version {run.version} (owed: {owed})"
-                            ))
+                            self._fail(
+                                run,
+                                rid,
+                                SyncTimeoutError(
+                                    f"receiver {rid} sent nothing for "
+                                    f"{self.settings.ack_timeout_s:.0f} s "
+                                    f"during version {run.version} (owed: {owed})"
+                                ),
+                            )
                 self._cond.wait(0.2)
 
     # ---- failure bookkeeping (lock held) ----
@@ -346,7 +399,12 @@ class Coordinator:
     def _fail(self, run: VersionRun, rid: str, error, notify: bool = True) -> None:
         detail = error if isinstance(error, pb.ErrorDetail) else error_to_pb(error)
         outcome = run.outcomes[rid]
-        outcome.state, outcome.error, outcome.awaiting, outcome.deadline = FAILED, detail, set(), None
+        outcome.state, outcome.error, outcome.awaiting, outcome.deadline = (
+            FAILED,
+            detail,
+            set(),
+            None,
+        )
         conn = self._receivers[rid]
         if conn.state == "applying":
             conn.state = "failed"
@@ -383,7 +441,9 @@ class Coordinator:
         if run.state != "staged" or run.active():
             return
         run.complete_s = time.monotonic() - run.started_mono
-        run.state = "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
+        run.state = (
+            "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
+        )
         self.metrics.version_done(run)
 
     # ---- status ----
@@ -398,8 +458,13 @@ class Coordinator:
                 publishers=list(self._publishers.values()),
                 receivers=[
                     pb.ReceiverStatus(
-                        receiver_id=c.receiver_id, engine=c.engine, rank=c.rank, device=c.device,
-                        connected=c.connected, applied_version=c.applied_version, state=c.state,
+                        receiver_id=c.receiver_id,
+                        engine=c.engine,
+                        rank=c.rank,
+                        device=c.device,
+                        connected=c.connected,
+                        applied_version=c.applied_version,
+                        state=c.state,
                         last_error=c.last_error,
                     )
                     for c in sorted(self._receivers.values(), key=lambda c: c.receiver_id)

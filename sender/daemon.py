@@ -5,11 +5,12 @@ from __future__ import annotations
 import signal
 import threading
 
+from weightsync.sender.coordinator import Coordinator
+from weightsync.sender.service import WeightSyncServicer
+
 from weightsync.config import SenderSettings
 from weightsync.control.server import create_server
 from weightsync.metrics import SenderMetrics
-from weightsync.sender.coordinator import Coordinator
-from weightsync.sender.service import WeightSyncServicer
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
 

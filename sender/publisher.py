@@ -110,10 +110,17 @@ class Publisher:
         """
         what = f"publish version {manifest.version} to {self.address}"
         requests: queue.Queue = queue.Queue()
-        requests.put(pb.PublisherMessage(hello=pb.PublisherHello(
-            publisher_id=self.publisher_id, rank=self.rank, world_size=self.world_size,
-            device=str(device), device_uuid=device_uuid(device),
-        )))
+        requests.put(
+            pb.PublisherMessage(
+                hello=pb.PublisherHello(
+                    publisher_id=self.publisher_id,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                    device=str(device),
+                    device_uuid=device_uuid(device),
+                )
+            )
+        )
         requests.put(pb.PublisherMessage(begin=pb.BeginVersion(manifest=manifest_to_pb(manifest))))
         replies = self._stub.Publish(iter(requests.get, None), timeout=timeout_s)
         staged: pb.VersionStaged | None = None
@@ -152,9 +159,9 @@ class Publisher:
             torch.cuda.current_stream(device).synchronize()
         if buffer.is_cuda and buffer.device != device:
             torch.cuda.current_stream(buffer.device).synchronize()
-        requests.put(pb.PublisherMessage(
-            packed=pb.BucketPacked(version=msg.version, index=msg.layout.index)
-        ))
+        requests.put(
+            pb.PublisherMessage(packed=pb.BucketPacked(version=msg.version, index=msg.layout.index))
+        )
 
     def wait_applied(self, version: int, timeout_s: float = 600.0) -> pb.VersionStatus:
         """Block until every receiver addressed by ``version`` applied it.
@@ -171,7 +178,9 @@ class Publisher:
         failed = [o for o in reply.version.receivers if o.state != "applied"]
         if failed:
             lines = "; ".join(f"{o.receiver_id}: {describe(o.error)}" for o in failed)
-            raise ReceiverFailedError(f"version {version} failed on {len(failed)} receiver(s): {lines}")
+            raise ReceiverFailedError(
+                f"version {version} failed on {len(failed)} receiver(s): {lines}"
+            )
         return reply.version
 
     def status(self) -> pb.StatusReply:

@@ -6,10 +6,10 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-
-from weightsync.errors import ProtocolError, WeightSyncError, grpc_code_for
 from weightsync.sender.coordinator import Coordinator
 from weightsync.sender.runs import ReceiverConn
+
+from weightsync.errors import ProtocolError, WeightSyncError, grpc_code_for
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
@@ -37,11 +37,13 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
 
     def Publish(self, request_iterator, context):
         hello = _next(request_iterator, "hello", context)
-        yield pb.SenderReply(welcome=pb.PublisherWelcome(
-            bucket_size_bytes=self._co.settings.bucket_size_bytes,
-            transport=self._co.settings.transport,
-            last_version=self._co.last_version,
-        ))
+        yield pb.SenderReply(
+            welcome=pb.PublisherWelcome(
+                bucket_size_bytes=self._co.settings.bucket_size_bytes,
+                transport=self._co.settings.transport,
+                last_version=self._co.last_version,
+            )
+        )
         begin = _next(request_iterator, "begin", context)
         try:
             run, rank = self._co.join(hello, begin)
@@ -85,8 +87,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         except WeightSyncError as e:
             _abort(context, e)
         context.add_callback(lambda: self._co.receiver_gone(conn, "disconnected"))
-        threading.Thread(target=self._consume_receiver, args=(conn, request_iterator),
-                         daemon=True).start()
+        threading.Thread(
+            target=self._consume_receiver, args=(conn, request_iterator), daemon=True
+        ).start()
         yield pb.Announcement(welcome=pb.ReceiverWelcome(receiver_id=conn.receiver_id))
         while True:
             item = conn.outbox.get()

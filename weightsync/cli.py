@@ -15,18 +15,41 @@ MIB = 1024 * 1024
 
 
 def _add_sender_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--listen", default=None,
-                   help=f"unix:/path or host:port (default: $WEIGHTSYNC_LISTEN or {DEFAULT_ADDRESS})")
-    p.add_argument("--bucket-size-mb", type=int, default=None,
-                   help="staging bucket cap in MiB (default 512); tensors larger are chunked")
-    p.add_argument("--num-buffers", type=int, default=None,
-                   help="staging buffers (default 2): packing bucket i+1 overlaps loading bucket i")
-    p.add_argument("--transport", choices=["auto", "shm", "cuda_ipc"], default=None,
-                   help="auto: cuda_ipc when the publisher's tensors are on CUDA, else shm")
-    p.add_argument("--ack-timeout-s", type=float, default=None,
-                   help="fail a receiver that owes a reply this long (default 120)")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics on this port (default off)")
+    p.add_argument(
+        "--listen",
+        default=None,
+        help=f"unix:/path or host:port (default: $WEIGHTSYNC_LISTEN or {DEFAULT_ADDRESS})",
+    )
+    p.add_argument(
+        "--bucket-size-mb",
+        type=int,
+        default=None,
+        help="staging bucket cap in MiB (default 512); tensors larger are chunked",
+    )
+    p.add_argument(
+        "--num-buffers",
+        type=int,
+        default=None,
+        help="staging buffers (default 2): packing bucket i+1 overlaps loading bucket i",
+    )
+    p.add_argument(
+        "--transport",
+        choices=["auto", "shm", "cuda_ipc"],
+        default=None,
+        help="auto: cuda_ipc when the publisher's tensors are on CUDA, else shm",
+    )
+    p.add_argument(
+        "--ack-timeout-s",
+        type=float,
+        default=None,
+        help="fail a receiver that owes a reply this long (default 120)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (default off)",
+    )
 
 
 def _sender_settings(args: argparse.Namespace) -> dict:
@@ -61,24 +84,49 @@ def _run_status(args: argparse.Namespace, console: Console) -> int:
     channel, stub = connect(args.address, timeout_s=args.timeout_s)
     with channel:
         reply = stub.Status(pb.StatusRequest(), timeout=args.timeout_s)
-    console.print(f"sender {reply.sender_version} at {args.address}: transport {reply.transport}, "
-                  f"{reply.num_buffers} x {reply.bucket_size_bytes // MIB} MiB buckets")
+    console.print(
+        f"sender {reply.sender_version} at {args.address}: transport {reply.transport}, "
+        f"{reply.num_buffers} x {reply.bucket_size_bytes // MIB} MiB buckets"
+    )
     receivers = Table(title="receivers")
     for col in ("id", "engine", "rank", "device", "connected", "applied", "state", "last error"):
         receivers.add_column(col)
     for r in reply.receivers:
-        receivers.add_row(r.receiver_id, r.engine, str(r.rank), r.device, str(r.connected),
-                          str(r.applied_version), r.state, r.last_error[:80])
+        receivers.add_row(
+            r.receiver_id,
+            r.engine,
+            str(r.rank),
+            r.device,
+            str(r.connected),
+            str(r.applied_version),
+            r.state,
+            r.last_error[:80],
+        )
     console.print(receivers)
     versions = Table(title="versions")
-    for col in ("version", "state", "MB", "tensors", "buckets", "staged s", "complete s",
-                "applied"):
+    for col in (
+        "version",
+        "state",
+        "MB",
+        "tensors",
+        "buckets",
+        "staged s",
+        "complete s",
+        "applied",
+    ):
         versions.add_column(col)
-    for v in reply.versions[-args.last:]:
+    for v in reply.versions[-args.last :]:
         applied = sum(o.state == "applied" for o in v.receivers)
-        versions.add_row(str(v.version), v.state, f"{v.total_bytes / 1e6:.1f}", str(v.num_tensors),
-                         str(v.num_buckets), f"{v.staged_s:.3f}", f"{v.complete_s:.3f}",
-                         f"{applied}/{len(v.receivers)}")
+        versions.add_row(
+            str(v.version),
+            v.state,
+            f"{v.total_bytes / 1e6:.1f}",
+            str(v.num_tensors),
+            str(v.num_buckets),
+            f"{v.staged_s:.3f}",
+            f"{v.complete_s:.3f}",
+            f"{applied}/{len(v.receivers)}",
+        )
     console.print(versions)
     return 0
 
@@ -86,11 +134,17 @@ def _run_status(args: argparse.Namespace, console: Console) -> int:
 def _run_demo(args: argparse.Namespace, console: Console) -> int:
     from weightsync.demo import DemoConfig, run_demo
 
-    cfg = DemoConfig(versions=args.versions, receivers=args.receivers, transport=args.transport,
-                     device=args.device)
+    cfg = DemoConfig(
+        versions=args.versions,
+        receivers=args.receivers,
+        transport=args.transport,
+        device=args.device,
+    )
     ok = run_demo(cfg, console)
-    print(f"demo: {cfg.versions} versions to {cfg.receivers} receivers, "
-          f"bit-exact: {'yes' if ok else 'no'}")
+    print(
+        f"demo: {cfg.versions} versions to {cfg.receivers} receivers, "
+        f"bit-exact: {'yes' if ok else 'no'}"
+    )
     return 0 if ok else 1
 
 
@@ -120,8 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="sender + trainer + receivers on this machine, bit-exact check")
     p.add_argument("--versions", type=int, default=3)
     p.add_argument("--receivers", type=int, default=2)
-    p.add_argument("--transport", choices=["auto", "shm", "cuda_ipc"], default="auto",
-                   help="auto: cuda_ipc on a CUDA machine, shm otherwise")
+    p.add_argument(
+        "--transport",
+        choices=["auto", "shm", "cuda_ipc"],
+        default="auto",
+        help="auto: cuda_ipc on a CUDA machine, shm otherwise",
+    )
     p.add_argument("--device", default="auto", help="auto: cuda:0 when available, else cpu")
     p.set_defaults(func=_run_demo)
 

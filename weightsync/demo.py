@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.buckets import byte_view
 from weightsync.errors import ConfigError, WeightSyncError
 
 _TIMEOUT_S = 120.0
@@ -37,17 +38,23 @@ def _tiny_qwen2(seed: int, device: str) -> torch.nn.Module:
     except ImportError as e:
         raise ConfigError("the demo needs transformers: pip install 'weightsync[dev]'") from e
     config = Qwen2Config(
-        vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        vocab_size=4096,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config).to(device).eval()
 
 
-def _digests(model: torch.nn.Module) -> dict[str, str]:
+def state_digests(model: torch.nn.Module) -> dict[str, str]:
+    """SHA-256 of every state_dict tensor's bytes: equal digests mean bit-identical weights."""
     return {
-        name: hashlib.sha256(t.detach().contiguous().cpu().view(torch.uint8).numpy()).hexdigest()
+        name: hashlib.sha256(byte_view(t.detach().contiguous().cpu()).numpy()).hexdigest()
         for name, t in model.state_dict().items()
     }
 
@@ -64,13 +71,14 @@ def _trainer(address: str, cfg: DemoConfig, device: str, start: mp.Event, out: m
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 0.01)
             result = publisher.publish(model.state_dict(), version, wait=True, timeout_s=_TIMEOUT_S)
-            out.put(("trainer", version, _digests(model), result.staged_s, None))
+            out.put(("trainer", version, state_digests(model), result.staged_s, None))
     except Exception as e:  # reported to the parent, which prints it and exits non-zero
         out.put(("trainer", 0, {}, 0.0, f"{type(e).__name__}: {e}"))
 
 
-def _receiver(address: str, cfg: DemoConfig, device: str, index: int, ready: mp.Queue,
-              out: mp.Queue) -> None:
+def _receiver(
+    address: str, cfg: DemoConfig, device: str, index: int, ready: mp.Queue, out: mp.Queue
+) -> None:
     from weightsync.receiver import TorchReceiver
 
     name = f"receiver-{index}"
@@ -80,7 +88,7 @@ def _receiver(address: str, cfg: DemoConfig, device: str, index: int, ready: mp.
         ready.put(name)
         for _ in range(cfg.versions):
             version = receiver.sync(timeout=_TIMEOUT_S)
-            out.put((name, version, _digests(model), 0.0, None))
+            out.put((name, version, state_digests(model), 0.0, None))
     except Exception as e:
         ready.put(name)
         out.put((name, 0, {}, 0.0, f"{type(e).__name__}: {e}"))
@@ -97,14 +105,22 @@ def run_demo(cfg: DemoConfig, console) -> bool:
         device = "cuda:0" if torch.cuda.is_available() else "cpu"
     ctx = mp.get_context("spawn")
     sock = os.path.join(tempfile.mkdtemp(prefix="weightsync-demo-"), "sender.sock")
-    with Sender(f"unix:{sock}", transport=cfg.transport,
-                bucket_size_bytes=cfg.bucket_size_bytes) as sender:
+    with Sender(
+        f"unix:{sock}", transport=cfg.transport, bucket_size_bytes=cfg.bucket_size_bytes
+    ) as sender:
         console.print(f"sender on {sender.address}, transport {cfg.transport}, device {device}")
         out, ready, start = ctx.Queue(), ctx.Queue(), ctx.Event()
-        procs = [ctx.Process(target=_receiver, args=(sender.address, cfg, device, i, ready, out),
-                             daemon=True) for i in range(cfg.receivers)]
-        procs.append(ctx.Process(target=_trainer, args=(sender.address, cfg, device, start, out),
-                                 daemon=True))
+        procs = [
+            ctx.Process(
+                target=_receiver, args=(sender.address, cfg, device, i, ready, out), daemon=True
+            )
+            for i in range(cfg.receivers)
+        ]
+        procs.append(
+            ctx.Process(
+                target=_trainer, args=(sender.address, cfg, device, start, out), daemon=True
+            )
+        )
         for p in procs:
             p.start()
         for _ in range(cfg.receivers):
@@ -136,8 +152,10 @@ def run_demo(cfg: DemoConfig, console) -> bool:
                 got = results.get((f"receiver-{i}", version))
                 same = trainer is not None and got == trainer
                 ok = ok and same
-                console.print(f"version {version} receiver-{i}: "
-                              f"{'bit-exact' if same else 'MISMATCH or missing'}")
+                console.print(
+                    f"version {version} receiver-{i}: "
+                    f"{'bit-exact' if same else 'MISMATCH or missing'}"
+                )
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():

@@ -38,7 +38,9 @@ def dtype_from_name(name: str) -> torch.dtype:
     try:
         return _BY_NAME[name]
     except KeyError:
-        raise ConfigError(f"unknown dtype {name!r} on the wire; known: {sorted(_BY_NAME)}") from None
+        raise ConfigError(
+            f"unknown dtype {name!r} on the wire; known: {sorted(_BY_NAME)}"
+        ) from None
 
 
 def itemsize(dtype: torch.dtype) -> int:

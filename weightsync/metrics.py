@@ -19,7 +19,9 @@ class SenderMetrics:
         self.versions = Counter("weightsync_versions", "versions published", ["state"], registry=r)
         self.bytes = Counter("weightsync_bucket_bytes", "bytes announced in buckets", registry=r)
         self.sync_seconds = Histogram(
-            "weightsync_sync_seconds", "publish start to every receiver done", registry=r,
+            "weightsync_sync_seconds",
+            "publish start to every receiver done",
+            registry=r,
             buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100),
         )
         self.failures = Counter(

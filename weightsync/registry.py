@@ -23,7 +23,9 @@ class Registry(Generic[T]):
 
     def register(self, name: str, target: str) -> None:
         if name in self._entries and self._entries[name] != target:
-            raise ConfigError(f"{self._kind} {name!r} is already registered as {self._entries[name]}")
+            raise ConfigError(
+                f"{self._kind} {name!r} is already registered as {self._entries[name]}"
+            )
         self._entries[name] = target
 
     def get(self, name: str) -> T:

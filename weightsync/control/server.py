@@ -40,7 +40,9 @@ def create_server(
     """
     address = parse_address(listen)
     claim_unix_socket(address)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS
+    )
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -50,7 +52,9 @@ def create_server(
     try:
         port = server.add_insecure_port(address.grpc_target)
     except RuntimeError as e:
-        raise ConfigError(f"cannot listen on {listen}: {e} (is another sender running there?)") from e
+        raise ConfigError(
+            f"cannot listen on {listen}: {e} (is another sender running there?)"
+        ) from e
     if address.unix_path is None:
         if port == 0:
             raise ConfigError(f"cannot listen on {listen}: address in use or not local")

@@ -32,8 +32,10 @@ def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
         mm = mmap.mmap(fd, max(nbytes, 1))
     finally:
         os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(
-        0, dtype=torch.uint8
+    return (
+        torch.frombuffer(mm, dtype=torch.uint8, count=nbytes)
+        if nbytes
+        else torch.empty(0, dtype=torch.uint8)
     )
 
 

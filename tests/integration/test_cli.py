@@ -1,0 +1,65 @@
+"""The console scripts, run as a user would."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+from weightsync.receiver import TorchReceiver
+from weightsync.sender import Publisher
+
+from tests.support import TinyNet
+
+BIN = os.path.dirname(sys.executable)
+
+
+def test_status_prints_receivers_and_versions(sender):
+    receiver = TorchReceiver(TinyNet(seed=1), sender.address, receiver_id="engine-7")
+    t = threading.Thread(target=receiver.sync, kwargs={"timeout": 30})
+    t.start()
+    Publisher(sender.address).publish(TinyNet(seed=2).state_dict(), 1, wait=True, timeout_s=30)
+    t.join(30)
+    out = subprocess.run(
+        [f"{BIN}/weightsync", "status", "--address", sender.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "engine-7" in out.stderr and "complete" in out.stderr and "1/1" in out.stderr
+
+
+def test_status_against_nothing_fails_clearly(sock_dir):
+    out = subprocess.run(
+        [
+            f"{BIN}/weightsync",
+            "status",
+            "--address",
+            f"unix:{sock_dir}/x.sock",
+            "--timeout-s",
+            "0.5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert "no weightsync sender answers" in out.stderr
+
+
+def test_sender_help_explains_options():
+    out = subprocess.run(
+        [f"{BIN}/weightsync-sender", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0
+    for opt in ("--listen", "--bucket-size-mb", "--num-buffers", "--transport", "WEIGHTSYNC_"):
+        assert opt in out.stdout
+
+
+def test_demo_ends_with_the_bit_exact_line():
+    out = subprocess.run([f"{BIN}/weightsync", "demo"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "demo: 3 versions to 2 receivers, bit-exact: yes"

@@ -1,0 +1,221 @@
+"""Every bad input gives an error naming the tensor or field, and nothing half-applied."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from weightsync.receiver import TorchReceiver
+from weightsync.sender import Publisher
+from weightsync.sender.daemon import Sender
+
+from tests.support import TinyNet, digests, start_receivers, step
+from weightsync.errors import (
+    ChecksumError,
+    ConfigError,
+    ManifestMismatchError,
+    NameResolutionError,
+    ReceiverFailedError,
+    TransportError,
+    VersionError,
+)
+
+
+def sync_in_thread(receiver, n=1):
+    results = []
+
+    def run():
+        for _ in range(n):
+            try:
+                results.append(receiver.sync(timeout=30))
+            except Exception as e:  # collected for the assertions
+                results.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, results
+
+
+def test_unknown_name_is_rejected_before_any_write(sender):
+    model = TinyNet(seed=1)
+    receiver = TorchReceiver(model, sender.address, receiver_id="r")
+    before = digests(model)
+    trainer = TinyNet(seed=2)
+    tensors = dict(trainer.state_dict())
+    tensors["layers.0.ghost.weight"] = torch.zeros(4)
+    t, results = sync_in_thread(receiver)
+    with pytest.raises(ReceiverFailedError, match="layers.0.ghost.weight"):
+        Publisher(sender.address).publish(tensors, 1, wait=True, timeout_s=30)
+    t.join(30)
+    assert isinstance(results[0], NameResolutionError)
+    assert "'layers.0.ghost.weight'" in str(results[0])
+    assert digests(model) == before
+    (status,) = Publisher(sender.address).status().receivers
+    assert (status.applied_version, status.state) == (0, "idle")
+    assert "layers.0.ghost.weight" in status.last_error
+
+
+def test_shape_or_dtype_mismatch_is_rejected_before_any_write(sender):
+    model = TinyNet(seed=1)
+    receiver = TorchReceiver(model, sender.address)
+    before = digests(model)
+    tensors = dict(TinyNet(seed=2).state_dict())
+    tensors["norm"] = torch.zeros(17)
+    t, results = sync_in_thread(receiver)
+    with pytest.raises(ReceiverFailedError, match="'norm' is \\(17,\\)"):
+        Publisher(sender.address).publish(tensors, 1, wait=True, timeout_s=30)
+    t.join(30)
+    assert isinstance(results[0], ManifestMismatchError)
+    assert digests(model) == before
+    tensors["norm"] = torch.zeros(16, dtype=torch.float64)
+    t, results = sync_in_thread(receiver)
+    with pytest.raises(ReceiverFailedError, match="'norm' is \\(16,\\) float64"):
+        Publisher(sender.address).publish(tensors, 2, wait=True, timeout_s=30)
+    t.join(30)
+    assert digests(model) == before
+
+
+def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(sender, monkeypatch):
+    import weightsync.sender.coordinator as coordinator
+
+    model = TinyNet(seed=1)
+    receiver = TorchReceiver(model, sender.address, receiver_id="r")
+    trainer = TinyNet(seed=2)
+    publisher = Publisher(sender.address)
+    t, results = sync_in_thread(receiver, n=3)
+    publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+
+    real = coordinator.bucket_checksum
+    calls = []
+
+    def corrupt_second_bucket(buffer, nbytes):
+        calls.append(nbytes)
+        value = real(buffer, nbytes)
+        return value ^ 1 if len(calls) == 2 else value
+
+    monkeypatch.setattr(coordinator, "bucket_checksum", corrupt_second_bucket)
+    step(trainer, 2)
+    with pytest.raises(ReceiverFailedError, match="bucket 1 of version 2 .* fails its checksum"):
+        publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
+    monkeypatch.setattr(coordinator, "bucket_checksum", real)
+    deadline = time.monotonic() + 10
+    while len(results) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert isinstance(results[1], ChecksumError)
+    assert receiver.dirty and receiver.applied_version == 1
+    (status,) = publisher.status().receivers
+    assert (status.state, status.applied_version) == ("dirty", 1)
+
+    step(trainer, 3)
+    publisher.publish(trainer.state_dict(), 3, wait=True, timeout_s=30)
+    t.join(30)
+    assert results[2] == 3 and not receiver.dirty
+    assert digests(model) == digests(trainer)
+    (status,) = publisher.status().receivers
+    assert (status.state, status.applied_version) == ("idle", 3)
+
+
+def test_receiver_dying_mid_version_fails_alone_and_others_complete(sender):
+    procs, out = start_receivers(
+        sender.address, ["alive", "doomed"], syncs=2, die_on_version={"doomed": 2}
+    )
+    trainer = TinyNet(seed=1)
+    publisher = Publisher(sender.address)
+    publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=60)
+    step(trainer, 2)
+    start = time.monotonic()
+    with pytest.raises(ReceiverFailedError, match="doomed") as err:
+        publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=60)
+    assert "alive" not in str(err.value).split("failed on")[1]
+    assert time.monotonic() - start < 15  # the stream break is seen at once, not at a timeout
+    outcomes = {o.receiver_id: o.state for o in publisher.status().versions[-1].receivers}
+    assert outcomes == {"alive": "applied", "doomed": "failed"}
+    results = [out.get(timeout=30) for _ in range(3)]
+    assert [(r[0], r[1], r[2]) for r in results if r[0] == "alive"] == [
+        ("alive", "applied", 1),
+        ("alive", "applied", 2),
+    ]
+    assert [r[3] for r in results if r[0] == "alive"][-1] == digests(trainer)
+    procs[1].join(30)
+    assert procs[1].exitcode == 3
+    status = {r.receiver_id: r for r in publisher.status().receivers}
+    assert not status["doomed"].connected and status["doomed"].applied_version == 1
+
+
+def test_stalled_receiver_times_out_and_others_complete(sock_dir):
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=4096, ack_timeout_s=1.0) as s:
+        TorchReceiver(TinyNet(seed=3), s.address, receiver_id="stalled")  # never syncs
+        live = TinyNet(seed=4)
+        receiver = TorchReceiver(live, s.address, receiver_id="live")
+        t, results = sync_in_thread(receiver)
+        trainer = TinyNet(seed=5)
+        start = time.monotonic()
+        with pytest.raises(
+            ReceiverFailedError,
+            match="stalled: SyncTimeoutError: receiver stalled sent nothing for 1 s",
+        ):
+            Publisher(s.address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+        assert time.monotonic() - start < 10
+        t.join(30)
+        assert results == [1] and digests(live) == digests(trainer)
+
+
+def test_version_must_increase(sender):
+    publisher = Publisher(sender.address)
+    publisher.publish({"w": torch.ones(4)}, 5)
+    for bad in (5, 4):
+        with pytest.raises(
+            VersionError, match=f"version {bad} is not greater than the last published version 5"
+        ):
+            publisher.publish({"w": torch.ones(4)}, bad)
+    publisher.publish({"w": torch.ones(4)}, 6)
+
+
+def test_unreachable_address_names_it(sock_dir):
+    missing = f"unix:{sock_dir}/nobody.sock"
+    with pytest.raises(TransportError, match=f"no weightsync sender answers at {missing}"):
+        Publisher(missing, connect_timeout_s=0.5)
+    with pytest.raises(TransportError, match="no weightsync sender answers"):
+        TorchReceiver(TinyNet(), missing, connect_timeout_s=0.5)
+    with pytest.raises(ConfigError, match="neither unix:/abs/path nor host:port"):
+        Publisher("localhost")
+
+
+def test_second_sender_on_the_same_address_is_refused(sender):
+    with pytest.raises(ConfigError, match="already listens"):
+        Sender(sender.address)
+    # The first sender still serves.
+    assert Publisher(sender.address).status().bucket_size_bytes == 4096
+    with Sender("127.0.0.1:0") as tcp:
+        with pytest.raises(ConfigError, match="cannot listen"):
+            Sender(tcp.address)
+
+
+def test_health_and_reflection_are_served(sender):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with grpc.insecure_channel(f"unix:{sender.address[5:]}") as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(
+            health_pb2.HealthCheckRequest(service="weightsync.v1.WeightSync"), timeout=5
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        replies = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+        )
+        names = {s.name for r in replies for s in r.list_services_response.service}
+    assert "weightsync.v1.WeightSync" in names and "grpc.health.v1.Health" in names
+
+
+def test_shm_buffers_are_owner_only(sender):
+    receiver = TorchReceiver(TinyNet(seed=1), sender.address)
+    t, _ = sync_in_thread(receiver)
+    Publisher(sender.address).publish(TinyNet(seed=2).state_dict(), 1, wait=True, timeout_s=30)
+    t.join(30)
+    paths = [s.buffer.handle.shm.path for s in sender.coordinator._slots]
+    assert len(paths) == 2
+    assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths)
