@@ -1,0 +1,325 @@
+"""Resolve checkpoint (HF) tensor names against a LIVE engine model, without per-model tables.
+
+Every rule probes what the model itself exposes:
+
+- ``named_parameters(remove_duplicate=False)`` and ``named_buffers()`` (or a caller-supplied
+  view of them, e.g. vLLM's pre-processing "loading format" tensors);
+- the model's HF-to-engine name mapper (``hf_to_vllm_mapper``: a ``WeightsMapper``), whose
+  stacked entries also give the shard id (``.q_proj`` -> ``(.qkv_proj, "q")``);
+- ``packed_modules_mapping`` (``qkv_proj <- q/k/v``, ``gate_up_proj <- gate/up``) where the
+  mapper has no stacked entries (older vLLM, SGLang);
+- ``get_expert_mapping()`` of every module that has one (fused MoE experts), or of the model;
+- ``.base_layer`` inserted or removed as the live model needs (LoRA-wrapped layers).
+
+Resolution only names things; :func:`check_specs` then dry-runs each parameter's own
+``weight_loader`` on meta tensors, so shapes are checked by the engine's own loading logic
+(vocab padding, tensor parallel slicing, packed offsets) before any byte is written.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.buckets import TensorSpec
+from weightsync.errors import ManifestMismatchError, NameResolutionError
+
+ShardId = str | int
+
+_QKV_SHARD_IDS = ("q", "k", "v")
+_BASE_LAYER = "base_layer"
+
+
+@dataclass(frozen=True)
+class ResolvedName:
+    """Where one checkpoint tensor goes in the live model."""
+
+    name: str
+    """The checkpoint (manifest) name."""
+    live_name: str
+    """The live parameter or buffer it loads into."""
+    shard_id: ShardId | None = None
+    """Which slice of a packed parameter (``"q"``, ``0``, ``"w1"``...), or None for all of it."""
+    expert_id: int | None = None
+    """The expert index inside a fused expert parameter."""
+    expert_weight_name: str | None = None
+    """The checkpoint fragment the expert mapping matched (the expert loader wants it)."""
+
+    @property
+    def module_name(self) -> str:
+        return self.live_name.rpartition(".")[0]
+
+
+def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every live parameter and buffer by name, tied aliases included (``lm_head.weight``)."""
+    tensors: dict[str, torch.Tensor] = dict(model.named_buffers())
+    tensors.update(model.named_parameters(remove_duplicate=False))
+    return tensors
+
+
+def _base_layer_variants(name: str) -> list[str]:
+    """``a.b.weight`` -> ``a.b.base_layer.weight`` and ``a.b.base_layer.weight`` -> ``a.b.weight``."""
+    parts = name.split(".")
+    if _BASE_LAYER in parts:
+        return [".".join(p for p in parts if p != _BASE_LAYER)]
+    if len(parts) < 2:
+        return []
+    return [".".join([*parts[:-1], _BASE_LAYER, parts[-1]])]
+
+
+def _map_with_shard(mapper: object, name: str) -> tuple[str, ShardId | None] | None:
+    """Apply the model's HF-to-engine mapper; None when the mapper drops the name."""
+    with_shard = getattr(mapper, "_map_name_with_shard", None)
+    if callable(with_shard):  # vLLM >= 0.31: stacked entries carry the shard id
+        result = with_shard(name)
+        if result is None:
+            return None
+        mapped, shard = result
+        if isinstance(shard, list):
+            # One tensor loaded into several shards; the dry run checks the first.
+            shard = shard[0] if shard else None
+        return mapped, shard
+    map_name = getattr(mapper, "map_name", None) or getattr(mapper, "_map_name", None)
+    if callable(map_name):
+        mapped = map_name(name)
+        return None if mapped is None else (mapped, None)
+    return name, None
+
+
+class NameResolver:
+    """Maps checkpoint names onto a live model's tensors by probing the model.
+
+    Args:
+        model: the live engine model (vLLM / SGLang ``nn.Module``).
+        tensors: the live tensors to resolve against, by name. Defaults to
+            :func:`live_tensors`; vLLM passes its loading-format view instead, because
+            vLLM-CPU repacks weights after loading and the live parameters lose their shape.
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        self.model = model
+        self.tensors: Mapping[str, torch.Tensor] = (
+            tensors if tensors is not None else live_tensors(model)
+        )
+        # Tied weights are one live object under two names; a caller's view may hold
+        # separate copies, so identity comes from the live model.
+        self._identity = {name: id(t) for name, t in live_tensors(model).items()}
+        self._canonical = {id(t): name for name, t in model.named_parameters()}
+        self._mapper = getattr(model, "hf_to_vllm_mapper", None)
+        self._packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}))
+        self._modules = dict(model.named_modules())
+        self._expert_modules = self._find_expert_modules()
+
+    def _find_expert_modules(self) -> list[tuple[str, list[tuple[str, str, int, str]]]]:
+        found = []
+        for path, module in self._modules.items():
+            get_mapping = getattr(module, "get_expert_mapping", None)
+            if not callable(get_mapping):
+                continue
+            try:
+                mapping = list(get_mapping())
+            except (TypeError, AttributeError, NotImplementedError):
+                # Models whose get_expert_mapping needs arguments or is not MoE at all.
+                continue
+            if mapping:
+                found.append((path, mapping))
+        # Submodules first: the most specific module owning a fused parameter wins.
+        found.sort(key=lambda item: -len(item[0]))
+        return found
+
+    def identity(self, live_name: str) -> int:
+        """Equal for two names of one live tensor (tied weights)."""
+        return self._identity.get(live_name, id(self.tensors[live_name]))
+
+    def aliases(self, live_name: str) -> list[str]:
+        """Other live names of the same tensor (a tied ``lm_head.weight`` for the embedding)."""
+        ident = self.identity(live_name)
+        return [n for n, i in self._identity.items() if i == ident and n != live_name]
+
+    def tied_to(self, live_name: str) -> str | None:
+        """The name the model loads a tied alias through (``lm_head`` -> the embedding)."""
+        canonical = self._canonical.get(self.identity(live_name))
+        return canonical if canonical not in (None, live_name) else None
+
+    def _existing(self, candidate: str) -> str | None:
+        if candidate in self.tensors:
+            return candidate
+        for variant in _base_layer_variants(candidate):
+            if variant in self.tensors:
+                return variant
+        return None
+
+    def _qkv_like(self, live_name: str) -> bool:
+        module = self._modules.get(live_name.rpartition(".")[0])
+        return module is not None and "QKV" in type(module).__name__
+
+    def _resolve_packed(self, name: str) -> ResolvedName | None:
+        parts = name.split(".")
+        for packed, members in self._packed.items():
+            for index, member in enumerate(members):
+                for i, part in enumerate(parts):
+                    if part != member:
+                        continue
+                    candidate = ".".join([*parts[:i], packed, *parts[i + 1 :]])
+                    live = self._existing(candidate)
+                    if live is None:
+                        continue
+                    qkv = len(members) == len(_QKV_SHARD_IDS) and self._qkv_like(live)
+                    shard: ShardId = _QKV_SHARD_IDS[index] if qkv else index
+                    return ResolvedName(name, live, shard)
+        return None
+
+    def _resolve_expert(self, name: str) -> ResolvedName | None:
+        for path, mapping in self._expert_modules:
+            for param_name, weight_name, expert_id, shard_id in mapping:
+                head, found, tail = name.partition(weight_name)
+                if not found or not path.startswith(head.rstrip(".")):
+                    continue
+                # The classic loader rule first, then the parameter as an attribute of the
+                # module owning the mapping (vLLM 0.32 nests it in ``routed_experts``).
+                candidates = [head + param_name + tail]
+                attribute = (param_name + tail).rpartition(".")[2]
+                candidates.append(f"{path}.{attribute}" if path else attribute)
+                for candidate in candidates:
+                    live = self._existing(candidate)
+                    if live is not None:
+                        return ResolvedName(name, live, shard_id, expert_id, weight_name)
+        return None
+
+    def resolve(self, name: str) -> ResolvedName | None:
+        """Where ``name`` loads in the live model, or None when the model has no such tensor."""
+        mapped = _map_with_shard(self._mapper, name)
+        if mapped is None:
+            return None
+        mapped_name, shard = mapped
+        live = self._existing(mapped_name)
+        if live is not None:
+            return ResolvedName(name, live, shard)
+        for target in (mapped_name, name):
+            resolved = self._resolve_expert(target) or self._resolve_packed(target)
+            if resolved is not None:
+                return ResolvedName(name, *_fields_after_name(resolved))
+        return None
+
+    def resolve_all(self, names: Iterable[str]) -> dict[str, ResolvedName]:
+        """Resolve every name; raise naming ALL the names the model lacks.
+
+        Raises:
+            NameResolutionError: one or more names have no live tensor.
+        """
+        resolved: dict[str, ResolvedName] = {}
+        missing: list[str] = []
+        for name in names:
+            hit = self.resolve(name)
+            if hit is None:
+                missing.append(name)
+            else:
+                resolved[name] = hit
+        if missing:
+            shown = ", ".join(repr(n) for n in missing[:8])
+            more = f" (and {len(missing) - 8} more)" if len(missing) > 8 else ""
+            raise NameResolutionError(
+                f"the live {type(self.model).__name__} has no tensor for {shown}{more}. Check "
+                "the sender's name templates for this architecture, or drop these tensors "
+                "from the version."
+            )
+        return resolved
+
+
+def _fields_after_name(r: ResolvedName) -> tuple[str, ShardId | None, int | None, str | None]:
+    return r.live_name, r.shard_id, r.expert_id, r.expert_weight_name
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta copy that keeps the tensor's class and attributes (``weight_loader``...)."""
+    meta = tensor.data.to("meta")
+    meta.__class__ = tensor.__class__
+    meta.__dict__ = tensor.__dict__.copy()
+    return meta
+
+
+def _default_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape {tuple(loaded.shape)} != {tuple(param.shape)}")
+
+
+def _dry_run(resolved: ResolvedName, live: torch.Tensor, spec: TensorSpec) -> None:
+    """Run the parameter's own weight loader on meta tensors: shapes checked, nothing written."""
+    loader: Callable = getattr(live, "weight_loader", None) or _default_loader
+    # Unwrap vLLM's layerwise-reload wrappers: the dry run must not count as a load.
+    while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(
+        loader, "__wrapped__"
+    ):
+        loader = loader.__wrapped__
+    param = _meta_like(live)
+    loaded = torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta")
+    if resolved.expert_id is not None:
+        loader(
+            param=param,
+            loaded_weight=loaded,
+            weight_name=resolved.expert_weight_name,
+            shard_id=resolved.shard_id,
+            expert_id=resolved.expert_id,
+            **_return_success_kwarg(loader),
+        )
+    elif resolved.shard_id is not None:
+        loader(param, loaded, resolved.shard_id)
+    else:
+        loader(param, loaded)
+
+
+def _return_success_kwarg(loader: Callable) -> dict[str, bool]:
+    try:
+        params = inspect.signature(loader).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"return_success": True} if "return_success" in params else {}
+
+
+def check_specs(
+    resolver: NameResolver, specs: Sequence[TensorSpec]
+) -> dict[str, ResolvedName]:
+    """Resolve ``specs`` and check dtype and shape against the live model, writing nothing.
+
+    Raises:
+        NameResolutionError: names the model lacks (all of them, in one message).
+        ManifestMismatchError: the first tensor whose dtype or shape the model rejects, or
+            two names loading into the same live slice (e.g. a tied ``lm_head``).
+    """
+    resolved = resolver.resolve_all(spec.name for spec in specs)
+    seen: dict[tuple[int, ShardId | None, int | None], str] = {}
+    for spec in specs:
+        hit = resolved[spec.name]
+        live = resolver.tensors[hit.live_name]
+        key = (resolver.identity(hit.live_name), hit.shard_id, hit.expert_id)
+        if key in seen:
+            raise ManifestMismatchError(
+                f"{spec.name!r} and {seen[key]!r} both load into live {hit.live_name!r} "
+                "(tied or duplicated weights); send only one of them."
+            )
+        seen[key] = spec.name
+        canonical = resolver.tied_to(hit.live_name)
+        if canonical is not None:
+            raise NameResolutionError(
+                f"{spec.name!r} is tied to {canonical!r} in the live model, which loads it "
+                "only through that name; send the embedding's tensor instead"
+            )
+        if spec.torch_dtype != live.dtype:
+            raise ManifestMismatchError(
+                f"{spec.name!r} is {spec.dtype} but live {hit.live_name!r} is {live.dtype}; "
+                "publish it in the engine's dtype."
+            )
+        try:
+            _dry_run(hit, live, spec)
+        except (AssertionError, RuntimeError, ValueError, IndexError, TypeError) as e:
+            raise ManifestMismatchError(
+                f"{spec.name!r} with shape {list(spec.shape)} does not fit live "
+                f"{hit.live_name!r} (shape {list(live.shape)}, shard {hit.shard_id!r}): "
+                f"{e or type(e).__name__}. Check the model config the sender planned with."
+            ) from e
+    return resolved

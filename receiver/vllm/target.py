@@ -1,0 +1,300 @@
+"""``VllmWeightTarget``: load received tensors into a vLLM worker's model.
+
+Per version: ``validate`` resolves every name against the live model and dry-runs its weight
+loader (nothing written); ``begin`` starts vLLM's layerwise reload; ``load`` hands each bucket
+to ``model.load_weights`` (the model's own name mapping and packing); ``commit`` finalizes the
+reload once (post-load processing, e.g. vLLM-CPU's weight repacking) and then registers the
+LoRA adapter accumulated across buckets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from weightsync.errors import ManifestMismatchError, WeightSyncError
+from weightsync.manifest import VersionManifest
+from weightsync.receiver.names import NameResolver, ResolvedName, check_specs, live_tensors
+from weightsync.receiver.vllm.lora import LoraAccumulator, LoraStore
+
+# Layerwise reload leaves these alone (vLLM builds them outside create_weights), so a partial
+# update need not cover them; see vllm.model_executor.model_loader.reload.meta.SKIP_TENSORS.
+_NOT_RELOADED = frozenset({"bias", "e_score_correction_bias"})
+
+
+def _layerwise() -> Any | None:
+    """vLLM's layerwise reload module, or None on versions without it."""
+    try:
+        from vllm.model_executor.model_loader.reload import layerwise
+    except ImportError:
+        return None
+    return layerwise
+
+
+def loading_view(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's tensors in loading (checkpoint) format, by live name.
+
+    vLLM records every layer's pre-processing parameters as meta tensors for layerwise
+    reload; after processing the live ones may be repacked (vLLM-CPU leaves 0-element
+    placeholders), so shapes and weight loaders come from the recorded metadata.
+    """
+    tensors = live_tensors(model)
+    layerwise = _layerwise()
+    if layerwise is None:
+        return tensors
+    for path, module in model.named_modules():
+        info = layerwise.LAYERWISE_INFO.get(module)
+        if info is None:
+            continue
+        params, _buffers = info.restore_metadata
+        for attr, meta in params.items():
+            tensors[f"{path}.{attr}" if path else attr] = _with_layer_refs(meta, module)
+    return tensors
+
+
+def _with_layer_refs(meta: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
+    """A copy of recorded metadata whose weight loader is bound to ``layer`` again.
+
+    vLLM stores the metadata with loaders unbound (no reference cycles); the stored
+    tensor itself stays untouched.
+    """
+    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+    copy = meta.data.to("meta")
+    copy.__class__ = meta.__class__
+    copy.__dict__ = meta.__dict__.copy()
+    return restore_layer_refs(copy, layer)
+
+
+def _moe_kernel_reset(model: torch.nn.Module) -> None:
+    """Drop cached fused-MoE kernels so post-load processing repacks the new experts.
+
+    vLLM-CPU 0.32 skips its expert pre-pack when ``quant_method.moe_kernel`` is already set,
+    so an in-place reload of an MoE model would keep serving the OLD packed experts.
+    """
+    for module in model.modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None and getattr(quant_method, "moe_kernel", None) is not None:
+            quant_method.moe_kernel = None
+
+
+@contextlib.contextmanager
+def _no_mtp_check() -> Iterator[None]:
+    """A bucket holds part of the model; vLLM must not demand the MTP layers in each one."""
+    try:
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+    except ImportError:
+        yield
+        return
+    with disable_mtp_completeness_check():
+        yield
+
+
+def _strip_base_layer(name: str) -> str:
+    return name.replace(".base_layer.", ".")
+
+
+class VllmWeightTarget:
+    """A :class:`~weightsync.receiver.target.WeightTarget` for one vLLM worker's model.
+
+    Args:
+        model: the worker's model (``worker.model_runner.get_model()``).
+        model_config: the worker's ``ModelConfig`` (post-load processing needs its dtype).
+        device: the worker's device; buckets are mapped there.
+        lora_store: where adapters are written and registered; None when LoRA is off.
+        after_reload: called once after post-load processing and before the adapter is
+            registered (the worker's ``reset_lora_state``: vLLM invalidates adapters when
+            base weights change).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        device: torch.device,
+        *,
+        lora_store: LoraStore | None = None,
+        after_reload: Callable[[], None] | None = None,
+    ) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.device = torch.device(device)
+        self.lora_store = lora_store
+        self.after_reload = after_reload
+        self._resolved: dict[str, ResolvedName] = {}
+        self._tied: dict[str, list[str]] = {}
+        self._pending_by_module: dict[str, set[str]] = {}
+        self._lora: LoraAccumulator | None = None
+        self._reloading = False
+
+    @classmethod
+    def from_worker(cls, worker: Any, lora_dir: str | None = None) -> VllmWeightTarget:
+        """Build the target from a vLLM worker (inside ``collective_rpc``)."""
+        runner = worker.model_runner
+        lora_manager = getattr(runner, "lora_manager", None)
+        store = LoraStore(lora_dir, lora_manager) if getattr(runner, "lora_config", None) else None
+        return cls(
+            runner.get_model(),
+            worker.vllm_config.model_config,
+            worker.device,
+            lora_store=store,
+            after_reload=getattr(runner, "reset_lora_state", None),
+        )
+
+    # -- WeightTarget -------------------------------------------------------------------
+
+    def validate(self, manifest: VersionManifest) -> None:
+        lora_names = manifest.lora_names
+        if manifest.lora is not None:
+            if self.lora_store is None:
+                raise ManifestMismatchError(
+                    f"version {manifest.version} carries LoRA adapter {manifest.lora.name!r} "
+                    "but this vLLM engine runs without LoRA; start it with enable_lora=True"
+                )
+            self.lora_store.validate(manifest.lora)
+        base = [spec for spec in manifest.tensors if spec.name not in lora_names]
+        view = loading_view(self.model)
+        resolver = NameResolver(self.model, view)
+        resolved = check_specs(resolver, base)
+        if _layerwise() is not None:
+            _check_whole_layers(resolved, view, self.model)
+        self._resolved = resolved
+        self._tied = {
+            name: aliases for name, hit in resolved.items() if (aliases := resolver.aliases(hit.live_name))
+        }
+
+    def begin(self, manifest: VersionManifest) -> None:
+        by_module: dict[str, set[str]] = defaultdict(set)
+        for name, hit in self._resolved.items():
+            by_module[hit.module_name].add(name)
+        self._pending_by_module = dict(by_module)
+        self._lora = LoraAccumulator(manifest.lora) if manifest.lora is not None else None
+        layerwise = _layerwise()
+        if layerwise is not None and self._resolved:
+            _moe_kernel_reset(self.model)
+            layerwise.initialize_layerwise_reload(self.model)
+            self._reloading = True
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        base: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in tensors:
+            if self._lora is not None and self._lora.wants(name):
+                self._lora.add(name, tensor)
+            else:
+                base.append((name, tensor))
+        if not base:
+            return
+        here = {name for name, _ in base}
+        batch = []
+        for name, tensor in base:
+            module = self._resolved[name].module_name
+            pending = self._pending_by_module[module]
+            # Layerwise reload keeps a reference until the whole layer has arrived; the
+            # bucket buffer is reused, so a layer finishing in a later bucket needs a copy.
+            batch.append((name, tensor if pending <= here else tensor.clone()))
+        for name, _ in base:
+            self._pending_by_module[self._resolved[name].module_name].discard(name)
+        with torch.no_grad(), _no_mtp_check():
+            loaded = self.model.load_weights(iter(batch))
+        _check_loaded(base, self._resolved, loaded)
+        self._load_tied_aliases(batch)
+
+    def _load_tied_aliases(self, batch: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Reload the other layers sharing a tied weight (``lm_head`` for the embedding).
+
+        The model's loader fills the weight once, through its first layer; layerwise reload
+        then rebuilds only that layer and restores the alias layer's old post-processed
+        tensors (vLLM-CPU's repacked lm_head keeps serving the OLD embedding). Loading the
+        alias through its own weight loader makes vLLM process that layer too.
+        """
+        for name, tensor in batch:
+            for alias in self._tied.get(name, ()):
+                param = self.model.get_parameter(alias)
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    with torch.no_grad():
+                        loader(param, tensor)
+
+    def commit(self, manifest: VersionManifest) -> None:
+        self._finish_reload()
+        if self.after_reload is not None:
+            self.after_reload()
+        if self._lora is not None and self.lora_store is not None:
+            self.lora_store.register(self._lora.complete(), manifest.version)
+        self._lora = None
+
+    def abort(self, manifest: VersionManifest, error: WeightSyncError) -> None:
+        # Put every untouched layer's weights back so the engine keeps serving.
+        self._finish_reload()
+        self._lora = None
+
+    def _finish_reload(self) -> None:
+        if not self._reloading:
+            return
+        self._reloading = False
+        layerwise = _layerwise()
+        if layerwise is not None:
+            layerwise.finalize_layerwise_reload(self.model, self.model_config)
+
+
+def _check_whole_layers(
+    resolved: dict[str, ResolvedName], view: dict[str, torch.Tensor], model: torch.nn.Module
+) -> None:
+    """A layer touched by the version must be loaded whole.
+
+    Layerwise reload rebuilds a touched layer from what arrives; a parameter (or a packed
+    slice of one) left out would come back uninitialized rather than keep its old value.
+    """
+    hit_params: dict[str, set[tuple[Any, Any]]] = defaultdict(set)
+    for hit in resolved.values():
+        hit_params[hit.live_name].add((hit.shard_id, hit.expert_id))
+    packed = dict(getattr(model, "packed_modules_mapping", {}))
+    for module_name in {h.module_name for h in resolved.values()}:
+        prefix = f"{module_name}."
+        for live_name in view:
+            attr = live_name[len(prefix) :]
+            if not live_name.startswith(prefix) or "." in attr or attr in _NOT_RELOADED:
+                continue
+            if not isinstance(view[live_name], torch.nn.Parameter):
+                continue
+            example = next(n for n, h in resolved.items() if h.module_name == module_name)
+            if live_name not in hit_params:
+                raise ManifestMismatchError(
+                    f"partial update: {example!r} reloads layer {module_name!r} but nothing "
+                    f"in the version loads its {attr!r}; send every tensor of that layer"
+                )
+            shards = {s for s, e in hit_params[live_name] if e is None and s is not None}
+            leaf = _strip_base_layer(module_name).rpartition(".")[2]
+            expected = len(packed.get(leaf, ()))
+            if shards and expected and len(shards) != expected:
+                raise ManifestMismatchError(
+                    f"partial update: layer {module_name!r} is packed from {expected} "
+                    f"checkpoint tensors but the version has {len(shards)} (e.g. {example!r}); "
+                    "send all of them"
+                )
+
+
+def _check_loaded(
+    batch: Sequence[tuple[str, torch.Tensor]],
+    resolved: dict[str, ResolvedName],
+    loaded: Any,
+) -> None:
+    """Exactness: a name the model silently skipped would leave old weights in place."""
+    if loaded is None:  # models whose load_weights returns nothing: nothing to check against
+        return
+    got = {_strip_base_layer(n) for n in loaded}
+    skipped = [
+        name for name, _ in batch if _strip_base_layer(resolved[name].live_name) not in got
+    ]
+    if skipped:
+        raise ManifestMismatchError(
+            f"the model's load_weights skipped {skipped[:5]} (it resolved them, but did not "
+            "load them; a tied lm_head is loaded through the embedding); drop them from "
+            "the version"
+        )
