@@ -12,6 +12,11 @@ import torch
 from weightsync.v1 import weightsync_pb2 as pb
 
 
+# Buffers allocated by this process. A process cannot open its own CUDA IPC handle, and a
+# publisher may well share its process with an embedded ``Sender``.
+_OWN: dict[str, torch.Tensor] = {}
+
+
 @dataclass
 class StagingBuffer:
     """A flat uint8 buffer owned by the sender; ``handle`` lets other processes map it."""
@@ -30,13 +35,22 @@ class Transport(ABC):
 
     name: ClassVar[str]
 
-    @abstractmethod
     def allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
         """Create a buffer of ``nbytes`` that other processes on this host can map."""
+        buffer = self._allocate(nbytes, device)
+        _OWN[buffer.buffer_id] = buffer.tensor
+        return buffer
 
-    @abstractmethod
     def release(self, buffer: StagingBuffer) -> None:
         """Free a buffer this process allocated. Mappings elsewhere stay valid until closed."""
+        _OWN.pop(buffer.buffer_id, None)
+        self._release(buffer)
+
+    @abstractmethod
+    def _allocate(self, nbytes: int, device: torch.device) -> StagingBuffer: ...
+
+    @abstractmethod
+    def _release(self, buffer: StagingBuffer) -> None: ...
 
     @abstractmethod
     def map(self, handle: pb.BufferHandle) -> torch.Tensor:
@@ -52,7 +66,7 @@ class MappedBuffers:
 
     def get(self, handle: pb.BufferHandle) -> torch.Tensor:
         with self._lock:
-            tensor = self._mapped.get(handle.buffer_id)
+            tensor = self._mapped.get(handle.buffer_id, _OWN.get(handle.buffer_id))
             if tensor is None:
                 tensor = transport_for_handle(handle).map(handle)
                 self._mapped[handle.buffer_id] = tensor

@@ -37,14 +37,14 @@ def local_index_of(uuid_str: str, fallback: int) -> int:
 class CudaIpcTransport(Transport):
     name = "cuda_ipc"
 
-    def allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
+    def _allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
         if device.type != "cuda":
             raise TransportError(f"cuda_ipc stages on a CUDA device, not on {device}")
         tensor = torch.empty(nbytes, dtype=torch.uint8, device=device)
         handle = export_handle(tensor)
         return StagingBuffer(handle.buffer_id, tensor, handle)
 
-    def release(self, buffer: StagingBuffer) -> None:
+    def _release(self, buffer: StagingBuffer) -> None:
         buffer.tensor = torch.empty(0, dtype=torch.uint8)
 
     def map(self, handle: pb.BufferHandle) -> torch.Tensor:

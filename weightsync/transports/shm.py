@@ -42,7 +42,7 @@ def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
 class ShmTransport(Transport):
     name = "shm"
 
-    def allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
+    def _allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
         if device.type != "cpu":
             raise TransportError(f"the shm transport stages on the CPU, not on {device}")
         buffer_id = f"weightsync-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -51,7 +51,7 @@ class ShmTransport(Transport):
         handle = pb.BufferHandle(buffer_id=buffer_id, nbytes=nbytes, shm=pb.ShmHandle(path=path))
         return StagingBuffer(buffer_id, tensor, handle)
 
-    def release(self, buffer: StagingBuffer) -> None:
+    def _release(self, buffer: StagingBuffer) -> None:
         # Unlinking frees the memory once every process has dropped its mapping.
         try:
             os.unlink(buffer.handle.shm.path)
