@@ -61,7 +61,7 @@ def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _base_layer_variants(name: str) -> list[str]:
-    """``a.b.weight`` -> ``a.b.base_layer.weight`` and ``a.b.base_layer.weight`` -> ``a.b.weight``."""
+    """``a.b.weight`` <-> ``a.b.base_layer.weight``."""
     parts = name.split(".")
     if _BASE_LAYER in parts:
         return [".".join(p for p in parts if p != _BASE_LAYER)]
@@ -281,9 +281,7 @@ def _return_success_kwarg(loader: Callable) -> dict[str, bool]:
     return {"return_success": True} if "return_success" in params else {}
 
 
-def check_specs(
-    resolver: NameResolver, specs: Sequence[TensorSpec]
-) -> dict[str, ResolvedName]:
+def check_specs(resolver: NameResolver, specs: Sequence[TensorSpec]) -> dict[str, ResolvedName]:
     """Resolve ``specs`` and check dtype and shape against the live model, writing nothing.
 
     Raises:

@@ -34,13 +34,9 @@ def hf_config(kind: str):
     from transformers import LlamaConfig, Qwen2Config, Qwen3MoeConfig
 
     if kind == "qwen2":
-        return Qwen2Config(
-            architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **_COMMON
-        )
+        return Qwen2Config(architectures=["Qwen2ForCausalLM"], tie_word_embeddings=True, **_COMMON)
     if kind == "llama":
-        return LlamaConfig(
-            architectures=["LlamaForCausalLM"], tie_word_embeddings=False, **_COMMON
-        )
+        return LlamaConfig(architectures=["LlamaForCausalLM"], tie_word_embeddings=False, **_COMMON)
     if kind == "qwen3_moe":
         return Qwen3MoeConfig(
             architectures=["Qwen3MoeForCausalLM"],
@@ -97,7 +93,9 @@ def random_weights(template: dict[str, torch.Tensor], seed: int) -> dict[str, to
     return out
 
 
-def hf_greedy(model: torch.nn.Module, prompts: Sequence[Sequence[int]] = PROMPTS) -> list[list[int]]:
+def hf_greedy(
+    model: torch.nn.Module, prompts: Sequence[Sequence[int]] = PROMPTS
+) -> list[list[int]]:
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -113,7 +111,9 @@ def hf_greedy(model: torch.nn.Module, prompts: Sequence[Sequence[int]] = PROMPTS
     return outputs
 
 
-def vllm_greedy(llm, prompts: Sequence[Sequence[int]] = PROMPTS, lora_request=None) -> list[list[int]]:
+def vllm_greedy(
+    llm, prompts: Sequence[Sequence[int]] = PROMPTS, lora_request=None
+) -> list[list[int]]:
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=MAX_NEW_TOKENS, temperature=0.0, ignore_eos=True)
@@ -158,12 +158,12 @@ def _identity(worker):
 def manifest_of(
     version: int, tensors: dict[str, torch.Tensor], lora: LoraAdapterSpec | None = None
 ) -> VersionManifest:
-    return VersionManifest(
-        version, tuple(TensorSpec.of(n, t) for n, t in tensors.items()), lora
-    )
+    return VersionManifest(version, tuple(TensorSpec.of(n, t) for n, t in tensors.items()), lora)
 
 
-def drive(target, manifest: VersionManifest, tensors: dict[str, torch.Tensor], per_bucket: int) -> None:
+def drive(
+    target, manifest: VersionManifest, tensors: dict[str, torch.Tensor], per_bucket: int
+) -> None:
     """validate/begin/load/commit with ``per_bucket`` tensors per bucket, each handed over as
     views of ONE reused buffer that is scribbled over after every load (as transports do)."""
     target.validate(manifest)

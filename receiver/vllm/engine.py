@@ -26,15 +26,14 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-
-from weightsync.errors import ConfigError, ProtocolError, VersionError
 from weightsync.receiver.vllm.lora import LoraStore
 from weightsync.receiver.vllm.target import VllmWeightTarget
+
+from weightsync.errors import ConfigError, ProtocolError, VersionError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
-
     from weightsync.receiver.core import ReceiverCore
 
 BACKEND_NAME = "weightsync"
@@ -105,9 +104,7 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         from weightsync.receiver.core import ReceiverCore
 
         self.shutdown()
-        lora_store = (
-            LoraStore(init_info.lora_dir, None) if self.vllm_config.lora_config else None
-        )
+        lora_store = LoraStore(init_info.lora_dir, None) if self.vllm_config.lora_config else None
         # After each sync the worker calls reset_lora_state itself; the adapter is then
         # reloaded from lora_store's path by the next request that names it.
         self.target = VllmWeightTarget(
@@ -166,4 +163,3 @@ def register_engine() -> None:
         # vLLM loads general plugins more than once per process (and in every process).
         if "already registered" not in str(e):
             raise
-

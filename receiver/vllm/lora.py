@@ -107,7 +107,9 @@ class LoraStore:
         except ValueError as e:
             raise ManifestMismatchError(f"LoRA adapter {spec.name!r}: {e}") from e
 
-    def register(self, adapter: tuple[LoraAdapterSpec, dict[str, torch.Tensor]], version: int) -> str:
+    def register(
+        self, adapter: tuple[LoraAdapterSpec, dict[str, torch.Tensor]], version: int
+    ) -> str:
         """Write the adapter, point its stable path at it, and load it into the worker."""
         spec, tensors = adapter
         path = self._write(spec, tensors, version)
@@ -144,4 +146,3 @@ class LoraStore:
 
 def _is_lora_weight(name: str) -> bool:
     return name.endswith((".lora_A.weight", ".lora_B.weight")) or ".lora_embedding_" in name
-

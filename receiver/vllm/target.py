@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from weightsync.receiver.names import NameResolver, ResolvedName, check_specs, live_tensors
+from weightsync.receiver.vllm.lora import LoraAccumulator, LoraStore
 
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
-from weightsync.receiver.names import NameResolver, ResolvedName, check_specs, live_tensors
-from weightsync.receiver.vllm.lora import LoraAccumulator, LoraStore
 
 # Layerwise reload leaves these alone (vLLM builds them outside create_weights), so a partial
 # update need not cover them; see vllm.model_executor.model_loader.reload.meta.SKIP_TENSORS.
@@ -178,7 +178,9 @@ class VllmWeightTarget:
             _check_whole_layers(resolved, view, self.model)
         self._resolved = resolved
         self._tied = {
-            name: aliases for name, hit in resolved.items() if (aliases := resolver.aliases(hit.live_name))
+            name: aliases
+            for name, hit in resolved.items()
+            if (aliases := resolver.aliases(hit.live_name))
         }
 
     def begin(self, manifest: VersionManifest) -> None:
@@ -306,9 +308,7 @@ def _check_loaded(
     if loaded is None:  # models whose load_weights returns nothing: nothing to check against
         return
     got = {_strip_base_layer(n) for n in loaded}
-    skipped = [
-        name for name, _ in batch if _strip_base_layer(resolved[name].live_name) not in got
-    ]
+    skipped = [name for name, _ in batch if _strip_base_layer(resolved[name].live_name) not in got]
     if skipped:
         raise ManifestMismatchError(
             f"the model's load_weights skipped {skipped[:5]} (it resolved them, but did not "

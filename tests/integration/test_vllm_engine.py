@@ -9,6 +9,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
+from weightsync.sender import Publisher  # noqa: E402
+
 from tests.vllm_support import (  # noqa: E402
     checkpoint_template,
     hf_reference,
@@ -17,7 +19,6 @@ from tests.vllm_support import (  # noqa: E402
     save_checkpoint,
     vllm_greedy,
 )
-from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -86,7 +87,6 @@ def test_three_versions_through_vllm_weight_transfer(engine, sender_address):
 
 def test_register_is_idempotent():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
     from weightsync.receiver.vllm_plugin import register
 
     register()

@@ -11,6 +11,8 @@ import torch
 vllm = pytest.importorskip("vllm")
 peft = pytest.importorskip("peft")
 
+from weightsync.receiver.vllm import VllmWeightTarget, lora_id, lora_request  # noqa: E402
+
 from tests.vllm_support import (  # noqa: E402
     checkpoint_template,
     drive,
@@ -24,7 +26,6 @@ from tests.vllm_support import (  # noqa: E402
 )
 from weightsync.errors import ManifestMismatchError  # noqa: E402
 from weightsync.manifest import LoraAdapterSpec  # noqa: E402
-from weightsync.receiver.vllm import VllmWeightTarget, lora_id, lora_request  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -58,9 +59,7 @@ def _peft_adapter(base, seed: int):
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
-    tensors = {
-        k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()
-    }
+    tensors = {k: v.detach().clone() for k, v in peft.get_peft_model_state_dict(model).items()}
     config_json = json.dumps(config.to_dict(), default=sorted)
     return model.eval(), tensors, config_json
 

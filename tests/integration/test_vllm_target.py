@@ -7,6 +7,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
+from weightsync.receiver.vllm import VllmWeightTarget  # noqa: E402
+
 from tests.vllm_support import (  # noqa: E402
     checkpoint_template,
     drive,
@@ -21,7 +23,6 @@ from tests.vllm_support import (  # noqa: E402
 from weightsync.buckets import TensorSpec  # noqa: E402
 from weightsync.errors import ManifestMismatchError, NameResolutionError  # noqa: E402
 from weightsync.manifest import VersionManifest  # noqa: E402
-from weightsync.receiver.vllm import VllmWeightTarget  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -87,9 +88,9 @@ def test_partial_update(engine):
 def test_partial_layer_rejected(engine):
     _, _, llm, target, template, _ = engine
     before = vllm_greedy(llm)
-    only_q = {"model.layers.0.self_attn.q_proj.weight": template[
-        "model.layers.0.self_attn.q_proj.weight"
-    ]}
+    only_q = {
+        "model.layers.0.self_attn.q_proj.weight": template["model.layers.0.self_attn.q_proj.weight"]
+    }
     with pytest.raises(ManifestMismatchError, match="qkv_proj"):
         target.validate(manifest_of(9, only_q))
     assert vllm_greedy(llm) == before
