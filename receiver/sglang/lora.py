@@ -1,0 +1,67 @@
+"""LoRA adapters into an SGLang worker through SGLang's tensor adapter loading.
+
+SGLang 0.5's ``LoRAManager.load_lora_adapter_from_tensors(lora_ref, tensors, config_dict)``
+loads an adapter from memory; the tokenizer side routes a request's ``lora_path`` (the adapter
+name) to a ``LoRARef.lora_id`` it registered. So the loader replaces an adapter IN PLACE under
+the same ``LoRARef`` (unload, then load with the identical ref): the tokenizer's registry
+keeps pointing at it and requests by name keep working across versions.
+
+The first version of an adapter must therefore find it registered on the tokenizer side:
+launch the server with ``--lora-paths NAME=PATH`` (any PEFT adapter of the same shape, e.g.
+the initial one) or call ``/load_lora_adapter`` once before the first sync. An adapter the
+worker has never seen is loaded under a fresh ref, usable by the worker but not routable by
+name until the tokenizer learns it.
+
+Tested against SGLang 0.5.23's API (signatures checked in tests/sglang/test_lora_api.py; the
+LoRA manager needs a running server, so the round trip itself runs on GPU machines only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from weightsync.errors import ManifestMismatchError, ReceiverFailedError
+from weightsync.manifest import LoraAdapterSpec
+
+
+class SglangLoraLoader:
+    """Loads completed adapters into a worker's ``LoRAManager`` (``model_runner.lora_manager``)."""
+
+    def __init__(self, lora_manager: Any) -> None:
+        self.lora_manager = lora_manager
+
+    def validate(self, spec: LoraAdapterSpec) -> None:
+        max_rank = getattr(self.lora_manager, "max_lora_rank", None)
+        rank = spec.config.get("r")
+        if isinstance(max_rank, int) and isinstance(rank, int) and rank > max_rank:
+            raise ManifestMismatchError(
+                f"LoRA adapter {spec.name!r} has rank {rank} but the server was launched with "
+                f"--max-lora-rank {max_rank}; relaunch with a larger --max-lora-rank"
+            )
+
+    def _existing_ref(self, name: str) -> Any | None:
+        for ref in self.lora_manager.lora_refs.values():
+            if ref.lora_name == name:
+                return ref
+        return None
+
+    def load(self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor], version: int) -> None:
+        from sglang.srt.lora.lora_registry import LoRARef
+
+        ref = self._existing_ref(spec.name)
+        if ref is not None:
+            self._check(self.lora_manager.unload_lora_adapter(ref), spec, "unload the old")
+        else:
+            ref = LoRARef(lora_name=spec.name, lora_path=f"weightsync://{spec.name}")
+        result = self.lora_manager.load_lora_adapter_from_tensors(ref, tensors, spec.config)
+        self._check(result, spec, f"load version {version} of the")
+
+    @staticmethod
+    def _check(result: Any, spec: LoraAdapterSpec, what: str) -> None:
+        if not getattr(result, "success", False):
+            raise ReceiverFailedError(
+                f"SGLang could not {what} LoRA adapter {spec.name!r}: "
+                f"{getattr(result, 'error_message', result)}"
+            )
