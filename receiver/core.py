@@ -25,6 +25,7 @@ from weightsync.errors import (
 )
 from weightsync.manifest import VersionManifest
 from weightsync.transports import MappedBuffers
+from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, host_id
 from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_from_pb, describe, error_to_pb, manifest_from_pb
@@ -69,6 +70,8 @@ class ReceiverCore:
         """True when a failed version wrote some weights: they match no version until the next."""
         self.last_error: WeightSyncError | None = None
         self._buffers = MappedBuffers()
+        self._group: BroadcastGroup | None = None
+        self._recv_buffer = torch.empty(0, dtype=torch.uint8, device=target.device)
         self._inbox: queue.Queue = queue.Queue()
         self._requests: queue.Queue = queue.Queue()
         self._channel, stub = connect(address, connect_timeout_s)
@@ -82,6 +85,7 @@ class ReceiverCore:
                     device=str(device),
                     device_uuid=device_uuid(device),
                     transports=list(transports),
+                    host_id=host_id(),
                 )
             )
         )
@@ -96,11 +100,33 @@ class ReceiverCore:
     def _pump(self) -> None:
         try:
             for msg in self._stream:
-                self._inbox.put(msg)
+                if msg.WhichOneof("kind") == "join":
+                    self._join(msg.join)
+                else:
+                    self._inbox.put(msg)
         except grpc.RpcError as e:
             self._inbox.put((_STREAM_CLOSED, e.details() or str(e.code())))
             return
         self._inbox.put((_STREAM_CLOSED, "the sender ended the stream"))
+
+    def _join(self, join: pb.GroupJoin) -> None:
+        """Join the sender's broadcast group (here, so it never waits for ``sync()``)."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        spec = GroupSpec(
+            join.group_id,
+            join.store_host,
+            join.store_port,
+            join.world_size,
+            join.backend,
+            join.timeout_s,
+        )
+        try:
+            self._group = BroadcastGroup(spec, join.rank, self.target.device)
+        except TransportError as e:
+            # The sender's side times out too and fails this receiver for the version.
+            self.last_error = e
 
     def _next(self, deadline: float | None, waiting_for: str) -> pb.Announcement:
         left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
@@ -197,7 +223,7 @@ class ReceiverCore:
     def _verified_bucket(self, msg: pb.BucketAnnouncement) -> tuple[Bucket, torch.Tensor]:
         """Map the bucket's buffer and check its checksum; nothing is written yet."""
         bucket = bucket_from_pb(msg.layout)
-        buffer = self._buffers.get(msg.buffer)
+        buffer = self._receive_broadcast(msg) if msg.group_id else self._buffers.get(msg.buffer)
         if not self.verify_checksums:
             return bucket, buffer
         if msg.checksum_algorithm != ALGORITHM:
@@ -215,6 +241,22 @@ class ReceiverCore:
             )
         return bucket, buffer
 
+    def _receive_broadcast(self, msg: pb.BucketAnnouncement) -> torch.Tensor:
+        group = self._group
+        if group is None or group.spec.group_id != msg.group_id:
+            raise TransportError(
+                f"bucket {msg.layout.index} of version {msg.version} comes by broadcast in group "
+                f"{msg.group_id}, which this receiver did not join"
+                + (f" ({self.last_error})" if self.last_error else "")
+            )
+        nbytes = msg.layout.nbytes
+        if self._recv_buffer.numel() < nbytes:
+            # One buffer suffices: this receiver loads a bucket before receiving the next.
+            self._recv_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.target.device)
+        view = self._recv_buffer[:nbytes]
+        group.broadcast(view)
+        return view
+
     def _finish_reads(self, buffer: torch.Tensor) -> None:
         # The ack frees the buffer for the next bucket: every read of it must be done.
         if buffer.is_cuda:
@@ -223,6 +265,8 @@ class ReceiverCore:
             torch.cuda.current_stream(self.target.device).synchronize()
 
     def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
         self._requests.put(None)
         self._stream.cancel()
         self._channel.close()

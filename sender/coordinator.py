@@ -13,6 +13,7 @@ import uuid
 from collections import OrderedDict
 
 import torch
+from weightsync.sender.broadcaster import Broadcaster
 from weightsync.sender.runs import (
     APPLIED,
     FAILED,
@@ -39,6 +40,7 @@ from weightsync.errors import (
 from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.transports import get_transport, resolve_transport
+from weightsync.transports.broadcast import host_id
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb, error_to_pb, manifest_to_pb
 
@@ -59,6 +61,8 @@ class Coordinator:
         self._slots: list[Slot] = []
         self._last_version = 0
         self._drive_lock = threading.Lock()
+        self._broadcaster = Broadcaster(settings.broadcast_host, settings.ack_timeout_s)
+        self._host_id = host_id()
         self._closed = False
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
         self._monitor.start()
@@ -71,8 +75,15 @@ class Coordinator:
             old = self._receivers.get(rid)
             if old is not None and old.connected:
                 raise ConfigError(f"receiver id {rid!r} is already connected; ids must be unique")
+            remote = bool(hello.host_id) and hello.host_id != self._host_id
+            broadcast = self.settings.transport == "nccl" or remote
             conn = ReceiverConn(
-                rid, hello.engine, hello.rank, hello.device, tuple(hello.transports)
+                rid,
+                hello.engine,
+                hello.rank,
+                hello.device,
+                tuple(hello.transports),
+                data_path="broadcast" if broadcast else "map",
             )
             if old is not None:
                 conn.applied_version, conn.dirty = old.applied_version, old.dirty
@@ -196,19 +207,24 @@ class Coordinator:
 
     def _drive(self, run: VersionRun, device: torch.device) -> None:
         with self._drive_lock:
+            # A bucket's broadcast runs while the publisher packs the next one.
+            pending: tuple[Slot, int] | None = None
             try:
                 self._start(run, device)
+                self._connect_group(run)
                 for bucket in run.plan.buckets:
                     slot = self._acquire_slot(run)
                     layout = bucket_to_pb(bucket)
-                    for rank in run.ranks.values():
-                        rank.outbox.put(
-                            pb.SenderReply(
-                                pack=pb.PackBucket(
-                                    version=run.version, layout=layout, buffer=slot.buffer.handle
-                                )
-                            )
+                    pack = pb.SenderReply(
+                        pack=pb.PackBucket(
+                            version=run.version, layout=layout, buffer=slot.buffer.handle
                         )
+                    )
+                    for rank in run.ranks.values():
+                        rank.outbox.put(pack)
+                    if pending:
+                        self._broadcast(run, *pending)
+                        pending = None
                     self._wait(
                         run,
                         lambda i=bucket.index: all(i in r.packed for r in run.ranks.values()),
@@ -216,8 +232,11 @@ class Coordinator:
                         f"publisher to pack bucket {bucket.index}",
                     )
                     checksum = bucket_checksum(slot.buffer.tensor, bucket.nbytes)
-                    self._announce(run, slot, layout, checksum)
+                    if self._announce(run, slot, layout, checksum):
+                        pending = (slot, bucket.nbytes)
                 self._staged(run)
+                if pending:
+                    self._broadcast(run, *pending)
             except _RunAborted:
                 pass
             except WeightSyncError as e:
@@ -226,7 +245,7 @@ class Coordinator:
             finally:
                 with self._cond:
                     for slot in self._slots:
-                        slot.packing = False
+                        slot.packing = slot.broadcasting = False
                     self._cond.notify_all()
 
     def _start(self, run: VersionRun, device: torch.device) -> None:
@@ -241,13 +260,16 @@ class Coordinator:
                 if not conn.connected:
                     continue
                 outcome = run.outcomes[conn.receiver_id] = Outcome()
-                if conn.transports and run.transport not in conn.transports:
+                if (
+                    conn.data_path == "map"
+                    and conn.transports
+                    and (run.transport not in conn.transports)
+                ):
                     self._fail(
                         run,
                         conn.receiver_id,
                         TransportError(
-                            f"receiver {conn.receiver_id} opens {list(conn.transports)}, "
-                            "the sender "
+                            f"receiver {conn.receiver_id} opens {list(conn.transports)}, the sender "
                             f"stages with {run.transport}"
                         ),
                     )
@@ -255,7 +277,36 @@ class Coordinator:
                 outcome.expect("verdict", self.settings.ack_timeout_s)
                 conn.state = "applying"
                 conn.send(start)
+            members = tuple(
+                rid for rid in run.active() if self._receivers[rid].data_path == "broadcast"
+            )
+            for rid, join in self._broadcaster.invite(members, device).items():
+                self._receivers[rid].send(join)
             self.metrics.version_started(run)
+
+    def _connect_group(self, run: VersionRun) -> None:
+        """Wait for invited receivers to join the broadcast group; fail them if they don't."""
+        try:
+            self._broadcaster.connect()
+        except TransportError as e:
+            with self._cond:
+                for rid in self._broadcast_members(run):
+                    self._fail(run, rid, e)
+
+    def _broadcast(self, run: VersionRun, slot: Slot, nbytes: int) -> None:
+        try:
+            self._broadcaster.broadcast(slot.buffer.tensor[:nbytes])
+        except TransportError as e:
+            with self._cond:
+                for rid in self._broadcast_members(run):
+                    self._fail(run, rid, e)
+        finally:
+            with self._cond:
+                slot.broadcasting = False
+                self._cond.notify_all()
+
+    def _broadcast_members(self, run: VersionRun) -> list[str]:
+        return [rid for rid in run.active() if self._receivers[rid].data_path == "broadcast"]
 
     def _ensure_slots(self, run: VersionRun, device: torch.device) -> None:
         need = max((b.nbytes for b in run.plan.buckets), default=0) or 256
@@ -295,26 +346,40 @@ class Coordinator:
 
     def _announce(
         self, run: VersionRun, slot: Slot, layout: pb.BucketLayout, checksum: int
-    ) -> None:
+    ) -> bool:
+        """Announce a packed bucket; returns whether broadcast receivers wait for its bytes."""
         with self._cond:
             if run.done:
                 raise _RunAborted()
             slot.packing, slot.version, slot.bucket_index = False, run.version, layout.index
-            msg = pb.Announcement(
-                bucket=pb.BucketAnnouncement(
-                    version=run.version,
-                    layout=layout,
-                    buffer=slot.buffer.handle,
-                    checksum_algorithm=ALGORITHM,
-                    checksum=checksum,
-                )
+            mapped = pb.BucketAnnouncement(
+                version=run.version,
+                layout=layout,
+                buffer=slot.buffer.handle,
+                checksum_algorithm=ALGORITHM,
+                checksum=checksum,
             )
+            sent = pb.BucketAnnouncement(
+                version=run.version,
+                layout=layout,
+                checksum_algorithm=ALGORITHM,
+                checksum=checksum,
+                group_id=self._broadcaster.group_id,
+            )
+            any_broadcast = False
             for rid in run.active():
-                slot.readers.add(rid)
+                conn = self._receivers[rid]
                 run.outcomes[rid].expect(f"bucket:{layout.index}", self.settings.ack_timeout_s)
-                self._receivers[rid].send(msg)
+                if conn.data_path == "broadcast":
+                    any_broadcast = True
+                    conn.send(pb.Announcement(bucket=sent))
+                else:
+                    slot.readers.add(rid)
+                    conn.send(pb.Announcement(bucket=mapped))
+            slot.broadcasting = any_broadcast
             self.metrics.bucket_announced(layout.nbytes)
             self._cond.notify_all()
+            return any_broadcast
 
     def _staged(self, run: VersionRun) -> None:
         with self._cond:
@@ -466,6 +531,7 @@ class Coordinator:
                         applied_version=c.applied_version,
                         state=c.state,
                         last_error=c.last_error,
+                        data_path=c.data_path,
                     )
                     for c in sorted(self._receivers.values(), key=lambda c: c.receiver_id)
                 ],
@@ -491,4 +557,5 @@ class Coordinator:
             for slot in self._slots:
                 get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
             self._slots = []
+            self._broadcaster.close()
             self._cond.notify_all()

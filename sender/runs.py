@@ -28,6 +28,8 @@ class ReceiverConn:
     rank: int
     device: str
     transports: tuple[str, ...]
+    data_path: str = "map"
+    """"map": open the staging buffers (same host); "broadcast": receive them from the sender."""
     outbox: queue.Queue = field(default_factory=queue.Queue)
     connected: bool = True
     applied_version: int = 0
@@ -82,10 +84,11 @@ class Slot:
     bucket_index: int = -1
     readers: set[str] = field(default_factory=set)
     packing: bool = False
+    broadcasting: bool = False
 
     @property
     def free(self) -> bool:
-        return not self.readers and not self.packing
+        return not self.readers and not self.packing and not self.broadcasting
 
 
 @dataclass

@@ -34,10 +34,12 @@ def step(model: torch.nn.Module, seed: int) -> None:
 from weightsync.demo import state_digests as digests  # noqa: E402
 
 
-def _receiver_main(address, rid, seed, syncs, die_on_version, ready, out):
-    from weightsync.receiver import TorchReceiver
+def _receiver_main(address, rid, seed, syncs, die_on_version, ready, out, env):
+    import os
 
+    os.environ.update(env)
     from weightsync.errors import WeightSyncError
+    from weightsync.receiver import TorchReceiver
 
     model = TinyNet(seed)
     receiver = TorchReceiver(model, address, receiver_id=rid)
@@ -64,8 +66,17 @@ def _receiver_main(address, rid, seed, syncs, die_on_version, ready, out):
             out.put((rid, type(e).__name__, receiver.applied_version, digests(model), str(e)))
 
 
-def start_receivers(address: str, ids: list[str], syncs: int, die_on_version: dict | None = None):
-    """Start one process per id; returns (processes, out queue) once all registered."""
+def start_receivers(
+    address: str,
+    ids: list[str],
+    syncs: int,
+    die_on_version: dict | None = None,
+    env: dict | None = None,
+):
+    """Start one process per id; returns (processes, out queue) once all registered.
+
+    ``env`` maps a receiver id to environment variables set in its process.
+    """
     ctx = mp.get_context("spawn")
     ready, out = ctx.Queue(), ctx.Queue()
     procs = []
@@ -73,7 +84,16 @@ def start_receivers(address: str, ids: list[str], syncs: int, die_on_version: di
         p = ctx.Process(
             target=_receiver_main,
             daemon=True,
-            args=(address, rid, 100 + i, syncs, (die_on_version or {}).get(rid, 0), ready, out),
+            args=(
+                address,
+                rid,
+                100 + i,
+                syncs,
+                (die_on_version or {}).get(rid, 0),
+                ready,
+                out,
+                (env or {}).get(rid, {}),
+            ),
         )
         p.start()
         procs.append(p)

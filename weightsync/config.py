@@ -20,7 +20,15 @@ class SenderSettings(BaseSettings):
     listen: str = Field(DEFAULT_ADDRESS, description="unix:/path or host:port (port 0: any)")
     bucket_size_bytes: int = Field(DEFAULT_BUCKET_SIZE_BYTES, gt=0)
     num_buffers: int = Field(2, ge=2, description="staging buffers; >= 2 so packing overlaps")
-    transport: Literal["auto", "shm", "cuda_ipc"] = "auto"
+    transport: Literal["auto", "shm", "cuda_ipc", "nccl"] = Field(
+        "auto",
+        description="auto: receivers on this host map the staging buffers (cuda_ipc for CUDA "
+        "tensors, shm for CPU ones), receivers on other hosts get broadcasts; nccl: broadcast "
+        "to every receiver (gloo for CPU staging)",
+    )
+    broadcast_host: str = Field(
+        "127.0.0.1", description="address remote receivers reach the broadcast rendezvous at"
+    )
     ack_timeout_s: float = Field(
         120.0, gt=0, description="a receiver silent this long during a version is failed for it"
     )

@@ -26,8 +26,12 @@ def get_transport(name: str) -> Transport:
 
 
 def resolve_transport(name: str, device: torch.device) -> str:
-    """``auto`` -> ``cuda_ipc`` for CUDA tensors, ``shm`` for CPU ones; other names pass."""
-    if name == "auto":
+    """The staging transport: ``cuda_ipc`` for CUDA tensors, ``shm`` for CPU ones.
+
+    ``auto`` and ``nccl`` pick by device (``nccl`` broadcasts *from* that staging); ``shm`` and
+    ``cuda_ipc`` are taken as given.
+    """
+    if name in ("auto", "nccl"):
         return "cuda_ipc" if device.type == "cuda" else "shm"
     TRANSPORTS.get(name)
     return name

@@ -11,7 +11,6 @@ import torch
 
 from weightsync.v1 import weightsync_pb2 as pb
 
-
 # Buffers allocated by this process. A process cannot open its own CUDA IPC handle, and a
 # publisher may well share its process with an embedded ``Sender``.
 _OWN: dict[str, torch.Tensor] = {}

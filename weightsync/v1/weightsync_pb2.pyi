@@ -193,20 +193,22 @@ class SenderReply(_message.Message):
     def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ...) -> None: ...
 
 class ReceiverHello(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
     device: str
     device_uuid: str
     transports: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
+    host_id: str
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class ManifestVerdict(_message.Message):
     __slots__ = ("version", "accepted", "error")
@@ -267,18 +269,38 @@ class VersionStart(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ...) -> None: ...
 
 class BucketAnnouncement(_message.Message):
-    __slots__ = ("version", "layout", "buffer", "checksum_algorithm", "checksum")
+    __slots__ = ("version", "layout", "buffer", "checksum_algorithm", "checksum", "group_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     layout: BucketLayout
     buffer: BufferHandle
     checksum_algorithm: str
     checksum: int
-    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[int] = ...) -> None: ...
+    group_id: str
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[int] = ..., group_id: _Optional[str] = ...) -> None: ...
+
+class GroupJoin(_message.Message):
+    __slots__ = ("group_id", "store_host", "store_port", "rank", "world_size", "backend", "timeout_s")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    STORE_HOST_FIELD_NUMBER: _ClassVar[int]
+    STORE_PORT_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    store_host: str
+    store_port: int
+    rank: int
+    world_size: int
+    backend: str
+    timeout_s: float
+    def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class VersionEnd(_message.Message):
     __slots__ = ("version",)
@@ -295,18 +317,20 @@ class VersionAbort(_message.Message):
     def __init__(self, version: _Optional[int] = ..., reason: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class Announcement(_message.Message):
-    __slots__ = ("welcome", "start", "bucket", "end", "abort")
+    __slots__ = ("welcome", "start", "bucket", "end", "abort", "join")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    JOIN_FIELD_NUMBER: _ClassVar[int]
     welcome: ReceiverWelcome
     start: VersionStart
     bucket: BucketAnnouncement
     end: VersionEnd
     abort: VersionAbort
-    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ...) -> None: ...
+    join: GroupJoin
+    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ..., join: _Optional[_Union[GroupJoin, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -325,7 +349,7 @@ class PublisherStatus(_message.Message):
     def __init__(self, publisher_id: _Optional[str] = ..., ranks_connected: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ReceiverStatus(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error", "data_path")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -334,6 +358,7 @@ class ReceiverStatus(_message.Message):
     APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -342,7 +367,8 @@ class ReceiverStatus(_message.Message):
     applied_version: int
     state: str
     last_error: str
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ...) -> None: ...
+    data_path: str
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., data_path: _Optional[str] = ...) -> None: ...
 
 class ReceiverOutcome(_message.Message):
     __slots__ = ("receiver_id", "state", "error", "applied_at_unix_s")
