@@ -1,0 +1,197 @@
+"""SglangHttpClient against a local HTTP server that records requests.
+
+No SGLang server can run here (CPU only: SGLang's engine needs CUDA or sgl-kernel's CPU build),
+so this checks the exact request sequence and the failure handling against a stand-in that
+answers like SGLang 0.5.23's routes (status 400 with {"success": false, "message"} or plain
+text on failure). Runs in the main venv; SGLang is not imported.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from weightsync.receiver.sglang.http_client import (
+    HOOK_LOAD_FORMAT,
+    PauseMode,
+    SglangHttpClient,
+    SglangUpdateError,
+)
+
+from weightsync.errors import ConfigError
+
+KV = {"tags": ["kv_cache"]}
+EMPTY = base64.b64encode(pickle.dumps([])).decode()
+
+
+class FakeSglang:
+    """Records (route, body); ``fail[route]`` makes that route answer HTTP 400."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict]] = []
+        self.fail: dict[str, str] = {}
+        self.soft_fail: dict[str, str] = {}
+        """Routes answering 200 with {"success": false} (some SGLang routes do)."""
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.requests.append((self.path, body))
+                if self.path in fake.fail:
+                    self._answer(400, {"success": False, "message": fake.fail[self.path]})
+                elif self.path in fake.soft_fail:
+                    self._answer(200, {"success": False, "message": fake.soft_fail[self.path]})
+                elif self.path == "/release_memory_occupation":
+                    self._answer(200, None)  # SGLang's route returns nothing on success
+                else:
+                    self._answer(200, {"success": True, "message": "ok"})
+
+            def _answer(self, status: int, content: object) -> None:
+                data = json.dumps(content).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+        ).start()
+
+    def routes(self) -> list[str]:
+        return [route for route, _ in self.requests]
+
+
+@pytest.fixture
+def sglang():
+    fake = FakeSglang()
+    yield fake
+    fake.server.shutdown()
+    fake.server.server_close()
+
+
+def update_body(tp_size: int) -> dict:
+    return {"serialized_named_tensors": [EMPTY] * tp_size, "load_format": HOOK_LOAD_FORMAT,
+            "flush_cache": False, "selector": "target"}
+
+
+def test_full_sequence_with_pause_and_kv_release(sglang):
+    SglangHttpClient(sglang.url, tp_size=2, pause=PauseMode.WAIT, release_kv_cache=True).update(7)
+    assert sglang.requests == [
+        ("/pause_generation", {"mode": "retract"}),
+        ("/release_memory_occupation", KV),
+        ("/begin_weight_update", {"selector": "target"}),
+        ("/update_weights_from_tensor", update_body(2)),
+        ("/end_weight_update", {}),
+        ("/resume_memory_occupation", KV),
+        ("/flush_cache", {}),
+        ("/update_weight_version", {"new_version": "7", "abort_all_requests": False}),
+        ("/continue_generation", {}),
+    ]
+
+
+def test_payload_is_an_empty_list_per_rank(sglang):
+    SglangHttpClient(sglang.url, tp_size=3, pause=None).update(1)
+    payloads = dict(sglang.requests)["/update_weights_from_tensor"]["serialized_named_tensors"]
+    assert [pickle.loads(base64.b64decode(p)) for p in payloads] == [[], [], []]
+
+
+@pytest.mark.parametrize("mode", list(PauseMode))
+def test_pause_modes_without_release(sglang, mode):
+    SglangHttpClient(sglang.url, pause=mode).update(2)
+    assert sglang.requests[0] == ("/pause_generation", {"mode": mode.value})
+    assert sglang.routes() == [
+        "/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
+        "/end_weight_update", "/flush_cache", "/update_weight_version", "/continue_generation",
+    ]
+
+
+def test_no_pause(sglang):
+    SglangHttpClient(sglang.url, pause=None).update(3)
+    assert sglang.routes() == [
+        "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
+        "/flush_cache", "/update_weight_version",
+    ]
+
+
+@pytest.mark.parametrize(
+    "failing, step, undone",
+    [
+        ("/pause_generation", "pause_generation", []),
+        ("/release_memory_occupation", "release_kv_cache", ["/continue_generation"]),
+        ("/begin_weight_update", "begin_weight_update",
+         ["/resume_memory_occupation", "/continue_generation"]),
+    ],
+)
+def test_failure_before_update_restores_serving_old_weights(sglang, failing, step, undone):
+    sglang.fail[failing] = "boom"
+    client = SglangHttpClient(sglang.url, pause=PauseMode.ABORT, release_kv_cache=True)
+    with pytest.raises(SglangUpdateError, match="previous weights") as info:
+        client.update(4)
+    assert (info.value.step, info.value.weights_changed) == (step, False)
+    assert "boom" in str(info.value)
+    done = sglang.routes()
+    assert done[done.index(failing) + 1 :] == undone
+    assert "/update_weights_from_tensor" not in done
+
+
+def test_failed_update_closes_session_but_stays_paused(sglang):
+    sglang.fail["/update_weights_from_tensor"] = "NameResolutionError: 'model.x.weight'"
+    client = SglangHttpClient(sglang.url, pause=PauseMode.WAIT, release_kv_cache=True)
+    with pytest.raises(SglangUpdateError, match="model.x.weight") as info:
+        client.update(5)
+    assert (info.value.step, info.value.weights_changed) == ("update_weights", True)
+    routes = sglang.routes()
+    assert routes[routes.index("/update_weights_from_tensor") + 1 :] == [
+        "/end_weight_update", "/resume_memory_occupation",
+    ]
+
+
+@pytest.mark.parametrize(
+    "failing, step",
+    [
+        ("/end_weight_update", "end_weight_update"),
+        ("/flush_cache", "flush_cache"),
+        ("/update_weight_version", "set_weight_version"),
+        ("/continue_generation", "continue_generation"),
+    ],
+)
+def test_failure_after_update_names_step_and_stops(sglang, failing, step):
+    sglang.fail[failing] = "nope"
+    with pytest.raises(SglangUpdateError, match="NEW weights") as info:
+        SglangHttpClient(sglang.url, pause=PauseMode.WAIT).update(6)
+    assert (info.value.step, info.value.weights_changed) == (step, True)
+    assert sglang.routes()[-1] == failing  # nothing after it: generation is not resumed
+
+
+def test_success_false_with_status_200_is_a_failure(sglang):
+    sglang.soft_fail["/update_weight_version"] = "version rejected"
+    with pytest.raises(SglangUpdateError, match="version rejected") as info:
+        SglangHttpClient(sglang.url, pause=None).update(1)
+    assert info.value.step == "set_weight_version"
+
+
+def test_unreachable_server_names_the_first_step():
+    with socket.socket() as s:  # a port nothing listens on once closed
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(SglangUpdateError, match="pause_generation.*unreachable") as info:
+        SglangHttpClient(f"http://127.0.0.1:{port}", timeout_s=5).update(1)
+    assert not info.value.weights_changed
+
+
+def test_release_kv_needs_an_idle_engine():
+    with pytest.raises(ConfigError, match="release_kv_cache"):
+        SglangHttpClient("http://x", pause=PauseMode.KEEP, release_kv_cache=True)
+    with pytest.raises(ConfigError, match="release_kv_cache"):
+        SglangHttpClient("http://x", pause=None, release_kv_cache=True)
