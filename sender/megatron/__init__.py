@@ -1,0 +1,38 @@
+"""Megatron-core -> HF conversion: shard metadata, per-module-kind rules, planning, packing.
+
+Pure parts (``rules``, ``names``, ``plan``, ``pieces``) never import megatron-core; only
+:func:`collect_shards` / :func:`topology_from_parallel_state` read a live trainer rank.
+"""
+
+from .convert import check_shard_tensors, convert_megatron_to_hf, gather_local_shards
+from .dims import ModelDims
+from .pieces import CopyPiece, pack_pieces
+from .plan import RankPlan, check_coverage, hf_dims, hf_manifest, plan_rank
+from .shards import (
+    LocalShards,
+    RankTopology,
+    ShardMeta,
+    collect_shards,
+    shard_of,
+    topology_from_parallel_state,
+)
+
+__all__ = [
+    "CopyPiece",
+    "LocalShards",
+    "ModelDims",
+    "RankPlan",
+    "RankTopology",
+    "ShardMeta",
+    "check_coverage",
+    "check_shard_tensors",
+    "collect_shards",
+    "convert_megatron_to_hf",
+    "gather_local_shards",
+    "hf_dims",
+    "hf_manifest",
+    "pack_pieces",
+    "plan_rank",
+    "shard_of",
+    "topology_from_parallel_state",
+]

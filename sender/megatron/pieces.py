@@ -1,0 +1,149 @@
+"""Copy pieces and the packer that writes them straight into a bucket.
+
+A :class:`CopyPiece` says how one rectangular part of one local Megatron shard lands in one
+HF tensor. :func:`pack_pieces` copies the pieces of one bucket entry (a whole HF tensor or a
+dim-0 row range of it) from the live shards into the bucket buffer: views only, one
+``copy_`` per piece, no intermediate full tensor and no allocation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.buckets import BucketEntry
+from weightsync.errors import PlanError
+
+Narrow = tuple[int, int, int]
+"""``(dim, start, length)``: ``tensor.narrow(dim, start, length)``."""
+
+
+@dataclass(frozen=True)
+class CopyPiece:
+    """One shard region -> one HF tensor region (same number of elements, same order).
+
+    The source region is ``shard.view(src_view).transpose(*src_transpose)`` (each only when
+    set) narrowed by ``src``; the destination region is the HF tensor narrowed by ``dst``.
+    The source region is viewed as the destination region's shape before copying (the two
+    differ only for layouts that fold experts into one tensor, e.g. a leading 1).
+    """
+
+    shard_key: str
+    """:attr:`~weightsync.sender.megatron.shards.ShardMeta.key` of the source shard."""
+    src: tuple[Narrow, ...] = ()
+    dst: tuple[Narrow, ...] = ()
+    src_view: tuple[int, ...] | None = None
+    src_transpose: tuple[int, int] | None = None
+
+    def dst_box(self, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` per dim of the destination region inside an HF tensor of ``shape``."""
+        box = [(0, n) for n in shape]
+        for dim, start, length in self.dst:
+            box[dim] = (start, start + length)
+        return tuple(box)
+
+    def dst_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(stop - start for start, stop in self.dst_box(shape))
+
+    @property
+    def is_whole(self) -> bool:
+        """True when the piece is the whole shard copied onto the whole HF tensor."""
+        return not (self.src or self.dst or self.src_view or self.src_transpose)
+
+
+def source_region(piece: CopyPiece, shard: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """The piece's source region as a view of ``shard``, shaped like the destination region."""
+    src = shard
+    if piece.src_view is not None:
+        src = src.view(piece.src_view)
+    if piece.src_transpose is not None:
+        src = src.transpose(*piece.src_transpose)
+    for dim, start, length in piece.src:
+        src = src.narrow(dim, start, length)
+    if tuple(src.shape) != shape:
+        src = src.view(shape)
+    return src
+
+
+def _rows(entry: BucketEntry) -> tuple[int, int]:
+    """The dim-0 row range ``[first, stop)`` an entry covers; PlanError if not whole rows."""
+    spec = entry.spec
+    if not spec.shape:
+        return 0, 1
+    row = spec.row_bytes
+    if row == 0:
+        return 0, spec.shape[0]
+    if entry.tensor_offset % row or entry.nbytes % row:
+        raise PlanError(
+            f"{spec.name!r}: bucket chunk at byte {entry.tensor_offset} (+{entry.nbytes}) is not "
+            f"a range of whole rows ({row} bytes each); raise bucket_size_bytes above one row"
+        )
+    first = entry.tensor_offset // row
+    return first, first + entry.nbytes // row
+
+
+@torch.no_grad()
+def pack_pieces(
+    buffer: torch.Tensor,
+    entry: BucketEntry,
+    pieces: Sequence[CopyPiece],
+    shards: Mapping[str, torch.Tensor],
+) -> None:
+    """Copy this rank's ``pieces`` of ``entry``'s tensor (or chunk) into ``buffer``.
+
+    Args:
+        buffer: the flat ``uint8`` bucket buffer the entry's ``offset`` refers to.
+        entry: one bucket entry; a chunk must be a dim-0 row range of the HF tensor.
+        pieces: this rank's pieces of that HF tensor (:attr:`RankPlan.pieces`).
+        shards: this rank's live shard tensors by shard key.
+
+    Raises:
+        PlanError: a chunk that is not whole rows, a missing shard, or a piece that does not
+            fit the shard.
+    """
+    spec = entry.spec
+    if entry.nbytes == 0 or not pieces:
+        return
+    first, stop = _rows(entry)
+    raw = buffer[entry.offset : entry.offset + entry.nbytes]
+    if spec.shape:
+        region = raw.view(spec.torch_dtype).view((stop - first, *spec.shape[1:]))
+    else:
+        region = raw.view(spec.torch_dtype).view(())
+    for piece in pieces:
+        try:
+            shard = shards[piece.shard_key]
+        except KeyError:
+            raise PlanError(
+                f"{spec.name!r}: shard {piece.shard_key!r} is not registered on this rank"
+            ) from None
+        box = piece.dst_box(spec.shape)
+        try:
+            src = source_region(piece, shard, tuple(b - a for a, b in box))
+        except RuntimeError as e:
+            raise PlanError(
+                f"{spec.name!r}: shard {piece.shard_key!r} {tuple(shard.shape)} does not fit its "
+                f"planned piece ({e}); re-plan after the layout changed"
+            ) from None
+        if not spec.shape:
+            region.copy_(src, non_blocking=True)
+            continue
+        lo, hi = max(box[0][0], first), min(box[0][1], stop)
+        if lo >= hi:
+            continue
+        dst = region.narrow(0, lo - first, hi - lo)
+        for dim, start, length in piece.dst:
+            if dim != 0:
+                dst = dst.narrow(dim, start, length)
+        dst.copy_(src.narrow(0, lo - box[0][0], hi - lo), non_blocking=True)
+
+
+def box_volume(box: tuple[tuple[int, int], ...]) -> int:
+    return math.prod(stop - start for start, stop in box)
+
+
+def boxes_overlap(a: tuple[tuple[int, int], ...], b: tuple[tuple[int, int], ...]) -> bool:
+    return all(max(a0, b0) < min(a1, b1) for (a0, a1), (b0, b1) in zip(a, b, strict=True))

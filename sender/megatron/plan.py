@@ -1,0 +1,292 @@
+"""Pure planning: one rank's Megatron shards -> the HF manifest and this rank's copy pieces.
+
+``plan_rank`` runs once per layout on every trainer rank (or in the sender, from the rank's
+metadata); the result is reused for every version. ``check_coverage`` takes the plans of all
+ranks and proves that every byte of every HF tensor is written by exactly one rank.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from weightsync.buckets import TensorSpec
+from weightsync.dtypes import dtype_name
+from weightsync.errors import PlanError
+
+from .dims import ModelDims
+from .names import NameTable, ParamMapping, name_table, template_of
+from .pieces import CopyPiece, box_volume, boxes_overlap
+from .rules import DroppedRule, ShardContext
+from .shards import RankTopology, ShardMeta
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """What one rank contributes to every version with this layout."""
+
+    topology: RankTopology
+    manifest: tuple[TensorSpec, ...]
+    """Every HF tensor, identical on every rank, in a deterministic order."""
+    pieces: Mapping[str, tuple[CopyPiece, ...]]
+    """HF name -> the pieces this rank writes (only tensors it writes any byte of)."""
+    shards: Mapping[str, ShardMeta]
+    """The rank's shards by key (what :func:`pack_pieces` reads)."""
+
+    def pieces_for(self, name: str) -> tuple[CopyPiece, ...]:
+        return self.pieces.get(name, ())
+
+
+def hf_dims(hf_config: object) -> ModelDims:
+    """The :class:`ModelDims` of a transformers ``PretrainedConfig``."""
+    return name_table(_model_type(hf_config)).arch.read_dims(hf_config)
+
+
+def _model_type(hf_config: object) -> str:
+    model_type = getattr(hf_config, "model_type", None)
+    if not model_type:
+        raise PlanError(f"hf_config {type(hf_config).__name__} has no model_type")
+    return model_type
+
+
+def hf_manifest(hf_config: object, dtype: torch.dtype | str) -> tuple[TensorSpec, ...]:
+    """Every HF tensor of the model ``hf_config`` describes, for model dtype ``dtype``."""
+    table = name_table(_model_type(hf_config))
+    return _manifest(table, table.arch.read_dims(hf_config), _wire(dtype))
+
+
+def _wire(dtype: torch.dtype | str) -> str:
+    return dtype if isinstance(dtype, str) else dtype_name(dtype)
+
+
+def _manifest(table: NameTable, dims: ModelDims, dtype: str) -> tuple[TensorSpec, ...]:
+    specs: list[TensorSpec] = []
+
+    def emit(mapping: ParamMapping, layer: int | None) -> None:
+        rule = mapping.rule
+        if not rule.in_manifest or not dims.holds(mapping.when, layer):
+            return
+        experts: Iterable[int | None] = range(dims.num_experts) if mapping.is_expert else (None,)
+        for expert in experts:
+            for template, shape in zip(rule.hf, rule.shapes, strict=True):
+                name = template.format(layer=layer, expert=expert)
+                specs.append(TensorSpec(name, rule.dtype or dtype, dims.shape(shape)))
+
+    arch = table.arch
+    for mapping in arch.pre:
+        emit(mapping, None)
+    for layer in range(dims.num_layers):
+        for mapping in arch.layer:
+            emit(mapping, layer)
+    for mapping in arch.post:
+        emit(mapping, None)
+    return tuple(specs)
+
+
+def _infer_dtype(shards: Sequence[ShardMeta], fixed: set[str]) -> str:
+    counts = Counter(s.dtype for s in shards if s.key not in fixed)
+    if len(counts) != 1:
+        found = ", ".join(f"{d} ({n} params)" for d, n in counts.items()) or "no parameters"
+        raise PlanError(
+            f"cannot infer the model dtype from this rank's shards ({found}); pass dtype="
+        )
+    return next(iter(counts))
+
+
+def plan_rank(
+    shards: Sequence[ShardMeta],
+    topology: RankTopology,
+    hf_config: object,
+    *,
+    dtype: torch.dtype | str | None = None,
+    tied_embeddings: bool | None = None,
+) -> RankPlan:
+    """Plan one rank: the full HF manifest and the pieces this rank writes.
+
+    Args:
+        shards: the rank's shard metadata (:func:`collect_shards` ``.shards``).
+        topology: the rank's coordinates.
+        hf_config: the target model's transformers config (``model_type`` picks the names).
+        dtype: the model dtype of the HF tensors; inferred from the shards when None. Tensors
+            with a fixed dtype (the router's expert bias: float32) keep theirs.
+        tied_embeddings: Megatron's ``share_embeddings_and_output_weights``; checked against
+            the HF config's ``tie_word_embeddings`` when given.
+
+    Raises:
+        PlanError: naming the Megatron parameter that has no rule, no HF counterpart in this
+            config, or a shape the config contradicts.
+    """
+    table = name_table(_model_type(hf_config))
+    dims = table.arch.read_dims(hf_config)
+    if tied_embeddings is not None and tied_embeddings != dims.tied:
+        raise PlanError(
+            f"Megatron share_embeddings_and_output_weights={tied_embeddings} but the HF config "
+            f"has tie_word_embeddings={dims.tied}; make them agree"
+        )
+    by_key: dict[str, ShardMeta] = {}
+    for shard in shards:
+        if shard.key in by_key:
+            raise PlanError(
+                f"Megatron parameter {shard.name!r} is registered twice in chunk {shard.vpp_chunk}"
+            )
+        by_key[shard.key] = shard
+    mappings = {s.key: _mapping(table, dims, s) for s in shards}
+    fixed = {
+        k
+        for k, m in mappings.items()
+        if m.rule.dtype is not None or isinstance(m.rule, DroppedRule)
+    }
+    wire = _wire(dtype) if dtype is not None else _infer_dtype(shards, fixed)
+    manifest = _manifest(table, dims, wire)
+    known = {spec.name for spec in manifest}
+    pieces: dict[str, list[CopyPiece]] = {}
+    for shard in shards:
+        mapping = mappings[shard.key]
+        if isinstance(mapping.rule, DroppedRule):
+            continue
+        ctx, writes = _context(mapping, shard, topology, dims)
+        for name, piece in mapping.rule.place(ctx):
+            if name not in known:
+                raise PlanError(
+                    f"Megatron parameter {shard.name!r} maps to {name!r}, which the HF "
+                    f"{dims.model_type} config does not have (layer or expert out of range?)"
+                )
+            if writes:
+                pieces.setdefault(name, []).append(piece)
+    frozen = {name: tuple(ps) for name, ps in pieces.items()}
+    return RankPlan(topology, manifest, MappingProxyType(frozen), MappingProxyType(by_key))
+
+
+def _mapping(table: NameTable, dims: ModelDims, shard: ShardMeta) -> ParamMapping:
+    template, _ = template_of(shard.name)
+    if "{layer}" in template:
+        if shard.layer is None:
+            raise PlanError(f"Megatron parameter {shard.name!r} has no global layer index")
+        if not 0 <= shard.layer < dims.num_layers:
+            raise PlanError(
+                f"Megatron parameter {shard.name!r} is in global layer {shard.layer}, but the HF "
+                f"config has num_hidden_layers={dims.num_layers}"
+            )
+    return table.lookup(shard.name, dims, shard.layer)
+
+
+def _context(
+    mapping: ParamMapping, shard: ShardMeta, topo: RankTopology, dims: ModelDims
+) -> tuple[ShardContext, bool]:
+    """The rule's context for ``shard`` and whether this rank is the one that writes it."""
+    rule = mapping.rule
+    if shard.partition_dim != rule.partition_dim and (
+        shard.partition_dim is not None or rule.partition_dim is None
+    ):
+        raise PlanError(
+            f"Megatron parameter {shard.name!r} has partition_dim={shard.partition_dim}, but its "
+            f"rule ({type(rule).__name__}) expects {rule.partition_dim}"
+        )
+    if not mapping.is_expert:
+        ctx = ShardContext(shard, dims, topo.tp_rank, topo.tp_size, shard.layer)
+        return ctx, topo.dp_rank == 0 and (not rule.replicated or topo.tp_rank == 0)
+    if dims.num_experts % topo.ep_size:
+        raise PlanError(
+            f"Megatron parameter {shard.name!r}: {dims.num_experts} experts do not split over "
+            f"expert-parallel size {topo.ep_size}"
+        )
+    local = dims.num_experts // topo.ep_size
+    experts = tuple(topo.ep_rank * local + j for j in range(local))
+    _, index = template_of(shard.name)
+    if index is not None and index >= local:
+        raise PlanError(
+            f"Megatron parameter {shard.name!r} is local expert {index}, but {dims.num_experts} "
+            f"experts over EP={topo.ep_size} leave {local} per rank"
+        )
+    expert = None if index is None else experts[index]
+    ctx = ShardContext(shard, dims, topo.etp_rank, topo.etp_size, shard.layer, experts, expert)
+    return ctx, topo.edp_rank == 0 and (not rule.replicated or topo.etp_rank == 0)
+
+
+def check_coverage(plans: Sequence[RankPlan]) -> None:
+    """Prove that the ranks' pieces write every byte of every HF tensor exactly once.
+
+    Raises:
+        PlanError: naming the HF tensor (and the Megatron parameters / ranks involved) when
+            manifests differ, bytes are written twice, or bytes are written by no rank.
+    """
+    if not plans:
+        raise PlanError("no rank plans to check")
+    manifest = plans[0].manifest
+    for plan in plans[1:]:
+        if plan.manifest != manifest:
+            theirs = dict((s.name, s) for s in plan.manifest)
+            first = next((s for s in manifest if theirs.get(s.name) != s), None)
+            raise PlanError(
+                f"rank {plan.topology.describe()} planned a different manifest than rank "
+                f"{plans[0].topology.describe()} (first difference: {first}); every rank must "
+                "use the same HF config and dtype"
+            )
+    claims: dict[str, list[tuple[RankPlan, CopyPiece]]] = {}
+    for plan in plans:
+        for name, pieces in plan.pieces.items():
+            claims.setdefault(name, []).extend((plan, p) for p in pieces)
+    for spec in manifest:
+        _check_tensor(spec, claims.get(spec.name, []), plans)
+
+
+def _check_tensor(
+    spec: TensorSpec, claims: list[tuple[RankPlan, CopyPiece]], plans: Sequence[RankPlan]
+) -> None:
+    boxes = sorted(((p.dst_box(spec.shape), plan, p) for plan, p in claims), key=lambda c: c[0])
+    for i, (box, plan, piece) in enumerate(boxes):
+        for other_box, other_plan, other in boxes[i + 1 :]:
+            if spec.shape and other_box[0][0] >= box[0][1]:
+                break
+            if boxes_overlap(box, other_box):
+                raise PlanError(
+                    f"HF tensor {spec.name!r} is written twice: by Megatron parameter "
+                    f"{_param(plan, piece)!r} on rank {plan.topology.describe()} and by "
+                    f"{_param(other_plan, other)!r} on rank {other_plan.topology.describe()}; "
+                    "two ranks claim the same shard (duplicate or mislabelled rank coordinates?)"
+                )
+    written = sum(box_volume(box) for box, _, _ in boxes)
+    if written != spec.numel:
+        missing = _missing_ranks(plans)
+        hint = f"missing ranks: {', '.join(missing)}" if missing else "no rank is missing"
+        raise PlanError(
+            f"HF tensor {spec.name!r}: {spec.numel - written} of {spec.numel} elements are "
+            f"written by no rank ({hint}; is every rank's plan included and every Megatron "
+            "parameter registered?)"
+        )
+
+
+def _param(plan: RankPlan, piece: CopyPiece) -> str:
+    shard = plan.shards.get(piece.shard_key)
+    return shard.name if shard else piece.shard_key
+
+
+def _missing_ranks(plans: Sequence[RankPlan]) -> list[str]:
+    """Writer coordinates (dense: tp x pp; experts: etp x ep x pp) that no plan has."""
+    t = plans[0].topology
+    dense = {(p.topology.tp_rank, p.topology.pp_rank) for p in plans if p.topology.dp_rank == 0}
+    expert = {
+        (p.topology.etp_rank, p.topology.ep_rank, p.topology.pp_rank)
+        for p in plans
+        if p.topology.edp_rank == 0
+    }
+    out = [
+        f"tp{tp} pp{pp}"
+        for pp in range(t.pp_size)
+        for tp in range(t.tp_size)
+        if (tp, pp) not in dense
+    ]
+    has_experts = any(".experts." in s.name for p in plans for s in p.shards.values())
+    if has_experts and (t.ep_size > 1 or t.etp_size > 1):
+        out += [
+            f"etp{etp} ep{ep} pp{pp}"
+            for pp in range(t.pp_size)
+            for ep in range(t.ep_size)
+            for etp in range(t.etp_size)
+            if (etp, ep, pp) not in expert
+        ]
+    return out
