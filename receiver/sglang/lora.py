@@ -12,8 +12,8 @@ the initial one) or call ``/load_lora_adapter`` once before the first sync. An a
 worker has never seen is loaded under a fresh ref, usable by the worker but not routable by
 name until the tokenizer learns it.
 
-Tested against SGLang 0.5.23's API (signatures checked in tests/sglang/test_lora_api.py; the
-LoRA manager needs a running server, so the round trip itself runs on GPU machines only).
+Tested against SGLang 0.5.23's API (signatures checked in tests/sglang/test_sglang_api.py; the
+LoRA manager needs a running server; the loader runs against a stand-in there).
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from weightsync.manifest import LoraAdapterSpec, VersionManifest
 
 
 class LoraLoader(Protocol):
-    """Where a completed adapter goes (:class:`weightsync.receiver.sglang.lora.SglangLoraLoader`)."""
+    """Where a completed adapter goes (e.g. :class:`~.lora.SglangLoraLoader`)."""
 
     def validate(self, spec: LoraAdapterSpec) -> None:
         """Reject an adapter the engine cannot serve, before any write."""

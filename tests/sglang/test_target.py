@@ -120,14 +120,14 @@ def test_lora_accumulated_across_buckets_and_loaded_once():
 
 def test_unknown_name_rejected_before_any_write():
     model, hf = build("qwen2")
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    tensors = random_tensors(checkpoint_specs(hf), seed=3)
-    tensors["model.layers.0.self_attn.qkv_proj_typo.weight"] = torch.zeros(4)
     target = _target(model)
+    good = random_tensors(checkpoint_specs(hf), seed=3)
+    drive(target, manifest_for(1, good), good, BUCKET_BYTES)
+    bad = {**random_tensors(checkpoint_specs(hf), seed=4),
+           "model.layers.0.self_attn.qkv_proj_typo.weight": torch.zeros(4)}
     with pytest.raises(NameResolutionError, match="qkv_proj_typo"):
-        target.validate(manifest_for(1, tensors))
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n]), n
+        target.validate(manifest_for(2, bad))
+    assert_live_equals(model, good)
 
 
 @pytest.mark.parametrize(
