@@ -12,7 +12,7 @@ import grpc
 import torch
 from weightsync.receiver.target import WeightTarget
 
-from weightsync.buckets import Bucket, ChunkAssembler, unpack_bucket
+from weightsync.buckets import Bucket, ChunkAssembler, entry_view, unpack_bucket
 from weightsync.checksum import ALGORITHM, bucket_checksum
 from weightsync.control.client import connect
 from weightsync.errors import (
@@ -188,10 +188,10 @@ class ReceiverCore:
                 kind = msg.WhichOneof("kind")
                 if kind == "bucket":
                     index = msg.bucket.layout.index
-                    bucket, buffer = self._verified_bucket(msg.bucket)
+                    tensors, buffers = self._bucket_tensors(msg.bucket, assembler)
                     touched = True
-                    self.target.load(list(unpack_bucket(buffer, bucket, assembler)))
-                    self._finish_reads(buffer)
+                    self.target.load(tensors)
+                    self._finish_reads(buffers)
                     self._send(ack=pb.BucketAck(version=version, index=index, ok=True))
                 elif kind == "end":
                     if assembler.pending:
@@ -220,8 +220,19 @@ class ReceiverCore:
             self.target.abort(manifest, e)
             raise
 
+    def _bucket_tensors(
+        self, msg: pb.BucketAnnouncement, assembler: ChunkAssembler
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
+        """The bucket's complete tensors (views where possible) and the buffers they read."""
+        if msg.sources:
+            sources = [self._buffers.get(h) for h in msg.sources]
+            bucket = bucket_from_pb(msg.layout)
+            return [(e.name, entry_view(sources[e.source], e)) for e in bucket.entries], sources
+        bucket, buffer = self._verified_bucket(msg)
+        return list(unpack_bucket(buffer, bucket, assembler)), [buffer]
+
     def _verified_bucket(self, msg: pb.BucketAnnouncement) -> tuple[Bucket, torch.Tensor]:
-        """Map the bucket's buffer and check its checksum; nothing is written yet."""
+        """Map or receive the bucket's buffer and check its checksum; nothing is written yet."""
         bucket = bucket_from_pb(msg.layout)
         buffer = self._receive_broadcast(msg) if msg.group_id else self._buffers.get(msg.buffer)
         if not self.verify_checksums:
@@ -257,12 +268,13 @@ class ReceiverCore:
         group.broadcast(view)
         return view
 
-    def _finish_reads(self, buffer: torch.Tensor) -> None:
+    def _finish_reads(self, buffers: list[torch.Tensor]) -> None:
         # The ack frees the buffer for the next bucket: every read of it must be done.
-        if buffer.is_cuda:
-            torch.cuda.current_stream(buffer.device).synchronize()
-        if self.target.device.type == "cuda" and self.target.device != buffer.device:
-            torch.cuda.current_stream(self.target.device).synchronize()
+        devices = {b.device for b in buffers if b.is_cuda}
+        if self.target.device.type == "cuda":
+            devices.add(self.target.device)
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
 
     def close(self) -> None:
         if self._group is not None:

@@ -26,7 +26,7 @@ from weightsync.sender.runs import (
 )
 
 from weightsync import __version__
-from weightsync.buckets import plan_buckets
+from weightsync.buckets import plan_buckets, plan_direct
 from weightsync.checksum import ALGORITHM, bucket_checksum
 from weightsync.config import SenderSettings
 from weightsync.errors import (
@@ -120,6 +120,8 @@ class Coordinator:
             elif kind == "ack":
                 outcome.got(f"bucket:{body.index}", timeout)
                 self._release_reader(conn.receiver_id, run.version, body.index)
+                if run.direct is not None and body.index == run.direct.index:
+                    run.direct_readers.discard(conn.receiver_id)
                 if not body.ok:
                     conn.state, conn.dirty, conn.last_error = "dirty", True, body.error.message
                     self._fail(run, conn.receiver_id, body.error, notify=False)
@@ -169,7 +171,7 @@ class Coordinator:
                 raise ConfigError(
                     f"publisher rank {hello.rank} joined version {manifest.version} twice"
                 )
-            conn = RankConn(hello.rank, hello.device)
+            conn = RankConn(hello.rank, hello.device, begin)
             ranks[hello.rank] = conn
             self._publishers[hello.publisher_id] = pb.PublisherStatus(
                 publisher_id=hello.publisher_id,
@@ -182,14 +184,49 @@ class Coordinator:
             del self._joining[key]
             device = torch.device(ranks[0].device if 0 in ranks else hello.device)
             transport = resolve_transport(self.settings.transport, device)
-            plan = plan_buckets(manifest.tensors, self.settings.bucket_size_bytes)
-            run = VersionRun(manifest, plan, hello.publisher_id, transport, ranks)
+            run = self._plan_run(manifest, hello.publisher_id, transport, ranks)
             self._last_version = manifest.version
             self._runs[manifest.version] = run
             while len(self._runs) > self.settings.history:
                 self._runs.popitem(last=False)
         threading.Thread(target=self._drive, args=(run, device), daemon=True).start()
         return run, conn
+
+    def _plan_run(
+        self,
+        manifest: VersionManifest,
+        publisher_id: str,
+        transport: str,
+        ranks: dict[int, RankConn],
+    ) -> VersionRun:
+        """Split the manifest into direct and staged tensors and plan the staged buckets.
+
+        Direct reads need every receiver to map CUDA IPC memory of this host; otherwise
+        everything is staged (the publishers pack what they offered as direct, too).
+        """
+        sources: list[pb.BufferHandle] = []
+        located: dict[str, tuple[int, int]] = {}
+        for rank in sorted(ranks):
+            begin = ranks[rank].begin
+            base = len(sources)
+            sources.extend(begin.sources)
+            for d in begin.direct:
+                if d.name in located:
+                    raise ConfigError(f"tensor {d.name!r} offered as direct by two ranks")
+                located[d.name] = (base + d.source, d.offset)
+        receivers = [c for c in self._receivers.values() if c.connected]
+        if not (transport == "cuda_ipc" and all(c.data_path == "map" for c in receivers)):
+            located = {}
+        staged = tuple(t for t in manifest.tensors if t.name not in located)
+        plan = plan_buckets(staged, self.settings.bucket_size_bytes)
+        direct = None
+        if located:
+            direct = plan_direct(
+                [(t, *located[t.name]) for t in manifest.tensors if t.name in located],
+                index=len(plan.buckets),
+                is_last=not plan.buckets,
+            )
+        return VersionRun(manifest, plan, publisher_id, transport, ranks, direct, tuple(sources))
 
     def on_packed(self, run: VersionRun, rank: RankConn, index: int) -> None:
         with self._cond:
@@ -269,8 +306,8 @@ class Coordinator:
                         run,
                         conn.receiver_id,
                         TransportError(
-                            f"receiver {conn.receiver_id} opens {list(conn.transports)}, the sender "
-                            f"stages with {run.transport}"
+                            f"receiver {conn.receiver_id} opens {list(conn.transports)}, "
+                            f"the sender stages with {run.transport}"
                         ),
                     )
                     continue
@@ -282,7 +319,20 @@ class Coordinator:
             )
             for rid, join in self._broadcaster.invite(members, device).items():
                 self._receivers[rid].send(join)
+            if run.direct is not None:
+                self._announce_direct(run)
             self.metrics.version_started(run)
+
+    def _announce_direct(self, run: VersionRun) -> None:
+        msg = pb.Announcement(
+            bucket=pb.BucketAnnouncement(
+                version=run.version, layout=bucket_to_pb(run.direct), sources=run.direct_sources
+            )
+        )
+        for rid in run.active():
+            run.direct_readers.add(rid)
+            run.outcomes[rid].expect(f"bucket:{run.direct.index}", self.settings.ack_timeout_s)
+            self._receivers[rid].send(msg)
 
     def _connect_group(self, run: VersionRun) -> None:
         """Wait for invited receivers to join the broadcast group; fail them if they don't."""
@@ -383,6 +433,13 @@ class Coordinator:
 
     def _staged(self, run: VersionRun) -> None:
         with self._cond:
+            # Direct reads come from trainer memory: it must not change until they are done.
+            self._wait_locked(
+                run,
+                lambda: not run.direct_readers,
+                self.settings.ack_timeout_s + 5,
+                "receivers to copy the direct tensors",
+            )
             if run.done:
                 return
             run.staged_s = time.monotonic() - run.started_mono
@@ -476,6 +533,7 @@ class Coordinator:
         conn.last_error = conn.last_error or detail.message
         for slot in self._slots:
             slot.readers.discard(rid)
+        run.direct_readers.discard(rid)
         if notify:
             conn.send(pb.Announcement(abort=pb.VersionAbort(version=run.version, reason=detail)))
         self.metrics.receiver_failed(rid)

@@ -17,7 +17,7 @@ from weightsync.control.client import connect
 from weightsync.errors import ReceiverFailedError, WeightSyncError, error_from_rpc
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.transports import MappedBuffers
-from weightsync.transports.cuda_ipc import device_uuid
+from weightsync.transports.cuda_ipc import device_uuid, export_handle
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_from_pb, describe, error_to_pb, manifest_to_pb
 
@@ -62,6 +62,7 @@ class Publisher:
         self.rank, self.world_size = rank, world_size
         self._channel, self._stub = connect(address, connect_timeout_s)
         self._buffers = MappedBuffers()
+        self._exported: dict[tuple[int, int, str], pb.BufferHandle] = {}
 
     def publish(
         self,
@@ -71,8 +72,13 @@ class Publisher:
         wait: bool = False,
         timeout_s: float = 600.0,
         lora: LoraAdapterSpec | None = None,
+        direct: bool = False,
     ) -> PublishResult:
         """Publish ``named_tensors`` as ``version``.
+
+        With ``direct=True`` (CUDA tensors, every receiver on this host), receivers copy
+        contiguous tensors straight out of this process's memory: one copy per byte, no
+        staging and no checksum; the call then returns once they have read them.
 
         Returns once every byte is copied out of these tensors (the trainer may change them),
         or, with ``wait=True``, once every receiver applied the version.
@@ -93,7 +99,15 @@ class Publisher:
             for entry in bucket.entries:
                 pack_entry(buffer, entry, tensors[entry.name])
 
-        return self.publish_packed(manifest, pack, device=device, wait=wait, timeout_s=timeout_s)
+        offered = {n: t for n, t in tensors.items() if t.is_cuda and t.is_contiguous()}
+        return self.publish_packed(
+            manifest,
+            pack,
+            device=device,
+            wait=wait,
+            timeout_s=timeout_s,
+            direct=offered if direct else None,
+        )
 
     def publish_packed(
         self,
@@ -103,10 +117,13 @@ class Publisher:
         device: torch.device,
         wait: bool = False,
         timeout_s: float = 600.0,
+        direct: Mapping[str, torch.Tensor] | None = None,
     ) -> PublishResult:
         """Publish a version whose buckets ``pack`` fills (this rank's part of each bucket).
 
-        Every rank of a multi-rank publisher calls this with the same manifest.
+        Every rank of a multi-rank publisher calls this with the same manifest. ``direct``
+        offers whole CUDA tensors receivers may read in place; the sender decides whether
+        they do (else they come in buckets, so ``pack`` must handle them too).
         """
         what = f"publish version {manifest.version} to {self.address}"
         requests: queue.Queue = queue.Queue()
@@ -121,7 +138,10 @@ class Publisher:
                 )
             )
         )
-        requests.put(pb.PublisherMessage(begin=pb.BeginVersion(manifest=manifest_to_pb(manifest))))
+        begin = pb.BeginVersion(manifest=manifest_to_pb(manifest))
+        if direct:
+            self._offer_direct(begin, direct)
+        requests.put(pb.PublisherMessage(begin=begin))
         replies = self._stub.Publish(iter(requests.get, None), timeout=timeout_s)
         staged: pb.VersionStaged | None = None
         start = time.monotonic()
@@ -148,6 +168,28 @@ class Publisher:
             return result
         status = self.wait_applied(manifest.version, timeout_s)
         return PublishResult(result.version, result.staged_s, result.receivers, status)
+
+    def _offer_direct(self, begin: pb.BeginVersion, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Export each storage once (cached: Megatron keeps parameters in a few buffers)."""
+        index: dict[str, int] = {}
+        for name, tensor in tensors.items():
+            storage = tensor.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
+            handle = self._exported.get(key)
+            if handle is None:
+                whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+                whole.set_(storage, 0, (storage.nbytes(),), (1,))
+                handle = self._exported[key] = export_handle(whole)
+            if handle.buffer_id not in index:
+                index[handle.buffer_id] = len(begin.sources)
+                begin.sources.append(handle)
+            begin.direct.append(
+                pb.DirectTensor(
+                    name=name,
+                    source=index[handle.buffer_id],
+                    offset=tensor.storage_offset() * tensor.element_size(),
+                )
+            )
 
     def _pack_one(
         self, msg: pb.PackBucket, pack: PackFn, requests: queue.Queue, device: torch.device

@@ -10,7 +10,7 @@ import queue
 import time
 from dataclasses import dataclass, field
 
-from weightsync.buckets import BucketPlan
+from weightsync.buckets import Bucket, BucketPlan
 from weightsync.manifest import VersionManifest
 from weightsync.transports import StagingBuffer
 from weightsync.v1 import weightsync_pb2 as pb
@@ -49,6 +49,8 @@ class RankConn:
 
     rank: int
     device: str
+    begin: pb.BeginVersion = field(default_factory=pb.BeginVersion)
+    """What the rank announced, including storages receivers may read directly."""
     outbox: queue.Queue = field(default_factory=queue.Queue)
     packed: set[int] = field(default_factory=set)
 
@@ -100,6 +102,10 @@ class VersionRun:
     publisher_id: str
     transport: str
     ranks: dict[int, RankConn]
+    direct: Bucket | None = None
+    """Tensors receivers copy straight from the publishers' storages (``direct_sources``)."""
+    direct_sources: tuple[pb.BufferHandle, ...] = ()
+    direct_readers: set[str] = field(default_factory=set)
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
@@ -124,9 +130,11 @@ class VersionRun:
         return pb.VersionStatus(
             version=self.version,
             state=self.state,
-            total_bytes=self.plan.total_bytes,
+            total_bytes=self.manifest.total_bytes,
+            direct_bytes=self.direct.nbytes if self.direct else 0,
+            staged_bytes=self.plan.total_bytes,
             num_tensors=len(self.manifest.tensors),
-            num_buckets=len(self.plan.buckets),
+            num_buckets=len(self.plan.buckets) + (1 if self.direct else 0),
             started_at_unix_s=self.started_at,
             staged_s=self.staged_s,
             complete_s=self.complete_s,

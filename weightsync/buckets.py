@@ -82,6 +82,8 @@ class BucketEntry:
     """Byte offset of this chunk inside the whole tensor's contiguous bytes."""
     chunk_index: int = 0
     num_chunks: int = 1
+    source: int = 0
+    """Direct buckets only: which of the publisher's storages ``offset`` points into."""
 
     @property
     def name(self) -> str:
@@ -175,6 +177,19 @@ def plan_buckets(
         end = max((e.offset + e.nbytes for e in entries), default=0)
         out.append(Bucket(i, tuple(entries), align_up(end), i == len(buckets) - 1))
     return BucketPlan(manifest, tuple(out), cap)
+
+
+def plan_direct(
+    located: Sequence[tuple[TensorSpec, int, int]], index: int, is_last: bool
+) -> Bucket:
+    """A direct bucket: ``(spec, source, offset)`` entries read in place from the publisher.
+
+    Nothing is staged, so there is no cap and no chunking; ``nbytes`` is the payload size.
+    """
+    entries = tuple(
+        BucketEntry(spec, offset, spec.nbytes, source=source) for spec, source, offset in located
+    )
+    return Bucket(index, entries, sum(e.nbytes for e in entries), is_last)
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

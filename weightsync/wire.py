@@ -49,6 +49,7 @@ def bucket_to_pb(bucket: Bucket) -> pb.BucketLayout:
                 tensor_offset=e.tensor_offset,
                 chunk_index=e.chunk_index,
                 num_chunks=e.num_chunks,
+                source=e.source,
             )
             for e in bucket.entries
         ],
@@ -58,7 +59,13 @@ def bucket_to_pb(bucket: Bucket) -> pb.BucketLayout:
 def bucket_from_pb(msg: pb.BucketLayout) -> Bucket:
     entries = tuple(
         BucketEntry(
-            spec_from_pb(e.tensor), e.offset, e.nbytes, e.tensor_offset, e.chunk_index, e.num_chunks
+            spec_from_pb(e.tensor),
+            e.offset,
+            e.nbytes,
+            e.tensor_offset,
+            e.chunk_index,
+            e.num_chunks,
+            e.source,
         )
         for e in msg.entries
     )

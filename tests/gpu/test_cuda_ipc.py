@@ -57,13 +57,20 @@ def _receiver(address: str, device: str, versions: int, out) -> None:
         out.put((device, v, all(torch.equal(live[n], expected[n]) for n in expected)))
 
 
-def test_cuda_ipc_is_bit_exact_on_the_same_gpu_and_across_gpus(sock_dir):
+@pytest.mark.parametrize("mode", ["staged", "direct", "nccl"])
+def test_bit_exact_on_the_same_gpu_and_across_gpus(sock_dir, mode):
     from weightsync.sender import Publisher
     from weightsync.sender.daemon import Sender
 
-    devices = ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() > 1 else [])
+    two = torch.cuda.device_count() > 1
+    if mode == "nccl" and not two:
+        pytest.skip("nccl needs a second GPU (NCCL refuses two ranks on one GPU)")
+    devices = {"staged": ["cuda:0", "cuda:1"], "direct": ["cuda:0", "cuda:1"], "nccl": ["cuda:1"]}[
+        mode
+    ][: 2 if two else 1]
     versions = 3
-    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=BUCKET) as sender:
+    transport = "nccl" if mode == "nccl" else "auto"
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=BUCKET, transport=transport) as sender:
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
         procs = [
@@ -79,14 +86,17 @@ def test_cuda_ipc_is_bit_exact_on_the_same_gpu_and_across_gpus(sock_dir):
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             torch.cuda.synchronize()
             start = time.perf_counter()
-            result = publisher.publish(tensors, v, wait=True, timeout_s=120)
-            elapsed = time.perf_counter() - start
-            print(
-                f"version {v}: {nbytes / GIB:.2f} GiB to {devices} via "
-                f"{sender.coordinator.status().versions[-1].state}: staged "
-                f"{result.staged_s * 1e3:.1f} ms, applied {elapsed * 1e3:.1f} ms, "
-                f"{nbytes / elapsed / 1e9:.1f} GB/s"
+            result = publisher.publish(
+                tensors, v, wait=True, timeout_s=120, direct=mode == "direct"
             )
+            elapsed = time.perf_counter() - start
+            status = result.status
+            print(
+                f"{mode} version {v}: {nbytes / GIB:.2f} GiB to {devices}: staged "
+                f"{result.staged_s * 1e3:.1f} ms, applied {elapsed * 1e3:.1f} ms, "
+                f"{nbytes / elapsed / 1e9:.1f} GB/s; direct {status.direct_bytes / GIB:.2f} GiB"
+            )
+            assert status.direct_bytes == (nbytes if mode == "direct" else 0)
         results = [out.get(timeout=120) for _ in range(versions * len(devices))]
         for p in procs:
             p.join(60)
@@ -94,10 +104,15 @@ def test_cuda_ipc_is_bit_exact_on_the_same_gpu_and_across_gpus(sock_dir):
         assert sorted((d, v) for d, v, _ in results) == sorted(
             (d, v) for d in devices for v in range(1, versions + 1)
         )
-        slots = sender.coordinator._slots
-        assert all(s.buffer.handle.WhichOneof("kind") == "cuda_ipc" for s in slots)
-    # The floor for the same bytes: one device-to-device copy of every tensor.
+        assert {r.data_path for r in publisher.status().receivers} == {
+            "broadcast" if mode == "nccl" else "map"
+        }
+
+
+def test_floor_for_reference():
+    """Prints a device-to-device copy of the same bytes, the floor the numbers above face."""
     src = make_tensors(1, "cuda:0")
+    nbytes = sum(t.numel() * t.element_size() for t in src.values())
     dst = {n: torch.empty_like(t) for n, t in src.items()}
     for _ in range(3):
         for n in src:
@@ -109,6 +124,7 @@ def test_cuda_ipc_is_bit_exact_on_the_same_gpu_and_across_gpus(sock_dir):
     torch.cuda.synchronize()
     floor = time.perf_counter() - start
     print(
-        f"floor: D2D copy of the same {nbytes / GIB:.2f} GiB: {floor * 1e3:.2f} ms, "
+        f"floor: D2D copy of {nbytes / GIB:.2f} GiB: {floor * 1e3:.2f} ms, "
         f"{nbytes / floor / 1e9:.1f} GB/s"
     )
+    assert all(torch.equal(dst[n], src[n]) for n in src)

@@ -77,20 +77,22 @@ class BufferHandle(_message.Message):
     def __init__(self, buffer_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class BucketEntry(_message.Message):
-    __slots__ = ("tensor", "offset", "nbytes", "tensor_offset", "chunk_index", "num_chunks")
+    __slots__ = ("tensor", "offset", "nbytes", "tensor_offset", "chunk_index", "num_chunks", "source")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     tensor: TensorSpec
     offset: int
     nbytes: int
     tensor_offset: int
     chunk_index: int
     num_chunks: int
-    def __init__(self, tensor: _Optional[_Union[TensorSpec, _Mapping]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    source: int
+    def __init__(self, tensor: _Optional[_Union[TensorSpec, _Mapping]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., source: _Optional[int] = ...) -> None: ...
 
 class BucketLayout(_message.Message):
     __slots__ = ("index", "is_last", "nbytes", "entries")
@@ -128,11 +130,25 @@ class PublisherHello(_message.Message):
     device_uuid: str
     def __init__(self, publisher_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
+class DirectTensor(_message.Message):
+    __slots__ = ("name", "source", "offset")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    source: int
+    offset: int
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+
 class BeginVersion(_message.Message):
-    __slots__ = ("manifest",)
+    __slots__ = ("manifest", "sources", "direct")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
+    direct: _containers.RepeatedCompositeFieldContainer[DirectTensor]
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., direct: _Optional[_Iterable[_Union[DirectTensor, _Mapping]]] = ...) -> None: ...
 
 class BucketPacked(_message.Message):
     __slots__ = ("version", "index")
@@ -269,20 +285,22 @@ class VersionStart(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ...) -> None: ...
 
 class BucketAnnouncement(_message.Message):
-    __slots__ = ("version", "layout", "buffer", "checksum_algorithm", "checksum", "group_id")
+    __slots__ = ("version", "layout", "buffer", "checksum_algorithm", "checksum", "group_id", "sources")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     version: int
     layout: BucketLayout
     buffer: BufferHandle
     checksum_algorithm: str
     checksum: int
     group_id: str
-    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[int] = ..., group_id: _Optional[str] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[int] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ...) -> None: ...
 
 class GroupJoin(_message.Message):
     __slots__ = ("group_id", "store_host", "store_port", "rank", "world_size", "backend", "timeout_s")
@@ -383,7 +401,7 @@ class ReceiverOutcome(_message.Message):
     def __init__(self, receiver_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., applied_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class VersionStatus(_message.Message):
-    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers")
+    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers", "direct_bytes", "staged_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +411,8 @@ class VersionStatus(_message.Message):
     STAGED_S_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_S_FIELD_NUMBER: _ClassVar[int]
     RECEIVERS_FIELD_NUMBER: _ClassVar[int]
+    DIRECT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     total_bytes: int
@@ -402,7 +422,9 @@ class VersionStatus(_message.Message):
     staged_s: float
     complete_s: float
     receivers: _containers.RepeatedCompositeFieldContainer[ReceiverOutcome]
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ...) -> None: ...
+    direct_bytes: int
+    staged_bytes: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ..., direct_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("sender_version", "transport", "bucket_size_bytes", "num_buffers", "publishers", "receivers", "versions")
