@@ -16,7 +16,7 @@ from typing import Any
 import requests
 import torch
 
-from weightsync.errors import ConfigError, ReceiverFailedError
+from weightsync.errors import ConfigError, ReceiverFailedError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec
 
 
@@ -37,11 +37,15 @@ class VllmServerClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.pause_mode = pause_mode
-        self._http = requests.Session()
 
     def _post(self, route: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
-        response = self._http.post(
-            f"{self.base_url}/{route}", timeout=timeout_s or self.timeout_s, **kwargs
+        # A fresh connection per call: after a failed route vLLM may drop the connection,
+        # and a pooled one would swallow the /resume that must follow.
+        response = requests.post(
+            f"{self.base_url}/{route}",
+            timeout=timeout_s or self.timeout_s,
+            headers={"Connection": "close"},
+            **kwargs,
         )
         if response.status_code != 200:
             raise ReceiverFailedError(
@@ -80,12 +84,9 @@ class VllmServerClient:
             self._post("resume")
 
     def weight_version(self) -> str:
-        response = self._http.get(f"{self.base_url}/weight_info", timeout=self.timeout_s)
+        response = requests.get(f"{self.base_url}/weight_info", timeout=self.timeout_s)
         response.raise_for_status()
         return response.json()["weight_version"]
-
-    def close(self) -> None:
-        self._http.close()
 
 
 def publish_to_vllm(
@@ -118,7 +119,14 @@ def publish_to_vllm(
             publisher.publish, tensors, version, lora=lora, wait=True, timeout_s=timeout_s
         )
         failures = [f.exception() for f in applying if f.exception() is not None]
-        result = published.result()
+        try:
+            result = published.result()
+        except WeightSyncError as e:
+            if not failures:
+                raise
+            # vLLM answers a failed route with a bare 500; the sender knows why.
+            servers_say = "; ".join(str(f) for f in failures)
+            raise ReceiverFailedError(f"{servers_say}; the sender reports: {e}") from e
     if failures:
         raise failures[0]
     return result

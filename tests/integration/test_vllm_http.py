@@ -126,4 +126,3 @@ def test_three_versions_over_http_then_bad_version_keeps_serving(server, sender_
     assert receivers == {"http-test-rank0": 3}
     assert client.weight_version() == "3"
     assert _generate(base_url, model) == hf_reference(KIND, root / "r3", weights)
-    client.close()
