@@ -7,3 +7,6 @@ cd "$repo"
 bash scripts/setup.sh
 .venv/bin/python -m ruff check .
 .venv/bin/python -m pytest "$@"
+# SGLang pins a CUDA torch; its model classes get their own light venv (scripts/setup_sglang.sh).
+bash scripts/setup_sglang.sh
+.venv-sglang/bin/python -m pytest tests/sglang
