@@ -7,6 +7,7 @@ reply past ``ack_timeout_s``, so a dead or stalled receiver never blocks the oth
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -43,6 +44,8 @@ from weightsync.transports import get_transport, resolve_transport
 from weightsync.transports.broadcast import host_id
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb, error_to_pb, manifest_to_pb
+
+log = logging.getLogger("weightsync.sender")
 
 
 class _RunAborted(Exception):
@@ -568,6 +571,25 @@ class Coordinator:
             "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
         )
         self.metrics.version_done(run)
+        applied = sum(o.state == APPLIED for o in run.outcomes.values())
+        log.info(
+            "version %d %s: %.1f MB (%.1f MB direct), %d bucket(s), staged %.3f s, done %.3f s, "
+            "applied by %d/%d receiver(s)%s",
+            run.version,
+            run.state,
+            run.manifest.total_bytes / 1e6,
+            (run.direct.nbytes if run.direct else 0) / 1e6,
+            len(run.plan.buckets),
+            run.staged_s,
+            run.complete_s,
+            applied,
+            len(run.outcomes),
+            "".join(
+                f"; {rid} failed: {o.error.message}"
+                for rid, o in run.outcomes.items()
+                if o.state == FAILED
+            ),
+        )
 
     # ---- status ----
 

@@ -188,8 +188,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _log_to(console: Console) -> None:
+    import logging
+
+    from rich.logging import RichHandler
+
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(message)s",
+        handlers=[RichHandler(console=console, show_path=False)],
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     console = Console(stderr=True)
+    _log_to(console)
     args = build_parser().parse_args(argv)
     try:
         return args.func(args, console)
@@ -208,6 +221,7 @@ def sender_main(argv: list[str] | None = None) -> int:
     _add_sender_args(parser)
     args = parser.parse_args(argv)
     console = Console(stderr=True)
+    _log_to(console)
     try:
         return _run_sender(args, console)
     except WeightSyncError as e:
