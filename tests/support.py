@@ -38,8 +38,9 @@ def _receiver_main(address, rid, seed, syncs, die_on_version, ready, out, env):
     import os
 
     os.environ.update(env)
-    from weightsync.errors import WeightSyncError
     from weightsync.receiver import TorchReceiver
+
+    from weightsync.errors import WeightSyncError
 
     model = TinyNet(seed)
     receiver = TorchReceiver(model, address, receiver_id=rid)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from weightsync.sender import Publisher
+from weightsync.sender.daemon import Sender
 
 from tests.support import TinyNet, digests, start_receivers, step
 from weightsync.errors import ReceiverFailedError
-from weightsync.sender import Publisher
-from weightsync.sender.daemon import Sender
 
 
 def test_broadcast_to_receiver_processes_is_bit_exact(sock_dir):
