@@ -201,9 +201,7 @@ class TrainerShards:
             if lo >= hi:
                 continue
             src = self.views[p.shard][p.src_row + lo - p.dst_row : p.src_row + hi - p.dst_row]
-            dst[lo - row0 : hi - row0, p.dst_col : p.dst_col + p.cols].copy_(
-                src, non_blocking=True
-            )
+            dst[lo - row0 : hi - row0, p.dst_col : p.dst_col + p.cols].copy_(src, non_blocking=True)
 
     def assemble(self, recipe: HfRecipe, device: torch.device | None = None) -> torch.Tensor:
         """The whole HF tensor, gathered into new memory (for verification, not the hot path)."""

@@ -1,0 +1,116 @@
+"""The hardware floors for the same bytes, measured in the same run.
+
+- ``d2d copy``: one device-to-device copy of every tensor into a preallocated twin, in one
+  process (colocated floor; CUDA events; on CPU a memcpy timed with ``perf_counter``).
+- ``broadcast``: one broadcast of all bytes as one buffer between two processes on two GPUs
+  (cross-GPU floor), over a private ``torch.distributed`` group on its own file store; gloo
+  on CPU (exercises the code; not a floor for anything).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+
+import torch
+
+from weightsync.errors import SyncTimeoutError
+
+
+def d2d_copy(src: list[torch.Tensor], dst: list[torch.Tensor], reps: int) -> list[float]:
+    """Seconds of each of ``reps`` passes copying every ``src[i]`` into ``dst[i]`` (after one
+    warm-up pass)."""
+    device = src[0].device
+    out = []
+    for rep in range(reps + 1):
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for s, d in zip(src, dst, strict=True):
+                d.copy_(s, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            start = time.perf_counter()
+            for s, d in zip(src, dst, strict=True):
+                d.copy_(s)
+            seconds = time.perf_counter() - start
+        if rep:
+            out.append(seconds)
+    return out
+
+
+def _broadcast_rank(rank: int, store_path: str, nbytes: int, reps: int, out: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 1
+    device = torch.device(f"cuda:{rank}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    store = dist.FileStore(store_path, 2)
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=store,
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=120),
+    )
+    try:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if rank == 0:
+            buf.fill_(7)
+        times = []
+        for rep in range(reps + 1):
+            dist.barrier()
+            if cuda:
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            dist.broadcast(buf, src=0)
+            if cuda:
+                torch.cuda.synchronize(device)
+            if rep:
+                times.append(time.perf_counter() - start)
+        out.put((rank, times, device.type))
+    finally:
+        dist.destroy_process_group()
+
+
+def broadcast(nbytes: int, reps: int, timeout_s: float = 300.0) -> tuple[list[float], str]:
+    """Seconds of each of ``reps`` broadcasts of ``nbytes`` from process 0 to process 1 (the
+    slower rank's time per repetition), and the backend used ("nccl" or "gloo")."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="ws-bench-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_broadcast_rank, args=(r, store, nbytes, reps, out), daemon=True)
+            for r in range(2)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            results = dict()
+            for _ in procs:
+                rank, times, kind = out.get(timeout=timeout_s)
+                results[rank] = times
+        except Exception as e:
+            raise SyncTimeoutError(
+                f"broadcast floor: the two processes reported nothing within {timeout_s:.0f} s "
+                f"(exit codes {[p.exitcode for p in procs]})"
+            ) from e
+        finally:
+            for p in procs:
+                p.join(30)
+                if p.is_alive():
+                    p.terminate()
+    per_rep = [max(a, b) for a, b in zip(results[0], results[1], strict=True)]
+    return per_rep, "nccl" if kind == "cuda" else "gloo"
+
+
+def median(samples: list[float]) -> float:
+    return statistics.median(samples)

@@ -1,0 +1,208 @@
+"""Bench results: one row per measured case, the table, the JSON and the plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.table import Table
+
+FLOOR, BASELINE, WEIGHTSYNC = "floor", "baseline", "weightsync"
+SAME, OTHER = "same GPU", "other GPU"
+PER_TENSOR, LOCKSTEP, D2D = "per-tensor IPC", "lockstep bucket", "d2d copy"
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured (or skipped, or failed) case."""
+
+    kind: str
+    """floor, baseline or weightsync."""
+    name: str
+    """What ran: ``d2d copy``, ``broadcast``, a baseline's name, ``staged`` or ``direct``."""
+    transport: str
+    layout: str
+    placement: str
+    """Where the receiver is relative to the trainer: same GPU, other GPU, or cpu."""
+    nbytes: int
+    samples_s: tuple[float, ...] = ()
+    """Seconds of every measured version (warm-up excluded); empty when skipped or failed."""
+    trainer_extra_bytes: int | None = None
+    """Peak extra ``torch.cuda.max_memory_allocated`` in the trainer+sender process."""
+    receiver_extra_bytes: int | None = None
+    """Peak extra ``torch.cuda.max_memory_allocated`` in the receiver process."""
+    bit_exact: bool | None = None
+    """Receiver's packed params equal the trainer's tensors after the last version."""
+    note: str = ""
+    failed: bool = False
+
+    @property
+    def seconds(self) -> float | None:
+        return statistics.median(self.samples_s) if self.samples_s else None
+
+    @property
+    def gb_per_s(self) -> float | None:
+        s = self.seconds
+        return self.nbytes / s / GB if s else None
+
+
+@dataclass
+class Report:
+    meta: dict
+    rows: list[Row] = field(default_factory=list)
+
+    def _find(self, kind: str, name: str, placement: str | None = None) -> float | None:
+        for r in self.rows:
+            if r.kind == kind and r.name == name and (placement in (None, r.placement)):
+                if r.seconds:
+                    return r.seconds
+        return None
+
+    def floor_for(self, row: Row) -> float | None:
+        """The floor a row is held against: the broadcast across GPUs, else the D2D copy."""
+        if row.placement == OTHER:
+            return self._find(FLOOR, "broadcast")
+        return self._find(FLOOR, D2D)
+
+    def ratios(self, row: Row) -> dict[str, float | None]:
+        """x floor (seconds / floor; lower is better) and speed-ups over the two baselines
+        (baseline seconds / seconds; higher is better), None where not comparable."""
+        s = row.seconds
+        floor = self.floor_for(row) if row.kind != FLOOR else None
+        colocated = row.kind == WEIGHTSYNC and row.placement != OTHER
+        per_tensor, lockstep = self._find(BASELINE, PER_TENSOR), self._find(BASELINE, LOCKSTEP)
+        return {
+            "x_floor": s / floor if s and floor else None,
+            "x_per_tensor": per_tensor / s if s and per_tensor and colocated else None,
+            "x_lockstep": lockstep / s if s and lockstep and colocated else None,
+        }
+
+    def extra_memory(self, row: Row) -> dict[str, int]:
+        """Peak extra bytes per device: trainer's and receiver's add up when they share it."""
+        t, r = row.trainer_extra_bytes, row.receiver_extra_bytes
+        if t is None and r is None:
+            return {}
+        if row.placement == OTHER:
+            return {"trainer device": t or 0, "receiver device": r or 0}
+        return {"trainer device": (t or 0) + (r or 0)}
+
+    def targets(self) -> list[dict]:
+        """The issue's targets, evaluated on this run's rows (met or not, reported as is)."""
+        if not self.meta.get("gpus"):
+            return []  # the targets are for H200s; CPU numbers are smoke tests only
+        bucket = self.meta.get("bucket_size_bytes", 0)
+        out = []
+
+        def add(what: str, value: float | None, limit: float, at_most: bool) -> None:
+            if value is not None:
+                met = value <= limit if at_most else value >= limit
+                out.append({"target": what, "value": round(value, 3), "limit": limit, "met": met})
+
+        for r in self.rows:
+            if r.kind != WEIGHTSYNC or not r.seconds:
+                continue
+            label = f"{r.name} {r.transport} {r.layout} ({r.placement})"
+            x = self.ratios(r)
+            if r.name == "direct" and r.layout == "TP=1":
+                add(f"{label}: x floor", x["x_floor"], 1.4, True)
+            if r.name == "staged" and r.layout == "TP=2" and r.placement == SAME:
+                add(f"{label}: x floor", x["x_floor"], 2.3, True)
+            if r.transport == "nccl":
+                add(f"{label}: x broadcast floor", x["x_floor"], 1.3, True)
+            add(f"{label}: speed-up over per-tensor IPC", x["x_per_tensor"], 4.0, False)
+            add(f"{label}: speed-up over lockstep bucket", x["x_lockstep"], 2.5, False)
+            if bucket:
+                for device, extra in self.extra_memory(r).items():
+                    add(f"{label}: extra GB on {device}", extra / GB, 2 * bucket * 1.05 / GB, True)
+        return out
+
+    def table(self) -> Table:
+        m = self.meta
+        table = Table(
+            title=f"weightsync bench: {m['model']} ({m['model_note']}), {m['tensors']} tensors, "
+            f"{m['gb']:.2f} GB, median of {m['versions']} versions after {m['warmup']} warm-up",
+            caption="x floor = seconds / floor (D2D copy same device, broadcast across GPUs); "
+            "x per-tensor, x lockstep = baseline seconds / seconds (speed-up); extra memory = "
+            "peak torch.cuda.max_memory_allocated delta, trainer+sender / receiver process",
+        )
+        for col in ("model", "case", "transport", "layout", "receiver", "GB", "seconds", "GB/s"):
+            table.add_column(col, justify="right" if col in ("GB", "seconds", "GB/s") else "left")
+        for col in ("x floor", "x per-tensor", "x lockstep", "extra mem GB", "bit-exact", "note"):
+            table.add_column(col, justify="left" if col == "note" else "right")
+
+        def num(v: float | None, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        for r in self.rows:
+            x = self.ratios(r)
+            mem = "-"
+            if r.trainer_extra_bytes is not None or r.receiver_extra_bytes is not None:
+                t, rcv = r.trainer_extra_bytes or 0, r.receiver_extra_bytes or 0
+                mem = f"{t / GB:.2f}/{rcv / GB:.2f}"
+            exact = "-" if r.bit_exact is None else ("yes" if r.bit_exact else "[red]NO[/red]")
+            note = f"[red]{r.note}[/red]" if r.failed else r.note
+            table.add_row(
+                m["model"],
+                r.name,
+                r.transport,
+                r.layout,
+                r.placement,
+                f"{r.nbytes / GB:.2f}",
+                num(r.seconds, ".4f"),
+                num(r.gb_per_s, ".1f"),
+                num(x["x_floor"], ".2f"),
+                num(x["x_per_tensor"], ".2f"),
+                num(x["x_lockstep"], ".2f"),
+                mem,
+                exact,
+                note,
+            )
+        return table
+
+    def to_json(self) -> dict:
+        rows = []
+        for r in self.rows:
+            rows.append(
+                {
+                    **asdict(r),
+                    "seconds": r.seconds,
+                    "gb_per_s": r.gb_per_s,
+                    **self.ratios(r),
+                    "extra_memory_bytes": self.extra_memory(r),
+                }
+            )
+        return {"meta": self.meta, "rows": rows, "targets": self.targets()}
+
+    def write_json(self, out_dir: Path) -> Path:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"bench-{self.meta['model']}.json"
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+    def plot(self, out_dir: Path) -> Path | str:
+        """Draw seconds per case to a PNG; returns its path, or why it could not."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return "matplotlib is not installed here: no plot (pip install matplotlib)"
+        rows = [r for r in self.rows if r.seconds]
+        labels = [f"{r.name} {r.transport} {r.layout} {r.placement}" for r in rows]
+        colors = {FLOOR: "tab:gray", BASELINE: "tab:orange", WEIGHTSYNC: "tab:blue"}
+        fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.5))
+        ax.barh(labels, [r.seconds * 1e3 for r in rows], color=[colors[r.kind] for r in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel("milliseconds per version (median; lower is better)")
+        m = self.meta
+        ax.set_title(f"{m['model']} ({m['model_note']}), {m['gb']:.2f} GB, {m['machine']}")
+        fig.tight_layout()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        path = out_dir / f"bench-{m['model']}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
