@@ -1,0 +1,67 @@
+"""``weightsync bench`` on CPU: real receiver processes, shm, tiny shapes, bit-exact check."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.console import Console
+
+from weightsync.bench.cli import add_bench_args, run_bench
+
+
+def _bench(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser)
+    return run_bench(parser.parse_args(argv), Console(stderr=True, width=200))
+
+
+def test_cpu_bench_measures_every_row_and_receivers_are_bit_exact(tmp_path):
+    start = time.monotonic()
+    code = _bench(
+        ["--model", "tiny", "--device", "cpu", "--bucket-size-mb", "0.25", "--versions", "3"]
+        + ["--out", str(tmp_path), "--plot"]
+    )
+    assert time.monotonic() - start < 60
+    assert code == 0
+    data = json.loads((tmp_path / "bench-tiny.json").read_text())
+    assert data["meta"]["tensors"] == 27 and data["meta"]["device"] == "cpu"
+    rows = {(r["name"], r["transport"], r["layout"], r["placement"]): r for r in data["rows"]}
+    measured = [
+        ("broadcast", "gloo", "one buffer", "cpu"),
+        ("d2d copy", "-", "HF tensors", "cpu"),
+        ("per-tensor IPC", "shm", "HF tensors", "cpu"),
+        ("lockstep bucket", "shm", "HF tensors", "cpu"),
+        ("ping-pong buckets", "shm", "HF tensors", "cpu"),
+        ("staged", "shm", "TP=1", "cpu"),
+        ("staged", "shm", "TP=2", "cpu"),
+    ]
+    for key in measured:
+        row = rows[key]
+        assert len(row["samples_s"]) == 3 and all(s > 0 for s in row["samples_s"]), key
+        assert row["seconds"] > 0 and row["gb_per_s"] > 0 and not row["failed"], key
+    for key in measured[2:]:
+        assert rows[key]["bit_exact"] is True, key
+    for key in measured[5:]:
+        # Held against the D2D floor and both baselines of the same run.
+        r = rows[key]
+        assert r["x_floor"] > 0 and r["x_per_tensor"] > 0 and r["x_lockstep"] > 0
+    skipped = [r for r in data["rows"] if r["note"].startswith("skipped")]
+    assert {r["name"] for r in skipped} == {"direct", "staged", "nccl"}
+    assert all(not r["samples_s"] and r["bit_exact"] is None for r in skipped)
+    assert data["targets"] == []  # H200 targets are not judged on CPU
+
+
+def test_cpu_bench_moe_layouts_through_fused_experts(tmp_path):
+    code = _bench(
+        ["--model", "tiny-moe", "--device", "cpu", "--bucket-size-mb", "0.0625"]
+        + ["--versions", "2", "--cases", "staged", "--no-baselines", "--no-floors"]
+        + ["--out", str(tmp_path)]
+    )
+    assert code == 0
+    rows = json.loads((tmp_path / "bench-tiny-moe.json").read_text())["rows"]
+    assert [(r["name"], r["layout"], r["bit_exact"]) for r in rows] == [
+        ("staged", "TP=1", True),
+        ("staged", "TP=2", True),
+    ]

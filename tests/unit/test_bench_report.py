@@ -1,0 +1,102 @@
+"""The bench report: which floor and baseline each row is held against, JSON, targets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from weightsync.bench.report import (
+    BASELINE,
+    D2D,
+    FLOOR,
+    LOCKSTEP,
+    OTHER,
+    PER_TENSOR,
+    SAME,
+    WEIGHTSYNC,
+    Report,
+    Row,
+)
+
+GBYTES = 15_000_000_000
+BUCKET = 512 << 20
+
+
+def _report(gpus: int = 2) -> Report:
+    meta = {
+        "model": "m",
+        "model_note": "all layers",
+        "tensors": 3,
+        "gb": GBYTES / 1e9,
+        "versions": 3,
+        "warmup": 1,
+        "gpus": gpus,
+        "bucket_size_bytes": BUCKET,
+        "machine": "test",
+    }
+    rows = [
+        Row(FLOOR, D2D, "-", "HF tensors", SAME, GBYTES, (0.008, 0.010, 0.009)),
+        Row(FLOOR, "broadcast", "nccl", "one buffer", OTHER, GBYTES, (0.040,)),
+        Row(BASELINE, PER_TENSOR, "cuda_ipc", "HF tensors", SAME, GBYTES, (0.060,)),
+        Row(BASELINE, LOCKSTEP, "cuda_ipc", "HF tensors", SAME, GBYTES, (0.036,)),
+        Row(WEIGHTSYNC, "direct", "cuda_ipc", "TP=1", SAME, GBYTES, (0.012,), 0, 0, True),
+        Row(WEIGHTSYNC, "staged", "nccl", "TP=2", OTHER, GBYTES, (0.050,), BUCKET, BUCKET, True),
+        Row(WEIGHTSYNC, "staged", "cuda_ipc", "TP=2", SAME, GBYTES, note="skipped: x"),
+    ]
+    return Report(meta, rows)
+
+
+def test_rows_are_held_against_their_floor_and_the_baselines():
+    report = _report()
+    direct, nccl, skipped = report.rows[4:]
+    assert report.ratios(direct) == {
+        "x_floor": pytest.approx(0.012 / 0.009),
+        "x_per_tensor": pytest.approx(5.0),
+        "x_lockstep": pytest.approx(3.0),
+    }
+    # Across GPUs: the broadcast floor, and no colocated baseline to compare with.
+    assert report.ratios(nccl) == {
+        "x_floor": pytest.approx(1.25),
+        "x_per_tensor": None,
+        "x_lockstep": None,
+    }
+    assert report.ratios(skipped) == {"x_floor": None, "x_per_tensor": None, "x_lockstep": None}
+    assert direct.gb_per_s == pytest.approx(1250.0)
+
+
+def test_extra_memory_adds_up_per_device():
+    report = _report()
+    assert report.extra_memory(report.rows[5]) == {
+        "trainer device": BUCKET,
+        "receiver device": BUCKET,
+    }
+    colocated = Row(WEIGHTSYNC, "staged", "cuda_ipc", "TP=1", SAME, 1, (1.0,), BUCKET, 100)
+    assert report.extra_memory(colocated) == {"trainer device": BUCKET + 100}
+
+
+def test_targets_are_reported_met_or_not():
+    targets = {t["target"]: t for t in _report().targets()}
+    direct = targets["direct cuda_ipc TP=1 (same GPU): x floor"]
+    assert direct["met"] and direct["limit"] == 1.4
+    assert targets["direct cuda_ipc TP=1 (same GPU): speed-up over per-tensor IPC"]["met"]
+    assert targets["staged nccl TP=2 (other GPU): x broadcast floor"]["met"]
+    assert targets["staged nccl TP=2 (other GPU): extra GB on trainer device"]["met"]
+    assert _report(gpus=0).targets() == []
+
+
+def test_json_and_plot(tmp_path):
+    report = _report()
+    path = report.write_json(tmp_path)
+    data = json.loads(path.read_text())
+    assert [r["name"] for r in data["rows"]][-3:] == ["direct", "staged", "staged"]
+    assert data["rows"][4]["seconds"] == pytest.approx(0.012)
+    assert data["rows"][6]["seconds"] is None and data["rows"][6]["note"] == "skipped: x"
+    assert data["targets"]
+    plotted = report.plot(tmp_path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib is not installed" in plotted
+    else:
+        assert plotted.exists() and plotted.stat().st_size > 0
