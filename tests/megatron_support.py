@@ -80,6 +80,7 @@ class ModelCase:
     pre_softmax: bool = False
     expert_bias: bool = False
     grouped_gemm: bool = False
+    mtp_layers: int = 0
     extra: dict = field(default_factory=dict)
 
     def is_moe(self, layer: int) -> bool:
@@ -115,6 +116,7 @@ MOE_CASES = (
         moe_layers=(1, 2, 3),
         shared_ffn=64,
         expert_bias=True,
+        mtp_layers=1,
     ),
 )
 CASES = {c.name: c for c in DENSE_CASES + MOE_CASES}
@@ -196,6 +198,7 @@ def hf_config(case: ModelCase):
             topk_group=1,
             partial_rotary_factor=1.0,
             use_qk_norm=case.qk_norm,
+            num_nextn_predict_layers=case.mtp_layers,
         )
     if t == "mixtral":
         return transformers.MixtralConfig(
@@ -256,6 +259,8 @@ def transformer_config(case: ModelCase, sizes: dict):
                 moe_shared_expert_intermediate_size=case.shared_ffn,
                 moe_shared_expert_gate=case.model_type == "qwen2_moe",
             )
+    if case.mtp_layers:
+        kwargs.update(mtp_num_layers=case.mtp_layers)
     kwargs.update(case.extra)
     return TransformerConfig(**kwargs)
 
@@ -264,7 +269,10 @@ def build_chunks(case: ModelCase, sizes: dict) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), eval mode."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
 
     config = transformer_config(case, sizes)
     vpp = sizes.get("vpp")
@@ -277,6 +285,11 @@ def build_chunks(case: ModelCase, sizes: dict) -> list[torch.nn.Module]:
             normalization="LayerNorm" if case.layernorm else "RMSNorm",
             vp_stage=vp_stage,
         )
+        mtp = None
+        if case.mtp_layers:
+            mtp = get_gpt_mtp_block_spec(
+                config, spec, use_transformer_engine=False, vp_stage=vp_stage
+            )
         model = GPTModel(
             config,
             spec,
@@ -289,6 +302,7 @@ def build_chunks(case: ModelCase, sizes: dict) -> list[torch.nn.Module]:
             position_embedding_type="rope",
             rotary_base=10000,
             vp_stage=vp_stage,
+            mtp_block_spec=mtp,
         )
         chunks.append(model.eval())
     return chunks
@@ -367,7 +381,13 @@ def megatron_logits(model: torch.nn.Module, case: ModelCase) -> torch.Tensor:
     ids = input_ids(case)
     pos = torch.arange(SEQ).expand_as(ids)
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
-    logits = model(ids, pos, attention_mask=mask)
+    # The MTP head needs labels and transformers has no MTP: compare the main head only.
+    mtp = model.mtp_process, model.config.mtp_num_layers
+    model.mtp_process, model.config.mtp_num_layers = False, None
+    try:
+        logits = model(ids, pos, attention_mask=mask)
+    finally:
+        model.mtp_process, model.config.mtp_num_layers = mtp
     return logits[..., : case.hf_vocab].float().clone()
 
 
@@ -469,3 +489,20 @@ def collect_worker(rank: int, sizes: dict, case_names: list[str], fill: bool, lo
         if rank == 0:
             out[name] = entry
     return out if rank == 0 else None
+
+
+def grouped_mlp_metadata_worker(rank: int, sizes: dict, case_name: str):
+    """Names, shapes and partition dims of a real legacy ``GroupedMLP`` (``moe_grouped_gemm``).
+
+    grouped_gemm is not installed on CPU; the module only checks for it, so the check is
+    patched out to build it (it cannot run forward here).
+    """
+    from dataclasses import replace
+
+    import megatron.core.transformer.moe.grouped_gemm_util as gg
+    from weightsync.sender.megatron import collect_shards
+
+    gg.assert_grouped_gemm_is_available = lambda: None
+    case = replace(CASES[case_name], grouped_gemm=True)
+    local = collect_shards(build_chunks(case, sizes))
+    return sorted((s.name, s.shape, s.partition_dim) for s in local.shards if ".experts." in s.name)

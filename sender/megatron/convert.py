@@ -50,6 +50,7 @@ def convert_megatron_to_hf(
     *,
     dtype: torch.dtype | str | None = None,
     bucket_size_bytes: int | None = None,
+    export_mtp: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Convert the shards of all Megatron ranks into an HF state dict.
 
@@ -63,6 +64,7 @@ def convert_megatron_to_hf(
             bias stays float32).
         bucket_size_bytes: pack through buckets of this cap (the service path, chunking
             included); default one bucket holding everything.
+        export_mtp: include multi-token-prediction layers; False skips them.
 
     Returns:
         ``{hf name: tensor}`` in manifest order; with the default single bucket the tensors
@@ -81,7 +83,9 @@ def convert_megatron_to_hf(
             shards, local, tied = state.shards, state.tensors, state.tied_embeddings
         else:
             (shards, local), tied = state, None
-        plan = plan_rank(shards, topology, hf_config, dtype=dtype, tied_embeddings=tied)
+        plan = plan_rank(
+            shards, topology, hf_config, dtype=dtype, tied_embeddings=tied, export_mtp=export_mtp
+        )
         check_shard_tensors(plan, local)
         plans.append(plan)
         tensors.append(local)

@@ -48,6 +48,9 @@ class ModelDims:
     shared_expert_gate: bool = False
     expert_bias: bool = False
     moe_layers: frozenset[int] = frozenset()
+    num_mtp_layers: int = 0
+    """Multi-token-prediction layers, numbered after the decoder layers (GLM-4.5 / DeepSeek-V3
+    checkpoints name MTP layer i ``model.layers.{num_layers + i}``)."""
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "vocab")
@@ -63,7 +66,7 @@ class ModelDims:
             raise PlanError(
                 f"HF config ({self.model_type}): MoE layers need experts and their size"
             )
-        bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers]
+        bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers + self.num_mtp_layers]
         if bad:
             raise PlanError(f"HF config ({self.model_type}): MoE layer {bad[0]} out of range")
 
@@ -73,6 +76,7 @@ class ModelDims:
             return symbol
         sizes = {
             "hidden": self.hidden,
+            "hidden_x2": 2 * self.hidden,
             "head_dim": self.head_dim,
             "q_rows": self.num_heads * self.head_dim,
             "kv_rows": self.num_kv_heads * self.head_dim,

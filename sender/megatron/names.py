@@ -70,11 +70,18 @@ class Architecture:
     """Per decoder layer (``decoder.layers.{layer}.`` is implied), in HF manifest order."""
     post: tuple[ParamMapping, ...]
     """After the layers (final norm, output layer)."""
+    mtp: tuple[ParamMapping, ...] = ()
+    """MTP-only tensors (``mtp.layers.{layer}.`` implied); the MTP layer's
+    ``transformer_layer`` uses the ``layer`` mappings. Empty: the architecture has no MTP."""
 
     def mappings(self) -> tuple[tuple[str, ParamMapping], ...]:
         """Every (full Megatron template, mapping)."""
         out = [(m, p) for p in self.pre + self.post for m in p.megatron]
         out += [("decoder.layers.{layer}." + m, p) for p in self.layer for m in p.megatron]
+        if self.mtp:
+            out += [("mtp.layers.{layer}." + m, p) for p in self.mtp for m in p.megatron]
+            mtp_layer = "mtp.layers.{layer}.transformer_layer."
+            out += [(mtp_layer + m, p) for p in self.layer for m in p.megatron]
         return tuple(out)
 
 
@@ -208,7 +215,19 @@ def _shared_experts(hf: str, gate: str | None) -> tuple[ParamMapping, ...]:
 
 
 _LLAMA_MLP = ("gate_proj", "up_proj", "down_proj")
-_PRE = (_m("embedding.word_embeddings.weight", VocabRule(("model.embed_tokens.weight",))),)
+_MTP = (  # GLM-4.5 / DeepSeek-V3 checkpoint names (vLLM's *_mtp models read these)
+    _m("enorm.weight", R((L + "enorm.weight",), (_H,))),
+    _m("hnorm.weight", R((L + "hnorm.weight",), (_H,))),
+    _m("eh_proj.weight", ColumnRule((L + "eh_proj.weight",), (("hidden", "hidden_x2"),))),
+    _m("final_layernorm.weight", R((L + "shared_head.norm.weight",), (_H,))),
+)
+# The last stage keeps a synchronized copy of the word embeddings when it runs MTP layers.
+_PRE = (
+    _m(
+        "embedding.word_embeddings.weight",
+        VocabRule(("model.embed_tokens.weight",), first_stage_only=True),
+    ),
+)
 _POST = (
     *_norm("decoder.final_layernorm", None, "model.norm"),
     _m("output_layer.weight", VocabRule(("lm_head.weight",)), "untied"),
@@ -296,6 +315,7 @@ def _starcoder2_dims(cfg: object) -> ModelDims:
 
 def _glm4_moe_dims(cfg: object) -> ModelDims:
     dense = getattr(cfg, "first_k_dense_replace", 0) or 0
+    mtp = getattr(cfg, "num_nextn_predict_layers", 0) or 0
     return _dims(
         cfg,
         qkv_bias=bool(getattr(cfg, "attention_bias", False)),
@@ -304,7 +324,8 @@ def _glm4_moe_dims(cfg: object) -> ModelDims:
         moe_ffn=cfg.moe_intermediate_size,
         shared_ffn=cfg.moe_intermediate_size * (getattr(cfg, "n_shared_experts", 0) or 0),
         expert_bias=True,
-        moe_layers=frozenset(range(dense, cfg.num_hidden_layers)),
+        moe_layers=frozenset(range(dense, cfg.num_hidden_layers + mtp)),
+        num_mtp_layers=mtp,
     )
 
 
@@ -338,6 +359,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         _PRE,
         _QWEN_MOE + _shared_experts(L + "mlp.shared_experts", None),
         _POST,
+        _MTP,
     ),
     Architecture(
         ("starcoder2",),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 
 import torch
@@ -79,8 +79,8 @@ def _manifest(table: NameTable, dims: ModelDims, dtype: str) -> tuple[TensorSpec
     arch = table.arch
     for mapping in arch.pre:
         emit(mapping, None)
-    for layer in range(dims.num_layers):
-        for mapping in arch.layer:
+    for layer in range(dims.num_layers + dims.num_mtp_layers):
+        for mapping in arch.layer + (arch.mtp if layer >= dims.num_layers else ()):
             emit(mapping, layer)
     for mapping in arch.post:
         emit(mapping, None)
@@ -104,6 +104,7 @@ def plan_rank(
     *,
     dtype: torch.dtype | str | None = None,
     tied_embeddings: bool | None = None,
+    export_mtp: bool = True,
 ) -> RankPlan:
     """Plan one rank: the full HF manifest and the pieces this rank writes.
 
@@ -115,6 +116,8 @@ def plan_rank(
             with a fixed dtype (the router's expert bias: float32) keep theirs.
         tied_embeddings: Megatron's ``share_embeddings_and_output_weights``; checked against
             the HF config's ``tie_word_embeddings`` when given.
+        export_mtp: send multi-token-prediction layers (``mtp.layers.*``) under the names
+            engines load draft layers from; False drops them from the shards and the manifest.
 
     Raises:
         PlanError: naming the Megatron parameter that has no rule, no HF counterpart in this
@@ -122,6 +125,9 @@ def plan_rank(
     """
     table = name_table(_model_type(hf_config))
     dims = table.arch.read_dims(hf_config)
+    if not export_mtp:
+        shards = [s for s in shards if not s.name.startswith("mtp.")]
+        dims = _without_mtp(dims)
     if tied_embeddings is not None and tied_embeddings != dims.tied:
         raise PlanError(
             f"Megatron share_embeddings_and_output_weights={tied_embeddings} but the HF config "
@@ -161,15 +167,30 @@ def plan_rank(
     return RankPlan(topology, manifest, MappingProxyType(frozen), MappingProxyType(by_key))
 
 
+def _without_mtp(dims: ModelDims) -> ModelDims:
+    moe = frozenset(i for i in dims.moe_layers if i < dims.num_layers)
+    return replace(dims, num_mtp_layers=0, moe_layers=moe)
+
+
 def _mapping(table: NameTable, dims: ModelDims, shard: ShardMeta) -> ParamMapping:
     template, _ = template_of(shard.name)
     if "{layer}" in template:
         if shard.layer is None:
             raise PlanError(f"Megatron parameter {shard.name!r} has no global layer index")
-        if not 0 <= shard.layer < dims.num_layers:
+        first, stop = 0, dims.num_layers
+        if template.startswith("mtp."):
+            first, stop = dims.num_layers, dims.num_layers + dims.num_mtp_layers
+            if not table.arch.mtp or not dims.num_mtp_layers:
+                raise PlanError(
+                    f"Megatron parameter {shard.name!r} belongs to an MTP layer, but the HF "
+                    f"{dims.model_type} config has no MTP layers; pass export_mtp=False to skip "
+                    "them"
+                )
+        if not first <= shard.layer < stop:
             raise PlanError(
                 f"Megatron parameter {shard.name!r} is in global layer {shard.layer}, but the HF "
-                f"config has num_hidden_layers={dims.num_layers}"
+                f"config has layers {first}..{stop - 1} of that kind "
+                f"(num_hidden_layers={dims.num_layers}, MTP layers={dims.num_mtp_layers})"
             )
     return table.lookup(shard.name, dims, shard.layer)
 
@@ -188,7 +209,9 @@ def _context(
         )
     if not mapping.is_expert:
         ctx = ShardContext(shard, dims, topo.tp_rank, topo.tp_size, shard.layer)
-        return ctx, topo.dp_rank == 0 and (not rule.replicated or topo.tp_rank == 0)
+        first_stage = topo.pp_rank == 0 and shard.vpp_chunk == 0
+        writes = topo.dp_rank == 0 and (not rule.replicated or topo.tp_rank == 0)
+        return ctx, writes and (first_stage or not rule.first_stage_only)
     if dims.num_experts % topo.ep_size:
         raise PlanError(
             f"Megatron parameter {shard.name!r}: {dims.num_experts} experts do not split over "

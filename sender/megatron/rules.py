@@ -89,6 +89,9 @@ class Rule:
     """Wire dtype of the HF tensors when fixed (e.g. ``"float32"``); None: the model dtype."""
     in_manifest: bool = True
     """False for an alternative layout of tensors that another mapping announces."""
+    first_stage_only: bool = False
+    """Only the first pipeline stage (pp rank 0, chunk 0) writes it; later stages hold
+    synchronized replicas (megatron's word embeddings on the MTP / tied-output stage)."""
 
     def __post_init__(self) -> None:
         if len(self.hf) != len(self.shapes):

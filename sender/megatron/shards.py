@@ -15,6 +15,11 @@ megatron-core 0.16.1 facts this relies on (checked against real models on CPU):
 - State-dict layer indices (``decoder.layers.<i>.``) are local to the chunk. The global
   0-based layer index is ``model.decoder.layers[i].layer_number - 1`` (``layer_number`` is
   1-based and already includes the PP / VPP offset, also for uneven stages and layouts).
+- MTP layers (``mtp.layers.<i>.``, built on the last stage) hold ``enorm``, ``hnorm``,
+  ``eh_proj`` (column parallel ``[H, 2H]``, input ``cat(embedding, hidden)``), a full
+  ``transformer_layer`` and ``final_layernorm``. Their ``transformer_layer.layer_number`` is
+  ``num_layers + i + 1``: we record ``num_layers + i``, where GLM-4.5 / DeepSeek-V3 style
+  checkpoints put MTP layer i.
 - Tensor-parallel params carry ``tensor_model_parallel=True`` and ``partition_dim``; we record
   the latter so the planner can check it against its rule.
 """
@@ -89,8 +94,9 @@ class ShardMeta:
     vpp_chunk: int
     """Index of the model chunk in the rank's chunk list (the virtual pipeline stage)."""
     layer: int | None
-    """Global 0-based layer index (``layer_number - 1``) for ``decoder.layers`` / ``mtp.layers``
-    params; None for embeddings, final norm and output layer."""
+    """Global 0-based layer index (``layer_number - 1``) for ``decoder.layers`` params and
+    ``num_layers + i`` for ``mtp.layers.<i>`` params; None for embeddings, final norm and
+    output layer."""
     dtype: str
     """Wire dtype name (see :mod:`weightsync.dtypes`)."""
     shape: tuple[int, ...]
@@ -162,7 +168,10 @@ def _global_layer(model: torch.nn.Module, name: str, cache: dict[str, int]) -> i
         return None
     prefix = match.group(1)
     if prefix not in cache:
-        layer_number = getattr(model.get_submodule(prefix), "layer_number", None)
+        module = model.get_submodule(prefix)
+        # an MTP layer counts from 1 itself; its transformer_layer continues the decoder's count
+        module = getattr(module, "transformer_layer", module)
+        layer_number = getattr(module, "layer_number", None)
         if not isinstance(layer_number, int):
             raise PlanError(f"{name!r}: module {prefix!r} has no integer layer_number")
         cache[prefix] = layer_number - 1

@@ -33,7 +33,7 @@ MOE = [c.name for c in ms.MOE_CASES]
 
 LAYOUTS = {
     "tp2": ({"tp": 2, "pp": 1}, DENSE + MOE),
-    "pp2": ({"tp": 1, "pp": 2}, DENSE + ["qwen3_moe"]),
+    "pp2": ({"tp": 1, "pp": 2}, DENSE + ["qwen3_moe", "glm4_moe_expert_bias"]),
     "pp2_vpp2": ({"tp": 1, "pp": 2, "vpp": 2}, DENSE + ["qwen3_moe"]),
     "ep2": ({"tp": 1, "pp": 1, "ep": 2}, MOE),
     "tp2_ep2": ({"tp": 2, "pp": 1, "ep": 2, "etp": 1}, MOE),
@@ -93,7 +93,8 @@ def test_layout_converts_bit_identical_to_tp1(runs, layout, case):
 def test_transformers_logits_equal_megatron_logits(runs, case, tmp_path):
     """TP=1 forward vs ``from_pretrained`` of the converted checkpoint (no missing keys)."""
     ref = runs.reference()[case]
-    model, info = ms.hf_model(ms.CASES[case], convert(runs.reference(), case), tmp_path)
+    hf = convert(runs.reference(), case, export_mtp=False)  # transformers has no MTP layers
+    model, info = ms.hf_model(ms.CASES[case], hf, tmp_path)
     assert not any(info.values()), info
     with torch.no_grad():
         logits = model(ms.input_ids(ms.CASES[case])).logits
@@ -112,10 +113,26 @@ def test_transformers_logits_equal_megatron_logits(runs, case, tmp_path):
 def test_parallel_forward_matches_transformers(runs, layout, case, tmp_path):
     """Megatron's own TP / EP forward agrees with the HF model built from that layout's shards."""
     run = runs.layout(layout)[case]
-    model, _ = ms.hf_model(ms.CASES[case], convert(runs.layout(layout), case), tmp_path)
+    hf = convert(runs.layout(layout), case, export_mtp=False)
+    model, _ = ms.hf_model(ms.CASES[case], hf, tmp_path)
     with torch.no_grad():
         logits = model(ms.input_ids(ms.CASES[case])).logits
     torch.testing.assert_close(logits, run["logits"], rtol=0, atol=2e-5)
+
+
+def test_mtp_layer_exports_after_the_decoder_layers(runs):
+    """GLM-4.5 / DeepSeek-V3 checkpoints (and vLLM's glm4_moe_mtp) name MTP layer i
+    ``model.layers.{num_layers + i}``; PP=2 builds it on the last stage."""
+    hf = convert(runs.layout("pp2"), "glm4_moe_expert_bias")
+    mtp = {k for k in hf if k.startswith("model.layers.4.")}
+    assert {
+        f"model.layers.4.{n}.weight" for n in ("enorm", "hnorm", "eh_proj", "shared_head.norm")
+    } <= mtp
+    assert "model.layers.4.mlp.experts.3.down_proj.weight" in mtp
+    assert "model.layers.4.self_attn.q_proj.bias" in mtp
+    assert hf["model.layers.4.eh_proj.weight"].shape == (128, 256)
+    skipped = convert(runs.layout("pp2"), "glm4_moe_expert_bias", export_mtp=False)
+    assert set(hf) - set(skipped) == mtp
 
 
 def test_pipeline_layer_numbers_follow_megatron_vpp_order(runs):
@@ -260,6 +277,17 @@ def test_legacy_grouped_mlp_layout_converts_like_sequential_mlp(runs, layout):
     assert_bit_identical(hf, convert(runs.layout(layout), "qwen3_moe"))
 
 
+def test_real_grouped_mlp_has_the_names_and_shapes_of_the_synthetic_layout(runs, tmp_path):
+    mc = ms.CASES["qwen3_moe"]
+    real = ms.launch(tmp_path, {"tp": 2, "pp": 1}, ms.grouped_mlp_metadata_worker, "qwen3_moe")
+    grouped = grouped_states(runs.layout("tp2")["qwen3_moe"]["states"], mc)
+    for topology, state in grouped.items():
+        synthetic = sorted(
+            (s.name, s.shape, s.partition_dim) for s in state.shards if ".experts." in s.name
+        )
+        assert real[topology.tp_rank] == synthetic
+
+
 # --- bad input on real metadata ------------------------------------------------------------------
 
 
@@ -287,7 +315,7 @@ def test_config_contradicting_the_model_names_the_parameter(runs):
     wrong_head_dim = ms.hf_config(case)
     wrong_head_dim.head_dim = 32
     with pytest.raises(
-        PlanError, match=r"'decoder\.layers\.0\.self_attention\.linear_(proj|qkv)\.weight' has shape"
+        PlanError, match=r"'decoder\.layers\.0\.self_attention\.linear_\w+\.weight' has shape"
     ):
         convert_megatron_to_hf(states, wrong_head_dim)
     untied = ms.hf_config(case)
