@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import statistics
+import queue
 import tempfile
 import time
 from datetime import timedelta
@@ -94,11 +94,11 @@ def broadcast(nbytes: int, reps: int, timeout_s: float = 300.0) -> tuple[list[fl
         for p in procs:
             p.start()
         try:
-            results = dict()
+            results = {}
             for _ in procs:
                 rank, times, kind = out.get(timeout=timeout_s)
                 results[rank] = times
-        except Exception as e:
+        except queue.Empty as e:
             raise SyncTimeoutError(
                 f"broadcast floor: the two processes reported nothing within {timeout_s:.0f} s "
                 f"(exit codes {[p.exitcode for p in procs]})"
@@ -110,7 +110,3 @@ def broadcast(nbytes: int, reps: int, timeout_s: float = 300.0) -> tuple[list[fl
                     p.terminate()
     per_rep = [max(a, b) for a, b in zip(results[0], results[1], strict=True)]
     return per_rep, "nccl" if kind == "cuda" else "gloo"
-
-
-def median(samples: list[float]) -> float:
-    return statistics.median(samples)

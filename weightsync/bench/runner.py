@@ -233,8 +233,15 @@ def _broadcast_floor(cfg: BenchConfig, nbytes: int, cuda: bool, gpus: int) -> Ro
     if cuda and gpus < 2:
         return Row(FLOOR, "broadcast", "nccl", "one buffer", OTHER, nbytes, note="needs 2 GPUs")
     # On CPU: gloo over a tiny model, to exercise the code; it is no floor for anything.
-    samples, backend = floors.broadcast(nbytes, cfg.versions, cfg.timeout_s)
     placement = OTHER if cuda else "cpu"
+    backend = "nccl" if cuda else "gloo"
+    try:
+        samples, backend = floors.broadcast(nbytes, cfg.versions, cfg.timeout_s)
+    except Exception as e:  # recorded in the row; the run goes on without this floor
+        error = f"{type(e).__name__}: {e}"
+        return Row(
+            FLOOR, "broadcast", backend, "one buffer", placement, nbytes, note=error, failed=True
+        )
     return Row(FLOOR, "broadcast", backend, "one buffer", placement, nbytes, tuple(samples))
 
 
