@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
 import time
 import uuid
+import weakref
 
 import grpc
 import torch
@@ -31,6 +33,12 @@ from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_from_pb, describe, error_to_pb, manifest_from_pb
 
 _STREAM_CLOSED = object()
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    receiver = ref()
+    if receiver is not None:
+        receiver.close(flush_timeout_s=2.0)
 
 
 class ReceiverCore:
@@ -95,7 +103,10 @@ class ReceiverCore:
         except grpc.RpcError as e:
             raise TransportError(f"register with the sender at {address}: {e.details()}") from None
         self.receiver_id = first.welcome.receiver_id
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
+        # A process that exits right after sync() must still deliver its last "applied".
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     def _pump(self) -> None:
         try:
@@ -144,6 +155,8 @@ class ReceiverCore:
         return msg
 
     def _send(self, **kind) -> None:
+        if self._requests is None:
+            raise ProtocolError(f"receiver {self.receiver_id} is closed")
         self._requests.put(pb.ReceiverMessage(**kind))
 
     def sync(self, timeout: float | None = None) -> int:
@@ -276,10 +289,15 @@ class ReceiverCore:
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
 
-    def close(self) -> None:
+    def close(self, flush_timeout_s: float = 5.0) -> None:
+        """Deliver pending acks, then leave: ending our stream lets the sender end its side."""
+        if self._requests is None:
+            return
+        requests, self._requests = self._requests, None
+        requests.put(None)
+        self._pump_thread.join(flush_timeout_s)
         if self._group is not None:
             self._group.close()
-        self._requests.put(None)
         self._stream.cancel()
         self._channel.close()
 

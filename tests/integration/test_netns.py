@@ -78,6 +78,9 @@ def test_receiver_in_another_network_namespace_gets_broadcasts(far_host):
                 step(trainer, version)
                 publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=60)
                 line = proc.stdout.readline().strip()
+                if not line:
+                    proc.kill()
+                    pytest.fail(f"the receiver died: {proc.stderr.read()[-3000:]}")
                 assert line == f"{version} {sorted(digests(trainer).items())}"
             (status,) = publisher.status().receivers
             assert (status.data_path, status.applied_version) == ("broadcast", 2)
