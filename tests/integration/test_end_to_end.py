@@ -24,10 +24,9 @@ def test_two_receiver_processes_get_three_versions_bit_exact(sender):
         assert state == "applied", err
         assert d == expected[version], f"{rid} differs at version {version}"
     status = publisher.status()
-    assert [(r.receiver_id, r.applied_version, r.state) for r in status.receivers] == [
-        ("r0", 3, "idle"),
-        ("r1", 3, "idle"),
-    ]
+    # The receiver processes may already have exited after their last sync.
+    assert [(r.receiver_id, r.applied_version) for r in status.receivers] == [("r0", 3), ("r1", 3)]
+    assert {r.state for r in status.receivers} <= {"idle", "disconnected"}
     v3 = status.versions[-1]
     assert (
         v3.state == "complete"
