@@ -42,7 +42,7 @@ def per_tensor(
 ) -> list[float]:
     """Seconds per version (all versions); ``refresh`` changes the tensors between versions."""
     device = next(iter(tensors.values())).device
-    link.send(PerTensorBaseline(warmup + versions))
+    link.start(PerTensorBaseline(warmup + versions))
     link.expect(timeout_s, "ready")
     items = list(tensors.items())
     out = []
@@ -76,7 +76,7 @@ def buckets(
     if device.type == "cpu":
         for b in buffers:
             b.share_memory_()
-    link.send(BucketBaseline(buffers, plan, warmup + versions))
+    link.start(BucketBaseline(buffers, plan, warmup + versions))
     link.expect(timeout_s, "ready")
     out = []
     for _ in range(warmup + versions):

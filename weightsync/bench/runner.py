@@ -37,7 +37,6 @@ from weightsync.bench.report import (
 from weightsync.bench.worker import (
     CaseReply,
     DropLayout,
-    Finish,
     Receive,
     SetLayout,
     Stop,
@@ -127,14 +126,6 @@ def _memory_extra(device: torch.device, start: int) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.max_memory_allocated(device) - start
-
-
-def _case_reply(link: WorkerLink, timeout_s: float) -> CaseReply:
-    # Skip hand-shake messages a failed case left unread, so the pipe stays in step.
-    while True:
-        msg = link.expect(timeout_s, "case result")
-        if isinstance(msg, CaseReply):
-            return msg
 
 
 def _machine(device: torch.device) -> str:
@@ -292,7 +283,7 @@ def _floor_and_baselines(cfg: BenchConfig, shards: TrainerShards, workers: _Work
         except Exception as e:  # recorded in the row; the run goes on with the next case
             samples, error = [], f"{type(e).__name__}: {e}"
         extra = _memory_extra(device, start)
-        reply = _case_reply(link, cfg.timeout_s)
+        reply = link.result(cfg.timeout_s)
         error = error or reply.error
         rows.append(
             Row(
@@ -370,10 +361,10 @@ def _case(
             bucket_size_bytes=cfg.bucket_size_bytes,
             transport=transport,
         ) as sender:
-            link.send(Receive(sender.address, transport, versions, cfg.timeout_s))
+            link.start(Receive(sender.address, transport, versions, cfg.timeout_s))
             hello = link.expect(cfg.timeout_s, "registration")
-            if isinstance(hello, CaseReply):
-                return _failed(row, hello.error)
+            if hello != "registered":
+                raise _CaseFailed()
             with Publisher(sender.address) as publisher:
                 publish = _publish_fn(publisher, case, shards, direct_kw, cfg.timeout_s)
                 for version in range(1, versions + 1):
@@ -382,12 +373,12 @@ def _case(
                     t0 = time.perf_counter()
                     publish(version)
                     samples.append(time.perf_counter() - t0)
+    except _CaseFailed:
+        pass
     except Exception as e:  # recorded in the row; the run goes on with the next case
         error = f"{type(e).__name__}: {e}"
-    finally:
-        link.send(Finish())
     extra = _memory_extra(device, start)
-    reply = _case_reply(link, cfg.timeout_s)
+    reply = link.result(cfg.timeout_s)
     error = error or reply.error
     if error:
         return _failed(row, error)
@@ -400,6 +391,10 @@ def _case(
         note=_mismatch_note(reply),
         failed=not reply.bit_exact,
     )
+
+
+class _CaseFailed(Exception):
+    """The receiver failed to register; its case reply says why."""
 
 
 def _failed(row: Row, error: str) -> Row:

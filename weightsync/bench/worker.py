@@ -141,37 +141,60 @@ def worker_main(conn: Connection, shape: ModelShape, device_name: str) -> None:
             shards = None
             conn.send("ok")
             continue
-        start = _memory_start(device)
-        try:
-            if isinstance(cmd, Receive):
-                _receive(conn, cmd, target)
-            elif isinstance(cmd, PerTensorBaseline):
-                _per_tensor(conn, cmd, target)
-            elif isinstance(cmd, BucketBaseline):
-                _buckets(conn, cmd, target)
-            else:
-                raise ProtocolError(f"the bench receiver got an unknown command {cmd!r}")
-            extra = _memory_extra(device, start)
-            checked, mismatches = verify(target, shards) if shards else (0, ())
-            conn.send(CaseReply("", extra, checked, mismatches))
-        except Exception as e:  # reported to the trainer, which records it in the case's row
-            conn.send(CaseReply(f"{type(e).__name__}: {e}", _memory_extra(device, start)))
+        conn.send(_run_case(conn, cmd, target, shards))
 
 
-def _receive(conn: Connection, cmd: Receive, target: EngineLikeTarget) -> None:
-    from weightsync.receiver.core import ReceiverCore
+class _TrainerFinished(ProtocolError):
+    """The trainer sent Finish while this receiver still expected data: it gave up."""
 
-    core = ReceiverCore(target, cmd.address, engine="bench", transports=(cmd.transport,))
+
+def _recv(conn: Connection):
+    """The trainer's next message inside a case."""
+    msg = conn.recv()
+    if isinstance(msg, Finish):
+        raise _TrainerFinished("the trainer ended the case early (its row says why)")
+    return msg
+
+
+def _run_case(conn: Connection, cmd, target: EngineLikeTarget, shards) -> CaseReply:
+    device = target.device
+    start = _memory_start(device)
+    closers = []
     try:
-        conn.send("registered")
-        for _ in range(cmd.versions):
-            core.sync(timeout=cmd.timeout_s)
-    finally:
-        # Closing cancels the stream at once and can drop the last `applied` still queued:
-        # close only once the trainer saw every version applied (or gave up).
-        while not isinstance(conn.recv(), Finish):
-            pass
-        core.close()
+        if isinstance(cmd, Receive):
+            from weightsync.receiver.core import ReceiverCore
+
+            try:
+                core = ReceiverCore(
+                    target, cmd.address, engine="bench", transports=(cmd.transport,)
+                )
+            except Exception:
+                conn.send("failed")  # the trainer waits for a word before publishing
+                raise
+            conn.send("registered")
+            closers.append(core.close)
+            for _ in range(cmd.versions):
+                core.sync(timeout=cmd.timeout_s)
+        elif isinstance(cmd, PerTensorBaseline):
+            _per_tensor(conn, cmd, target)
+        elif isinstance(cmd, BucketBaseline):
+            _buckets(conn, cmd, target)
+        else:
+            raise ProtocolError(f"the bench receiver got an unknown command {cmd!r}")
+        extra = _memory_extra(device, start)
+        checked, mismatches = verify(target, shards) if shards else (0, ())
+        reply = CaseReply("", extra, checked, mismatches)
+    except Exception as e:  # reported to the trainer, which records it in the case's row
+        reply = CaseReply(f"{type(e).__name__}: {e}", _memory_extra(device, start))
+        if isinstance(e, _TrainerFinished):
+            return reply
+    # Wait for the trainer's Finish before disconnecting: closing a ReceiverCore cancels its
+    # stream at once and could drop the last `applied` still queued for the sender.
+    while not isinstance(conn.recv(), Finish):
+        pass
+    for close in closers:
+        close()
+    return reply
 
 
 def _per_tensor(conn: Connection, cmd: PerTensorBaseline, target: EngineLikeTarget) -> None:
@@ -179,7 +202,7 @@ def _per_tensor(conn: Connection, cmd: PerTensorBaseline, target: EngineLikeTarg
     for _ in range(cmd.versions):
         # Unpickling opens one IPC handle per tensor storage; dropping them closes it again,
         # as vLLM's colocate example and SGLang's per-tensor update do every version.
-        tensors = conn.recv()
+        tensors = _recv(conn)
         target.load(tensors)
         _sync(target.device)
         del tensors
@@ -191,7 +214,7 @@ def _buckets(conn: Connection, cmd: BucketBaseline, target: EngineLikeTarget) ->
     for _ in range(cmd.versions):
         assembler = ChunkAssembler()
         for _ in cmd.plan.buckets:
-            index, slot = conn.recv()
+            index, slot = _recv(conn)
             bucket = cmd.plan.buckets[index]
             target.load(list(unpack_bucket(cmd.buffers[slot], bucket, assembler)))
             _sync(target.device)
@@ -203,9 +226,26 @@ class WorkerLink:
 
     def __init__(self, conn: Connection, process: BaseProcess) -> None:
         self.conn, self.process = conn, process
+        self._case_running = False
 
     def send(self, msg: object) -> None:
         self.conn.send(msg)
+
+    def start(self, cmd: Receive | PerTensorBaseline | BucketBaseline) -> None:
+        """Start a case; every started case ends with one :meth:`result`."""
+        self.conn.send(cmd)
+        self._case_running = True
+
+    def result(self, timeout_s: float) -> CaseReply:
+        """The case's reply; tells a receiver still inside the case to give up first."""
+        if not self._case_running:
+            return CaseReply("the case failed before it reached the receiver")
+        self._case_running = False
+        self.conn.send(Finish())
+        while True:  # skip hand-shakes a failed case left unread, so the pipe stays in step
+            msg = self.expect(timeout_s, "case result")
+            if isinstance(msg, CaseReply):
+                return msg
 
     def expect(self, timeout_s: float, what: str):
         """The worker's next message.
