@@ -22,14 +22,9 @@ from collections.abc import Callable
 
 import torch
 
-from weightsync.bench.worker import BucketBaseline, PerTensorBaseline, WorkerLink
+from weightsync.bench.worker import BucketBaseline, PerTensorBaseline, WorkerLink, sync
 from weightsync.buckets import BucketPlan, pack_entry
 from weightsync.errors import ProtocolError
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 def per_tensor(
@@ -48,7 +43,7 @@ def per_tensor(
     out = []
     for _ in range(warmup + versions):
         refresh()
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         link.send(items)
         if link.expect(timeout_s, "ack") != "ack":
@@ -81,7 +76,7 @@ def buckets(
     out = []
     for _ in range(warmup + versions):
         refresh()
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         acked = 0
         for bucket in plan.buckets:
@@ -92,7 +87,7 @@ def buckets(
             buffer = buffers[bucket.index % num_buffers]
             for entry in bucket.entries:
                 pack_entry(buffer, entry, tensors[entry.name])
-            _sync(device)
+            sync(device)
             link.send((bucket.index, bucket.index % num_buffers))
         while acked < len(plan.buckets):
             _ack(link, acked, timeout_s)

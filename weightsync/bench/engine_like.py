@@ -45,6 +45,8 @@ class EngineLikeModel(torch.nn.Module):
         super().__init__()
         self._output_sizes: dict[str, tuple[int, ...]] = {}
         h, q, kv, ffn = shape.hidden, shape.q_rows, shape.kv_rows, shape.ffn_rows
+        self._device = device  # allocate in place: a 15 GB model must not detour via host
+
         add = self._add
         add("model.embed_tokens.weight", (shape.vocab, h))
         for i in range(shape.layers):
@@ -70,7 +72,6 @@ class EngineLikeModel(torch.nn.Module):
         with torch.no_grad():
             for param in self.parameters():
                 param.fill_(fill)
-        self.to(device)
 
     def _add(self, name: str, dims: tuple[int, ...], output_sizes: tuple[int, ...] = ()) -> None:
         *path, leaf = name.split(".")
@@ -79,7 +80,8 @@ class EngineLikeModel(torch.nn.Module):
             if not hasattr(parent, part):
                 parent.add_module(part, torch.nn.Module())
             parent = getattr(parent, part)
-        param = torch.nn.Parameter(torch.empty(dims, dtype=torch.bfloat16), requires_grad=False)
+        data = torch.empty(dims, dtype=torch.bfloat16, device=self._device)
+        param = torch.nn.Parameter(data, requires_grad=False)
         parent.register_parameter(leaf, param)
         if output_sizes:
             self._output_sizes[name] = output_sizes

@@ -41,6 +41,9 @@ from weightsync.bench.worker import (
     SetLayout,
     Stop,
     WorkerLink,
+    memory_extra,
+    memory_start,
+    sync,
     worker_main,
 )
 from weightsync.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
@@ -107,25 +110,6 @@ class _Workers:
             link.process.join(30)
             if link.process.is_alive():
                 link.process.terminate()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _memory_start(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    return torch.cuda.memory_allocated(device)
-
-
-def _memory_extra(device: torch.device, start: int) -> int | None:
-    if device.type != "cuda":
-        return None
-    return torch.cuda.max_memory_allocated(device) - start
 
 
 def _machine(device: torch.device) -> str:
@@ -276,13 +260,13 @@ def _floor_and_baselines(cfg: BenchConfig, shards: TrainerShards, workers: _Work
         )
     for name, measure in runs:
         console.print(f"baseline: {name}")
-        start = _memory_start(device)
+        start = memory_start(device)
         try:
             samples = measure()[cfg.warmup :]
             error = ""
         except Exception as e:  # recorded in the row; the run goes on with the next case
             samples, error = [], f"{type(e).__name__}: {e}"
-        extra = _memory_extra(device, start)
+        extra = memory_extra(device, start)
         reply = link.result(cfg.timeout_s)
         error = error or reply.error
         rows.append(
@@ -295,7 +279,7 @@ def _floor_and_baselines(cfg: BenchConfig, shards: TrainerShards, workers: _Work
                 nbytes,
                 tuple(samples) if not error else (),
                 extra,
-                reply.extra_memory_bytes if device.type == "cuda" else None,
+                reply.extra_memory_bytes,
                 reply.bit_exact if not error else None,
                 error or _mismatch_note(reply),
                 failed=bool(error) or not reply.bit_exact,
@@ -352,7 +336,7 @@ def _case(
     link = workers.links[placement]
     direct_kw = "direct" in inspect.signature(Publisher.publish).parameters
     versions = cfg.warmup + cfg.versions
-    start = _memory_start(device)
+    start = memory_start(device)
     samples: list[float] = []
     error = ""
     try:
@@ -369,7 +353,7 @@ def _case(
                 publish = _publish_fn(publisher, case, shards, direct_kw, cfg.timeout_s)
                 for version in range(1, versions + 1):
                     shards.step()
-                    _sync(device)
+                    sync(device)
                     t0 = time.perf_counter()
                     publish(version)
                     samples.append(time.perf_counter() - t0)
@@ -377,7 +361,7 @@ def _case(
         pass
     except Exception as e:  # recorded in the row; the run goes on with the next case
         error = f"{type(e).__name__}: {e}"
-    extra = _memory_extra(device, start)
+    extra = memory_extra(device, start)
     reply = link.result(cfg.timeout_s)
     error = error or reply.error
     if error:
@@ -386,7 +370,7 @@ def _case(
         row,
         samples_s=tuple(samples[cfg.warmup :]),
         trainer_extra_bytes=extra,
-        receiver_extra_bytes=reply.extra_memory_bytes if cuda else None,
+        receiver_extra_bytes=reply.extra_memory_bytes,
         bit_exact=reply.bit_exact,
         note=_mismatch_note(reply),
         failed=not reply.bit_exact,

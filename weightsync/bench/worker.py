@@ -77,8 +77,8 @@ class CaseReply:
     """What the receiver saw in one case."""
 
     error: str = ""
-    extra_memory_bytes: int = 0
-    """Peak ``torch.cuda.max_memory_allocated`` above the start of the case (0 on CPU)."""
+    extra_memory_bytes: int | None = None
+    """Peak ``torch.cuda.max_memory_allocated`` above the start of the case (None on CPU)."""
     checked: int = 0
     """HF tensors compared bit for bit with the trainer's shards after the last version."""
     mismatches: tuple[str, ...] = field(default_factory=tuple)
@@ -88,7 +88,8 @@ class CaseReply:
         return not self.error and self.checked > 0 and not self.mismatches
 
 
-def _memory_start(device: torch.device) -> int:
+def memory_start(device: torch.device) -> int:
+    """Reset this process's peak-memory counter on ``device``; returns bytes allocated now."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
@@ -96,13 +97,14 @@ def _memory_start(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def _memory_extra(device: torch.device, start: int) -> int:
+def memory_extra(device: torch.device, start: int) -> int | None:
+    """Peak bytes allocated above ``start`` since :func:`memory_start` (None off CUDA)."""
     if device.type != "cuda":
-        return 0
+        return None
     return torch.cuda.max_memory_allocated(device) - start
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
@@ -124,7 +126,7 @@ def worker_main(conn: Connection, shape: ModelShape, device_name: str) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     target = EngineLikeTarget(EngineLikeModel(shape, device))
-    _sync(device)
+    sync(device)
     conn.send("ready")
     shards: TrainerShards | None = None
     while True:
@@ -158,7 +160,7 @@ def _recv(conn: Connection):
 
 def _run_case(conn: Connection, cmd, target: EngineLikeTarget, shards) -> CaseReply:
     device = target.device
-    start = _memory_start(device)
+    start = memory_start(device)
     closers = []
     try:
         if isinstance(cmd, Receive):
@@ -181,11 +183,11 @@ def _run_case(conn: Connection, cmd, target: EngineLikeTarget, shards) -> CaseRe
             _buckets(conn, cmd, target)
         else:
             raise ProtocolError(f"the bench receiver got an unknown command {cmd!r}")
-        extra = _memory_extra(device, start)
+        extra = memory_extra(device, start)
         checked, mismatches = verify(target, shards) if shards else (0, ())
         reply = CaseReply("", extra, checked, mismatches)
     except Exception as e:  # reported to the trainer, which records it in the case's row
-        reply = CaseReply(f"{type(e).__name__}: {e}", _memory_extra(device, start))
+        reply = CaseReply(f"{type(e).__name__}: {e}", memory_extra(device, start))
         if isinstance(e, _TrainerFinished):
             return reply
     # Wait for the trainer's Finish before disconnecting: closing a ReceiverCore cancels its
@@ -204,7 +206,7 @@ def _per_tensor(conn: Connection, cmd: PerTensorBaseline, target: EngineLikeTarg
         # as vLLM's colocate example and SGLang's per-tensor update do every version.
         tensors = _recv(conn)
         target.load(tensors)
-        _sync(target.device)
+        sync(target.device)
         del tensors
         conn.send("ack")
 
@@ -217,7 +219,7 @@ def _buckets(conn: Connection, cmd: BucketBaseline, target: EngineLikeTarget) ->
             index, slot = _recv(conn)
             bucket = cmd.plan.buckets[index]
             target.load(list(unpack_bucket(cmd.buffers[slot], bucket, assembler)))
-            _sync(target.device)
+            sync(target.device)
             conn.send(index)
 
 
