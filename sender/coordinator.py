@@ -229,7 +229,9 @@ class Coordinator:
                 index=len(plan.buckets),
                 is_last=not plan.buckets,
             )
-        return VersionRun(manifest, plan, publisher_id, transport, ranks, direct, tuple(sources))
+        run = VersionRun(manifest, plan, publisher_id, transport, ranks, direct, tuple(sources))
+        run.notify_done = any(r.begin.wait_applied for r in ranks.values())
+        return run
 
     def on_packed(self, run: VersionRun, rank: RankConn, index: int) -> None:
         with self._cond:
@@ -274,6 +276,10 @@ class Coordinator:
                     checksum = bucket_checksum(slot.buffer.tensor, bucket.nbytes)
                     if self._announce(run, slot, layout, checksum):
                         pending = (slot, bucket.nbytes)
+                    if bucket.is_last:
+                        self._end(run)
+                if not run.plan.buckets:
+                    self._end(run)
                 self._staged(run)
                 if pending:
                     self._broadcast(run, *pending)
@@ -447,19 +453,23 @@ class Coordinator:
                 return
             run.staged_s = time.monotonic() - run.started_mono
             run.state = "staged"
+            staged = pb.SenderReply(
+                staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
+            )
             for rank in run.ranks.values():
-                rank.outbox.put(
-                    pb.SenderReply(
-                        staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
-                    )
-                )
-                rank.outbox.put(None)
+                rank.outbox.put(staged)
+                if not run.notify_done:
+                    rank.outbox.put(None)
+            self._maybe_complete(run)
+            self._cond.notify_all()
+
+    def _end(self, run: VersionRun) -> None:
+        """Tell receivers the version has no more buckets; they commit after the last one."""
+        with self._cond:
             end = pb.Announcement(end=pb.VersionEnd(version=run.version))
             for rid in run.active():
                 run.outcomes[rid].expect("applied", self.settings.ack_timeout_s)
                 self._receivers[rid].send(end)
-            self._maybe_complete(run)
-            self._cond.notify_all()
 
     # ---- waiting ----
 
@@ -571,6 +581,11 @@ class Coordinator:
             "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
         )
         self.metrics.version_done(run)
+        if run.notify_done:
+            done = pb.SenderReply(done=run.to_pb())
+            for rank in run.ranks.values():
+                rank.outbox.put(done)
+                rank.outbox.put(None)
         applied = sum(o.state == APPLIED for o in run.outcomes.values())
         log.info(
             "version %d %s: %.1f MB (%.1f MB direct), %d bucket(s), staged %.3f s, done %.3f s, "

@@ -138,20 +138,26 @@ class Publisher:
                 )
             )
         )
-        begin = pb.BeginVersion(manifest=manifest_to_pb(manifest))
+        begin = pb.BeginVersion(manifest=manifest_to_pb(manifest), wait_applied=wait)
         if direct:
             self._offer_direct(begin, direct)
         requests.put(pb.PublisherMessage(begin=begin))
         replies = self._stub.Publish(iter(requests.get, None), timeout=timeout_s)
         staged: pb.VersionStaged | None = None
+        done: pb.VersionStatus | None = None
         start = time.monotonic()
+        staged_s = 0.0
         try:
             for reply in replies:
                 kind = reply.WhichOneof("kind")
                 if kind == "pack":
                     self._pack_one(reply.pack, pack, requests, device)
                 elif kind == "staged":
-                    staged = reply.staged
+                    staged, staged_s = reply.staged, time.monotonic() - start
+                    if not wait:
+                        break
+                elif kind == "done":
+                    done = reply.done
                     break
         except grpc.RpcError as e:
             raise error_from_rpc(e, what) from None
@@ -161,13 +167,11 @@ class Publisher:
         finally:
             requests.put(None)
             replies.cancel()
-        if staged is None:
-            raise WeightSyncError(f"{what}: the sender closed the stream before staging")
-        result = PublishResult(manifest.version, time.monotonic() - start, staged.receivers)
-        if not wait:
-            return result
-        status = self.wait_applied(manifest.version, timeout_s)
-        return PublishResult(result.version, result.staged_s, result.receivers, status)
+        if staged is None or (wait and done is None):
+            raise WeightSyncError(f"{what}: the sender closed the stream early")
+        if done is not None:
+            _raise_for_failures(done)
+        return PublishResult(manifest.version, staged_s, staged.receivers, done)
 
     def _offer_direct(self, begin: pb.BeginVersion, tensors: Mapping[str, torch.Tensor]) -> None:
         """Export each storage once (cached: Megatron keeps parameters in a few buffers)."""
@@ -217,12 +221,7 @@ class Publisher:
             )
         except grpc.RpcError as e:
             raise error_from_rpc(e, f"wait for version {version} at {self.address}") from None
-        failed = [o for o in reply.version.receivers if o.state != "applied"]
-        if failed:
-            lines = "; ".join(f"{o.receiver_id}: {describe(o.error)}" for o in failed)
-            raise ReceiverFailedError(
-                f"version {version} failed on {len(failed)} receiver(s): {lines}"
-            )
+        _raise_for_failures(reply.version)
         return reply.version
 
     def status(self) -> pb.StatusReply:
@@ -236,3 +235,12 @@ class Publisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _raise_for_failures(status: pb.VersionStatus) -> None:
+    failed = [o for o in status.receivers if o.state != "applied"]
+    if failed:
+        lines = "; ".join(f"{o.receiver_id}: {describe(o.error)}" for o in failed)
+        raise ReceiverFailedError(
+            f"version {status.version} failed on {len(failed)} receiver(s): {lines}"
+        )

@@ -106,6 +106,8 @@ class VersionRun:
     """Tensors receivers copy straight from the publishers' storages (``direct_sources``)."""
     direct_sources: tuple[pb.BufferHandle, ...] = ()
     direct_readers: set[str] = field(default_factory=set)
+    notify_done: bool = False
+    """A publisher waits on its stream for every receiver's outcome."""
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)

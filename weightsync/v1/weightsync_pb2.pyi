@@ -141,14 +141,16 @@ class DirectTensor(_message.Message):
     def __init__(self, name: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class BeginVersion(_message.Message):
-    __slots__ = ("manifest", "sources", "direct")
+    __slots__ = ("manifest", "sources", "direct", "wait_applied")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     DIRECT_FIELD_NUMBER: _ClassVar[int]
+    WAIT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
     direct: _containers.RepeatedCompositeFieldContainer[DirectTensor]
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., direct: _Optional[_Iterable[_Union[DirectTensor, _Mapping]]] = ...) -> None: ...
+    wait_applied: bool
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., direct: _Optional[_Iterable[_Union[DirectTensor, _Mapping]]] = ..., wait_applied: _Optional[bool] = ...) -> None: ...
 
 class BucketPacked(_message.Message):
     __slots__ = ("version", "index")
@@ -199,14 +201,16 @@ class VersionStaged(_message.Message):
     def __init__(self, version: _Optional[int] = ..., receivers: _Optional[int] = ...) -> None: ...
 
 class SenderReply(_message.Message):
-    __slots__ = ("welcome", "pack", "staged")
+    __slots__ = ("welcome", "pack", "staged", "done")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PACK_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
     welcome: PublisherWelcome
     pack: PackBucket
     staged: VersionStaged
-    def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ...) -> None: ...
+    done: VersionStatus
+    def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ..., done: _Optional[_Union[VersionStatus, _Mapping]] = ...) -> None: ...
 
 class ReceiverHello(_message.Message):
     __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id")
