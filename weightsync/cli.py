@@ -184,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run_demo)
 
     p = sub.add_parser("bench", help="measure sync time against the hardware floor (GPU)")
+    from weightsync.bench.cli import add_bench_args
+
+    add_bench_args(p)
     p.set_defaults(func=_run_bench, bench_parser=p)
     return parser
 
