@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import os
 import re
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -81,7 +83,6 @@ class ModelCase:
     expert_bias: bool = False
     grouped_gemm: bool = False
     mtp_layers: int = 0
-    extra: dict = field(default_factory=dict)
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
@@ -261,7 +262,6 @@ def transformer_config(case: ModelCase, sizes: dict):
             )
     if case.mtp_layers:
         kwargs.update(mtp_num_layers=case.mtp_layers)
-    kwargs.update(case.extra)
     return TransformerConfig(**kwargs)
 
 
@@ -396,7 +396,8 @@ def hf_model(case: ModelCase, state: dict[str, torch.Tensor], directory: Path):
 
     Going through a safetensors checkpoint means the converted names are read exactly as an
     engine or ``from_pretrained`` reads HF checkpoints (transformers 5 fuses per-expert
-    tensors on load). Returns the model; missing / unexpected keys fail the caller's test.
+    tensors on load). Returns the model and transformers' loading info (missing / unexpected
+    keys).
     """
     import transformers
     from safetensors.torch import save_file
@@ -423,7 +424,11 @@ def _entry(rank: int, world: int, init_file: str, sizes: dict, fn, args, out_dir
         apply_cpu_shims()
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),  # a stuck collective fails the test, not CI
         )
         from megatron.core import parallel_state as ps
 
@@ -433,6 +438,7 @@ def _entry(rank: int, world: int, init_file: str, sizes: dict, fn, args, out_dir
             virtual_pipeline_model_parallel_size=sizes.get("vpp"),
             expert_model_parallel_size=sizes.get("ep", 1),
             expert_tensor_parallel_size=sizes.get("etp"),
+            distributed_timeout_minutes=2,
         )
         result = fn(rank, sizes, *args)
         if result is not None:
@@ -444,17 +450,17 @@ def _entry(rank: int, world: int, init_file: str, sizes: dict, fn, args, out_dir
         raise
 
 
-def launch(tmp_path: Path, sizes: dict, fn, *args, world: int | None = None) -> dict[int, object]:
+def launch(tmp_path: Path, sizes: dict, fn, *args) -> dict[int, object]:
     """Run ``fn(rank, sizes, *args)`` on ``world`` gloo ranks; returns what each rank returned.
 
-    ``sizes``: ``tp``, ``pp`` and optionally ``vpp``, ``ep``, ``etp``. The world defaults to
+    ``sizes``: ``tp``, ``pp`` and optionally ``vpp``, ``ep``, ``etp``. The world is
     the smallest that fits both the dense (tp x pp) and the expert (etp x ep x pp) layouts;
     EP is carved out of data parallelism, as in megatron.
     """
     import torch.multiprocessing as mp
 
     expert = sizes.get("ep", 1) * (sizes.get("etp") or sizes["tp"])
-    world = world or sizes["pp"] * max(sizes["tp"], expert)
+    world = sizes["pp"] * math.lcm(sizes["tp"], expert)
     out_dir = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
     out_dir.mkdir()
     init_file = str(out_dir / "rendezvous")

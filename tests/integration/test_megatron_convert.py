@@ -37,8 +37,10 @@ LAYOUTS = {
     "pp2_vpp2": ({"tp": 1, "pp": 2, "vpp": 2}, DENSE + ["qwen3_moe"]),
     "ep2": ({"tp": 1, "pp": 1, "ep": 2}, MOE),
     "tp2_ep2": ({"tp": 2, "pp": 1, "ep": 2, "etp": 1}, MOE),
+    "tp2_ep2_etp2": ({"tp": 2, "pp": 1, "ep": 2, "etp": 2}, ["qwen3_moe", "glm4_moe_expert_bias"]),
 }
-"""``tp2`` with MoE is expert-TP 2 (megatron's default expert_tensor_parallel_size = TP)."""
+"""``tp2`` with MoE is expert-TP 2 (megatron's default expert_tensor_parallel_size = TP);
+``tp2_ep2_etp2`` runs on 4 ranks, so dense parameters also have a data-parallel replica."""
 
 
 class Runs:
@@ -133,6 +135,18 @@ def test_mtp_layer_exports_after_the_decoder_layers(runs):
     assert hf["model.layers.4.eh_proj.weight"].shape == (128, 256)
     skipped = convert(runs.layout("pp2"), "glm4_moe_expert_bias", export_mtp=False)
     assert set(hf) - set(skipped) == mtp
+
+
+def test_data_parallel_replicas_write_no_dense_bytes(runs):
+    case = "qwen3_moe"
+    states = runs.layout("tp2_ep2_etp2")[case]["states"]
+    assert sorted((t.dp_rank, t.ep_rank) for t in states) == [(0, 0), (0, 0), (1, 1), (1, 1)]
+    cfg = ms.hf_config(ms.CASES[case])
+    for topology, state in states.items():
+        plan = plan_rank(state.shards, topology, cfg)
+        dense = [n for n in plan.pieces if ".experts." not in n]
+        assert bool(dense) == (topology.dp_rank == 0)
+        assert any(".experts." in n for n in plan.pieces)  # every rank writes its experts
 
 
 def test_pipeline_layer_numbers_follow_megatron_vpp_order(runs):
