@@ -237,6 +237,8 @@ def transformer_config(case: ModelCase, sizes: dict):
         expert_tensor_parallel_size=sizes.get("etp"),
         sequence_parallel=False,
         pipeline_dtype=torch.float32,
+        num_layers_in_first_pipeline_stage=sizes.get("first_stage_layers"),
+        num_layers_in_last_pipeline_stage=sizes.get("last_stage_layers"),
     )
     if case.experts:
         kwargs.update(

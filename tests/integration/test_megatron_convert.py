@@ -35,6 +35,10 @@ LAYOUTS = {
     "tp2": ({"tp": 2, "pp": 1}, DENSE + MOE),
     "pp2": ({"tp": 1, "pp": 2}, DENSE + ["qwen3_moe", "glm4_moe_expert_bias"]),
     "pp2_vpp2": ({"tp": 1, "pp": 2, "vpp": 2}, DENSE + ["qwen3_moe"]),
+    "pp2_uneven": (
+        {"tp": 1, "pp": 2, "first_stage_layers": 1, "last_stage_layers": 3},
+        ["llama_mqa_tied", "glm4_moe_expert_bias"],
+    ),
     "ep2": ({"tp": 1, "pp": 1, "ep": 2}, MOE),
     "tp2_ep2": ({"tp": 2, "pp": 1, "ep": 2, "etp": 1}, MOE),
     "tp2_ep2_etp2": ({"tp": 2, "pp": 1, "ep": 2, "etp": 2}, ["qwen3_moe", "glm4_moe_expert_bias"]),
@@ -147,6 +151,14 @@ def test_data_parallel_replicas_write_no_dense_bytes(runs):
         dense = [n for n in plan.pieces if ".experts." not in n]
         assert bool(dense) == (topology.dp_rank == 0)
         assert any(".experts." in n for n in plan.pieces)  # every rank writes its experts
+
+
+def test_uneven_pipeline_stages_hold_1_and_3_layers(runs):
+    states = runs.layout("pp2_uneven")["llama_mqa_tied"]["states"]
+    layers = {
+        t.pp_rank: {s.layer for s in st.shards if s.layer is not None} for t, st in states.items()
+    }
+    assert layers == {0: {0}, 1: {1, 2, 3}}
 
 
 def test_pipeline_layer_numbers_follow_megatron_vpp_order(runs):
