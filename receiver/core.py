@@ -30,7 +30,14 @@ from weightsync.transports import MappedBuffers
 from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, host_id
 from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import bucket_from_pb, describe, error_to_pb, manifest_from_pb
+from weightsync.wire import (
+    ParseCache,
+    bucket_from_pb,
+    describe,
+    error_to_pb,
+    manifest_from_pb,
+    manifest_key,
+)
 
 _STREAM_CLOSED = object()
 
@@ -78,6 +85,11 @@ class ReceiverCore:
         """True when a failed version wrote some weights: they match no version until the next."""
         self.last_error: WeightSyncError | None = None
         self._buffers = MappedBuffers()
+        self._layouts = ParseCache(bucket_from_pb)
+        self._direct_views: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+        self._validated: bytes | None = None
+        """The last manifest (without version) the target accepted: the model's names and
+        shapes do not change, so the same manifest need not be checked again."""
         self._group: BroadcastGroup | None = None
         self._recv_buffer = torch.empty(0, dtype=torch.uint8, device=target.device)
         self._inbox: queue.Queue = queue.Queue()
@@ -176,8 +188,11 @@ class ReceiverCore:
         while msg.WhichOneof("kind") != "start":
             msg = self._next(deadline, "version")  # leftovers of a version already left
         manifest = manifest_from_pb(msg.start.manifest)
+        key = manifest_key(msg.start.manifest)
         try:
-            self.target.validate(manifest)
+            if key != self._validated:
+                self.target.validate(manifest)
+                self._validated = key
         except WeightSyncError as e:
             self._send(
                 verdict=pb.ManifestVerdict(
@@ -239,14 +254,28 @@ class ReceiverCore:
         """The bucket's complete tensors (views where possible) and the buffers they read."""
         if msg.sources:
             sources = [self._buffers.get(h) for h in msg.sources]
-            bucket = bucket_from_pb(msg.layout)
-            return [(e.name, entry_view(sources[e.source], e)) for e in bucket.entries], sources
+            layout = msg.layout.SerializeToString()
+            key = (layout, tuple(h.buffer_id for h in msg.sources))
+            views = self._direct_views.get(key)
+            if views is None:
+                bucket = self._layouts(msg.layout, layout)
+                views = [(e.name, entry_view(sources[e.source], e)) for e in bucket.entries]
+                self._direct_views = {key: views}  # the latest layout is the one reused
+            return views, sources
         bucket, buffer = self._verified_bucket(msg)
-        return list(unpack_bucket(buffer, bucket, assembler)), [buffer]
+        load_chunk = getattr(self.target, "load_chunk", None)
+        if load_chunk is None:
+            return list(unpack_bucket(buffer, bucket, assembler)), [buffer]
+        # The target writes chunks in place: no full-size temporary per oversized tensor.
+        for e in bucket.entries:
+            if e.is_chunked:
+                load_chunk(e, buffer[e.offset : e.offset + e.nbytes])
+        whole = [(e.name, entry_view(buffer, e)) for e in bucket.entries if not e.is_chunked]
+        return whole, [buffer]
 
     def _verified_bucket(self, msg: pb.BucketAnnouncement) -> tuple[Bucket, torch.Tensor]:
         """Map or receive the bucket's buffer and check its checksum; nothing is written yet."""
-        bucket = bucket_from_pb(msg.layout)
+        bucket = self._layouts(msg.layout)
         buffer = self._receive_broadcast(msg) if msg.group_id else self._buffers.get(msg.buffer)
         if not self.verify_checksums:
             return bucket, buffer

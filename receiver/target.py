@@ -35,6 +35,11 @@ class WeightTarget(Protocol):
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Load complete tensors. They may be views of a reused buffer: copy what you keep."""
 
+    # Optional: ``load_chunk(entry: BucketEntry, data: torch.Tensor) -> None`` writes the bytes
+    # of one chunk (``entry.tensor_offset``, ``entry.nbytes``) of a tensor larger than a bucket
+    # in place. Targets that have it get chunks as they come instead of whole reassembled
+    # tensors, which saves a full-size temporary per oversized tensor.
+
     def commit(self, manifest: VersionManifest) -> None:
         """Post-load processing, once, after the last bucket (register LoRA, flush caches)."""
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from weightsync.receiver.core import ReceiverCore
 
+from weightsync.buckets import BucketEntry, byte_view
 from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, NameResolutionError, WeightSyncError
 from weightsync.manifest import VersionManifest
@@ -47,6 +48,13 @@ class TorchModuleTarget:
         with torch.no_grad():
             for name, tensor in tensors:
                 self.live[name].copy_(tensor, non_blocking=True)
+
+    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
+        with torch.no_grad():
+            live = byte_view(self.live[entry.name].data)
+            live[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(
+                data, non_blocking=True
+            )
 
     def commit(self, manifest: VersionManifest) -> None:
         pass

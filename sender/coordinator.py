@@ -7,6 +7,7 @@ reply past ``ack_timeout_s``, so a dead or stalled receiver never blocks the oth
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -27,7 +28,7 @@ from weightsync.sender.runs import (
 )
 
 from weightsync import __version__
-from weightsync.buckets import plan_buckets, plan_direct
+from weightsync.buckets import Bucket, BucketPlan, plan_buckets, plan_direct
 from weightsync.checksum import ALGORITHM, bucket_checksum
 from weightsync.config import SenderSettings
 from weightsync.errors import (
@@ -43,7 +44,13 @@ from weightsync.metrics import SenderMetrics
 from weightsync.transports import get_transport, resolve_transport
 from weightsync.transports.broadcast import host_id
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import bucket_to_pb, error_to_pb, manifest_to_pb
+from weightsync.wire import (
+    ParseCache,
+    bucket_to_pb,
+    error_to_pb,
+    manifest_from_pb,
+    manifest_key,
+)
 
 log = logging.getLogger("weightsync.sender")
 
@@ -66,6 +73,8 @@ class Coordinator:
         self._drive_lock = threading.Lock()
         self._broadcaster = Broadcaster(settings.broadcast_host, settings.ack_timeout_s)
         self._host_id = host_id()
+        self._manifests = ParseCache(manifest_from_pb, max_entries=16)
+        self._plans = ParseCache(self._plan, max_entries=16)
         self._closed = False
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
         self._monitor.start()
@@ -147,9 +156,10 @@ class Coordinator:
         self, hello: pb.PublisherHello, begin: pb.BeginVersion
     ) -> tuple[VersionRun | None, RankConn]:
         """Add one publisher rank to a version; the last rank to join starts the run."""
-        from weightsync.wire import manifest_from_pb
-
-        manifest = manifest_from_pb(begin.manifest)
+        manifest = dataclasses.replace(
+            self._manifests(begin.manifest, key=manifest_key(begin.manifest)),
+            version=begin.manifest.version,
+        )
         world = max(hello.world_size, 1)
         if hello.rank >= world:
             raise ConfigError(f"publisher rank {hello.rank} is not below world_size {world}")
@@ -220,18 +230,28 @@ class Coordinator:
         receivers = [c for c in self._receivers.values() if c.connected]
         if not (transport == "cuda_ipc" and all(c.data_path == "map" for c in receivers)):
             located = {}
-        staged = tuple(t for t in manifest.tensors if t.name not in located)
+        key = (manifest.tensors, tuple(sorted(located.items())))
+        plan, direct, layouts = self._plans(key, key=key)
+        run = VersionRun(manifest, plan, publisher_id, transport, ranks, direct, tuple(sources))
+        run.layouts = layouts
+        run.notify_done = any(r.begin.wait_applied for r in ranks.values())
+        return run
+
+    def _plan(self, key: tuple) -> tuple[BucketPlan, Bucket | None, tuple[pb.BucketLayout, ...]]:
+        """Plan once per layout (tensors, direct locations); reused every version."""
+        tensors, located_items = key
+        located = dict(located_items)
+        staged = tuple(t for t in tensors if t.name not in located)
         plan = plan_buckets(staged, self.settings.bucket_size_bytes)
         direct = None
         if located:
             direct = plan_direct(
-                [(t, *located[t.name]) for t in manifest.tensors if t.name in located],
+                [(t, *located[t.name]) for t in tensors if t.name in located],
                 index=len(plan.buckets),
                 is_last=not plan.buckets,
             )
-        run = VersionRun(manifest, plan, publisher_id, transport, ranks, direct, tuple(sources))
-        run.notify_done = any(r.begin.wait_applied for r in ranks.values())
-        return run
+        layouts = tuple(bucket_to_pb(b) for b in plan.buckets)
+        return plan, direct, layouts + ((bucket_to_pb(direct),) if direct else ())
 
     def on_packed(self, run: VersionRun, rank: RankConn, index: int) -> None:
         with self._cond:
@@ -256,7 +276,7 @@ class Coordinator:
                 self._connect_group(run)
                 for bucket in run.plan.buckets:
                     slot = self._acquire_slot(run)
-                    layout = bucket_to_pb(bucket)
+                    layout = run.layouts[bucket.index]
                     pack = pb.SenderReply(
                         pack=pb.PackBucket(
                             version=run.version, layout=layout, buffer=slot.buffer.handle
@@ -299,7 +319,8 @@ class Coordinator:
             self._ensure_slots(run, device)
             start = pb.Announcement(
                 start=pb.VersionStart(
-                    manifest=manifest_to_pb(run.manifest), num_buckets=len(run.plan.buckets)
+                    manifest=self._first_begin(run).manifest,
+                    num_buckets=len(run.plan.buckets),
                 )
             )
             for conn in self._receivers.values():
@@ -335,13 +356,19 @@ class Coordinator:
     def _announce_direct(self, run: VersionRun) -> None:
         msg = pb.Announcement(
             bucket=pb.BucketAnnouncement(
-                version=run.version, layout=bucket_to_pb(run.direct), sources=run.direct_sources
+                version=run.version,
+                layout=run.layouts[run.direct.index],
+                sources=run.direct_sources,
             )
         )
         for rid in run.active():
             run.direct_readers.add(rid)
             run.outcomes[rid].expect(f"bucket:{run.direct.index}", self.settings.ack_timeout_s)
             self._receivers[rid].send(msg)
+
+    @staticmethod
+    def _first_begin(run: VersionRun) -> pb.BeginVersion:
+        return run.ranks[min(run.ranks)].begin
 
     def _connect_group(self, run: VersionRun) -> None:
         """Wait for invited receivers to join the broadcast group; fail them if they don't."""

@@ -19,7 +19,7 @@ from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.transports import MappedBuffers
 from weightsync.transports.cuda_ipc import device_uuid, export_handle
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import bucket_from_pb, describe, error_to_pb, manifest_to_pb
+from weightsync.wire import ParseCache, bucket_from_pb, describe, error_to_pb, manifest_to_pb
 
 PackFn = Callable[[Bucket, torch.Tensor], None]
 """Writes this rank's bytes of ``bucket`` into the mapped staging buffer (flat uint8)."""
@@ -63,6 +63,9 @@ class Publisher:
         self._channel, self._stub = connect(address, connect_timeout_s)
         self._buffers = MappedBuffers()
         self._exported: dict[tuple[int, int, str], pb.BufferHandle] = {}
+        self._layouts = ParseCache(bucket_from_pb)
+        self._specs: tuple[tuple, tuple[TensorSpec, ...]] | None = None
+        self._manifests = ParseCache(manifest_to_pb, max_entries=8)
 
     def publish(
         self,
@@ -90,9 +93,10 @@ class Publisher:
         """
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         tensors = dict(items)
-        manifest = VersionManifest(
-            version, tuple(TensorSpec.of(n, t) for n, t in tensors.items()), lora
-        )
+        key = tuple((n, t.dtype, t.shape) for n, t in tensors.items())
+        if self._specs is None or self._specs[0] != key:
+            self._specs = (key, tuple(TensorSpec.of(n, t) for n, t in tensors.items()))
+        manifest = VersionManifest(version, self._specs[1], lora)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -138,7 +142,9 @@ class Publisher:
                 )
             )
         )
-        begin = pb.BeginVersion(manifest=manifest_to_pb(manifest), wait_applied=wait)
+        begin = pb.BeginVersion(wait_applied=wait)
+        begin.manifest.CopyFrom(self._manifests(manifest, key=(manifest.tensors, manifest.lora)))
+        begin.manifest.version = manifest.version
         if direct:
             self._offer_direct(begin, direct)
         requests.put(pb.PublisherMessage(begin=begin))
@@ -199,7 +205,7 @@ class Publisher:
         self, msg: pb.PackBucket, pack: PackFn, requests: queue.Queue, device: torch.device
     ) -> None:
         buffer = self._buffers.get(msg.buffer)
-        pack(bucket_from_pb(msg.layout), buffer)
+        pack(self._layouts(msg.layout), buffer)
         # The sender checksums and receivers read right after `packed`: copies must be done.
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()

@@ -106,6 +106,8 @@ class VersionRun:
     """Tensors receivers copy straight from the publishers' storages (``direct_sources``)."""
     direct_sources: tuple[pb.BufferHandle, ...] = ()
     direct_readers: set[str] = field(default_factory=set)
+    layouts: tuple[pb.BucketLayout, ...] = ()
+    """Wire form of every bucket, by index (the direct bucket last), planned once per layout."""
     notify_done: bool = False
     """A publisher waits on its stream for every receiver's outcome."""
     outcomes: dict[str, Outcome] = field(default_factory=dict)

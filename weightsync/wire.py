@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from weightsync.buckets import Bucket, BucketEntry, TensorSpec
 from weightsync.errors import WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
@@ -90,3 +92,30 @@ def raise_for(detail: pb.ErrorDetail, fallback: type[WeightSyncError]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, WeightSyncError)):
         cls = fallback
     raise cls(detail.message)
+
+
+class ParseCache:
+    """Converted messages by key (default: their bytes): layouts and manifests repeat every
+    version, and converting a 339-tensor layout costs milliseconds, hashing it microseconds.
+    """
+
+    def __init__(self, parse, max_entries: int = 512) -> None:
+        self._parse, self._max = parse, max_entries
+        self._cache: dict[bytes, object] = {}
+
+    def __call__(self, msg, key: Hashable | None = None):
+        key = msg.SerializeToString() if key is None else key
+        hit = self._cache.get(key)
+        if hit is None:
+            if len(self._cache) >= self._max:
+                self._cache.clear()
+            hit = self._cache[key] = self._parse(msg)
+        return hit
+
+
+def manifest_key(msg: pb.Manifest) -> bytes:
+    """The manifest's bytes without its version, which changes every time."""
+    unversioned = pb.Manifest()
+    unversioned.CopyFrom(msg)
+    unversioned.version = 0
+    return unversioned.SerializeToString()

@@ -143,12 +143,16 @@ class SglangHttpClient:
             self._undo(undo)
             raise SglangUpdateError(e.step, e.message, weights_changed=False) from e.__cause__
         try:
-            self._step("update_weights", "/update_weights_from_tensor", {
-                "serialized_named_tensors": [_EMPTY_PAYLOAD] * self.tp_size,
-                "load_format": HOOK_LOAD_FORMAT,
-                "flush_cache": False,  # its own step below, so a failure names it
-                "selector": selector,
-            })
+            self._step(
+                "update_weights",
+                "/update_weights_from_tensor",
+                {
+                    "serialized_named_tensors": [_EMPTY_PAYLOAD] * self.tp_size,
+                    "load_format": HOOK_LOAD_FORMAT,
+                    "flush_cache": False,  # its own step below, so a failure names it
+                    "selector": selector,
+                },
+            )
         except _StepFailedAt as e:
             # Close the session and give the KV cache back, but do not resume generation:
             # the weights may be partly written.
@@ -159,8 +163,11 @@ class SglangHttpClient:
             if self.release_kv_cache:
                 self._step("resume_kv_cache", "/resume_memory_occupation", _KV)
             self._step("flush_cache", "/flush_cache", {})
-            self._step("set_weight_version", "/update_weight_version",
-                       {"new_version": str(version), "abort_all_requests": False})
+            self._step(
+                "set_weight_version",
+                "/update_weight_version",
+                {"new_version": str(version), "abort_all_requests": False},
+            )
             if self.pause is not None:
                 self._step("continue_generation", "/continue_generation", {})
         except _StepFailedAt as e:

@@ -38,9 +38,9 @@ def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
     declared = getattr(model, "packed_modules_mapping", None)
     if declared:
         return {packed: list(members) for packed, members in declared.items()}
-    stacked: Mapping[str, tuple[str, int]] = getattr(
-        model, "bitsandbytes_stacked_params_mapping", None
-    ) or {}
+    stacked: Mapping[str, tuple[str, int]] = (
+        getattr(model, "bitsandbytes_stacked_params_mapping", None) or {}
+    )
     by_packed: dict[str, list[tuple[int, str]]] = {}
     for member, (packed, index) in stacked.items():
         # Llama spells them as name fragments (".q_proj": (".qkv_proj", 0)).

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import socket
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,7 +48,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     """The sender daemon's control-plane address (``unix:/path`` or ``host:port``)."""
     receiver_id: str | None = None
     """Prefix of this engine's receiver ids; each worker appends ``-rank<N>``. Default: host
-    name and process id."""
+    name, process id and a random suffix."""
     lora_dir: str | None = None
     """Where LoRA adapters are written; unique per engine when engines share a host."""
     verify_checksums: bool = True
@@ -110,7 +111,10 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self.target = VllmWeightTarget(
             self.model, self.model_config, self.device, lora_store=lora_store
         )
-        prefix = init_info.receiver_id or f"vllm-{socket.gethostname()}-{os.getpid()}"
+        # Unique per engine even when several share a process (in-process engines).
+        prefix = init_info.receiver_id or (
+            f"vllm-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        )
         self.core = ReceiverCore(
             self.target,
             init_info.address,

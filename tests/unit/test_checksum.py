@@ -24,15 +24,29 @@ def test_detects_a_single_flipped_bit_anywhere():
         assert bucket_checksum(c, 4096) != ref, pos
 
 
-def test_detects_swapped_rows_and_swapped_words():
+def test_detects_swapped_rows_and_shifted_bytes():
     b = buf()
     ref = bucket_checksum(b, 4096)
     rows = b.view(16, 256).clone()
     rows[[0, 1]] = rows[[1, 0]]
     assert bucket_checksum(rows.reshape(-1), 4096) != ref
-    words = b.view(torch.int32).clone()
-    words[[3, 7]] = words[[7, 3]]
-    assert bucket_checksum(words.view(torch.uint8), 4096) != ref
+    for shift in (1, 8, 100):  # a packer that wrote at a wrong offset
+        shifted = torch.roll(b, shift)
+        assert bucket_checksum(shifted, 4096) != ref, shift
+
+
+def test_matches_a_plain_python_reference():
+    b = buf(8192, seed=3)
+    words = [
+        int.from_bytes(b[i : i + 8].numpy().tobytes(), "little", signed=True)
+        for i in range(0, 8192, 8)
+    ]
+    rows = [sum(words[r * 32 : (r + 1) * 32]) for r in range(len(words) // 32)]
+    mask = (1 << 64) - 1
+    a = sum((i + 1) * s for i, s in enumerate(rows)) & mask
+    s_ = sum(rows) & mask
+    expected = (a * 0x9E3779B97F4A7C15 + s_ * 0xC2B2AE3D27D4EB4F + 8192) & mask
+    assert bucket_checksum(b, 8192) == expected
 
 
 def test_stale_zero_buffer_differs_from_data():
