@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 from weightsync.sender.broadcaster import Broadcaster
@@ -274,27 +274,21 @@ class Coordinator:
             try:
                 self._start(run, device)
                 self._connect_group(run)
-                for bucket in run.plan.buckets:
-                    slot = self._acquire_slot(run)
-                    layout = run.layouts[bucket.index]
-                    pack = pb.SenderReply(
-                        pack=pb.PackBucket(
-                            version=run.version, layout=layout, buffer=slot.buffer.handle
-                        )
-                    )
-                    for rank in run.ranks.values():
-                        rank.outbox.put(pack)
+                issued: deque[tuple[Bucket, Slot]] = deque()
+                todo = deque(run.plan.buckets)
+                while issued or todo:
+                    # Every free slot gets the next bucket to pack at once, so the publisher
+                    # never waits for an announcement round trip between buckets.
+                    self._issue_packs(run, issued, todo)
                     if pending:
                         self._broadcast(run, *pending)
                         pending = None
-                    self._wait(
-                        run,
-                        lambda i=bucket.index: all(i in r.packed for r in run.ranks.values()),
-                        self.settings.pack_timeout_s,
-                        f"publisher to pack bucket {bucket.index}",
-                    )
+                    bucket, slot = issued[0]
+                    if not self._wait_packed_or_slot(run, bucket, todo):
+                        continue
+                    issued.popleft()
                     checksum = bucket_checksum(slot.buffer.tensor, bucket.nbytes)
-                    if self._announce(run, slot, layout, checksum):
+                    if self._announce(run, slot, run.layouts[bucket.index], checksum):
                         pending = (slot, bucket.nbytes)
                     if bucket.is_last:
                         self._end(run)
@@ -313,6 +307,46 @@ class Coordinator:
                     for slot in self._slots:
                         slot.packing = slot.broadcasting = False
                     self._cond.notify_all()
+
+    def _issue_packs(self, run: VersionRun, issued: deque, todo: deque) -> None:
+        """Hand the next buckets to the publisher, one per free slot (waits if none in flight)."""
+        with self._cond:
+            if not issued:
+                self._wait_locked(
+                    run,
+                    lambda: any(s.free for s in self._slots),
+                    self.settings.ack_timeout_s + 5,
+                    "a free staging buffer",
+                )
+            while todo and any(s.free for s in self._slots):
+                slot = next(s for s in self._slots if s.free)
+                slot.packing, slot.readers = True, set()
+                bucket = todo.popleft()
+                issued.append((bucket, slot))
+                pack = pb.SenderReply(
+                    pack=pb.PackBucket(
+                        version=run.version,
+                        layout=run.layouts[bucket.index],
+                        buffer=slot.buffer.handle,
+                    )
+                )
+                for rank in run.ranks.values():
+                    rank.outbox.put(pack)
+
+    def _wait_packed_or_slot(self, run: VersionRun, bucket: Bucket, todo: deque) -> bool:
+        """Wait until ``bucket`` is packed (True) or a slot frees for the next one (False)."""
+
+        def packed() -> bool:
+            return all(bucket.index in r.packed for r in run.ranks.values())
+
+        with self._cond:
+            self._wait_locked(
+                run,
+                lambda: packed() or (todo and any(s.free for s in self._slots)),
+                self.settings.pack_timeout_s,
+                f"publisher to pack bucket {bucket.index}",
+            )
+            return packed()
 
     def _start(self, run: VersionRun, device: torch.device) -> None:
         with self._cond:
@@ -417,18 +451,6 @@ class Coordinator:
             Slot(transport.allocate(capacity, device), str(device))
             for _ in range(self.settings.num_buffers)
         ]
-
-    def _acquire_slot(self, run: VersionRun) -> Slot:
-        with self._cond:
-            self._wait_locked(
-                run,
-                lambda: any(s.free for s in self._slots),
-                self.settings.ack_timeout_s + 5,
-                "a free staging buffer",
-            )
-            slot = next(s for s in self._slots if s.free)
-            slot.packing, slot.readers = True, set()
-            return slot
 
     def _announce(
         self, run: VersionRun, slot: Slot, layout: pb.BucketLayout, checksum: int

@@ -296,7 +296,6 @@ def _mismatch_note(reply: CaseReply) -> str:
 
 def _skip_reason(case: str, tp: int, cuda: bool, gpus: int) -> str:
     from weightsync.sender import Publisher
-    from weightsync.transports import TRANSPORTS
 
     if case == "direct":
         if not cuda:
@@ -307,8 +306,6 @@ def _skip_reason(case: str, tp: int, cuda: bool, gpus: int) -> str:
             return "this bench runs direct where every HF tensor is a view: TP=1"
     if case in ("ipc-cross", "nccl") and gpus < 2:
         return "needs 2 GPUs"
-    if case == "nccl" and "nccl" not in TRANSPORTS.names():
-        return "transport 'nccl' is not registered in weightsync.transports.TRANSPORTS"
     return ""
 
 
