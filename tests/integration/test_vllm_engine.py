@@ -13,11 +13,13 @@ from weightsync.sender import Publisher  # noqa: E402
 
 from tests.vllm_support import (  # noqa: E402
     checkpoint_template,
+    hf_greedy,
     hf_reference,
     make_llm,
     random_weights,
     save_checkpoint,
     vllm_greedy,
+    worker_of,
 )
 
 pytestmark = pytest.mark.vllm
@@ -25,8 +27,7 @@ pytestmark = pytest.mark.vllm
 KIND = "qwen2"
 
 
-@pytest.fixture(scope="module")
-def sender_address():
+def _sender():
     import shutil
     import tempfile
 
@@ -36,6 +37,11 @@ def sender_address():
     with Sender(f"unix:{d}/s.sock", bucket_size_bytes=64 * 1024, ack_timeout_s=60) as s:
         yield s.address
     shutil.rmtree(d, ignore_errors=True)
+
+
+# One sender per engine: a sender delivers every version to all of its receivers.
+sender_address = pytest.fixture(scope="module")(_sender)
+lora_sender_address = pytest.fixture(scope="module", name="lora_sender_address")(_sender)
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +57,14 @@ def engine(sender_address, tmp_path_factory):
     del llm
 
 
-def _publish_and_update(llm, address, weights, version):
+def _publish_and_update(llm, address, weights, version, lora=None):
     """Publish from a trainer thread while vLLM applies through its own weight-update calls."""
     results: list = []
     publisher = Publisher(address)
 
     def publish():
         try:
-            results.append(publisher.publish(weights, version, wait=True, timeout_s=120))
+            results.append(publisher.publish(weights, version, lora=lora, wait=True, timeout_s=120))
         except Exception as e:  # surfaced below, in the test's thread
             results.append(e)
 
@@ -92,3 +98,51 @@ def test_register_is_idempotent():
     register()
     register()
     assert "weightsync" in WeightTransferEngineFactory._registry
+
+
+@pytest.fixture(scope="module")
+def lora_engine(lora_sender_address, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora_engine")
+    template = checkpoint_template("llama")
+    llm = make_llm(
+        save_checkpoint("llama", root / "model", random_weights(template, seed=0)),
+        weight_transfer_config={"backend": "weightsync"},
+        enable_lora=True,
+        max_lora_rank=8,
+        max_loras=1,
+    )
+    lora_dir = str(root / "adapters")
+    llm.init_weight_transfer_engine(
+        {"init_info": {"address": lora_sender_address, "lora_dir": lora_dir}}
+    )
+    yield root, llm, template, lora_dir
+    del llm
+
+
+def test_lora_through_weight_transfer_survives_reset_and_is_replaced(
+    lora_engine, lora_sender_address, monkeypatch
+):
+    """vLLM drops every adapter after finish_weight_update; the adapter written by the
+    backend is loaded again from its path, once per version, and matches transformers+peft."""
+    from weightsync.receiver.vllm import lora_id, lora_request
+
+    from tests.integration.test_vllm_lora import ADAPTER, _version
+
+    root, llm, template, lora_dir = lora_engine
+    manager = worker_of(llm).model_runner.lora_manager
+    loads: list[int] = []
+    original = manager._load_adapter
+    monkeypatch.setattr(
+        manager, "_load_adapter", lambda r: (loads.append(r.lora_int_id), original(r))[1]
+    )
+    previous = None
+    for version in (1, 2):
+        manifest, tensors, peft_model = _version(root, template, version, seed=40 + version)
+        loads.clear()
+        results = _publish_and_update(llm, lora_sender_address, tensors, version, manifest.lora)
+        assert not isinstance(results[0], Exception), results[0]
+        with_adapter = vllm_greedy(llm, lora_request=lora_request(ADAPTER, lora_dir))
+        assert with_adapter == hf_greedy(peft_model)
+        assert with_adapter != previous
+        assert loads == [lora_id(ADAPTER)]
+        previous = with_adapter
