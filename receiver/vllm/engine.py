@@ -105,7 +105,11 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         from weightsync.receiver.core import ReceiverCore
 
         self.shutdown()
-        lora_store = LoraStore(init_info.lora_dir, None) if self.vllm_config.lora_config else None
+        lora_store = (
+            LoraStore(init_info.lora_dir, None, self.vllm_config.lora_config)
+            if self.vllm_config.lora_config
+            else None
+        )
         # After each sync the worker calls reset_lora_state itself; the adapter is then
         # reloaded from lora_store's path by the next request that names it.
         self.target = VllmWeightTarget(

@@ -84,11 +84,16 @@ class LoraStore:
         lora_dir: where adapter directories live; unique per engine when several engines
             share a host (default ``$WEIGHTSYNC_LORA_DIR`` or ``<tmp>/weightsync-lora``).
         lora_manager: the worker's ``LRUCacheWorkerLoRAManager``; None to only write files.
+        lora_config: the engine's ``LoRAConfig`` adapters are checked against (rank, ...);
+            defaults to the manager's.
     """
 
-    def __init__(self, lora_dir: str | None, lora_manager: Any | None) -> None:
+    def __init__(
+        self, lora_dir: str | None, lora_manager: Any | None, lora_config: Any | None = None
+    ) -> None:
         self.lora_dir = lora_dir or default_lora_dir()
         self.lora_manager = lora_manager
+        self.lora_config = lora_config or getattr(lora_manager, "lora_config", None)
 
     def validate(self, spec: LoraAdapterSpec) -> None:
         adapter_path(spec.name, self.lora_dir)
@@ -97,13 +102,12 @@ class LoraStore:
             raise ManifestMismatchError(
                 f"LoRA adapter {spec.name!r}: {bad[0]!r} is not a PEFT lora_A/lora_B weight"
             )
-        lora_config = getattr(self.lora_manager, "lora_config", None)
-        if lora_config is None:
+        if self.lora_config is None:
             return
         from vllm.lora.peft_helper import PEFTHelper
 
         try:
-            PEFTHelper.from_dict(spec.config).validate_legal(lora_config)
+            PEFTHelper.from_dict(spec.config).validate_legal(self.lora_config)
         except ValueError as e:
             raise ManifestMismatchError(f"LoRA adapter {spec.name!r}: {e}") from e
 
