@@ -43,6 +43,7 @@ from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.transports import get_transport, resolve_transport
 from weightsync.transports.broadcast import host_id
+from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
     ParseCache,
@@ -87,15 +88,14 @@ class Coordinator:
             old = self._receivers.get(rid)
             if old is not None and old.connected:
                 raise ConfigError(f"receiver id {rid!r} is already connected; ids must be unique")
-            remote = bool(hello.host_id) and hello.host_id != self._host_id
-            broadcast = self.settings.transport == "nccl" or remote
             conn = ReceiverConn(
                 rid,
                 hello.engine,
                 hello.rank,
                 hello.device,
                 tuple(hello.transports),
-                data_path="broadcast" if broadcast else "map",
+                remote=bool(hello.host_id) and hello.host_id != self._host_id,
+                device_uuid=hello.device_uuid,
             )
             if old is not None:
                 conn.applied_version, conn.dirty = old.applied_version, old.dirty
@@ -197,6 +197,7 @@ class Coordinator:
             del self._joining[key]
             device = torch.device(ranks[0].device if 0 in ranks else hello.device)
             transport = resolve_transport(self.settings.transport, device)
+            self._assign_data_paths(device)
             run = self._plan_run(manifest, hello.publisher_id, transport, ranks)
             self._last_version = manifest.version
             self._runs[manifest.version] = run
@@ -204,6 +205,19 @@ class Coordinator:
                 self._runs.popitem(last=False)
         threading.Thread(target=self._drive, args=(run, device), daemon=True).start()
         return run, conn
+
+    def _assign_data_paths(self, staging: torch.device) -> None:
+        """Map the staging buffers where possible, else receive broadcasts.
+
+        Receivers on another host always get broadcasts; with ``transport=nccl`` so does every
+        receiver except one on the staging GPU itself, which NCCL cannot put in a group with
+        the sender (two ranks on one GPU).
+        """
+        staging_uuid = device_uuid(staging)
+        for conn in self._receivers.values():
+            on_staging_gpu = bool(staging_uuid) and conn.device_uuid == staging_uuid
+            broadcast = conn.remote or (self.settings.transport == "nccl" and not on_staging_gpu)
+            conn.data_path = "broadcast" if broadcast else "map"
 
     def _plan_run(
         self,

@@ -28,6 +28,9 @@ class ReceiverConn:
     rank: int
     device: str
     transports: tuple[str, ...]
+    remote: bool = False
+    """On another host: it can only receive broadcasts."""
+    device_uuid: str = ""
     data_path: str = "map"
     """"map": open the staging buffers (same host); "broadcast": receive them from the sender."""
     outbox: queue.Queue = field(default_factory=queue.Queue)
