@@ -101,3 +101,17 @@ def start_receivers(
     for _ in ids:
         ready.get(timeout=60)
     return procs, out
+
+
+def holder_module(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module whose state_dict has exactly these dotted names (a checkpoint-shaped holder)."""
+    root = torch.nn.Module()
+    for name, tensor in tensors.items():
+        parent = root
+        *path, leaf = name.split(".")
+        for part in path:
+            if not hasattr(parent, part):
+                parent.add_module(part, torch.nn.Module())
+            parent = getattr(parent, part)
+        parent.register_buffer(leaf, tensor)
+    return root

@@ -8,6 +8,7 @@ from .convert import check_shard_tensors, convert_megatron_to_hf, gather_local_s
 from .dims import ModelDims
 from .pieces import CopyPiece, pack_pieces
 from .plan import RankPlan, check_coverage, hf_dims, hf_manifest, plan_rank
+from .publisher import MegatronPublisher
 from .shards import (
     LocalShards,
     RankTopology,
@@ -20,6 +21,7 @@ from .shards import (
 __all__ = [
     "CopyPiece",
     "LocalShards",
+    "MegatronPublisher",
     "ModelDims",
     "RankPlan",
     "RankTopology",

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from tests.support import holder_module
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -38,16 +40,7 @@ def _receiver(address: str, device: str, versions: int, out) -> None:
     from weightsync.receiver.core import ReceiverCore
     from weightsync.receiver.torch_receiver import TorchModuleTarget
 
-    holder = torch.nn.Module()
-    tensors = make_tensors(0, device)
-    for name, t in tensors.items():
-        parent = holder
-        *path, leaf = name.split(".")
-        for p in path:
-            if not hasattr(parent, p):
-                parent.add_module(p, torch.nn.Module())
-            parent = getattr(parent, p)
-        parent.register_buffer(leaf, t)
+    holder = holder_module(make_tensors(0, device))
     receiver = ReceiverCore(TorchModuleTarget(holder), address, engine="torch")
     out.put("ready")
     for _ in range(versions):

@@ -1,0 +1,142 @@
+"""``MegatronPublisher``: every trainer rank packs its own shards straight into the buckets.
+
+Each rank plans once (its pieces of every HF tensor, :func:`plan_rank`), the ranks check
+together once that their pieces cover every HF byte exactly once, and then every
+``publish(version)`` is one :meth:`Publisher.publish_packed` per rank: the sender joins the
+ranks by ``publisher_id`` and version and hands each the same buckets; each rank copies its
+pieces into them. The sender never joins a trainer process group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import MappingProxyType
+
+import torch
+from weightsync.sender.megatron.convert import check_shard_tensors
+from weightsync.sender.megatron.pieces import pack_pieces
+from weightsync.sender.megatron.plan import RankPlan, check_coverage, plan_rank
+from weightsync.sender.megatron.shards import collect_shards
+from weightsync.sender.publisher import Publisher, PublishResult
+
+from weightsync.buckets import Bucket
+from weightsync.errors import ConfigError
+from weightsync.manifest import VersionManifest
+
+
+class MegatronPublisher:
+    """Publishes a Megatron model as HF-named tensors; construct it on every trainer rank.
+
+    Args:
+        model_chunks: the model chunks this rank holds (VPP order), after
+            ``parallel_state.initialize_model_parallel``.
+        hf_config: the transformers config of the target HF model (``model_type`` picks the
+            names; shapes are checked against it).
+        address: the sender's ``unix:/path`` or ``host:port``.
+        publisher_id: shared by every rank of this job (default: from the model type).
+        dtype: the HF dtype; inferred from the shards when None.
+        export_mtp: send multi-token-prediction layers under the draft model's names.
+        direct: offer tensors that are exactly one local shard (replicated norms, TP=1 layouts)
+            for receivers on this host to copy straight from trainer memory.
+        group: the torch.distributed group of all trainer ranks for the one-time coverage
+            check (default: the world). Only construction uses it, never ``publish``.
+
+    Raises:
+        PlanError: a parameter without a rule, a shape the config contradicts, missing ranks
+            or two ranks claiming the same bytes; raised on every rank, before any publish.
+    """
+
+    def __init__(
+        self,
+        model_chunks: Sequence[torch.nn.Module] | torch.nn.Module,
+        hf_config: object,
+        address: str,
+        *,
+        publisher_id: str | None = None,
+        dtype: torch.dtype | str | None = None,
+        export_mtp: bool = True,
+        direct: bool = False,
+        group: object = None,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        import torch.distributed as dist
+
+        local = collect_shards(model_chunks)
+        self._tensors = local.tensors
+        self.plan = plan_rank(
+            local.shards,
+            local.topology,
+            hf_config,
+            dtype=dtype,
+            tied_embeddings=local.tied_embeddings,
+            export_mtp=export_mtp,
+        )
+        check_shard_tensors(self.plan, local.tensors)
+        rank, world = 0, 1
+        if dist.is_available() and dist.is_initialized():
+            rank, world = dist.get_rank(group), dist.get_world_size(group)
+            _check_coverage_together(self.plan, world, group)
+        else:
+            check_coverage([self.plan])
+        self.device = next(iter(local.tensors.values())).device
+        self._direct = self._direct_candidates() if direct else None
+        model_type = getattr(hf_config, "model_type", "model")
+        self.publisher = Publisher(
+            address,
+            publisher_id=publisher_id or f"megatron-{model_type}-{world}",
+            rank=rank,
+            world_size=world,
+            connect_timeout_s=connect_timeout_s,
+        )
+
+    def _direct_candidates(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, pieces in self.plan.pieces.items():
+            if len(pieces) == 1 and pieces[0].is_whole:
+                shard = self._tensors[pieces[0].shard_key]
+                if shard.is_cuda and shard.is_contiguous():
+                    out[name] = shard
+        return out
+
+    def publish(
+        self, version: int, *, wait: bool = False, timeout_s: float = 600.0
+    ) -> PublishResult:
+        """Publish the current weights as ``version``; every rank calls it (collective).
+
+        Returns once this rank's bytes are out of its memory (``wait=True``: once every
+        receiver applied the version). The ranks meet at the sender, not in a collective.
+        """
+        if version < 1:
+            raise ConfigError(f"version must be >= 1, got {version}")
+        manifest = VersionManifest(version, self.plan.manifest)
+
+        def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
+            for entry in bucket.entries:
+                pack_pieces(buffer, entry, self.plan.pieces_for(entry.name), self._tensors)
+
+        return self.publisher.publish_packed(
+            manifest,
+            pack,
+            device=self.device,
+            wait=wait,
+            timeout_s=timeout_s,
+            direct=self._direct,
+        )
+
+    def close(self) -> None:
+        self.publisher.close()
+
+
+def _check_coverage_together(plan: RankPlan, world: int, group: object) -> None:
+    """Every rank checks every rank's pieces, so all raise the same error or none does."""
+    import torch.distributed as dist
+
+    mine = (plan.topology, plan.manifest, dict(plan.pieces), dict(plan.shards))
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, mine, group=group)
+    check_coverage(
+        [
+            RankPlan(topology, manifest, MappingProxyType(pieces), MappingProxyType(shards))
+            for topology, manifest, pieces, shards in gathered
+        ]
+    )
