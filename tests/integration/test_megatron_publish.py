@@ -27,14 +27,19 @@ LAYOUTS = {
 }
 
 
-def publish_worker(rank: int, sizes: dict, case_name: str, address: str):
-    """Build the model, publish VERSIONS versions (weights change between them)."""
+def publish_worker(rank: int, sizes: dict, case_name: str, address: str, cuda: bool = False):
+    """Build the model, publish VERSIONS versions (weights change between them).
+
+    ``cuda``: move rank r's chunks to ``cuda:r`` after building, so shards travel by CUDA IPC.
+    """
     from weightsync.sender.megatron import MegatronPublisher, collect_shards, gather_local_shards
 
     case = ms.CASES[case_name]
     torch.manual_seed(0)
     chunks = ms.build_chunks(case, sizes)
     ms.fill_by_global_name(chunks, case)
+    if cuda:
+        chunks = [chunk.to(f"cuda:{rank}") for chunk in chunks]
     publisher = MegatronPublisher(chunks, ms.hf_config(case), address)
     states = []
     for version in range(1, VERSIONS + 1):

@@ -1,0 +1,65 @@
+"""Megatron TP=2 with one trainer rank per GPU: each rank writes its shards by CUDA IPC into
+the sender's staging buffers on GPU 0; a TorchReceiver on GPU 0 must hold, bit for bit, the
+offline conversion of the same shards."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
+]
+
+
+def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir):
+    pytest.importorskip("megatron.core")
+    transformers = pytest.importorskip("transformers")
+    from weightsync.receiver import TorchReceiver
+    from weightsync.sender.daemon import Sender
+    from weightsync.sender.megatron import convert_megatron_to_hf
+
+    from tests import megatron_support as ms
+    from tests.integration.test_megatron_publish import VERSIONS, publish_worker
+
+    case = ms.CASES["qwen2_bias"]
+    config = ms.hf_config(case)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).cuda()
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1 << 20) as sender:
+        receiver = TorchReceiver(model, sender.address, receiver_id="hf-cuda0")
+        held = []
+        thread = threading.Thread(
+            target=lambda: [
+                (
+                    receiver.sync(timeout=300),
+                    held.append(
+                        {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+                    ),
+                )
+                for _ in range(VERSIONS)
+            ]
+        )
+        thread.start()
+        states = ms.launch(
+            tmp_path, {"tp": 2, "pp": 1}, publish_worker, "qwen2_bias", sender.address, True
+        )[0]
+        thread.join(300)
+        status = sender.coordinator.status()
+        staging = {s.buffer.handle.WhichOneof("kind") for s in sender.coordinator._slots}
+    print(
+        "versions:",
+        [(v.version, v.state, round(v.complete_s * 1e3, 1)) for v in status.versions],
+        "staging:",
+        staging,
+        "publishers:",
+        [(p.publisher_id, p.world_size, p.device) for p in status.publishers],
+    )
+    assert staging == {"cuda_ipc"}
+    assert [v.state for v in status.versions] == ["complete"] * VERSIONS
+    for version, state in enumerate(states):
+        want = convert_megatron_to_hf(state, config)
+        for name, tensor in want.items():
+            assert torch.equal(held[version][name], tensor.cpu()), f"v{version + 1}: {name}"
