@@ -129,7 +129,7 @@ def pack_pieces(
                 f"planned piece ({e}); re-plan after the layout changed"
             ) from None
         if not spec.shape:
-            region.copy_(src, non_blocking=True)
+            _copy(region, src)
             continue
         lo, hi = max(box[0][0], first), min(box[0][1], stop)
         if lo >= hi:
@@ -138,7 +138,16 @@ def pack_pieces(
         for dim, start, length in piece.dst:
             if dim != 0:
                 dst = dst.narrow(dim, start, length)
-        dst.copy_(src.narrow(0, lo - box[0][0], hi - lo), non_blocking=True)
+        _copy(dst, src.narrow(0, lo - box[0][0], hi - lo))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.device == src.device:
+        dst.copy_(src, non_blocking=True)
+        return
+    # A strided copy across GPUs into memory this process mapped by CUDA IPC faults (seen on
+    # H200: illegal address); a contiguous peer copy, then a local strided copy, does not.
+    dst.copy_(src.contiguous().to(dst.device, non_blocking=True), non_blocking=True)
 
 
 def box_volume(box: tuple[tuple[int, int], ...]) -> int:
