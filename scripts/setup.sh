@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds (once) and links the project venv: ./.venv -> a cached venv keyed by the hash of
-# requirements/ci.txt, so a fresh clone on the same machine reuses it.
+# Builds (once) the heavy venv, cached outside the clone and keyed by the hash of
+# requirements/ci.txt, so a fresh clone on the same machine reuses it; then makes ./.venv, a
+# light venv of this clone on top of it with this checkout installed editable.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
@@ -21,7 +22,7 @@ if [ ! -f "$venv/.complete" ]; then
   "$venv/bin/python" -c "import torch, vllm, megatron.core, transformers, grpc_tools"
   touch "$venv/.complete"
 fi
-# The project itself is installed editable on every run (seconds), pointing at this clone.
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
-  || "$venv/bin/python" -m pip install --no-deps --no-build-isolation -e .
-ln -sfn "$venv" .venv
+# Earlier layouts installed a clone into the shared venv itself; that must not linger there.
+"$venv/bin/python" -m pip uninstall -q -y weightsync >/dev/null 2>&1 || true
+source scripts/clone_venv.sh
+clone_venv "$venv" .venv

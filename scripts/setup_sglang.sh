@@ -21,5 +21,6 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
   echo "setup_sglang: built in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)" >&2
 fi
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
-ln -sfn "$venv" .venv-sglang
+"$venv/bin/python" -m pip uninstall -q -y weightsync >/dev/null 2>&1 || true
+source scripts/clone_venv.sh
+clone_venv "$venv" .venv-sglang
