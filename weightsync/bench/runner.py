@@ -8,7 +8,6 @@ staging buffers count in its memory) and publishes. Receivers are long-lived wor
 from __future__ import annotations
 
 import datetime
-import inspect
 import platform
 import shutil
 import tempfile
@@ -295,13 +294,10 @@ def _mismatch_note(reply: CaseReply) -> str:
 
 
 def _skip_reason(case: str, tp: int, cuda: bool, gpus: int) -> str:
-    from weightsync.sender import Publisher
 
     if case == "direct":
         if not cuda:
             return "GPU only (a view of CUDA IPC-mapped trainer memory)"
-        if "direct" not in inspect.signature(Publisher.publish).parameters:
-            return "Publisher.publish has no direct= keyword yet"
         if tp != 1:
             return "this bench runs direct where every HF tensor is a view: TP=1"
     if case in ("ipc-cross", "nccl") and gpus < 2:
@@ -331,7 +327,6 @@ def _case(
     if skip:
         return replace(row, note=f"skipped: {skip}")
     link = workers.links[placement]
-    direct_kw = "direct" in inspect.signature(Publisher.publish).parameters
     versions = cfg.warmup + cfg.versions
     start = memory_start(device)
     samples: list[float] = []
@@ -347,7 +342,7 @@ def _case(
             if hello != "registered":
                 raise _CaseFailed()
             with Publisher(sender.address) as publisher:
-                publish = _publish_fn(publisher, case, shards, direct_kw, cfg.timeout_s)
+                publish = _publish_fn(publisher, case, shards, cfg.timeout_s)
                 for version in range(1, versions + 1):
                     shards.step()
                     sync(device)
@@ -382,12 +377,12 @@ def _failed(row: Row, error: str) -> Row:
     return replace(row, note=error[:300], failed=True)
 
 
-def _publish_fn(publisher, case: str, shards: TrainerShards, direct_kw: bool, timeout_s: float):
+def _publish_fn(publisher, case: str, shards: TrainerShards, timeout_s: float):
     layout = shards.layout
     if all(r.is_view for r in layout.recipes):
         views = shards.hf_views()
-        extra = {"direct": case == "direct"} if direct_kw else {}
-        return lambda v: publisher.publish(views, v, wait=True, timeout_s=timeout_s, **extra)
+        direct = case == "direct"
+        return lambda v: publisher.publish(views, v, wait=True, timeout_s=timeout_s, direct=direct)
     specs = layout.specs
     return lambda v: publisher.publish_packed(
         VersionManifest(v, specs), shards.pack, device=shards.device, wait=True, timeout_s=timeout_s
