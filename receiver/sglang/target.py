@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
+from weightsync.receiver.lora import LoraAccumulator
 from weightsync.receiver.names import ResolvedName, check_specs
 from weightsync.receiver.sglang.names import SglangNameResolver, check_expert_shapes
-from weightsync.receiver.vllm.lora import LoraAccumulator
 
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest

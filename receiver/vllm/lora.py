@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from weightsync.errors import ConfigError, ManifestMismatchError, ProtocolError
+from weightsync.errors import ConfigError, ManifestMismatchError
 from weightsync.manifest import LoraAdapterSpec
 
 LORA_DIR_ENV = "WEIGHTSYNC_LORA_DIR"
@@ -51,30 +51,6 @@ def lora_request(name: str, lora_dir: str | None = None) -> Any:
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(name, lora_id(name), adapter_path(name, lora_dir))
-
-
-class LoraAccumulator:
-    """Copies one adapter's tensors out of reused bucket buffers until all have arrived."""
-
-    def __init__(self, spec: LoraAdapterSpec) -> None:
-        self.spec = spec
-        self._wanted = frozenset(spec.tensor_names)
-        self._tensors: dict[str, torch.Tensor] = {}
-
-    def wants(self, name: str) -> bool:
-        return name in self._wanted
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        # The bucket is reused for the next one, and vLLM scales lora_b in place: own a copy.
-        self._tensors[name] = tensor.detach().to("cpu", copy=True).contiguous()
-
-    def complete(self) -> tuple[LoraAdapterSpec, dict[str, torch.Tensor]]:
-        missing = sorted(self._wanted - self._tensors.keys())
-        if missing:
-            raise ProtocolError(
-                f"LoRA adapter {self.spec.name!r}: the version ended without {missing[:5]}"
-            )
-        return self.spec, self._tensors
 
 
 class LoraStore:

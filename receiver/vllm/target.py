@@ -15,8 +15,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from weightsync.receiver.lora import LoraAccumulator
 from weightsync.receiver.names import NameResolver, ResolvedName, check_specs, live_tensors
-from weightsync.receiver.vllm.lora import LoraAccumulator, LoraStore
+from weightsync.receiver.vllm.lora import LoraStore
 
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
