@@ -15,6 +15,11 @@ from weightsync.manifest import VersionManifest
 from weightsync.transports import StagingBuffer
 from weightsync.v1 import weightsync_pb2 as pb
 
+
+class RunAborted(Exception):
+    """The version was abandoned while a driver waited; the driver just stops."""
+
+
 # Outcome states of one receiver for one version.
 PENDING, APPLIED, FAILED = "pending", "applied", "failed"
 

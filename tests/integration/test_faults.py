@@ -80,7 +80,7 @@ def test_shape_or_dtype_mismatch_is_rejected_before_any_write(sender):
 
 
 def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(sender, monkeypatch):
-    import weightsync.sender.coordinator as coordinator
+    import weightsync.sender.driver as driver
 
     model = TinyNet(seed=1)
     receiver = TorchReceiver(model, sender.address, receiver_id="r")
@@ -89,7 +89,7 @@ def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(se
     t, results = sync_in_thread(receiver, n=3)
     publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
 
-    real = coordinator.bucket_checksum
+    real = driver.bucket_checksum
     calls = []
 
     def corrupt_second_bucket(buffer, nbytes):
@@ -97,11 +97,11 @@ def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(se
         value = real(buffer, nbytes)
         return value ^ 1 if len(calls) == 2 else value
 
-    monkeypatch.setattr(coordinator, "bucket_checksum", corrupt_second_bucket)
+    monkeypatch.setattr(driver, "bucket_checksum", corrupt_second_bucket)
     step(trainer, 2)
     with pytest.raises(ReceiverFailedError, match="bucket 1 of version 2 .* fails its checksum"):
         publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
-    monkeypatch.setattr(coordinator, "bucket_checksum", real)
+    monkeypatch.setattr(driver, "bucket_checksum", real)
     deadline = time.monotonic() + 10
     while len(results) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)

@@ -1,0 +1,278 @@
+"""The per-version data path of the sender: pack, checksum, announce, broadcast, end.
+
+One driver thread runs per version, one version packs at a time. Mixed into
+:class:`~weightsync.sender.coordinator.Coordinator`, whose lock, condition and failure
+bookkeeping it uses; this module holds only the path a version's bytes take.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+from weightsync.sender.runs import Outcome, RunAborted, Slot, VersionRun
+
+from weightsync.buckets import Bucket
+from weightsync.checksum import ALGORITHM, bucket_checksum
+from weightsync.errors import TransportError, WeightSyncError
+from weightsync.transports import get_transport
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import error_to_pb
+
+
+class VersionDriver:
+    """Drives one version through the staging slots (see the module docstring)."""
+
+    def _drive(self, run: VersionRun, device: torch.device) -> None:
+        with self._drive_lock:
+            # A bucket's broadcast runs while the publisher packs the next one.
+            pending: tuple[Slot, int] | None = None
+            try:
+                self._start(run, device)
+                self._connect_group(run)
+                issued: deque[tuple[Bucket, Slot]] = deque()
+                todo = deque(run.plan.buckets)
+                while issued or todo:
+                    # Every free slot gets the next bucket to pack at once, so the publisher
+                    # never waits for an announcement round trip between buckets.
+                    self._issue_packs(run, issued, todo)
+                    if pending:
+                        self._broadcast(run, *pending)
+                        pending = None
+                    bucket, slot = issued[0]
+                    if not self._wait_packed_or_slot(run, bucket, todo):
+                        continue
+                    issued.popleft()
+                    checksum = bucket_checksum(slot.buffer.tensor, bucket.nbytes)
+                    if self._announce(run, slot, run.layouts[bucket.index], checksum):
+                        pending = (slot, bucket.nbytes)
+                    if bucket.is_last:
+                        self._end(run)
+                if not run.plan.buckets:
+                    self._end(run)
+                self._staged(run)
+                if pending:
+                    self._broadcast(run, *pending)
+            except RunAborted:
+                pass
+            except WeightSyncError as e:
+                with self._cond:
+                    self._abort(run, error_to_pb(e))
+            finally:
+                with self._cond:
+                    for slot in self._slots:
+                        slot.packing = slot.broadcasting = False
+                    self._cond.notify_all()
+
+    def _issue_packs(self, run: VersionRun, issued: deque, todo: deque) -> None:
+        """Hand the next buckets to the publisher, one per free slot (waits if none in flight)."""
+        with self._cond:
+            if not issued:
+                self._wait_locked(
+                    run,
+                    lambda: any(s.free for s in self._slots),
+                    self.settings.ack_timeout_s + 5,
+                    "a free staging buffer",
+                )
+            while todo and any(s.free for s in self._slots):
+                slot = next(s for s in self._slots if s.free)
+                slot.packing, slot.readers = True, set()
+                bucket = todo.popleft()
+                issued.append((bucket, slot))
+                pack = pb.SenderReply(
+                    pack=pb.PackBucket(
+                        version=run.version,
+                        layout=run.layouts[bucket.index],
+                        buffer=slot.buffer.handle,
+                    )
+                )
+                for rank in run.ranks.values():
+                    rank.outbox.put(pack)
+
+    def _wait_packed_or_slot(self, run: VersionRun, bucket: Bucket, todo: deque) -> bool:
+        """Wait until ``bucket`` is packed (True) or a slot frees for the next one (False)."""
+
+        def packed() -> bool:
+            return all(bucket.index in r.packed for r in run.ranks.values())
+
+        with self._cond:
+            self._wait_locked(
+                run,
+                lambda: packed() or (todo and any(s.free for s in self._slots)),
+                self.settings.pack_timeout_s,
+                f"publisher to pack bucket {bucket.index}",
+            )
+            return packed()
+
+    def _start(self, run: VersionRun, device: torch.device) -> None:
+        with self._cond:
+            self._ensure_slots(run, device)
+            start = pb.Announcement(
+                start=pb.VersionStart(
+                    manifest=self._first_begin(run).manifest,
+                    num_buckets=len(run.plan.buckets),
+                )
+            )
+            for conn in self._receivers.values():
+                if not conn.connected:
+                    continue
+                outcome = run.outcomes[conn.receiver_id] = Outcome()
+                if (
+                    conn.data_path == "map"
+                    and conn.transports
+                    and (run.transport not in conn.transports)
+                ):
+                    self._fail(
+                        run,
+                        conn.receiver_id,
+                        TransportError(
+                            f"receiver {conn.receiver_id} opens {list(conn.transports)}, "
+                            f"the sender stages with {run.transport}"
+                        ),
+                    )
+                    continue
+                outcome.expect("verdict", self.settings.ack_timeout_s)
+                conn.state = "applying"
+                conn.send(start)
+            members = tuple(
+                rid for rid in run.active() if self._receivers[rid].data_path == "broadcast"
+            )
+            for rid, join in self._broadcaster.invite(members, device).items():
+                self._receivers[rid].send(join)
+            if run.direct is not None:
+                self._announce_direct(run)
+            self.metrics.version_started(run)
+
+    def _announce_direct(self, run: VersionRun) -> None:
+        msg = pb.Announcement(
+            bucket=pb.BucketAnnouncement(
+                version=run.version,
+                layout=run.layouts[run.direct.index],
+                sources=run.direct_sources,
+            )
+        )
+        for rid in run.active():
+            run.direct_readers.add(rid)
+            run.outcomes[rid].expect(f"bucket:{run.direct.index}", self.settings.ack_timeout_s)
+            self._receivers[rid].send(msg)
+
+    @staticmethod
+    def _first_begin(run: VersionRun) -> pb.BeginVersion:
+        return run.ranks[min(run.ranks)].begin
+
+    def _connect_group(self, run: VersionRun) -> None:
+        """Wait for invited receivers to join the broadcast group; fail them if they don't."""
+        try:
+            self._broadcaster.connect()
+        except TransportError as e:
+            with self._cond:
+                for rid in self._broadcast_members(run):
+                    self._fail(run, rid, e)
+
+    def _broadcast(self, run: VersionRun, slot: Slot, nbytes: int) -> None:
+        try:
+            self._broadcaster.broadcast(slot.buffer.tensor[:nbytes])
+        except TransportError as e:
+            with self._cond:
+                for rid in self._broadcast_members(run):
+                    self._fail(run, rid, e)
+        finally:
+            with self._cond:
+                slot.broadcasting = False
+                self._cond.notify_all()
+
+    def _broadcast_members(self, run: VersionRun) -> list[str]:
+        return [rid for rid in run.active() if self._receivers[rid].data_path == "broadcast"]
+
+    def _ensure_slots(self, run: VersionRun, device: torch.device) -> None:
+        need = max((b.nbytes for b in run.plan.buckets), default=0) or 256
+        if (
+            all(s.buffer.nbytes >= need and s.device == str(device) for s in self._slots)
+            and len(self._slots) == self.settings.num_buffers
+        ):
+            return
+        self._wait_locked(
+            run,
+            lambda: all(s.free for s in self._slots),
+            self.settings.ack_timeout_s,
+            "receivers to release staging buffers",
+        )
+        transport = get_transport(run.transport)
+        for slot in self._slots:
+            get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
+        # Round up so small growth does not reallocate every version.
+        capacity = min(max(need, 1 << 20), self.settings.bucket_size_bytes)
+        capacity = max(capacity, need)
+        self._slots = [
+            Slot(transport.allocate(capacity, device), str(device))
+            for _ in range(self.settings.num_buffers)
+        ]
+
+    def _announce(
+        self, run: VersionRun, slot: Slot, layout: pb.BucketLayout, checksum: int
+    ) -> bool:
+        """Announce a packed bucket; returns whether broadcast receivers wait for its bytes."""
+        with self._cond:
+            if run.done:
+                raise RunAborted()
+            slot.packing, slot.version, slot.bucket_index = False, run.version, layout.index
+            mapped = pb.BucketAnnouncement(
+                version=run.version,
+                layout=layout,
+                buffer=slot.buffer.handle,
+                checksum_algorithm=ALGORITHM,
+                checksum=checksum,
+            )
+            sent = pb.BucketAnnouncement(
+                version=run.version,
+                layout=layout,
+                checksum_algorithm=ALGORITHM,
+                checksum=checksum,
+                group_id=self._broadcaster.group_id,
+            )
+            any_broadcast = False
+            for rid in run.active():
+                conn = self._receivers[rid]
+                run.outcomes[rid].expect(f"bucket:{layout.index}", self.settings.ack_timeout_s)
+                if conn.data_path == "broadcast":
+                    any_broadcast = True
+                    conn.send(pb.Announcement(bucket=sent))
+                else:
+                    slot.readers.add(rid)
+                    conn.send(pb.Announcement(bucket=mapped))
+            slot.broadcasting = any_broadcast
+            self.metrics.bucket_announced(layout.nbytes)
+            self._cond.notify_all()
+            return any_broadcast
+
+    def _staged(self, run: VersionRun) -> None:
+        with self._cond:
+            # Direct reads come from trainer memory: it must not change until they are done.
+            self._wait_locked(
+                run,
+                lambda: not run.direct_readers,
+                self.settings.ack_timeout_s + 5,
+                "receivers to copy the direct tensors",
+            )
+            if run.done:
+                return
+            run.staged_s = time.monotonic() - run.started_mono
+            run.state = "staged"
+            staged = pb.SenderReply(
+                staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
+            )
+            for rank in run.ranks.values():
+                rank.outbox.put(staged)
+                if not run.notify_done:
+                    rank.outbox.put(None)
+            self._maybe_complete(run)
+            self._cond.notify_all()
+
+    def _end(self, run: VersionRun) -> None:
+        """Tell receivers the version has no more buckets; they commit after the last one."""
+        with self._cond:
+            end = pb.Announcement(end=pb.VersionEnd(version=run.version))
+            for rid in run.active():
+                run.outcomes[rid].expect("applied", self.settings.ack_timeout_s)
+                self._receivers[rid].send(end)
