@@ -44,7 +44,7 @@ from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.transports import get_transport, resolve_transport
 from weightsync.transports.broadcast import host_id
-from weightsync.transports.cuda_ipc import device_uuid
+from weightsync.transports.cuda_ipc import device_uuid, local_index_of
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
     ParseCache,
@@ -181,7 +181,7 @@ class Coordinator(VersionDriver):
                 raise ConfigError(
                     f"publisher rank {hello.rank} joined version {manifest.version} twice"
                 )
-            conn = RankConn(hello.rank, hello.device, begin)
+            conn = RankConn(hello.rank, hello.device, begin, begin_uuid=hello.device_uuid)
             ranks[hello.rank] = conn
             self._publishers[hello.publisher_id] = pb.PublisherStatus(
                 publisher_id=hello.publisher_id,
@@ -192,7 +192,7 @@ class Coordinator(VersionDriver):
             if len(ranks) < world:
                 return None, conn
             del self._joining[key]
-            device = torch.device(ranks[0].device if 0 in ranks else hello.device)
+            device = _staging_device(ranks[min(ranks)])
             transport = resolve_transport(self.settings.transport, device)
             self._assign_data_paths(device)
             run = self._plan_run(manifest, hello.publisher_id, transport, ranks)
@@ -459,3 +459,12 @@ class Coordinator(VersionDriver):
             self._slots = []
             self._broadcaster.close()
             self._cond.notify_all()
+
+
+def _staging_device(rank: RankConn) -> torch.device:
+    """Where rank 0's tensors live, as this process numbers GPUs (by UUID, since the trainer
+    and the sender may see different ``CUDA_VISIBLE_DEVICES``)."""
+    device = torch.device(rank.device)
+    if device.type != "cuda" or not rank.begin_uuid:
+        return device
+    return torch.device("cuda", local_index_of(rank.begin_uuid, device.index or 0))

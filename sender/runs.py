@@ -59,6 +59,8 @@ class RankConn:
     device: str
     begin: pb.BeginVersion = field(default_factory=pb.BeginVersion)
     """What the rank announced, including storages receivers may read directly."""
+    begin_uuid: str = ""
+    """The UUID of the rank's GPU (its ``device`` index is the rank's own numbering)."""
     outbox: queue.Queue = field(default_factory=queue.Queue)
     packed: set[int] = field(default_factory=set)
 

@@ -34,9 +34,15 @@ def _add_sender_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--transport",
-        choices=["auto", "shm", "cuda_ipc"],
+        choices=["auto", "shm", "cuda_ipc", "nccl"],
         default=None,
-        help="auto: cuda_ipc when the publisher's tensors are on CUDA, else shm",
+        help="auto: receivers on this host map the staging buffers (cuda_ipc for CUDA "
+        "tensors, shm for CPU ones), others get broadcasts; nccl: broadcast to every receiver",
+    )
+    p.add_argument(
+        "--broadcast-host",
+        default=None,
+        help="address remote receivers reach the broadcast rendezvous at (default 127.0.0.1)",
     )
     p.add_argument(
         "--ack-timeout-s",
@@ -60,6 +66,7 @@ def _sender_settings(args: argparse.Namespace) -> dict:
         "transport": args.transport,
         "ack_timeout_s": args.ack_timeout_s,
         "metrics_port": args.metrics_port,
+        "broadcast_host": args.broadcast_host,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -89,7 +96,8 @@ def _run_status(args: argparse.Namespace, console: Console) -> int:
         f"{reply.num_buffers} x {reply.bucket_size_bytes // MIB} MiB buckets"
     )
     receivers = Table(title="receivers")
-    for col in ("id", "engine", "rank", "device", "connected", "applied", "state", "last error"):
+    columns = ("id", "engine", "rank", "device", "data path", "connected", "applied", "state")
+    for col in (*columns, "last error"):
         receivers.add_column(col)
     for r in reply.receivers:
         receivers.add_row(
@@ -97,6 +105,7 @@ def _run_status(args: argparse.Namespace, console: Console) -> int:
             r.engine,
             str(r.rank),
             r.device,
+            r.data_path,
             str(r.connected),
             str(r.applied_version),
             r.state,

@@ -44,13 +44,3 @@ class SenderSettings(BaseSettings):
         if v % ALIGNMENT_BYTES:
             raise ValueError(f"must be a multiple of {ALIGNMENT_BYTES}")
         return v
-
-
-class ReceiverSettings(BaseSettings):
-    """Settings of a receiver inside an engine worker."""
-
-    model_config = SettingsConfigDict(env_prefix="WEIGHTSYNC_RECEIVER_", extra="forbid")
-
-    address: str = DEFAULT_ADDRESS
-    verify_checksums: bool = True
-    connect_timeout_s: float = Field(30.0, gt=0)
