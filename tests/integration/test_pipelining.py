@@ -1,0 +1,112 @@
+"""The staged pipeline over shm: buffers reused only after every receiver acked, buckets in
+order, and the direct/staged decision per tensor."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from weightsync.receiver import TorchReceiver
+from weightsync.receiver.torch_receiver import TorchModuleTarget
+from weightsync.sender import Publisher
+from weightsync.sender.daemon import Sender
+
+from tests.support import TinyNet, digests, step
+
+
+class SlowTarget(TorchModuleTarget):
+    """Loads each bucket late: if the sender reused its buffer early, it would copy the
+    next bucket's bytes and the weights would come out wrong."""
+
+    def __init__(self, module, delay_s: float) -> None:
+        super().__init__(module)
+        self.delay_s = delay_s
+        self.order: list[str] = []
+
+    def load(self, tensors):
+        time.sleep(self.delay_s)
+        self.order.extend(name for name, _ in tensors)
+        super().load(tensors)
+
+
+def test_a_buffer_is_reused_only_after_every_receiver_acked_it(sock_dir):
+    from weightsync.receiver.core import ReceiverCore
+
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, num_buffers=2) as sender:
+        fast_model, slow_model = TinyNet(seed=1), TinyNet(seed=2)
+        fast = TorchReceiver(fast_model, sender.address, receiver_id="fast")
+        slow_target = SlowTarget(slow_model, delay_s=0.05)
+        slow = ReceiverCore(slow_target, sender.address, receiver_id="slow")
+        trainer = TinyNet(seed=3)
+        publisher = Publisher(sender.address)
+        for version in (1, 2):
+            step(trainer, version)
+            threads = [
+                threading.Thread(target=r.sync, kwargs={"timeout": 60}) for r in (fast, slow)
+            ]
+            for t in threads:
+                t.start()
+            result = publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=60)
+            for t in threads:
+                t.join(60)
+            assert result.status.num_buckets > 2 * sender.settings.num_buffers
+            assert digests(fast_model) == digests(trainer) == digests(slow_model)
+        # Complete tensors reach the target in manifest order (chunked ones are written in
+        # place as their chunks come and are not listed here).
+        whole = [n for n in trainer.state_dict() if n != "embed"]
+        assert slow_target.order[: len(whole)] == whole
+
+
+def test_direct_needs_cuda_ipc_and_every_receiver_mapping(sock_dir):
+    """On CPU staging nothing is direct: every tensor is staged (direct reads need CUDA IPC)."""
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=4096) as sender:
+        model = TinyNet(seed=1)
+        receiver = TorchReceiver(model, sender.address)
+        t = threading.Thread(target=receiver.sync, kwargs={"timeout": 60})
+        t.start()
+        trainer = TinyNet(seed=2)
+        result = Publisher(sender.address).publish(
+            trainer.state_dict(), 1, wait=True, timeout_s=60, direct=True
+        )
+        t.join(60)
+        assert result.status.direct_bytes == 0
+        assert result.status.staged_bytes == result.status.total_bytes
+        assert digests(model) == digests(trainer)
+
+
+def test_plan_splits_direct_and_staged_tensors():
+    """The sender's plan: offered tensors go direct only when every receiver maps CUDA IPC."""
+    from weightsync.sender.coordinator import Coordinator
+    from weightsync.sender.runs import RankConn, ReceiverConn
+
+    from weightsync.buckets import TensorSpec
+    from weightsync.config import SenderSettings
+    from weightsync.manifest import VersionManifest
+    from weightsync.metrics import SenderMetrics
+    from weightsync.v1 import weightsync_pb2 as pb
+
+    co = Coordinator(SenderSettings(bucket_size_bytes=1024), SenderMetrics())
+    try:
+        specs = tuple(TensorSpec(f"w{i}", "float32", (64,)) for i in range(4))
+        begin = pb.BeginVersion(
+            sources=[pb.BufferHandle(buffer_id="trainer-storage")],
+            direct=[
+                pb.DirectTensor(name="w1", source=0, offset=0),
+                pb.DirectTensor(name="w3", source=0, offset=256),
+            ],
+        )
+        ranks = {0: RankConn(0, "cuda:0", begin)}
+        manifest = VersionManifest(1, specs)
+        co._receivers["local"] = ReceiverConn("local", "torch", 0, "cuda:0", ())
+        run = co._plan_run(manifest, "p", "cuda_ipc", ranks)
+        assert [e.name for e in run.direct.entries] == ["w1", "w3"]
+        assert [e.offset for e in run.direct.entries] == [0, 256]
+        assert [e.name for b in run.plan.buckets for e in b.entries] == ["w0", "w2"]
+        co._receivers["far"] = ReceiverConn("far", "torch", 0, "cuda:0", (), data_path="broadcast")
+        run = co._plan_run(manifest, "p", "cuda_ipc", ranks)
+        assert run.direct is None
+        assert [e.name for b in run.plan.buckets for e in b.entries] == ["w0", "w1", "w2", "w3"]
+        del co._receivers["far"]
+        assert co._plan_run(manifest, "p", "shm", ranks).direct is None
+    finally:
+        co.close()
