@@ -278,10 +278,6 @@ class Coordinator(VersionDriver):
 
     # ---- waiting ----
 
-    def _wait(self, run: VersionRun, ready, timeout_s: float, what: str) -> None:
-        with self._cond:
-            self._wait_locked(run, ready, timeout_s, what)
-
     def _wait_locked(self, run: VersionRun, ready, timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while not ready():
@@ -361,7 +357,6 @@ class Coordinator(VersionDriver):
     def _abort(self, run: VersionRun, detail: pb.ErrorDetail) -> None:
         if run.done:
             return
-        run.abort_reason = detail
         for rid in run.active():
             self._fail(run, rid, detail)
         for slot in self._slots:

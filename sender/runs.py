@@ -126,7 +126,6 @@ class VersionRun:
     staged_s: float = 0.0
     complete_s: float = 0.0
     state: str = "packing"
-    abort_reason: pb.ErrorDetail | None = None
 
     @property
     def version(self) -> int:

@@ -21,13 +21,6 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._entries)
 
-    def register(self, name: str, target: str) -> None:
-        if name in self._entries and self._entries[name] != target:
-            raise ConfigError(
-                f"{self._kind} {name!r} is already registered as {self._entries[name]}"
-            )
-        self._entries[name] = target
-
     def get(self, name: str) -> T:
         if name in self._loaded:
             return self._loaded[name]

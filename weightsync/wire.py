@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from weightsync.buckets import Bucket, BucketEntry, TensorSpec
-from weightsync.errors import WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -82,16 +81,6 @@ def error_to_pb(error: BaseException, tensor: str = "") -> pb.ErrorDetail:
 
 def describe(detail: pb.ErrorDetail) -> str:
     return f"{detail.code}: {detail.message}" if detail.code else detail.message
-
-
-def raise_for(detail: pb.ErrorDetail, fallback: type[WeightSyncError]) -> None:
-    """Re-raise an error a peer reported, as our exception of the same name when we have one."""
-    from weightsync import errors
-
-    cls = getattr(errors, detail.code, None)
-    if not (isinstance(cls, type) and issubclass(cls, WeightSyncError)):
-        cls = fallback
-    raise cls(detail.message)
 
 
 class ParseCache:

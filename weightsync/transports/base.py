@@ -71,9 +71,6 @@ class MappedBuffers:
                 self._mapped[handle.buffer_id] = tensor
             return tensor
 
-    def __len__(self) -> int:
-        return len(self._mapped)
-
 
 def transport_for_handle(handle: pb.BufferHandle) -> Transport:
     from weightsync.transports import get_transport
