@@ -9,7 +9,7 @@ import grpc
 from weightsync.sender.coordinator import Coordinator
 from weightsync.sender.runs import ReceiverConn
 
-from weightsync.errors import ProtocolError, WeightSyncError, grpc_code_for
+from weightsync.errors import ProtocolError, WeightSyncError, grpc_code_for, rpc_details
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
@@ -28,7 +28,7 @@ def _next(requests: Iterator, kind: str, context: grpc.ServicerContext):
 
 
 def _abort(context: grpc.ServicerContext, error: WeightSyncError):
-    context.abort(grpc_code_for(error), str(error))
+    context.abort(grpc_code_for(error), rpc_details(error))
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServicer):

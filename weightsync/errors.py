@@ -81,6 +81,11 @@ def grpc_code_for(error: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def rpc_details(error: WeightSyncError) -> str:
+    """What a server sends as a status's details: our exception's name, then its message."""
+    return f"{type(error).__name__}: {error}"
+
+
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[WeightSyncError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: ConfigError,
     grpc.StatusCode.NOT_FOUND: NameResolutionError,
@@ -94,19 +99,22 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[WeightSyncError]] = {
 def error_from_rpc(error: grpc.RpcError, what: str) -> WeightSyncError:
     """Turn a failed RPC into our exception type, keeping the server's message.
 
+    The type comes from the name :func:`rpc_details` put in front of the message; statuses
+    that carry none (grpc's own) map by code.
+
     Args:
         error: the exception grpc raised.
         what: what the caller was doing, e.g. ``"publish version 3 to unix:/tmp/ws.sock"``.
     """
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-    details = error.details() if hasattr(error, "details") else str(error)
-    if code == grpc.StatusCode.FAILED_PRECONDITION and "version" in (details or "").lower():
-        cls: type[WeightSyncError] = VersionError
-    elif code == grpc.StatusCode.UNAVAILABLE:
+    details = (error.details() if hasattr(error, "details") else str(error)) or ""
+    name, sep, message = details.partition(": ")
+    cls = globals().get(name) if sep else None
+    if isinstance(cls, type) and issubclass(cls, WeightSyncError):
+        return cls(f"{what}: {message}")
+    if code == grpc.StatusCode.UNAVAILABLE:
         return TransportError(
             f"{what}: sender unreachable ({details}). Is `weightsync-sender` running and is the "
             "address right (unix:/path or host:port)?"
         )
-    else:
-        cls = _CODE_TO_ERROR.get(code, ProtocolError)
-    return cls(f"{what}: {details}")
+    return _CODE_TO_ERROR.get(code, ProtocolError)(f"{what}: {details}")
