@@ -6,6 +6,7 @@ Pure parts (``rules``, ``names``, ``plan``, ``pieces``) never import megatron-co
 
 from .convert import check_shard_tensors, convert_megatron_to_hf, gather_local_shards
 from .dims import ModelDims
+from .lora import LoraExport
 from .pieces import CopyPiece, pack_pieces
 from .plan import RankPlan, check_coverage, hf_dims, hf_manifest, plan_rank
 from .publisher import MegatronPublisher
@@ -21,6 +22,7 @@ from .shards import (
 __all__ = [
     "CopyPiece",
     "LocalShards",
+    "LoraExport",
     "MegatronPublisher",
     "ModelDims",
     "RankPlan",

@@ -391,6 +391,8 @@ _LOCAL_EXPERT = re.compile(
 
 def template_of(name: str) -> tuple[str, int | None]:
     """A Megatron name's template and its local expert index (None outside experts)."""
+    # Bridge's LoRALinear wraps the base linear as `.to_wrap`; its weights keep their HF rule.
+    name = name.replace(".to_wrap.", ".")
     template = name
     for pattern, repl in _CANONICAL:
         template = pattern.sub(repl, template)

@@ -17,8 +17,10 @@ import torch
 from weightsync.buckets import TensorSpec
 from weightsync.dtypes import dtype_name
 from weightsync.errors import PlanError
+from weightsync.manifest import LoraAdapterSpec
 
 from .dims import ModelDims
+from .lora import LoraExport, plan_adapter
 from .names import NameTable, ParamMapping, name_table, template_of
 from .pieces import CopyPiece, box_volume, boxes_overlap
 from .rules import DroppedRule, ShardContext
@@ -36,6 +38,8 @@ class RankPlan:
     """HF name -> the pieces this rank writes (only tensors it writes any byte of)."""
     shards: Mapping[str, ShardMeta]
     """The rank's shards by key (what :func:`pack_pieces` reads)."""
+    lora: LoraAdapterSpec | None = None
+    """The LoRA adapter whose tensors close the manifest (see ``lora.py``); None without one."""
 
     def pieces_for(self, name: str) -> tuple[CopyPiece, ...]:
         return self.pieces.get(name, ())
@@ -105,6 +109,7 @@ def plan_rank(
     dtype: torch.dtype | str | None = None,
     tied_embeddings: bool | None = None,
     export_mtp: bool = True,
+    lora: LoraExport | None = None,
 ) -> RankPlan:
     """Plan one rank: the full HF manifest and the pieces this rank writes.
 
@@ -118,6 +123,9 @@ def plan_rank(
             the HF config's ``tie_word_embeddings`` when given.
         export_mtp: send multi-token-prediction layers (``mtp.layers.*``) under the names
             engines load draft layers from; False drops them from the shards and the manifest.
+        lora: how to export the Megatron-Bridge LoRA adapter the shards carry (PEFT names
+            and config, :class:`LoraAdapterSpec` in :attr:`RankPlan.lora`); required when any
+            shard is an adapter weight.
 
     Raises:
         PlanError: naming the Megatron parameter that has no rule, no HF counterpart in this
@@ -140,14 +148,22 @@ def plan_rank(
                 f"Megatron parameter {shard.name!r} is registered twice in chunk {shard.vpp_chunk}"
             )
         by_key[shard.key] = shard
-    mappings = {s.key: _mapping(table, dims, s) for s in shards}
+    # Adapter shards get their own mappings (rules sized by the LoRA rank); without adapters
+    # and without `lora`, this is None and the plan is exactly the adapter-free one.
+    adapter = plan_adapter(shards, table, dims, topology.tp_size, lora, _wire_or_none(dtype))
+    adapter_keys = adapter.mappings.keys() if adapter else frozenset()
+    mappings = {s.key: _mapping(table, dims, s) for s in shards if s.key not in adapter_keys}
     fixed = {
         k
         for k, m in mappings.items()
         if m.rule.dtype is not None or isinstance(m.rule, DroppedRule)
     }
-    wire = _wire(dtype) if dtype is not None else _infer_dtype(shards, fixed)
+    base = [s for s in shards if s.key not in adapter_keys]
+    wire = _wire(dtype) if dtype is not None else _infer_dtype(base, fixed)
     manifest = _manifest(table, dims, wire)
+    if adapter is not None:
+        mappings.update(adapter.mappings)
+        manifest += adapter.specs
     known = {spec.name for spec in manifest}
     pieces: dict[str, list[CopyPiece]] = {}
     for shard in shards:
@@ -164,7 +180,17 @@ def plan_rank(
             if writes:
                 pieces.setdefault(name, []).append(piece)
     frozen = {name: tuple(ps) for name, ps in pieces.items()}
-    return RankPlan(topology, manifest, MappingProxyType(frozen), MappingProxyType(by_key))
+    return RankPlan(
+        topology,
+        manifest,
+        MappingProxyType(frozen),
+        MappingProxyType(by_key),
+        adapter.spec if adapter else None,
+    )
+
+
+def _wire_or_none(dtype: torch.dtype | str | None) -> str | None:
+    return None if dtype is None else _wire(dtype)
 
 
 def _without_mtp(dims: ModelDims) -> ModelDims:

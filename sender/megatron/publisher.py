@@ -14,6 +14,7 @@ from types import MappingProxyType
 
 import torch
 from weightsync.sender.megatron.convert import check_shard_tensors
+from weightsync.sender.megatron.lora import LoraExport
 from weightsync.sender.megatron.pieces import pack_pieces
 from weightsync.sender.megatron.plan import RankPlan, check_coverage, plan_rank
 from weightsync.sender.megatron.shards import collect_shards
@@ -36,6 +37,8 @@ class MegatronPublisher:
         publisher_id: shared by every rank of this job (default: from the model type).
         dtype: the HF dtype; inferred from the shards when None.
         export_mtp: send multi-token-prediction layers under the draft model's names.
+        lora: export the Megatron-Bridge LoRA adapter the chunks carry (PEFT names and
+            config, announced with each version); required when they carry one.
         direct: offer tensors that are exactly one local shard (replicated norms, TP=1 layouts)
             for receivers on this host to copy straight from trainer memory.
         group: the torch.distributed group of all trainer ranks for the one-time coverage
@@ -55,6 +58,7 @@ class MegatronPublisher:
         publisher_id: str | None = None,
         dtype: torch.dtype | str | None = None,
         export_mtp: bool = True,
+        lora: LoraExport | None = None,
         direct: bool = False,
         group: object = None,
         connect_timeout_s: float = 10.0,
@@ -70,6 +74,7 @@ class MegatronPublisher:
             dtype=dtype,
             tied_embeddings=local.tied_embeddings,
             export_mtp=export_mtp,
+            lora=lora,
         )
         check_shard_tensors(self.plan, local.tensors)
         rank, world = 0, 1
@@ -108,7 +113,7 @@ class MegatronPublisher:
         """
         if version < 1:
             raise ConfigError(f"version must be >= 1, got {version}")
-        manifest = VersionManifest(version, self.plan.manifest)
+        manifest = VersionManifest(version, self.plan.manifest, self.plan.lora)
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             for entry in bucket.entries:
