@@ -14,7 +14,7 @@ import grpc
 import torch
 from weightsync.receiver.target import WeightTarget
 
-from weightsync.buckets import Bucket, ChunkAssembler, entry_view, unpack_bucket
+from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, entry_view, unpack_bucket
 from weightsync.checksum import ALGORITHM, bucket_checksum
 from weightsync.control.client import connect
 from weightsync.errors import (
@@ -216,9 +216,11 @@ class ReceiverCore:
                 kind = msg.WhichOneof("kind")
                 if kind == "bucket":
                     index = msg.bucket.layout.index
-                    tensors, buffers = self._bucket_tensors(msg.bucket, assembler)
+                    tensors, chunks, buffers = self._bucket_tensors(msg.bucket, assembler)
                     touched = True
                     self.target.load(tensors)
+                    for entry, data in chunks:
+                        self.target.load_chunk(entry, data)
                     self._finish_reads(buffers)
                     self._send(ack=pb.BucketAck(version=version, index=index, ok=True))
                 elif kind == "end":
@@ -250,8 +252,12 @@ class ReceiverCore:
 
     def _bucket_tensors(
         self, msg: pb.BucketAnnouncement, assembler: ChunkAssembler
-    ) -> tuple[list[tuple[str, torch.Tensor]], list[torch.Tensor]]:
-        """The bucket's complete tensors (views where possible) and the buffers they read."""
+    ) -> tuple[
+        list[tuple[str, torch.Tensor]], list[tuple[BucketEntry, torch.Tensor]], list[torch.Tensor]
+    ]:
+        """What to load from a bucket, without writing anything yet: complete tensors (views
+        where possible), chunks for targets that write them in place (``load_chunk``), and
+        the buffers both read."""
         if msg.sources:
             sources = [self._buffers.get(h) for h in msg.sources]
             layout = msg.layout.SerializeToString()
@@ -261,17 +267,16 @@ class ReceiverCore:
                 bucket = self._layouts(msg.layout, layout)
                 views = [(e.name, entry_view(sources[e.source], e)) for e in bucket.entries]
                 self._direct_views = {key: views}  # the latest layout is the one reused
-            return views, sources
+            return views, [], sources
         bucket, buffer = self._verified_bucket(msg)
-        load_chunk = getattr(self.target, "load_chunk", None)
-        if load_chunk is None:
-            return list(unpack_bucket(buffer, bucket, assembler)), [buffer]
+        if not hasattr(self.target, "load_chunk"):
+            return list(unpack_bucket(buffer, bucket, assembler)), [], [buffer]
         # The target writes chunks in place: no full-size temporary per oversized tensor.
-        for e in bucket.entries:
-            if e.is_chunked:
-                load_chunk(e, buffer[e.offset : e.offset + e.nbytes])
         whole = [(e.name, entry_view(buffer, e)) for e in bucket.entries if not e.is_chunked]
-        return whole, [buffer]
+        chunks = [
+            (e, buffer[e.offset : e.offset + e.nbytes]) for e in bucket.entries if e.is_chunked
+        ]
+        return whole, chunks, [buffer]
 
     def _verified_bucket(self, msg: pb.BucketAnnouncement) -> tuple[Bucket, torch.Tensor]:
         """Map or receive the bucket's buffer and check its checksum; nothing is written yet."""
