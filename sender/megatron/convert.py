@@ -22,6 +22,7 @@ from weightsync.buckets import ChunkAssembler, align_up, plan_buckets, unpack_bu
 from weightsync.dtypes import dtype_name
 from weightsync.errors import PlanError
 
+from .lora import LoraExport
 from .pieces import pack_pieces
 from .plan import RankPlan, check_coverage, plan_rank
 from .shards import LocalShards, RankTopology, ShardMeta
@@ -51,6 +52,7 @@ def convert_megatron_to_hf(
     dtype: torch.dtype | str | None = None,
     bucket_size_bytes: int | None = None,
     export_mtp: bool = True,
+    lora: LoraExport | None = None,
 ) -> dict[str, torch.Tensor]:
     """Convert the shards of all Megatron ranks into an HF state dict.
 
@@ -65,6 +67,8 @@ def convert_megatron_to_hf(
         bucket_size_bytes: pack through buckets of this cap (the service path, chunking
             included); default one bucket holding everything.
         export_mtp: include multi-token-prediction layers; False skips them.
+        lora: export the LoRA adapter the shards carry (PEFT names, see :class:`LoraExport`);
+            its adapter config is ``plan_rank(..., lora=...).lora``.
 
     Returns:
         ``{hf name: tensor}`` in manifest order; with the default single bucket the tensors
@@ -84,7 +88,13 @@ def convert_megatron_to_hf(
         else:
             (shards, local), tied = state, None
         plan = plan_rank(
-            shards, topology, hf_config, dtype=dtype, tied_embeddings=tied, export_mtp=export_mtp
+            shards,
+            topology,
+            hf_config,
+            dtype=dtype,
+            tied_embeddings=tied,
+            export_mtp=export_mtp,
+            lora=lora,
         )
         check_shard_tensors(plan, local)
         plans.append(plan)

@@ -18,12 +18,10 @@ from weightsync.sender.megatron import (
     LoraExport,
     RankTopology,
     ShardMeta,
-    check_coverage,
-    pack_pieces,
+    convert_megatron_to_hf,
     plan_rank,
 )
 
-from weightsync.buckets import ChunkAssembler, align_up, plan_buckets, unpack_bucket
 from weightsync.errors import PlanError
 from weightsync.manifest import VersionManifest
 
@@ -116,20 +114,12 @@ def rank_states(full, tp: int):
 
 
 def export(states, export_settings=None):
-    """plan_rank per rank, check_coverage, pack one bucket: the converter's path."""
+    """The offline converter with the adapter, plus rank 0's plan (for the adapter config)."""
     settings = export_settings or LoraExport("sql", ALPHA)
-    plans = [plan_rank(m, topo, hf_config(), lora=settings) for topo, (m, _) in states.items()]
-    check_coverage(plans)
-    manifest = plans[0].manifest
-    buckets = plan_buckets(manifest, align_up(sum(align_up(s.nbytes) for s in manifest)))
-    out: dict[str, torch.Tensor] = {}
-    for bucket in buckets.buckets:
-        buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
-        for entry in bucket.entries:
-            for plan, (_, tensors) in zip(plans, states.values(), strict=True):
-                pack_pieces(buffer, entry, plan.pieces_for(entry.name), tensors)
-        out.update(unpack_bucket(buffer, bucket, ChunkAssembler()))
-    return plans[0], {k: v.clone() for k, v in out.items()}
+    topology, (metas, _) = next(iter(states.items()))
+    plan = plan_rank(metas, topology, hf_config(), lora=settings)
+    out = convert_megatron_to_hf(states, hf_config(), lora=settings)
+    return plan, {k: v.clone() for k, v in out.items()}
 
 
 # --- independent Megatron -> HF reference ----------------------------------------------------
