@@ -11,13 +11,14 @@ from __future__ import annotations
 import hashlib
 import multiprocessing as mp
 import os
+import queue
 import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from weightsync.buckets import byte_view
-from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.errors import ConfigError
 
 _TIMEOUT_S = 120.0
 
@@ -134,7 +135,7 @@ def run_demo(cfg: DemoConfig, console) -> bool:
             for _ in range(expected):
                 try:
                     who, version, digests, staged_s, error = out.get(timeout=_TIMEOUT_S)
-                except Exception:
+                except queue.Empty:
                     console.print("[red]timed out waiting for the trainer or a receiver[/red]")
                     ok = False
                     break
@@ -160,6 +161,4 @@ def run_demo(cfg: DemoConfig, console) -> bool:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-    if not ok and not results:
-        raise WeightSyncError("the demo produced no results")
     return ok
