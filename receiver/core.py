@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import queue
 import threading
@@ -40,6 +41,7 @@ from weightsync.wire import (
 )
 
 _STREAM_CLOSED = object()
+log = logging.getLogger("weightsync.receiver")
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
@@ -93,44 +95,81 @@ class ReceiverCore:
         self._group: BroadcastGroup | None = None
         self._recv_buffer = torch.empty(0, dtype=torch.uint8, device=target.device)
         self._inbox: queue.Queue = queue.Queue()
-        self._requests: queue.Queue = queue.Queue()
-        self._channel, stub = connect(address, connect_timeout_s)
+        self._closed = threading.Event()
+        self._lost = False
+        self._connect_timeout_s = connect_timeout_s
         device = target.device
-        self._requests.put(
-            pb.ReceiverMessage(
-                hello=pb.ReceiverHello(
-                    receiver_id=receiver_id or f"{engine}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
-                    engine=engine,
-                    rank=rank,
-                    device=str(device),
-                    device_uuid=device_uuid(device),
-                    transports=list(transports),
-                    host_id=host_id(),
-                )
-            )
+        self._hello = pb.ReceiverHello(
+            receiver_id=receiver_id or f"{engine}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+            engine=engine,
+            rank=rank,
+            device=str(device),
+            device_uuid=device_uuid(device),
+            transports=list(transports),
+            host_id=host_id(),
         )
-        self._stream = stub.Receive(iter(self._requests.get, None))
-        try:
-            first = next(self._stream)
-        except grpc.RpcError as e:
-            raise TransportError(f"register with the sender at {address}: {e.details()}") from None
-        self.receiver_id = first.welcome.receiver_id
+        self._register()
+        self.receiver_id = self._hello.receiver_id
         self._pump_thread = threading.Thread(target=self._pump, daemon=True)
         self._pump_thread.start()
         # A process that exits right after sync() must still deliver its last "applied".
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    def _pump(self) -> None:
+    def _register(self) -> None:
+        """Open a Receive stream and register (again, after a sender restart, by the same id).
+
+        Raises:
+            TransportError: no sender answers, or it refused the registration.
+        """
+        channel, stub = connect(self.address, self._connect_timeout_s)
+        requests: queue.Queue = queue.Queue()
+        requests.put(pb.ReceiverMessage(hello=self._hello))
+        stream = stub.Receive(iter(requests.get, None))
         try:
-            for msg in self._stream:
-                if msg.WhichOneof("kind") == "join":
-                    self._join(msg.join)
-                else:
-                    self._inbox.put(msg)
+            first = next(stream)
         except grpc.RpcError as e:
-            self._inbox.put((_STREAM_CLOSED, e.details() or str(e.code())))
-            return
-        self._inbox.put((_STREAM_CLOSED, "the sender ended the stream"))
+            channel.close()
+            raise TransportError(
+                f"register with the sender at {self.address}: {e.details()}"
+            ) from None
+        self._hello.receiver_id = first.welcome.receiver_id
+        old = getattr(self, "_channel", None)
+        self._channel, self._requests, self._stream = channel, requests, stream
+        if old is not None:
+            old.close()
+
+    def _pump(self) -> None:
+        """Move announcements to the inbox; when the sender goes away, register again."""
+        backoff_s = 0.5
+        while True:
+            try:
+                for msg in self._stream:
+                    if msg.WhichOneof("kind") == "join":
+                        self._join(msg.join)
+                    else:
+                        self._inbox.put(msg)
+                reason = "the sender ended the stream"
+            except grpc.RpcError as e:
+                reason = e.details() or str(e.code())
+            if self._closed.is_set():
+                return
+            self._inbox.put((_STREAM_CLOSED, reason))
+            log.warning(
+                "receiver %s lost the sender at %s (%s); registering again",
+                self._hello.receiver_id,
+                self.address,
+                reason,
+            )
+            while not self._closed.wait(backoff_s):
+                try:
+                    self._register()
+                    break
+                except TransportError:
+                    backoff_s = min(backoff_s * 2, 5.0)
+            else:
+                return
+            backoff_s = 0.5
+            log.warning("receiver %s registered again at %s", self.receiver_id, self.address)
 
     def _join(self, join: pb.GroupJoin) -> None:
         """Join the sender's broadcast group (here, so it never waits for ``sync()``)."""
@@ -151,23 +190,30 @@ class ReceiverCore:
             # The sender's side times out too and fails this receiver for the version.
             self.last_error = e
 
-    def _next(self, deadline: float | None, waiting_for: str) -> pb.Announcement:
-        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            msg = self._inbox.get(timeout=left)
-        except queue.Empty:
-            raise SyncTimeoutError(
-                f"receiver {self.receiver_id}: no {waiting_for} in time"
-            ) from None
-        if isinstance(msg, tuple):
-            self._inbox.put(msg)  # every later call sees the closed stream too
-            raise TransportError(
-                f"receiver {self.receiver_id}: lost the sender at {self.address}: {msg[1]}"
-            )
-        return msg
+    def _next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
+        """The next announcement. Losing the sender fails a version in flight; between
+        versions it only delays the next one (the pump registers again)."""
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                msg = self._inbox.get(timeout=left)
+            except queue.Empty:
+                raise SyncTimeoutError(
+                    f"receiver {self.receiver_id}: no {waiting_for} in time"
+                    + (f" (the sender at {self.address} is gone)" if self._lost else "")
+                ) from None
+            if not isinstance(msg, tuple):
+                self._lost = False
+                return msg
+            self._lost = True
+            if in_version:
+                raise TransportError(
+                    f"receiver {self.receiver_id}: lost the sender at {self.address} during "
+                    f"a version: {msg[1]}"
+                )
 
     def _send(self, **kind) -> None:
-        if self._requests is None:
+        if self._closed.is_set():
             raise ProtocolError(f"receiver {self.receiver_id} is closed")
         self._requests.put(pb.ReceiverMessage(**kind))
 
@@ -184,9 +230,10 @@ class ReceiverCore:
             TransportError: the sender went away.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        msg = self._next(deadline, "version")
+        msg = self._next(deadline, "version", in_version=False)
         while msg.WhichOneof("kind") != "start":
-            msg = self._next(deadline, "version")  # leftovers of a version already left
+            # Leftovers of a version already left.
+            msg = self._next(deadline, "version", in_version=False)
         manifest = manifest_from_pb(msg.start.manifest)
         key = manifest_key(msg.start.manifest)
         try:
@@ -212,7 +259,7 @@ class ReceiverCore:
         index = -1
         try:
             while True:
-                msg = self._next(None, f"bucket of version {version}")
+                msg = self._next(None, f"bucket of version {version}", in_version=True)
                 kind = msg.WhichOneof("kind")
                 if kind == "bucket":
                     index = msg.bucket.layout.index
@@ -325,10 +372,10 @@ class ReceiverCore:
 
     def close(self, flush_timeout_s: float = 5.0) -> None:
         """Deliver pending acks, then leave: ending our stream lets the sender end its side."""
-        if self._requests is None:
+        if self._closed.is_set():
             return
-        requests, self._requests = self._requests, None
-        requests.put(None)
+        self._closed.set()
+        self._requests.put(None)
         self._pump_thread.join(flush_timeout_s)
         if self._group is not None:
             self._group.close()

@@ -219,3 +219,28 @@ def test_shm_buffers_are_owner_only(sender):
     paths = [s.buffer.handle.shm.path for s in sender.coordinator._slots]
     assert len(paths) == 2
     assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths)
+
+
+def test_receiver_registers_again_after_the_sender_restarts(sock_dir):
+    address = f"unix:{sock_dir}/s.sock"
+    model = TinyNet(seed=1)
+    trainer = TinyNet(seed=2)
+    with Sender(address, bucket_size_bytes=4096) as first:
+        receiver = TorchReceiver(model, first.address, receiver_id="survivor")
+        t, results = sync_in_thread(receiver)
+        Publisher(address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+        t.join(30)
+        assert results == [1]
+    # Between versions, losing the sender only delays the next one.
+    t, results = sync_in_thread(receiver)
+    with Sender(address, bucket_size_bytes=4096) as second:
+        publisher = Publisher(second.address)
+        deadline = time.monotonic() + 20
+        while not publisher.status().receivers and time.monotonic() < deadline:
+            time.sleep(0.05)  # the receiver's back-off before it registers again
+        (status,) = publisher.status().receivers
+        assert status.receiver_id == "survivor" and status.connected
+        step(trainer, 2)
+        publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+        t.join(30)
+    assert results == [1] and digests(model) == digests(trainer)
