@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -22,6 +24,7 @@ from weightsync.errors import (
     ReceiverFailedError,
     TransportError,
     VersionError,
+    WeightSyncError,
 )
 
 
@@ -244,3 +247,62 @@ def test_receiver_registers_again_after_the_sender_restarts(sock_dir):
         publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
         t.join(30)
     assert results == [1] and digests(model) == digests(trainer)
+
+
+def _sender_process(address: str) -> subprocess.Popen:
+    """A real `weightsync-sender` daemon, ready once its health check answers."""
+    proc = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "weightsync-sender"),
+            "--listen",
+            address,
+            "--bucket-size-mb",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    from weightsync.control.client import connect
+
+    channel, _ = connect(address, timeout_s=30)
+    channel.close()
+    return proc
+
+
+def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir):
+    address = f"unix:{sock_dir}/s.sock"
+    model = TinyNet(seed=1)
+    trainer = TinyNet(seed=2)
+    trainer.embed = torch.nn.Parameter(torch.randn(20000, 16))  # several 1 MiB buckets
+    model.embed = torch.nn.Parameter(torch.zeros(20000, 16))
+    daemon = _sender_process(address)
+    try:
+        receiver = TorchReceiver(model, address, receiver_id="survivor")
+        load = receiver.target.load
+
+        def load_then_kill_the_sender(tensors):
+            load(tensors)
+            receiver.target.load = load  # only once
+            daemon.kill()
+            daemon.wait(10)
+
+        receiver.target.load = load_then_kill_the_sender
+        t, results = sync_in_thread(receiver)
+        with pytest.raises(WeightSyncError):  # the publisher loses it too
+            Publisher(address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+        t.join(30)
+        assert isinstance(results[0], TransportError), results
+        assert "during a version" in str(results[0])
+        assert receiver.dirty and receiver.applied_version == 0
+        daemon = _sender_process(address)
+        t, results = sync_in_thread(receiver)
+        publisher = Publisher(address)
+        deadline = time.monotonic() + 20
+        while not publisher.status().receivers and time.monotonic() < deadline:
+            time.sleep(0.05)  # the receiver's back-off before it registers again
+        publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+        t.join(30)
+        assert results == [1] and not receiver.dirty
+        assert digests(model) == digests(trainer)
+    finally:
+        daemon.kill()
