@@ -273,8 +273,10 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
     address = f"unix:{sock_dir}/s.sock"
     model = TinyNet(seed=1)
     trainer = TinyNet(seed=2)
-    trainer.embed = torch.nn.Parameter(torch.randn(20000, 16))  # several 1 MiB buckets
-    model.embed = torch.nn.Parameter(torch.zeros(20000, 16))
+    # Four 1 MiB buckets: with two staging buffers at most two can be announced before the
+    # receiver acks, so the version cannot finish once the daemon is gone.
+    trainer.embed = torch.nn.Parameter(torch.randn(60000, 16))
+    model.embed = torch.nn.Parameter(torch.zeros(60000, 16))
     daemon = _sender_process(address)
     try:
         receiver = TorchReceiver(model, address, receiver_id="survivor")
