@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -278,6 +279,7 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
     trainer.embed = torch.nn.Parameter(torch.randn(60000, 16))
     model.embed = torch.nn.Parameter(torch.zeros(60000, 16))
     daemon = _sender_process(address)
+    pids = [daemon.pid]
     try:
         receiver = TorchReceiver(model, address, receiver_id="survivor")
         load = receiver.target.load
@@ -297,6 +299,7 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
         assert "during a version" in str(results[0])
         assert receiver.dirty and receiver.applied_version == 0
         daemon = _sender_process(address)
+        pids.append(daemon.pid)
         t, results = sync_in_thread(receiver)
         publisher = Publisher(address)
         deadline = time.monotonic() + 20
@@ -308,3 +311,7 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
         assert digests(model) == digests(trainer)
     finally:
         daemon.kill()
+        # A killed daemon cannot unlink its shared memory.
+        for pid in pids:
+            for path in glob.glob(f"/dev/shm/weightsync-{pid}-*"):
+                os.unlink(path)
