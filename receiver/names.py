@@ -89,6 +89,22 @@ def _map_with_shard(mapper: object, name: str) -> tuple[str, ShardId | None] | N
     return name, None
 
 
+ExpertMapping = list[tuple[str, str, int, str]]
+"""``(param_name, checkpoint_fragment, expert_id, shard_id)`` per fused-expert slot."""
+
+
+def vllm_expert_mapping(module: torch.nn.Module) -> ExpertMapping:
+    """A module's own ``get_expert_mapping()``; empty when it has none."""
+    get_mapping = getattr(module, "get_expert_mapping", None)
+    if not callable(get_mapping):
+        return []
+    try:
+        return list(get_mapping())
+    except (TypeError, AttributeError, NotImplementedError):
+        # Models whose get_expert_mapping needs arguments or is not MoE at all.
+        return []
+
+
 class NameResolver:
     """Maps checkpoint names onto a live model's tensors by probing the model.
 
@@ -100,8 +116,23 @@ class NameResolver:
     """
 
     def __init__(
-        self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor] | None = None
+        self,
+        model: torch.nn.Module,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        *,
+        packed_modules: Mapping[str, list[str]] | None = None,
+        expert_mapping: Callable[[torch.nn.Module], ExpertMapping] | None = None,
     ) -> None:
+        """
+        Args:
+            model: the live engine model.
+            tensors: its tensors by live name (default: parameters and buffers).
+            packed_modules: ``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}``; default the
+                model's ``packed_modules_mapping`` (vLLM's spelling).
+            expert_mapping: a module's ``(param, checkpoint fragment, expert id, shard id)``
+                list, empty for modules without fused experts; default the module's
+                ``get_expert_mapping()`` (vLLM's spelling).
+        """
         self.model = model
         self.tensors: Mapping[str, torch.Tensor] = (
             tensors if tensors is not None else live_tensors(model)
@@ -111,26 +142,15 @@ class NameResolver:
         self._identity = {name: id(t) for name, t in live_tensors(model).items()}
         self._canonical = {id(t): name for name, t in model.named_parameters()}
         self._mapper = getattr(model, "hf_to_vllm_mapper", None)
-        self._packed: dict[str, list[str]] = dict(getattr(model, "packed_modules_mapping", {}))
+        if packed_modules is None:
+            packed_modules = getattr(model, "packed_modules_mapping", {})
+        self._packed: dict[str, list[str]] = {k: list(v) for k, v in packed_modules.items()}
         self._modules = dict(model.named_modules())
-        self._expert_modules = self._find_expert_modules()
-
-    def _find_expert_modules(self) -> list[tuple[str, list[tuple[str, str, int, str]]]]:
-        found = []
-        for path, module in self._modules.items():
-            get_mapping = getattr(module, "get_expert_mapping", None)
-            if not callable(get_mapping):
-                continue
-            try:
-                mapping = list(get_mapping())
-            except (TypeError, AttributeError, NotImplementedError):
-                # Models whose get_expert_mapping needs arguments or is not MoE at all.
-                continue
-            if mapping:
-                found.append((path, mapping))
+        mapping_of = expert_mapping or vllm_expert_mapping
+        found = [(path, m) for path, module in self._modules.items() if (m := mapping_of(module))]
         # Submodules first: the most specific module owning a fused parameter wins.
         found.sort(key=lambda item: -len(item[0]))
-        return found
+        self._expert_modules = found
 
     def identity(self, live_name: str) -> int:
         """Equal for two names of one live tensor (tied weights)."""

@@ -18,13 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from weightsync.receiver.names import NameResolver, ResolvedName
+from weightsync.receiver.names import ExpertMapping, NameResolver, ResolvedName
 
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError
-
-ExpertMapping = list[tuple[str, str, int, str]]
-"""``(param_name, checkpoint_fragment, expert_id, shard_id)`` as SGLang's ``FusedMoE`` makes it."""
 
 # Per-expert checkpoint names as (gate, down, up): HF's two conventions, not per-model data.
 EXPERT_CHECKPOINT_NAMES: tuple[tuple[str, str, str], ...] = (
@@ -67,24 +64,13 @@ def expert_mapping(module: torch.nn.Module) -> ExpertMapping:
     return mapping
 
 
-class SglangNameResolver(NameResolver):
+def sglang_resolver(
+    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor] | None = None
+) -> NameResolver:
     """The generic resolver, fed with SGLang's packed-module and fused-expert metadata."""
-
-    def __init__(
-        self, model: torch.nn.Module, tensors: Mapping[str, torch.Tensor] | None = None
-    ) -> None:
-        super().__init__(model, tensors)
-        self._packed = packed_modules(model)
-
-    def _find_expert_modules(self) -> list[tuple[str, ExpertMapping]]:
-        found = [
-            (path, mapping)
-            for path, module in self._modules.items()
-            if (mapping := expert_mapping(module))
-        ]
-        # Most specific module first, as the generic resolver orders its own findings.
-        found.sort(key=lambda item: -len(item[0]))
-        return found
+    return NameResolver(
+        model, tensors, packed_modules=packed_modules(model), expert_mapping=expert_mapping
+    )
 
 
 def expert_checkpoint_shape(module: torch.nn.Module, shard_id: str) -> tuple[int, int] | None:

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from weightsync.receiver.lora import LoraAccumulator
 from weightsync.receiver.names import ResolvedName, check_specs
-from weightsync.receiver.sglang.names import SglangNameResolver, check_expert_shapes
+from weightsync.receiver.sglang.names import check_expert_shapes, sglang_resolver
 
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
@@ -77,7 +77,7 @@ class SglangWeightTarget:
             self._validate_lora(manifest.lora, manifest.version)
         lora_names = manifest.lora_names
         base = [spec for spec in manifest.tensors if spec.name not in lora_names]
-        resolver = SglangNameResolver(self.model)
+        resolver = sglang_resolver(self.model)
         resolved = check_specs(resolver, base)
         check_expert_shapes(resolver, base, resolved)
         self._resolved = resolved
