@@ -132,8 +132,7 @@ class Coordinator(VersionDriver):
                 if run.direct is not None and body.index == run.direct.index:
                     run.direct_readers.discard(conn.receiver_id)
                 if not body.ok:
-                    conn.state, conn.dirty, conn.last_error = "dirty", True, body.error.message
-                    self._fail(run, conn.receiver_id, body.error, notify=False)
+                    self._fail_dirty(run, conn, body.error)
             elif kind == "applied":
                 outcome.got("applied", timeout)
                 if body.ok:
@@ -142,10 +141,14 @@ class Coordinator(VersionDriver):
                     conn.dirty = False
                     self.metrics.receiver_applied(conn.receiver_id, run.version)
                 else:
-                    conn.state, conn.dirty, conn.last_error = "dirty", True, body.error.message
-                    self._fail(run, conn.receiver_id, body.error, notify=False)
+                    self._fail_dirty(run, conn, body.error)
             self._maybe_complete(run)
             self._cond.notify_all()
+
+    def _fail_dirty(self, run: VersionRun, conn: ReceiverConn, error: pb.ErrorDetail) -> None:
+        """The receiver failed after writing: its weights match no version until the next."""
+        conn.state, conn.dirty, conn.last_error = "dirty", True, error.message
+        self._fail(run, conn.receiver_id, error, notify=False)
 
     # ---- publishers ----
 

@@ -135,9 +135,7 @@ class VersionDriver:
                 outcome.expect("verdict", self.settings.ack_timeout_s)
                 conn.state = "applying"
                 conn.send(start)
-            members = tuple(
-                rid for rid in run.active() if self._receivers[rid].data_path == "broadcast"
-            )
+            members = tuple(self._broadcast_members(run))
             for rid, join in self._broadcaster.invite(members, device).items():
                 self._receivers[rid].send(join)
             if run.direct is not None:

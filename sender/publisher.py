@@ -103,14 +103,11 @@ class Publisher:
             for entry in bucket.entries:
                 pack_entry(buffer, entry, tensors[entry.name])
 
-        offered = {n: t for n, t in tensors.items() if t.is_cuda and t.is_contiguous()}
+        offered = None
+        if direct:
+            offered = {n: t for n, t in tensors.items() if t.is_cuda and t.is_contiguous()}
         return self.publish_packed(
-            manifest,
-            pack,
-            device=device,
-            wait=wait,
-            timeout_s=timeout_s,
-            direct=offered if direct else None,
+            manifest, pack, device=device, wait=wait, timeout_s=timeout_s, direct=offered
         )
 
     def publish_packed(

@@ -49,13 +49,16 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             run, rank = self._co.join(hello, begin)
         except WeightSyncError as e:
             _abort(context, e)
-        run_ref: list = [run]
+
+        def current_run():
+            # Ranks that joined before the last one got no run; it exists by their packing.
+            return run or self._co.run_of(begin.manifest.version)
 
         def consume() -> None:
             try:
                 for msg in request_iterator:
                     kind = msg.WhichOneof("kind")
-                    current = run_ref[0] or self._co.run_of(begin.manifest.version)
+                    current = current_run()
                     if current is None:
                         continue
                     if kind == "packed":
@@ -65,7 +68,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                         return
             except grpc.RpcError:
                 pass
-            current = run_ref[0] or self._co.run_of(begin.manifest.version)
+            current = current_run()
             if current is not None:
                 self._co.publisher_failed(
                     current, ProtocolError(f"publisher rank {hello.rank} closed its stream")
