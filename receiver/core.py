@@ -32,12 +32,11 @@ from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, host_id
 from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
+    ManifestCache,
     ParseCache,
     bucket_from_pb,
     describe,
     error_to_pb,
-    manifest_from_pb,
-    manifest_key,
 )
 
 _STREAM_CLOSED = object()
@@ -88,6 +87,7 @@ class ReceiverCore:
         self.last_error: WeightSyncError | None = None
         self._buffers = MappedBuffers()
         self._layouts = ParseCache(bucket_from_pb)
+        self._manifests = ManifestCache()
         self._direct_views: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
         self._validated: bytes | None = None
         """The last manifest (without version) the target accepted: the model's names and
@@ -234,8 +234,7 @@ class ReceiverCore:
         while msg.WhichOneof("kind") != "start":
             # Leftovers of a version already left.
             msg = self._next(deadline, "version", in_version=False)
-        manifest = manifest_from_pb(msg.start.manifest)
-        key = manifest_key(msg.start.manifest)
+        manifest, key = self._manifests(msg.start.manifest)
         try:
             if key != self._validated:
                 self.target.validate(manifest)

@@ -7,7 +7,6 @@ reply past ``ack_timeout_s``, so a dead or stalled receiver never blocks the oth
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -47,11 +46,10 @@ from weightsync.transports.broadcast import host_id
 from weightsync.transports.cuda_ipc import device_uuid, local_index_of
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
+    ManifestCache,
     ParseCache,
     bucket_to_pb,
     error_to_pb,
-    manifest_from_pb,
-    manifest_key,
 )
 
 log = logging.getLogger("weightsync.sender")
@@ -71,7 +69,7 @@ class Coordinator(VersionDriver):
         self._drive_lock = threading.Lock()
         self._broadcaster = Broadcaster(settings.broadcast_host, settings.ack_timeout_s)
         self._host_id = host_id()
-        self._manifests = ParseCache(manifest_from_pb, max_entries=16)
+        self._manifests = ManifestCache()
         self._plans = ParseCache(self._plan, max_entries=16)
         self._closed = False
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
@@ -156,10 +154,7 @@ class Coordinator(VersionDriver):
         self, hello: pb.PublisherHello, begin: pb.BeginVersion
     ) -> tuple[VersionRun | None, RankConn]:
         """Add one publisher rank to a version; the last rank to join starts the run."""
-        manifest = dataclasses.replace(
-            self._manifests(begin.manifest, key=manifest_key(begin.manifest)),
-            version=begin.manifest.version,
-        )
+        manifest, _ = self._manifests(begin.manifest)
         world = max(hello.world_size, 1)
         if hello.rank >= world:
             raise ConfigError(f"publisher rank {hello.rank} is not below world_size {world}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable
 
 from weightsync.buckets import Bucket, BucketEntry, TensorSpec
@@ -108,3 +109,15 @@ def manifest_key(msg: pb.Manifest) -> bytes:
     unversioned.CopyFrom(msg)
     unversioned.version = 0
     return unversioned.SerializeToString()
+
+
+class ManifestCache:
+    """Parses a manifest once per tensor list: only its version changes between versions."""
+
+    def __init__(self, max_entries: int = 16) -> None:
+        self._parsed = ParseCache(manifest_from_pb, max_entries)
+
+    def __call__(self, msg: pb.Manifest) -> tuple[VersionManifest, bytes]:
+        """The manifest and its version-free key (equal keys: the same tensors)."""
+        key = manifest_key(msg)
+        return dataclasses.replace(self._parsed(msg, key=key), version=msg.version), key
