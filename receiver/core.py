@@ -15,6 +15,7 @@ import grpc
 import torch
 from weightsync.receiver.target import WeightTarget
 
+from weightsync import trace
 from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, entry_view, unpack_bucket
 from weightsync.checksum import ALGORITHM, bucket_checksum
 from weightsync.control.client import connect
@@ -99,6 +100,7 @@ class ReceiverCore:
         self._lost = False
         self._connect_timeout_s = connect_timeout_s
         device = target.device
+        trace.set_role("receiver")
         self._hello = pb.ReceiverHello(
             receiver_id=receiver_id or f"{engine}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
             engine=engine,
@@ -144,6 +146,7 @@ class ReceiverCore:
         while True:
             try:
                 for msg in self._stream:
+                    trace.mark("receiver.arrived", kind=msg.WhichOneof("kind"))
                     if msg.WhichOneof("kind") == "join":
                         self._join(msg.join)
                     else:
@@ -234,6 +237,7 @@ class ReceiverCore:
         while msg.WhichOneof("kind") != "start":
             # Leftovers of a version already left.
             msg = self._next(deadline, "version", in_version=False)
+        trace.mark("receiver.start")
         manifest, key = self._manifests(msg.start.manifest)
         try:
             if key != self._validated:
@@ -260,14 +264,18 @@ class ReceiverCore:
             while True:
                 msg = self._next(None, f"bucket of version {version}", in_version=True)
                 kind = msg.WhichOneof("kind")
+                trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
                     index = msg.bucket.layout.index
                     tensors, chunks, buffers = self._bucket_tensors(msg.bucket, assembler)
+                    trace.mark("receiver.verified", index=index)
                     touched = True
                     self.target.load(tensors)
                     for entry, data in chunks:
                         self.target.load_chunk(entry, data)
+                    trace.mark("receiver.launched", index=index)
                     self._finish_reads(buffers)
+                    trace.mark("receiver.loaded", index=index)
                     self._send(ack=pb.BucketAck(version=version, index=index, ok=True))
                 elif kind == "end":
                     if assembler.pending:
@@ -276,6 +284,7 @@ class ReceiverCore:
                             f"{assembler.pending[0]!r}"
                         )
                     self.target.commit(manifest)
+                    trace.mark("receiver.committed", version=version)
                     self._send(applied=pb.VersionApplied(version=version, ok=True))
                     self.applied_version, self.dirty, self.last_error = version, False, None
                     return version

@@ -16,6 +16,7 @@ from collections import OrderedDict
 import torch
 from weightsync.sender.broadcaster import Broadcaster
 from weightsync.sender.driver import VersionDriver
+from weightsync.sender.offer import Offer
 from weightsync.sender.runs import (
     APPLIED,
     FAILED,
@@ -28,8 +29,8 @@ from weightsync.sender.runs import (
     VersionRun,
 )
 
-from weightsync import __version__
-from weightsync.buckets import Bucket, BucketPlan, plan_buckets, plan_direct
+from weightsync import __version__, trace
+from weightsync.buckets import Bucket, BucketPlan, TensorSpec, plan_buckets, plan_direct
 from weightsync.config import SenderSettings
 from weightsync.errors import (
     ConfigError,
@@ -71,6 +72,7 @@ class Coordinator(VersionDriver):
         self._host_id = host_id()
         self._manifests = ManifestCache()
         self._plans = ParseCache(self._plan, max_entries=16)
+        self._offers = ParseCache(lambda args: Offer.of(*args), max_entries=4)
         self._closed = False
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
         self._monitor.start()
@@ -111,6 +113,7 @@ class Coordinator(VersionDriver):
     def on_receiver_message(self, conn: ReceiverConn, msg: pb.ReceiverMessage) -> None:
         kind = msg.WhichOneof("kind")
         body = getattr(msg, kind)
+        trace.mark(f"sender.{kind}", receiver=conn.receiver_id, index=getattr(body, "index", -1))
         with self._cond:
             run = self._runs.get(body.version)
             outcome = run.outcomes.get(conn.receiver_id) if run else None
@@ -154,7 +157,8 @@ class Coordinator(VersionDriver):
         self, hello: pb.PublisherHello, begin: pb.BeginVersion
     ) -> tuple[VersionRun | None, RankConn]:
         """Add one publisher rank to a version; the last rank to join starts the run."""
-        manifest, _ = self._manifests(begin.manifest)
+        manifest, manifest_key = self._manifests(begin.manifest)
+        trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
         if hello.rank >= world:
             raise ConfigError(f"publisher rank {hello.rank} is not below world_size {world}")
@@ -193,7 +197,7 @@ class Coordinator(VersionDriver):
             device = _staging_device(ranks[min(ranks)])
             transport = resolve_transport(self.settings.transport, device)
             self._assign_data_paths(device)
-            run = self._plan_run(manifest, hello.publisher_id, transport, ranks)
+            run = self._plan_run(manifest, manifest_key, hello.publisher_id, transport, ranks)
             self._last_version = manifest.version
             self._runs[manifest.version] = run
             while len(self._runs) > self.settings.history:
@@ -217,39 +221,40 @@ class Coordinator(VersionDriver):
     def _plan_run(
         self,
         manifest: VersionManifest,
+        manifest_key: bytes,
         publisher_id: str,
         transport: str,
         ranks: dict[int, RankConn],
     ) -> VersionRun:
-        """Split the manifest into direct and staged tensors and plan the staged buckets.
+        """Decide per tensor how it travels, and who packs the staged buckets.
 
-        Direct reads need every receiver to map CUDA IPC memory of this host; otherwise
-        everything is staged (the publishers pack what they offered as direct, too).
+        A tensor offered as one whole contiguous region goes direct when a publisher allows
+        it and every receiver maps CUDA IPC memory of this host. The sender packs the staged
+        buckets itself when the offered regions cover every staged tensor and it can map them;
+        otherwise the publishers pack (one round trip per bucket). Both are worked out once
+        per (manifest, offer) and reused every version.
         """
-        sources: list[pb.BufferHandle] = []
-        located: dict[str, tuple[int, int]] = {}
-        for rank in sorted(ranks):
-            begin = ranks[rank].begin
-            base = len(sources)
-            sources.extend(begin.sources)
-            for d in begin.direct:
-                if d.name in located:
-                    raise ConfigError(f"tensor {d.name!r} offered as direct by two ranks")
-                located[d.name] = (base + d.source, d.offset)
+        offer = self._offers((manifest, ranks), key=(manifest_key, _offer_key(ranks)))
         receivers = [c for c in self._receivers.values() if c.connected]
-        if not (transport == "cuda_ipc" and all(c.data_path == "map" for c in receivers)):
-            located = {}
-        key = (manifest.tensors, tuple(sorted(located.items())))
-        plan, direct, layouts = self._plans(key, key=key)
-        run = VersionRun(manifest, plan, publisher_id, transport, ranks, direct, tuple(sources))
+        direct_ok = (
+            any(r.begin.allow_direct for r in ranks.values())
+            and transport == "cuda_ipc"
+            and all(c.data_path == "map" for c in receivers)
+        )
+        located = offer.whole if direct_ok else {}
+        key = (manifest_key, tuple(sorted(located.items())))
+        plan, direct, layouts = self._plans((manifest.tensors, located), key=key)
+        run = VersionRun(manifest, plan, publisher_id, transport, ranks, direct, offer.sources)
         run.layouts = layouts
         run.notify_done = any(r.begin.wait_applied for r in ranks.values())
+        if transport == "cuda_ipc" and plan.buckets:
+            run.regions = offer.regions(plan, direct=bool(located))
         return run
 
-    def _plan(self, key: tuple) -> tuple[BucketPlan, Bucket | None, tuple[pb.BucketLayout, ...]]:
-        """Plan once per layout (tensors, direct locations); reused every version."""
-        tensors, located_items = key
-        located = dict(located_items)
+    def _plan(
+        self, arg: tuple[tuple[TensorSpec, ...], dict[str, tuple[int, int]]]
+    ) -> tuple[BucketPlan, Bucket | None, tuple[pb.BucketLayout, ...]]:
+        tensors, located = arg
         staged = tuple(t for t in tensors if t.name not in located)
         plan = plan_buckets(staged, self.settings.bucket_size_bytes)
         direct = None
@@ -263,6 +268,7 @@ class Coordinator(VersionDriver):
         return plan, direct, layouts + ((bucket_to_pb(direct),) if direct else ())
 
     def on_packed(self, run: VersionRun, rank: RankConn, index: int) -> None:
+        trace.mark("sender.packed", index=index, rank=rank.rank)
         with self._cond:
             rank.packed.add(index)
             self._cond.notify_all()
@@ -379,6 +385,7 @@ class Coordinator(VersionDriver):
             "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
         )
         self.metrics.version_done(run)
+        trace.mark("sender.complete", version=run.version)
         if run.notify_done:
             done = pb.SenderReply(done=run.to_pb())
             for rank in run.ranks.values():
@@ -452,6 +459,18 @@ class Coordinator(VersionDriver):
             self._slots = []
             self._broadcaster.close()
             self._cond.notify_all()
+
+
+def _offer_key(ranks: dict[int, RankConn]) -> tuple[bytes, ...]:
+    """What each rank offered (sources and pieces, not the manifest), as bytes."""
+    keys = []
+    for rank in sorted(ranks):
+        offer = pb.BeginVersion()
+        offer.CopyFrom(ranks[rank].begin)
+        offer.ClearField("manifest")
+        offer.ClearField("wait_applied")
+        keys.append(offer.SerializeToString())
+    return tuple(keys)
 
 
 def _staging_device(rank: RankConn) -> torch.device:

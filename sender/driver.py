@@ -13,9 +13,11 @@ from collections import deque
 import torch
 from weightsync.sender.runs import Outcome, RunAborted, Slot, VersionRun
 
+from weightsync import trace
 from weightsync.buckets import Bucket
 from weightsync.checksum import ALGORITHM, bucket_checksum
 from weightsync.errors import TransportError, WeightSyncError
+from weightsync.regions import pack_regions
 from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
@@ -41,10 +43,13 @@ class VersionDriver:
                         self._broadcast(run, *pending)
                         pending = None
                     bucket, slot = issued[0]
-                    if not self._wait_packed_or_slot(run, bucket, todo):
+                    if run.regions is not None:
+                        self._pack(run, bucket, slot)
+                    elif not self._wait_packed_or_slot(run, bucket, todo):
                         continue
                     issued.popleft()
                     checksum = bucket_checksum(slot.buffer.tensor, bucket.nbytes)
+                    trace.mark("sender.checksum", index=bucket.index)
                     if self._announce(run, slot, run.layouts[bucket.index], checksum):
                         pending = (slot, bucket.nbytes)
                     if bucket.is_last:
@@ -80,6 +85,9 @@ class VersionDriver:
                 slot.packing, slot.readers = True, set()
                 bucket = todo.popleft()
                 issued.append((bucket, slot))
+                trace.mark("sender.issue", index=bucket.index)
+                if run.regions is not None:
+                    continue  # the driver packs it itself when its turn comes
                 pack = pb.SenderReply(
                     pack=pb.PackBucket(
                         version=run.version,
@@ -89,6 +97,19 @@ class VersionDriver:
                 )
                 for rank in run.ranks.values():
                     rank.outbox.put(pack)
+
+    def _pack(self, run: VersionRun, bucket: Bucket, slot: Slot) -> None:
+        """Pack ``bucket`` from the publishers' mapped memory (the checksum that follows
+        waits for the copies)."""
+        try:
+            for entry in bucket.entries:
+                pack_regions(slot.buffer.tensor, entry, run.regions[entry.name])
+        except (RuntimeError, WeightSyncError) as e:
+            raise TransportError(
+                f"version {run.version}: packing bucket {bucket.index} from the publishers' "
+                f"memory failed: {e}"
+            ) from e
+        trace.mark("sender.packed", index=bucket.index)
 
     def _wait_packed_or_slot(self, run: VersionRun, bucket: Bucket, todo: deque) -> bool:
         """Wait until ``bucket`` is packed (True) or a slot frees for the next one (False)."""
@@ -138,6 +159,7 @@ class VersionDriver:
             members = tuple(self._broadcast_members(run))
             for rid, join in self._broadcaster.invite(members, device).items():
                 self._receivers[rid].send(join)
+            trace.mark("sender.start", version=run.version)
             if run.direct is not None:
                 self._announce_direct(run)
             self.metrics.version_started(run)
@@ -240,6 +262,7 @@ class VersionDriver:
                     slot.readers.add(rid)
                     conn.send(pb.Announcement(bucket=mapped))
             slot.broadcasting = any_broadcast
+            trace.mark("sender.announce", index=layout.index)
             self.metrics.bucket_announced(layout.nbytes)
             self._cond.notify_all()
             return any_broadcast

@@ -6,20 +6,30 @@ import os
 import queue
 import time
 import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
 import torch
 
+from weightsync import trace
 from weightsync.buckets import Bucket, TensorSpec, pack_entry
 from weightsync.control.client import connect
 from weightsync.errors import ReceiverFailedError, WeightSyncError, error_from_rpc
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.regions import Region, whole
 from weightsync.transports import MappedBuffers
+from weightsync.transports.base import register_own
 from weightsync.transports.cuda_ipc import device_uuid, export_handle
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import ParseCache, bucket_from_pb, describe, error_to_pb, manifest_to_pb
+from weightsync.wire import (
+    ParseCache,
+    bucket_from_pb,
+    describe,
+    error_to_pb,
+    manifest_to_pb,
+    regions_to_pb,
+)
 
 PackFn = Callable[[Bucket, torch.Tensor], None]
 """Writes this rank's bytes of ``bucket`` into the mapped staging buffer (flat uint8)."""
@@ -62,7 +72,8 @@ class Publisher:
         self.rank, self.world_size = rank, world_size
         self._channel, self._stub = connect(address, connect_timeout_s)
         self._buffers = MappedBuffers()
-        self._exported: dict[tuple[int, int, str], pb.BufferHandle] = {}
+        self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
+        self._offered: tuple[tuple, pb.BeginVersion] | None = None
         self._layouts = ParseCache(bucket_from_pb)
         self._specs: tuple[tuple, tuple[TensorSpec, ...]] | None = None
         self._manifests = ParseCache(manifest_to_pb, max_entries=8)
@@ -79,7 +90,8 @@ class Publisher:
     ) -> PublishResult:
         """Publish ``named_tensors`` as ``version``.
 
-        With ``direct=True`` (CUDA tensors, every receiver on this host), receivers copy
+        CUDA tensors are offered to the sender, which then packs them itself when it can map
+        them (same host). With ``direct=True`` (every receiver on this host), receivers copy
         contiguous tensors straight out of this process's memory: one copy per byte, no
         staging and no checksum; the call then returns once they have read them.
 
@@ -103,11 +115,14 @@ class Publisher:
             for entry in bucket.entries:
                 pack_entry(buffer, entry, tensors[entry.name])
 
-        offered = None
-        if direct:
-            offered = {n: t for n, t in tensors.items() if t.is_cuda and t.is_contiguous()}
         return self.publish_packed(
-            manifest, pack, device=device, wait=wait, timeout_s=timeout_s, direct=offered
+            manifest,
+            pack,
+            device=device,
+            wait=wait,
+            timeout_s=timeout_s,
+            regions=whole(tensors),
+            direct=direct,
         )
 
     def publish_packed(
@@ -118,15 +133,19 @@ class Publisher:
         device: torch.device,
         wait: bool = False,
         timeout_s: float = 600.0,
-        direct: Mapping[str, torch.Tensor] | None = None,
+        regions: Mapping[str, Sequence[Region]] | None = None,
+        direct: bool = False,
     ) -> PublishResult:
         """Publish a version whose buckets ``pack`` fills (this rank's part of each bucket).
 
-        Every rank of a multi-rank publisher calls this with the same manifest. ``direct``
-        offers whole CUDA tensors receivers may read in place; the sender decides whether
-        they do (else they come in buckets, so ``pack`` must handle them too).
+        Every rank of a multi-rank publisher calls this with the same manifest. ``regions``
+        offers where this rank's parts of each tensor live (CUDA memory only): when the
+        ranks' regions cover every staged tensor and the sender can map them, it packs the
+        buckets itself and ``pack`` is not called. With ``direct``, receivers on this host
+        may read whole contiguous regions in place. The sender decides both per version.
         """
         what = f"publish version {manifest.version} to {self.address}"
+        trace.mark("publish", version=manifest.version, rank=self.rank)
         requests: queue.Queue = queue.Queue()
         requests.put(
             pb.PublisherMessage(
@@ -142,8 +161,9 @@ class Publisher:
         begin = pb.BeginVersion(wait_applied=wait)
         begin.manifest.CopyFrom(self._manifests(manifest, key=(manifest.tensors, manifest.lora)))
         begin.manifest.version = manifest.version
-        if direct:
-            self._offer_direct(begin, direct)
+        if regions:
+            self._offer(begin, regions)
+        begin.allow_direct = direct
         requests.put(pb.PublisherMessage(begin=begin))
         replies = self._stub.Publish(iter(requests.get, None), timeout=timeout_s)
         staged: pb.VersionStaged | None = None
@@ -153,6 +173,7 @@ class Publisher:
         try:
             for reply in replies:
                 kind = reply.WhichOneof("kind")
+                trace.mark(f"publisher.{kind}", version=manifest.version)
                 if kind == "pack":
                     self._pack_one(reply.pack, pack, requests, device)
                 elif kind == "staged":
@@ -176,27 +197,42 @@ class Publisher:
             _raise_for_failures(done)
         return PublishResult(manifest.version, staged_s, staged.receivers, done)
 
-    def _offer_direct(self, begin: pb.BeginVersion, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Export each storage once (cached: Megatron keeps parameters in a few buffers)."""
-        index: dict[str, int] = {}
-        for name, tensor in tensors.items():
-            storage = tensor.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
-            handle = self._exported.get(key)
-            if handle is None:
-                whole = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-                whole.set_(storage, 0, (storage.nbytes(),), (1,))
-                handle = self._exported[key] = export_handle(whole)
-            if handle.buffer_id not in index:
-                index[handle.buffer_id] = len(begin.sources)
-                begin.sources.append(handle)
-            begin.direct.append(
-                pb.DirectTensor(
-                    name=name,
-                    source=index[handle.buffer_id],
-                    offset=tensor.storage_offset() * tensor.element_size(),
-                )
-            )
+    def _offer(self, begin: pb.BeginVersion, regions: Mapping[str, Sequence[Region]]) -> None:
+        """Describe ``regions`` (cached while the tensors stay where they are; each storage is
+        exported once: Megatron keeps parameters in a few large buffers). Only tensors wholly
+        in CUDA memory are offered: other processes cannot map a CPU tensor."""
+        regions = {n: rs for n, rs in regions.items() if all(r.source.is_cuda for r in rs)}
+        key = tuple(
+            (name, r.dst_start, r.source.data_ptr(), r.source.stride(), r.source.shape)
+            for name, parts in regions.items()
+            for r in parts
+        )
+        if self._offered is None or self._offered[0] != key:
+            offer = pb.BeginVersion()
+            index: dict[str, int] = {}
+            # Only the storages of this offer stay exported (and so referenced).
+            previous, self._exported = self._exported, {}
+
+            def locate(tensor: torch.Tensor) -> tuple[int, int]:
+                storage = tensor.untyped_storage()
+                skey = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
+                if skey not in self._exported:
+                    hit = previous.get(skey)
+                    if hit is None:
+                        whole_storage = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+                        whole_storage.set_(storage, 0, (storage.nbytes(),), (1,))
+                        hit = (export_handle(whole_storage), whole_storage)
+                        register_own(hit[0].buffer_id, whole_storage)
+                    self._exported[skey] = hit
+                handle = self._exported[skey][0]
+                if handle.buffer_id not in index:
+                    index[handle.buffer_id] = len(offer.sources)
+                    offer.sources.append(handle)
+                return index[handle.buffer_id], tensor.storage_offset() * tensor.element_size()
+
+            offer.pieces.extend(regions_to_pb(regions, locate))
+            self._offered = (key, offer)
+        begin.MergeFrom(self._offered[1])
 
     def _pack_one(
         self, msg: pb.PackBucket, pack: PackFn, requests: queue.Queue, device: torch.device
@@ -208,6 +244,7 @@ class Publisher:
             torch.cuda.current_stream(device).synchronize()
         if buffer.is_cuda and buffer.device != device:
             torch.cuda.current_stream(buffer.device).synchronize()
+        trace.mark("publisher.packed", index=msg.layout.index)
         requests.put(
             pb.PublisherMessage(packed=pb.BucketPacked(version=msg.version, index=msg.layout.index))
         )

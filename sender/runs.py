@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from weightsync.buckets import Bucket, BucketPlan
 from weightsync.manifest import VersionManifest
+from weightsync.regions import Region
 from weightsync.transports import StagingBuffer
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -116,6 +118,8 @@ class VersionRun:
     """Tensors receivers copy straight from the publishers' storages (``direct_sources``)."""
     direct_sources: tuple[pb.BufferHandle, ...] = ()
     direct_readers: set[str] = field(default_factory=set)
+    regions: Mapping[str, Sequence[Region]] | None = None
+    """The publishers' memory mapped here: set when the sender packs every bucket itself."""
     layouts: tuple[pb.BucketLayout, ...] = ()
     """Wire form of every bucket, by index (the direct bucket last), planned once per layout."""
     notify_done: bool = False
@@ -146,6 +150,7 @@ class VersionRun:
             total_bytes=self.manifest.total_bytes,
             direct_bytes=self.direct.nbytes if self.direct else 0,
             staged_bytes=self.plan.total_bytes,
+            sender_packed=self.regions is not None,
             num_tensors=len(self.manifest.tensors),
             num_buckets=len(self.plan.buckets) + (1 if self.direct else 0),
             started_at_unix_s=self.started_at,

@@ -163,6 +163,39 @@ def _run_bench(args: argparse.Namespace, console: Console) -> int:
     return run_bench(args, console)
 
 
+def _run_trace(args: argparse.Namespace, console: Console) -> int:
+    from rich.table import Table
+
+    from weightsync import trace
+
+    events = trace.load(args.dir)
+    if not events:
+        console.print(f"no trace files (*.jsonl) under {args.dir}")
+        return 1
+    starts = [e["t_ns"] for e in events if e["event"] == "publish"] or [events[0]["t_ns"]]
+    start = starts[min(args.version, len(starts)) - 1] if args.version else starts[0]
+    stop = next((t for t in starts if t > start), None) if args.version else None
+    table = Table(title=f"weightsync trace {args.dir} (ms from publish)")
+    for col in ("ms", "+ms", "process", "thread", "event", "fields"):
+        table.add_column(col, justify="right" if "ms" in col else "left")
+    last = start
+    for e in events:
+        if e["t_ns"] < start or (stop is not None and e["t_ns"] >= stop):
+            continue
+        fields = {k: v for k, v in e.items() if k not in ("t_ns", "process", "thread", "event")}
+        table.add_row(
+            f"{(e['t_ns'] - start) / 1e6:.3f}",
+            f"{(e['t_ns'] - last) / 1e6:.3f}",
+            e["process"],
+            e["thread"],
+            e["event"],
+            " ".join(f"{k}={v}" for k, v in fields.items()),
+        )
+        last = e["t_ns"]
+    console.print(table)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightsync",
@@ -191,6 +224,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", default="auto", help="auto: cuda:0 when available, else cpu")
     p.set_defaults(func=_run_demo)
+
+    p = sub.add_parser(
+        "trace",
+        help="print the timeline recorded with WEIGHTSYNC_TRACE_DIR set (every process)",
+    )
+    p.add_argument("dir", help="the WEIGHTSYNC_TRACE_DIR the processes wrote to")
+    p.add_argument(
+        "--version", type=int, default=0, help="only the N-th publish in the trace (1-based)"
+    )
+    p.set_defaults(func=_run_trace)
 
     p = sub.add_parser("bench", help="measure sync time against the hardware floor (GPU)")
     from weightsync.bench.cli import add_bench_args

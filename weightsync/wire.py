@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable, Mapping, Sequence
+
+import torch
 
 from weightsync.buckets import Bucket, BucketEntry, TensorSpec
+from weightsync.dtypes import dtype_from_name, dtype_name
+from weightsync.errors import ProtocolError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.regions import Region
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -72,6 +77,57 @@ def bucket_from_pb(msg: pb.BucketLayout) -> Bucket:
         for e in msg.entries
     )
     return Bucket(msg.index, entries, msg.nbytes, msg.is_last)
+
+
+def regions_to_pb(
+    regions: Mapping[str, Sequence[Region]],
+    locate: Callable[[torch.Tensor], tuple[int, int]],
+) -> list[pb.SourcePiece]:
+    """Describe ``regions``; ``locate(tensor)`` gives ``(source index, storage byte offset)``."""
+    out = []
+    for name, parts in regions.items():
+        for region in parts:
+            t = region.source
+            source, offset = locate(t)
+            out.append(
+                pb.SourcePiece(
+                    name=name,
+                    source=source,
+                    offset=offset,
+                    dtype=dtype_name(t.dtype),
+                    size=list(t.shape),
+                    stride=list(t.stride()),
+                    dst_start=list(region.dst_start),
+                )
+            )
+    return out
+
+
+def regions_from_pb(
+    pieces: Sequence[pb.SourcePiece], sources: Sequence[torch.Tensor]
+) -> dict[str, list[Region]]:
+    """Rebuild offered regions as views of the mapped ``sources`` (flat ``uint8``).
+
+    Raises:
+        ProtocolError: a piece names a missing source or reaches past its end.
+    """
+    out: dict[str, list[Region]] = {}
+    for p in pieces:
+        if p.source >= len(sources):
+            raise ProtocolError(f"piece of {p.name!r} names source {p.source} of {len(sources)}")
+        dtype = dtype_from_name(p.dtype)
+        size, stride = tuple(p.size), tuple(p.stride)
+        span = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        nbytes = span * dtype.itemsize
+        flat = sources[p.source]
+        if p.offset + nbytes > flat.numel():
+            raise ProtocolError(
+                f"piece of {p.name!r} reaches byte {p.offset + nbytes} of a "
+                f"{flat.numel()}-byte source"
+            )
+        view = flat.narrow(0, p.offset, nbytes).view(dtype).as_strided(size, stride)
+        out.setdefault(p.name, []).append(Region(tuple(p.dst_start), view))
+    return out
 
 
 def error_to_pb(error: BaseException, tensor: str = "") -> pb.ErrorDetail:

@@ -2,8 +2,9 @@
 
 A :class:`CopyPiece` says how one rectangular part of one local Megatron shard lands in one
 HF tensor. :func:`pack_pieces` copies the pieces of one bucket entry (a whole HF tensor or a
-dim-0 row range of it) from the live shards into the bucket buffer: views only, one
-``copy_`` per piece, no intermediate full tensor and no allocation.
+dim-0 row range of it) from the live shards into the bucket buffer, through
+:func:`~weightsync.regions.pack_regions`; :func:`piece_regions` gives the same views to a
+publisher that offers them to the sender.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.buckets import BucketEntry
+from weightsync.buckets import BucketEntry, TensorSpec
 from weightsync.errors import PlanError
+from weightsync.regions import Region, pack_regions
 
 Narrow = tuple[int, int, int]
 """``(dim, start, length)``: ``tensor.narrow(dim, start, length)``."""
@@ -68,23 +70,6 @@ def source_region(piece: CopyPiece, shard: torch.Tensor, shape: tuple[int, ...])
     return src
 
 
-def _rows(entry: BucketEntry) -> tuple[int, int]:
-    """The dim-0 row range ``[first, stop)`` an entry covers; PlanError if not whole rows."""
-    spec = entry.spec
-    if not spec.shape:
-        return 0, 1
-    row = spec.row_bytes
-    if row == 0:
-        return 0, spec.shape[0]
-    if entry.tensor_offset % row or entry.nbytes % row:
-        raise PlanError(
-            f"{spec.name!r}: bucket chunk at byte {entry.tensor_offset} (+{entry.nbytes}) is not "
-            f"a range of whole rows ({row} bytes each); raise bucket_size_bytes above one row"
-        )
-    first = entry.tensor_offset // row
-    return first, first + entry.nbytes // row
-
-
 @torch.no_grad()
 def pack_pieces(
     buffer: torch.Tensor,
@@ -104,15 +89,19 @@ def pack_pieces(
         PlanError: a chunk that is not whole rows, a missing shard, or a piece that does not
             fit the shard.
     """
-    spec = entry.spec
-    if entry.nbytes == 0 or not pieces:
-        return
-    first, stop = _rows(entry)
-    raw = buffer[entry.offset : entry.offset + entry.nbytes]
-    if spec.shape:
-        region = raw.view(spec.torch_dtype).view((stop - first, *spec.shape[1:]))
-    else:
-        region = raw.view(spec.torch_dtype).view(())
+    if pieces:
+        pack_regions(buffer, entry, piece_regions(entry.spec, pieces, shards))
+
+
+def piece_regions(
+    spec: TensorSpec, pieces: Sequence[CopyPiece], shards: Mapping[str, torch.Tensor]
+) -> list[Region]:
+    """The pieces of HF tensor ``spec`` as views of the live ``shards``.
+
+    Raises:
+        PlanError: a missing shard, or a piece that does not fit the shard.
+    """
+    regions = []
     for piece in pieces:
         try:
             shard = shards[piece.shard_key]
@@ -128,26 +117,8 @@ def pack_pieces(
                 f"{spec.name!r}: shard {piece.shard_key!r} {tuple(shard.shape)} does not fit its "
                 f"planned piece ({e}); re-plan after the layout changed"
             ) from None
-        if not spec.shape:
-            _copy(region, src)
-            continue
-        lo, hi = max(box[0][0], first), min(box[0][1], stop)
-        if lo >= hi:
-            continue
-        dst = region.narrow(0, lo - first, hi - lo)
-        for dim, start, length in piece.dst:
-            if dim != 0:
-                dst = dst.narrow(dim, start, length)
-        _copy(dst, src.narrow(0, lo - box[0][0], hi - lo))
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.device == src.device:
-        dst.copy_(src, non_blocking=True)
-        return
-    # A strided copy across GPUs into memory this process mapped by CUDA IPC faults (seen on
-    # H200: illegal address); a contiguous peer copy, then a local strided copy, does not.
-    dst.copy_(src.contiguous().to(dst.device, non_blocking=True), non_blocking=True)
+        regions.append(Region(tuple(a for a, _ in box), src))
+    return regions
 
 
 def box_volume(box: tuple[tuple[int, int], ...]) -> int:

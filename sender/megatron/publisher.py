@@ -15,7 +15,7 @@ from types import MappingProxyType
 import torch
 from weightsync.sender.megatron.convert import check_shard_tensors
 from weightsync.sender.megatron.lora import LoraExport
-from weightsync.sender.megatron.pieces import pack_pieces
+from weightsync.sender.megatron.pieces import pack_pieces, piece_regions
 from weightsync.sender.megatron.plan import RankPlan, check_coverage, plan_rank
 from weightsync.sender.megatron.shards import collect_shards
 from weightsync.sender.publisher import Publisher, PublishResult
@@ -84,7 +84,17 @@ class MegatronPublisher:
         else:
             check_coverage([self.plan])
         self.device = next(iter(local.tensors.values())).device
-        self._direct = self._direct_candidates() if direct else None
+        self._direct = direct
+        # Parameters stay where they are across steps (updated in place), so their views are
+        # taken once; the sender packs from them (and receivers read whole ones, direct).
+        specs = {spec.name: spec for spec in self.plan.manifest}
+        with torch.no_grad():
+            self._regions = {
+                name: piece_regions(specs[name], pieces, self._tensors)
+                for name, pieces in self.plan.pieces.items()
+            }
+        if not all(r.source.is_cuda for parts in self._regions.values() for r in parts):
+            self._regions = None
         model_type = getattr(hf_config, "model_type", "model")
         self.publisher = Publisher(
             address,
@@ -93,15 +103,6 @@ class MegatronPublisher:
             world_size=world,
             connect_timeout_s=connect_timeout_s,
         )
-
-    def _direct_candidates(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, pieces in self.plan.pieces.items():
-            if len(pieces) == 1 and pieces[0].is_whole:
-                shard = self._tensors[pieces[0].shard_key]
-                if shard.is_cuda and shard.is_contiguous():
-                    out[name] = shard
-        return out
 
     def publish(
         self, version: int, *, wait: bool = False, timeout_s: float = 600.0
@@ -125,6 +126,7 @@ class MegatronPublisher:
             device=self.device,
             wait=wait,
             timeout_s=timeout_s,
+            regions=self._regions,
             direct=self._direct,
         )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import torch
 from weightsync.receiver import TorchReceiver
 from weightsync.receiver.torch_receiver import TorchModuleTarget
 from weightsync.sender import Publisher
@@ -74,39 +75,92 @@ def test_direct_needs_cuda_ipc_and_every_receiver_mapping(sock_dir):
         assert digests(model) == digests(trainer)
 
 
-def test_plan_splits_direct_and_staged_tensors():
-    """The sender's plan: offered tensors go direct only when every receiver maps CUDA IPC."""
+def _coordinator_with_offer(pieces_of):
+    """A coordinator, a 4-tensor manifest and one rank offering ``pieces_of(flat)`` regions
+    of a real shm buffer (mapped in this process as the sender maps trainer memory)."""
     from weightsync.sender.coordinator import Coordinator
-    from weightsync.sender.runs import RankConn, ReceiverConn
+    from weightsync.sender.runs import RankConn
 
     from weightsync.buckets import TensorSpec
     from weightsync.config import SenderSettings
     from weightsync.manifest import VersionManifest
     from weightsync.metrics import SenderMetrics
+    from weightsync.transports import get_transport
     from weightsync.v1 import weightsync_pb2 as pb
+    from weightsync.wire import regions_to_pb
 
     co = Coordinator(SenderSettings(bucket_size_bytes=1024), SenderMetrics())
+    storage = get_transport("shm").allocate(4096, torch.device("cpu"))
+    flat = storage.tensor.view(torch.float32)
+    regions = pieces_of(flat)
+    begin = pb.BeginVersion(sources=[storage.handle], allow_direct=True)
+    begin.pieces.extend(
+        regions_to_pb(regions, lambda t: (0, t.storage_offset() * t.element_size()))
+    )
+    specs = tuple(TensorSpec(f"w{i}", "float32", (64,)) for i in range(4))
+    manifest = VersionManifest(1, specs)
+    return co, manifest, {0: RankConn(0, "cpu", begin)}, flat
+
+
+def test_plan_splits_direct_and_staged_tensors():
+    """Whole contiguous pieces go direct only when every receiver maps CUDA IPC; the rest is
+    staged, and the sender packs it only if the offer covers every staged byte."""
+    from weightsync.sender.runs import ReceiverConn
+
+    from weightsync.regions import Region
+
+    def offer(flat):  # w1, w3 whole; w0 in two pieces; w2 not offered
+        return {
+            "w1": [Region((0,), flat[0:64])],
+            "w3": [Region((0,), flat[64:128])],
+            "w0": [Region((0,), flat[128:160]), Region((32,), flat[200:232])],
+        }
+
+    co, manifest, ranks, _ = _coordinator_with_offer(offer)
     try:
-        specs = tuple(TensorSpec(f"w{i}", "float32", (64,)) for i in range(4))
-        begin = pb.BeginVersion(
-            sources=[pb.BufferHandle(buffer_id="trainer-storage")],
-            direct=[
-                pb.DirectTensor(name="w1", source=0, offset=0),
-                pb.DirectTensor(name="w3", source=0, offset=256),
-            ],
-        )
-        ranks = {0: RankConn(0, "cuda:0", begin)}
-        manifest = VersionManifest(1, specs)
+        key = b"m"
         co._receivers["local"] = ReceiverConn("local", "torch", 0, "cuda:0", ())
-        run = co._plan_run(manifest, "p", "cuda_ipc", ranks)
+        run = co._plan_run(manifest, key, "p", "cuda_ipc", ranks)
         assert [e.name for e in run.direct.entries] == ["w1", "w3"]
         assert [e.offset for e in run.direct.entries] == [0, 256]
         assert [e.name for b in run.plan.buckets for e in b.entries] == ["w0", "w2"]
+        assert run.regions is None  # w2 was not offered: the publisher packs
         co._receivers["far"] = ReceiverConn("far", "torch", 0, "cuda:0", (), data_path="broadcast")
-        run = co._plan_run(manifest, "p", "cuda_ipc", ranks)
+        run = co._plan_run(manifest, key, "p", "cuda_ipc", ranks)
         assert run.direct is None
         assert [e.name for b in run.plan.buckets for e in b.entries] == ["w0", "w1", "w2", "w3"]
         del co._receivers["far"]
-        assert co._plan_run(manifest, "p", "shm", ranks).direct is None
+        assert co._plan_run(manifest, key, "p", "shm", ranks).direct is None
+    finally:
+        co.close()
+
+
+def test_the_sender_packs_itself_when_the_offer_covers_every_staged_tensor():
+    """Every tensor offered (one in two pieces): the sender maps the regions and its packing
+    writes exactly the offered bytes."""
+    from weightsync.sender.runs import ReceiverConn
+
+    from weightsync.regions import Region, pack_regions
+
+    def offer(flat):
+        regions = {f"w{i}": [Region((0,), flat[64 * i : 64 * i + 64])] for i in (1, 2, 3)}
+        regions["w0"] = [Region((0,), flat[256:288]), Region((32,), flat[320:352])]
+        return regions
+
+    co, manifest, ranks, flat = _coordinator_with_offer(offer)
+    try:
+        flat.copy_(torch.arange(flat.numel(), dtype=torch.float32))
+        co._receivers["far"] = ReceiverConn("far", "torch", 0, "cuda:0", (), data_path="broadcast")
+        run = co._plan_run(manifest, b"m", "p", "cuda_ipc", ranks)
+        assert run.direct is None and run.regions is not None
+        assert run.to_pb().sender_packed
+        want = {f"w{i}": flat[64 * i : 64 * i + 64] for i in (1, 2, 3)}
+        want["w0"] = torch.cat([flat[256:288], flat[320:352]])
+        for bucket in run.plan.buckets:
+            buffer = torch.zeros(1024, dtype=torch.uint8)
+            for entry in bucket.entries:
+                pack_regions(buffer, entry, run.regions[entry.name])
+                got = buffer[entry.offset : entry.offset + entry.nbytes].view(torch.float32)
+                assert torch.equal(got, want[entry.name])
     finally:
         co.close()

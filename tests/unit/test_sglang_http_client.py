@@ -81,8 +81,12 @@ def sglang():
 
 
 def update_body(tp_size: int) -> dict:
-    return {"serialized_named_tensors": [EMPTY] * tp_size, "load_format": HOOK_LOAD_FORMAT,
-            "flush_cache": False, "selector": "target"}
+    return {
+        "serialized_named_tensors": [EMPTY] * tp_size,
+        "load_format": HOOK_LOAD_FORMAT,
+        "flush_cache": False,
+        "selector": "target",
+    }
 
 
 def test_full_sequence_with_pause_and_kv_release(sglang):
@@ -111,16 +115,24 @@ def test_pause_modes_without_release(sglang, mode):
     SglangHttpClient(sglang.url, pause=mode).update(2)
     assert sglang.requests[0] == ("/pause_generation", {"mode": mode.value})
     assert sglang.routes() == [
-        "/pause_generation", "/begin_weight_update", "/update_weights_from_tensor",
-        "/end_weight_update", "/flush_cache", "/update_weight_version", "/continue_generation",
+        "/pause_generation",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/end_weight_update",
+        "/flush_cache",
+        "/update_weight_version",
+        "/continue_generation",
     ]
 
 
 def test_no_pause(sglang):
     SglangHttpClient(sglang.url, pause=None).update(3)
     assert sglang.routes() == [
-        "/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update",
-        "/flush_cache", "/update_weight_version",
+        "/begin_weight_update",
+        "/update_weights_from_tensor",
+        "/end_weight_update",
+        "/flush_cache",
+        "/update_weight_version",
     ]
 
 
@@ -129,8 +141,11 @@ def test_no_pause(sglang):
     [
         ("/pause_generation", "pause_generation", []),
         ("/release_memory_occupation", "release_kv_cache", ["/continue_generation"]),
-        ("/begin_weight_update", "begin_weight_update",
-         ["/resume_memory_occupation", "/continue_generation"]),
+        (
+            "/begin_weight_update",
+            "begin_weight_update",
+            ["/resume_memory_occupation", "/continue_generation"],
+        ),
     ],
 )
 def test_failure_before_update_restores_serving_old_weights(sglang, failing, step, undone):
@@ -153,7 +168,8 @@ def test_failed_update_closes_session_but_stays_paused(sglang):
     assert (info.value.step, info.value.weights_changed) == ("update_weights", True)
     routes = sglang.routes()
     assert routes[routes.index("/update_weights_from_tensor") + 1 :] == [
-        "/end_weight_update", "/resume_memory_occupation",
+        "/end_weight_update",
+        "/resume_memory_occupation",
     ]
 
 

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from weightsync.bench.models import ModelShape
+from weightsync.buckets import BucketEntry, byte_view
 from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, NameResolutionError, WeightSyncError
 from weightsync.manifest import VersionManifest
@@ -166,6 +167,14 @@ class EngineLikeTarget:
         with torch.no_grad():
             for name, tensor in tensors:
                 self.resolve(name).copy_(tensor, non_blocking=True)
+
+    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
+        """Write a chunk of an oversized tensor in place (its slice is contiguous)."""
+        with torch.no_grad():
+            live = byte_view(self.resolve(entry.name))
+            live[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(
+                data, non_blocking=True
+            )
 
     def commit(self, manifest: VersionManifest) -> None:
         pass

@@ -27,6 +27,7 @@ import torch
 from weightsync.bench.models import ModelShape, hf_specs
 from weightsync.buckets import Bucket, TensorSpec
 from weightsync.errors import ConfigError, PlanError
+from weightsync.regions import Region
 
 _ALIGN_ELEMS = 128
 """Shard offsets in the flat buffer are 256-byte aligned, like the CUDA caching allocator's."""
@@ -192,6 +193,27 @@ class TrainerShards:
 
     def hf_views(self) -> dict[str, torch.Tensor]:
         return {r.spec.name: self.hf_view(r) for r in self.layout.recipes}
+
+    def regions(self) -> dict[str, list[Region]]:
+        """Every HF tensor's pieces as views of the shards, in the HF tensor's own shape
+        (what a publisher offers so the sender can gather them itself)."""
+        out = {}
+        for recipe in self.layout.recipes:
+            shape = recipe.spec.shape
+            parts = []
+            for p in recipe.pieces:
+                src = self.views[p.shard][p.src_row : p.src_row + p.rows]
+                if p.cols != recipe.cols and len(shape) != 2:
+                    raise PlanError(
+                        f"{recipe.spec.name!r}: a column piece of a {len(shape)}-D tensor"
+                    )
+                if len(shape) == 2:
+                    parts.append(Region((p.dst_row, p.dst_col), src))
+                else:
+                    start = (p.dst_row,) + (0,) * (len(shape) - 1)
+                    parts.append(Region(start, src.reshape(p.rows, *shape[1:])))
+            out[recipe.spec.name] = parts
+        return out
 
     def assemble_rows(self, recipe: HfRecipe, dst: torch.Tensor, row0: int) -> None:
         """Fill ``dst`` (2-D, HF rows ``[row0, row0 + dst.shape[0])``) from the shards."""

@@ -383,7 +383,12 @@ def _publish_fn(publisher, case: str, shards: TrainerShards, timeout_s: float):
         views = shards.hf_views()
         direct = case == "direct"
         return lambda v: publisher.publish(views, v, wait=True, timeout_s=timeout_s, direct=direct)
-    specs = layout.specs
+    specs, regions = layout.specs, shards.regions()
     return lambda v: publisher.publish_packed(
-        VersionManifest(v, specs), shards.pack, device=shards.device, wait=True, timeout_s=timeout_s
+        VersionManifest(v, specs),
+        shards.pack,
+        device=shards.device,
+        wait=True,
+        timeout_s=timeout_s,
+        regions=regions,
     )

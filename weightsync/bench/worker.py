@@ -176,7 +176,7 @@ def _run_case(conn: Connection, cmd, target: EngineLikeTarget, shards) -> CaseRe
             conn.send("registered")
             closers.append(core.close)
             for _ in range(cmd.versions):
-                core.sync(timeout=cmd.timeout_s)
+                _sync_or_finish(conn, core, cmd.timeout_s)
         elif isinstance(cmd, PerTensorBaseline):
             _per_tensor(conn, cmd, target)
         elif isinstance(cmd, BucketBaseline):
@@ -197,6 +197,21 @@ def _run_case(conn: Connection, cmd, target: EngineLikeTarget, shards) -> CaseRe
     for close in closers:
         close()
     return reply
+
+
+def _sync_or_finish(conn: Connection, core, timeout_s: float) -> None:
+    """Apply the next version; give up at once when the trainer ends the case (a failed
+    publish), rather than waiting ``timeout_s`` for versions that will never come."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            core.sync(timeout=1.0)
+            return
+        except SyncTimeoutError:
+            if conn.poll():
+                _recv(conn)  # Finish raises _TrainerFinished
+            if time.monotonic() >= deadline:
+                raise
 
 
 def _per_tensor(conn: Connection, cmd: PerTensorBaseline, target: EngineLikeTarget) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -11,9 +12,15 @@ import torch
 
 from weightsync.v1 import weightsync_pb2 as pb
 
-# Buffers allocated by this process. A process cannot open its own CUDA IPC handle, and a
-# publisher may well share its process with an embedded ``Sender``.
-_OWN: dict[str, torch.Tensor] = {}
+# Buffers this process allocated or exported. A process cannot open its own CUDA IPC handle,
+# and a publisher may well share its process with an embedded ``Sender``. Weak: an entry
+# lives as long as its owner holds the tensor.
+_OWN: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def register_own(buffer_id: str, tensor: torch.Tensor) -> None:
+    """Let this process "map" ``tensor`` by ``buffer_id`` while its owner holds it."""
+    _OWN[buffer_id] = tensor
 
 
 @dataclass
@@ -37,7 +44,7 @@ class Transport(ABC):
     def allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
         """Create a buffer of ``nbytes`` that other processes on this host can map."""
         buffer = self._allocate(nbytes, device)
-        _OWN[buffer.buffer_id] = buffer.tensor
+        register_own(buffer.buffer_id, buffer.tensor)
         return buffer
 
     def release(self, buffer: StagingBuffer) -> None:

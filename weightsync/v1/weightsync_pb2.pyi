@@ -130,27 +130,37 @@ class PublisherHello(_message.Message):
     device_uuid: str
     def __init__(self, publisher_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
-class DirectTensor(_message.Message):
-    __slots__ = ("name", "source", "offset")
+class SourcePiece(_message.Message):
+    __slots__ = ("name", "source", "offset", "dtype", "size", "stride", "dst_start")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    STRIDE_FIELD_NUMBER: _ClassVar[int]
+    DST_START_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: int
     offset: int
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
+    dtype: str
+    size: _containers.RepeatedScalarFieldContainer[int]
+    stride: _containers.RepeatedScalarFieldContainer[int]
+    dst_start: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., size: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dst_start: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeginVersion(_message.Message):
-    __slots__ = ("manifest", "sources", "direct", "wait_applied")
+    __slots__ = ("manifest", "sources", "wait_applied", "pieces", "allow_direct")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
-    DIRECT_FIELD_NUMBER: _ClassVar[int]
     WAIT_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_DIRECT_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
-    direct: _containers.RepeatedCompositeFieldContainer[DirectTensor]
     wait_applied: bool
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., direct: _Optional[_Iterable[_Union[DirectTensor, _Mapping]]] = ..., wait_applied: _Optional[bool] = ...) -> None: ...
+    pieces: _containers.RepeatedCompositeFieldContainer[SourcePiece]
+    allow_direct: bool
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., wait_applied: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[SourcePiece, _Mapping]]] = ..., allow_direct: _Optional[bool] = ...) -> None: ...
 
 class BucketPacked(_message.Message):
     __slots__ = ("version", "index")
@@ -405,7 +415,7 @@ class ReceiverOutcome(_message.Message):
     def __init__(self, receiver_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., applied_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class VersionStatus(_message.Message):
-    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers", "direct_bytes", "staged_bytes")
+    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers", "direct_bytes", "staged_bytes", "sender_packed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -417,6 +427,7 @@ class VersionStatus(_message.Message):
     RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     DIRECT_BYTES_FIELD_NUMBER: _ClassVar[int]
     STAGED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SENDER_PACKED_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     total_bytes: int
@@ -428,7 +439,8 @@ class VersionStatus(_message.Message):
     receivers: _containers.RepeatedCompositeFieldContainer[ReceiverOutcome]
     direct_bytes: int
     staged_bytes: int
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ..., direct_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ...) -> None: ...
+    sender_packed: bool
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ..., direct_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., sender_packed: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("sender_version", "transport", "bucket_size_bytes", "num_buffers", "publishers", "receivers", "versions")

@@ -1,0 +1,82 @@
+"""Source regions: the packer that gathers strided views into buckets, and their wire form."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.buckets import ChunkAssembler, TensorSpec, plan_buckets, unpack_bucket
+from weightsync.errors import ProtocolError
+from weightsync.regions import Region, pack_regions, whole
+from weightsync.wire import regions_from_pb, regions_to_pb
+
+
+def _gathered(cap: int):
+    """A [12, 8] fp32 tensor split by columns over two "ranks" (TP row-parallel), a [10] bf16
+    tensor split by rows, and a scalar; each source is a strided view of one flat buffer."""
+    g = torch.Generator().manual_seed(0)
+    flat0 = torch.randn(200, generator=g)
+    flat1 = torch.randn(200, generator=g)
+    half = torch.randn(10, generator=g).to(torch.bfloat16)
+    w = torch.cat([flat0[:48].view(12, 4), flat1[:48].view(12, 4)], dim=1)
+    regions = {
+        "w": [Region((0, 0), flat0[:48].view(12, 4)), Region((0, 4), flat1[:48].view(12, 4))],
+        "b": [Region((0,), half[:6]), Region((6,), half[6:])],
+        "s": [Region((), flat0[100])],
+    }
+    tensors = {"w": w, "b": half, "s": flat0[100].clone()}
+    specs = [TensorSpec.of(n, t) for n, t in tensors.items()]
+    return regions, tensors, plan_buckets(specs, cap)
+
+
+@pytest.mark.parametrize("cap", [256, 512, 4096])
+def test_pack_regions_gathers_pieces_into_buckets_bit_exact(cap):
+    regions, tensors, plan = _gathered(cap)
+    assembler, out = ChunkAssembler(), {}
+    for bucket in plan.buckets:
+        buffer = torch.zeros(cap, dtype=torch.uint8)
+        for entry in bucket.entries:
+            pack_regions(buffer, entry, regions[entry.name])
+        out.update(dict(unpack_bucket(buffer, bucket, assembler)))
+    assert set(out) == set(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(
+            out[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)
+        )
+
+
+def test_pack_regions_casts_to_the_manifest_dtype():
+    src = torch.randn(4, 8)
+    spec = TensorSpec("w", "bfloat16", (4, 8))
+    (bucket,) = plan_buckets([spec], 4096).buckets
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    pack_regions(buffer, bucket.entries[0], whole({"w": src})["w"])
+    ((_, got),) = unpack_bucket(buffer, bucket, ChunkAssembler())
+    assert torch.equal(got, src.to(torch.bfloat16))
+
+
+def test_regions_round_trip_through_the_wire_as_views_of_the_sources():
+    regions, _, _ = _gathered(4096)
+    storages = {}
+
+    def locate(t):
+        storage = t.untyped_storage()
+        index = storages.setdefault(storage.data_ptr(), (len(storages), storage))[0]
+        return index, t.storage_offset() * t.element_size()
+
+    pieces = regions_to_pb(regions, locate)
+    flats = [None] * len(storages)
+    for index, storage in storages.values():
+        flats[index] = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+    back = regions_from_pb(pieces, flats)
+    for name, parts in regions.items():
+        assert [r.dst_start for r in back[name]] == [r.dst_start for r in parts]
+        for got, want in zip(back[name], parts, strict=True):
+            assert got.source.data_ptr() == want.source.data_ptr()
+            assert torch.equal(got.source, want.source)
+
+
+def test_a_piece_reaching_past_its_source_is_refused_by_name():
+    pieces = regions_to_pb(whole({"layers.0.w": torch.zeros(4, 4)}), lambda t: (0, 0))
+    with pytest.raises(ProtocolError, match="'layers.0.w' reaches byte 64 of a 32-byte source"):
+        regions_from_pb(pieces, [torch.zeros(32, dtype=torch.uint8)])

@@ -1,0 +1,86 @@
+"""Source regions: where each part of an HF tensor lives in trainer memory, and the packer.
+
+A :class:`Region` is a (possibly strided) view of trainer memory that fills one box of an HF
+tensor. Whoever holds the regions can pack a bucket without the trainer's help: the
+publisher's own pack functions (Megatron pieces, the bench's shards) and the sender, which
+maps the regions a publisher offered (``BeginVersion.pieces``) and packs itself, saving a
+round trip to the publisher per bucket. Pure tensor code: views and ``copy_`` only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.buckets import BucketEntry
+from weightsync.errors import PlanError
+
+
+@dataclass(frozen=True)
+class Region:
+    """``source`` (shaped like the box) is the HF tensor's box starting at ``dst_start``."""
+
+    dst_start: tuple[int, ...]
+    source: torch.Tensor
+
+    def box(self) -> tuple[tuple[int, int], ...]:
+        return tuple((s, s + n) for s, n in zip(self.dst_start, self.source.shape, strict=True))
+
+
+def entry_rows(entry: BucketEntry) -> tuple[int, int]:
+    """The dim-0 row range ``[first, stop)`` an entry covers; PlanError if not whole rows."""
+    spec = entry.spec
+    if not spec.shape:
+        return 0, 1
+    row = spec.row_bytes
+    if row == 0:
+        return 0, spec.shape[0]
+    if entry.tensor_offset % row or entry.nbytes % row:
+        raise PlanError(
+            f"{spec.name!r}: bucket chunk at byte {entry.tensor_offset} (+{entry.nbytes}) is not "
+            f"a range of whole rows ({row} bytes each); raise bucket_size_bytes above one row"
+        )
+    first = entry.tensor_offset // row
+    return first, first + entry.nbytes // row
+
+
+@torch.no_grad()
+def pack_regions(buffer: torch.Tensor, entry: BucketEntry, regions: Iterable[Region]) -> None:
+    """Copy the parts of ``regions`` that fall in ``entry`` (a tensor or a dim-0 row range of
+    it) into ``buffer`` (flat ``uint8``, the bucket). One ``copy_`` per region, no allocation
+    (except across GPUs, see :func:`_copy`)."""
+    spec = entry.spec
+    if entry.nbytes == 0:
+        return
+    first, stop = entry_rows(entry)
+    raw = buffer[entry.offset : entry.offset + entry.nbytes].view(spec.torch_dtype)
+    region_view = raw.view((stop - first, *spec.shape[1:])) if spec.shape else raw.view(())
+    for region in regions:
+        src = region.source
+        if not spec.shape:
+            _copy(region_view, src)
+            continue
+        start0, size0 = region.dst_start[0], src.shape[0]
+        lo, hi = max(start0, first), min(start0 + size0, stop)
+        if lo >= hi:
+            continue
+        dst = region_view.narrow(0, lo - first, hi - lo)
+        for dim in range(1, len(spec.shape)):
+            dst = dst.narrow(dim, region.dst_start[dim], src.shape[dim])
+        _copy(dst, src.narrow(0, lo - start0, hi - lo))
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    if dst.device == src.device:
+        dst.copy_(src, non_blocking=True)
+        return
+    # A strided copy across GPUs into memory this process mapped by CUDA IPC faults (seen on
+    # H200: illegal address); a contiguous peer copy, then a local strided copy, does not.
+    dst.copy_(src.contiguous().to(dst.device, non_blocking=True), non_blocking=True)
+
+
+def whole(tensors: Mapping[str, torch.Tensor]) -> dict[str, list[Region]]:
+    """Each tensor as the one region of itself."""
+    return {name: [Region((0,) * t.dim(), t)] for name, t in tensors.items()}
