@@ -17,7 +17,7 @@ from weightsync.receiver.target import WeightTarget
 
 from weightsync import trace
 from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, entry_view, unpack_bucket
-from weightsync.checksum import ALGORITHM, bucket_checksum
+from weightsync.checksum import ALGORITHM, finish, row_sums
 from weightsync.control.client import connect
 from weightsync.errors import (
     ChecksumError,
@@ -30,7 +30,7 @@ from weightsync.errors import (
 from weightsync.manifest import VersionManifest
 from weightsync.transports import MappedBuffers
 from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, host_id
-from weightsync.transports.cuda_ipc import device_uuid
+from weightsync.transports.cuda_ipc import EventCache, device_uuid, new_event
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
     ManifestCache,
@@ -87,6 +87,8 @@ class ReceiverCore:
         """True when a failed version wrote some weights: they match no version until the next."""
         self.last_error: WeightSyncError | None = None
         self._buffers = MappedBuffers()
+        self._events = EventCache()
+        self._read_event: tuple[torch.cuda.Event, bytes] | None = None
         self._layouts = ParseCache(bucket_from_pb)
         self._manifests = ManifestCache()
         self._direct_views: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
@@ -258,6 +260,7 @@ class ReceiverCore:
         version = manifest.version
         self.target.begin(manifest)
         assembler = ChunkAssembler()
+        reads = _VersionReads(version)
         touched = False  # did any write reach the model? (decides `dirty` on failure)
         index = -1
         try:
@@ -267,22 +270,27 @@ class ReceiverCore:
                 trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
                     index = msg.bucket.layout.index
-                    tensors, chunks, buffers = self._bucket_tensors(msg.bucket, assembler)
-                    trace.mark("receiver.verified", index=index)
+                    tensors, chunks, buffers = self._bucket_tensors(msg.bucket, assembler, reads)
                     touched = True
                     self.target.load(tensors)
                     for entry, data in chunks:
                         self.target.load_chunk(entry, data)
-                    trace.mark("receiver.launched", index=index)
-                    self._finish_reads(buffers)
-                    trace.mark("receiver.loaded", index=index)
-                    self._send(ack=pb.BucketAck(version=version, index=index, ok=True))
+                    read_event = self._after_reads(msg.bucket, buffers, reads)
+                    trace.mark("receiver.queued", index=index)
+                    self._send(
+                        ack=pb.BucketAck(
+                            version=version, index=index, ok=True, read_event=read_event
+                        )
+                    )
                 elif kind == "end":
                     if assembler.pending:
                         raise ProtocolError(
                             f"version {version} ended with chunks missing for "
                             f"{assembler.pending[0]!r}"
                         )
+                    self._wait(reads.devices)
+                    trace.mark("receiver.loaded", version=version)
+                    reads.check(msg.end)
                     self.target.commit(manifest)
                     trace.mark("receiver.committed", version=version)
                     self._send(applied=pb.VersionApplied(version=version, ok=True))
@@ -306,7 +314,7 @@ class ReceiverCore:
             raise
 
     def _bucket_tensors(
-        self, msg: pb.BucketAnnouncement, assembler: ChunkAssembler
+        self, msg: pb.BucketAnnouncement, assembler: ChunkAssembler, reads: _VersionReads
     ) -> tuple[
         list[tuple[str, torch.Tensor]], list[tuple[BucketEntry, torch.Tensor]], list[torch.Tensor]
     ]:
@@ -323,7 +331,9 @@ class ReceiverCore:
                 views = [(e.name, entry_view(sources[e.source], e)) for e in bucket.entries]
                 self._direct_views = {key: views}  # the latest layout is the one reused
             return views, [], sources
-        bucket, buffer = self._verified_bucket(msg)
+        bucket, buffer = self._bucket_buffer(msg)
+        if self.verify_checksums:
+            reads.checksum(bucket, buffer)
         if not hasattr(self.target, "load_chunk"):
             return list(unpack_bucket(buffer, bucket, assembler)), [], [buffer]
         # The target writes chunks in place: no full-size temporary per oversized tensor.
@@ -333,25 +343,16 @@ class ReceiverCore:
         ]
         return whole, chunks, [buffer]
 
-    def _verified_bucket(self, msg: pb.BucketAnnouncement) -> tuple[Bucket, torch.Tensor]:
-        """Map or receive the bucket's buffer and check its checksum; nothing is written yet."""
+    def _bucket_buffer(self, msg: pb.BucketAnnouncement) -> tuple[Bucket, torch.Tensor]:
+        """Map or receive the bucket's buffer; reads queued after this see the packed bytes."""
         bucket = self._layouts(msg.layout)
-        buffer = self._receive_broadcast(msg) if msg.group_id else self._buffers.get(msg.buffer)
-        if not self.verify_checksums:
-            return bucket, buffer
-        if msg.checksum_algorithm != ALGORITHM:
-            raise ChecksumError(
-                f"unknown checksum algorithm {msg.checksum_algorithm!r}; "
-                f"this receiver knows {ALGORITHM}: upgrade weightsync"
-            )
-        got = bucket_checksum(buffer, bucket.nbytes)
-        if got != msg.checksum:
-            first = bucket.entries[0].name if bucket.entries else "-"
-            raise ChecksumError(
-                f"bucket {bucket.index} of version {msg.version} (first tensor {first!r}, "
-                f"{bucket.nbytes} bytes) fails its checksum: got {got:#018x}, sender "
-                f"announced {msg.checksum:#018x}; not loaded. Re-publish to heal"
-            )
+        if msg.group_id:
+            return bucket, self._receive_broadcast(msg)
+        buffer = self._buffers.get(msg.buffer)
+        if msg.ready_event and buffer.is_cuda:
+            packed = self._events.get(msg.ready_event, buffer.device)
+            for device in {buffer.device, self.target.device}:
+                torch.cuda.current_stream(device).wait_event(packed)
         return bucket, buffer
 
     def _receive_broadcast(self, msg: pb.BucketAnnouncement) -> torch.Tensor:
@@ -367,14 +368,36 @@ class ReceiverCore:
             # One buffer suffices: this receiver loads a bucket before receiving the next.
             self._recv_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.target.device)
         view = self._recv_buffer[:nbytes]
-        group.broadcast(view)
+        group.broadcast(view).wait()
         return view
 
-    def _finish_reads(self, buffers: list[torch.Tensor]) -> None:
-        # The ack frees the buffer for the next bucket: every read of it must be done.
+    def _after_reads(
+        self, msg: pb.BucketAnnouncement, buffers: list[torch.Tensor], reads: _VersionReads
+    ) -> bytes:
+        """Make the bucket's buffer reusable; returns the event the sender waits for, if any.
+
+        Direct reads come from trainer memory and broadcast buffers are our own: both finish
+        here. A staging buffer on our own GPU is released by an event recorded behind the
+        reads (no wait); other CUDA buffers by waiting for the reads.
+        """
         devices = {b.device for b in buffers if b.is_cuda}
         if self.target.device.type == "cuda":
             devices.add(self.target.device)
+        reads.devices |= devices
+        if msg.sources:
+            self._wait(devices)
+        elif msg.ready_event and devices == {self.target.device}:
+            if self._read_event is None:
+                self._read_event = new_event(self.target.device)
+            event, handle = self._read_event
+            event.record(torch.cuda.current_stream(self.target.device))
+            return handle
+        elif not msg.group_id:
+            self._wait(devices)
+        return b""
+
+    @staticmethod
+    def _wait(devices: set[torch.device]) -> None:
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
 
@@ -395,3 +418,44 @@ class ReceiverCore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _VersionReads:
+    """What one version's buckets left to finish: checksums queued behind the reads (compared
+    with the sender's at the end) and the devices whose streams did the reading."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.devices: set[torch.device] = set()
+        self._sums: list[tuple[Bucket, torch.Tensor]] = []
+
+    def checksum(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+        self._sums.append((bucket, row_sums(buffer, bucket.nbytes)))
+
+    def check(self, end: pb.VersionEnd) -> None:
+        """Compare every bucket's checksum with the sender's (the reads must be done).
+
+        Raises:
+            ChecksumError: naming the first bucket that differs.
+        """
+        if not self._sums:
+            return
+        if end.checksum_algorithm != ALGORITHM:
+            raise ChecksumError(
+                f"unknown checksum algorithm {end.checksum_algorithm!r}; "
+                f"this receiver knows {ALGORITHM}: upgrade weightsync"
+            )
+        sums = [s for _, s in self._sums]
+        same = len({s.device for s in sums}) == 1
+        values = torch.stack(sums).cpu() if same else torch.stack([s.cpu() for s in sums])
+        for (bucket, _), sums in zip(self._sums, values, strict=True):
+            got = finish(sums, bucket.nbytes)
+            want = end.checksums[bucket.index] if bucket.index < len(end.checksums) else None
+            if got != want:
+                first = bucket.entries[0].name if bucket.entries else "-"
+                announced = "none" if want is None else f"{want:#018x}"
+                raise ChecksumError(
+                    f"bucket {bucket.index} of version {self.version} (first tensor {first!r}, "
+                    f"{bucket.nbytes} bytes) fails its checksum: got {got:#018x}, sender "
+                    f"announced {announced}. Its weights were written: re-publish to heal"
+                )

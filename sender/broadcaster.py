@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from weightsync.errors import TransportError
-from weightsync.transports.broadcast import BroadcastGroup
+from weightsync.transports.broadcast import BroadcastGroup, PendingBroadcast
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -50,11 +50,12 @@ class Broadcaster:
     def group_id(self) -> str:
         return self._group.spec.group_id if self._group else ""
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
+    def broadcast(self, tensor: torch.Tensor) -> PendingBroadcast:
+        """Queue the broadcast of ``tensor`` (see :meth:`BroadcastGroup.broadcast`)."""
         if self._group is None:
             raise TransportError("no broadcast group: its members failed to join")
         try:
-            self._group.broadcast(tensor)
+            return self._group.broadcast(tensor)
         except TransportError:
             self.close()
             raise

@@ -44,7 +44,7 @@ from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.transports import get_transport, resolve_transport
 from weightsync.transports.broadcast import host_id
-from weightsync.transports.cuda_ipc import device_uuid, local_index_of
+from weightsync.transports.cuda_ipc import EventCache, device_uuid, local_index_of
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
     ManifestCache,
@@ -73,6 +73,7 @@ class Coordinator(VersionDriver):
         self._manifests = ManifestCache()
         self._plans = ParseCache(self._plan, max_entries=16)
         self._offers = ParseCache(lambda args: Offer.of(*args), max_entries=4)
+        self._events = EventCache()
         self._closed = False
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
         self._monitor.start()
@@ -129,7 +130,10 @@ class Coordinator(VersionDriver):
                     self._fail(run, conn.receiver_id, body.error, notify=False)
             elif kind == "ack":
                 outcome.got(f"bucket:{body.index}", timeout)
-                self._release_reader(conn.receiver_id, run.version, body.index)
+                try:
+                    self._release_reader(conn.receiver_id, run.version, body.index, body.read_event)
+                except TransportError as e:
+                    self._fail_dirty(run, conn, error_to_pb(e))
                 if run.direct is not None and body.index == run.direct.index:
                     run.direct_readers.discard(conn.receiver_id)
                 if not body.ok:
@@ -372,9 +376,13 @@ class Coordinator(VersionDriver):
         run.complete_s = time.monotonic() - run.started_mono
         self._cond.notify_all()
 
-    def _release_reader(self, rid: str, version: int, index: int) -> None:
+    def _release_reader(self, rid: str, version: int, index: int, read_event: bytes = b"") -> None:
+        """The receiver queued its reads of bucket ``index``: packing into that slot again
+        waits for ``read_event`` (empty: its reads are done)."""
         for slot in self._slots:
-            if slot.version == version and slot.bucket_index == index:
+            if slot.version == version and slot.bucket_index == index and rid in slot.readers:
+                if read_event:
+                    slot.after.append(self._events.get(read_event, torch.device(slot.device)))
                 slot.readers.discard(rid)
 
     def _maybe_complete(self, run: VersionRun) -> None:

@@ -15,10 +15,12 @@ from weightsync.sender.runs import Outcome, RunAborted, Slot, VersionRun
 
 from weightsync import trace
 from weightsync.buckets import Bucket
-from weightsync.checksum import ALGORITHM, bucket_checksum
+from weightsync.checksum import ALGORITHM, finish, row_sums
 from weightsync.errors import TransportError, WeightSyncError
 from weightsync.regions import pack_regions
 from weightsync.transports import get_transport
+from weightsync.transports.broadcast import PendingBroadcast
+from weightsync.transports.cuda_ipc import new_event
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 
@@ -28,37 +30,26 @@ class VersionDriver:
 
     def _drive(self, run: VersionRun, device: torch.device) -> None:
         with self._drive_lock:
-            # A bucket's broadcast runs while the publisher packs the next one.
-            pending: tuple[Slot, int] | None = None
             try:
                 self._start(run, device)
                 self._connect_group(run)
                 issued: deque[tuple[Bucket, Slot]] = deque()
                 todo = deque(run.plan.buckets)
                 while issued or todo:
-                    # Every free slot gets the next bucket to pack at once, so the publisher
-                    # never waits for an announcement round trip between buckets.
+                    # Every free slot gets the next bucket at once, so packing never waits for
+                    # an announcement round trip between buckets.
                     self._issue_packs(run, issued, todo)
-                    if pending:
-                        self._broadcast(run, *pending)
-                        pending = None
                     bucket, slot = issued[0]
                     if run.regions is not None:
-                        self._pack(run, bucket, slot)
+                        self._pack(run, bucket, slot, device)
                     elif not self._wait_packed_or_slot(run, bucket, todo):
                         continue
                     issued.popleft()
-                    checksum = bucket_checksum(slot.buffer.tensor, bucket.nbytes)
-                    trace.mark("sender.checksum", index=bucket.index)
-                    if self._announce(run, slot, run.layouts[bucket.index], checksum):
-                        pending = (slot, bucket.nbytes)
-                    if bucket.is_last:
-                        self._end(run)
-                if not run.plan.buckets:
-                    self._end(run)
+                    self._packed(run, bucket, slot, device)
+                    if self._announce(run, slot, run.layouts[bucket.index]):
+                        self._broadcast(run, slot, bucket.nbytes)
+                self._end(run, device)
                 self._staged(run)
-                if pending:
-                    self._broadcast(run, *pending)
             except RunAborted:
                 pass
             except WeightSyncError as e:
@@ -67,8 +58,29 @@ class VersionDriver:
             finally:
                 with self._cond:
                     for slot in self._slots:
-                        slot.packing = slot.broadcasting = False
+                        slot.packing = False
                     self._cond.notify_all()
+
+    def _packed(self, run: VersionRun, bucket: Bucket, slot: Slot, device: torch.device) -> None:
+        """Queue the bucket's checksum and, on CUDA, the event receivers' reads wait for."""
+        run.sums[bucket.index] = row_sums(slot.buffer.tensor, bucket.nbytes)
+        if slot.ready is not None:
+            slot.ready[0].record(torch.cuda.current_stream(device))
+        trace.mark("sender.packed", index=bucket.index)
+
+    def _before_reuse(self, run: VersionRun, slot: Slot, device: torch.device, gpu: bool) -> None:
+        """Order packing into ``slot`` after its last readers: by a stream wait when this
+        process packs (``gpu``), else by waiting here (a publisher packs in its own process)."""
+        after, slot.after = slot.after, []
+        for work in after:
+            if isinstance(work, PendingBroadcast):
+                self._wait_broadcast(run, work)
+            elif gpu:
+                torch.cuda.current_stream(device).wait_event(work)
+            else:
+                work.synchronize()
+        if after and not gpu and device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
 
     def _issue_packs(self, run: VersionRun, issued: deque, todo: deque) -> None:
         """Hand the next buckets to the publisher, one per free slot (waits if none in flight)."""
@@ -80,27 +92,31 @@ class VersionDriver:
                     self.settings.ack_timeout_s + 5,
                     "a free staging buffer",
                 )
+            fresh = []
             while todo and any(s.free for s in self._slots):
                 slot = next(s for s in self._slots if s.free)
                 slot.packing, slot.readers = True, set()
                 bucket = todo.popleft()
                 issued.append((bucket, slot))
+                fresh.append((bucket, slot))
                 trace.mark("sender.issue", index=bucket.index)
-                if run.regions is not None:
-                    continue  # the driver packs it itself when its turn comes
-                pack = pb.SenderReply(
-                    pack=pb.PackBucket(
-                        version=run.version,
-                        layout=run.layouts[bucket.index],
-                        buffer=slot.buffer.handle,
-                    )
+        if run.regions is not None:
+            return  # the driver packs each itself when its turn comes
+        for bucket, slot in fresh:
+            self._before_reuse(run, slot, torch.device(slot.device), gpu=False)
+            pack = pb.SenderReply(
+                pack=pb.PackBucket(
+                    version=run.version,
+                    layout=run.layouts[bucket.index],
+                    buffer=slot.buffer.handle,
                 )
-                for rank in run.ranks.values():
-                    rank.outbox.put(pack)
+            )
+            for rank in run.ranks.values():
+                rank.outbox.put(pack)
 
-    def _pack(self, run: VersionRun, bucket: Bucket, slot: Slot) -> None:
-        """Pack ``bucket`` from the publishers' mapped memory (the checksum that follows
-        waits for the copies)."""
+    def _pack(self, run: VersionRun, bucket: Bucket, slot: Slot, device: torch.device) -> None:
+        """Queue the copies that pack ``bucket`` from the publishers' mapped memory."""
+        self._before_reuse(run, slot, device, gpu=device.type == "cuda")
         try:
             for entry in bucket.entries:
                 pack_regions(slot.buffer.tensor, entry, run.regions[entry.name])
@@ -109,7 +125,6 @@ class VersionDriver:
                 f"version {run.version}: packing bucket {bucket.index} from the publishers' "
                 f"memory failed: {e}"
             ) from e
-        trace.mark("sender.packed", index=bucket.index)
 
     def _wait_packed_or_slot(self, run: VersionRun, bucket: Bucket, todo: deque) -> bool:
         """Wait until ``bucket`` is packed (True) or a slot frees for the next one (False)."""
@@ -190,17 +205,24 @@ class VersionDriver:
                 for rid in self._broadcast_members(run):
                     self._fail(run, rid, e)
 
-    def _broadcast(self, run: VersionRun, slot: Slot, nbytes: int) -> None:
+    def _wait_broadcast(self, run: VersionRun, work: PendingBroadcast) -> None:
+        """A failed broadcast fails the receivers that get broadcasts, not the version."""
         try:
-            self._broadcaster.broadcast(slot.buffer.tensor[:nbytes])
+            work.wait()
+        except TransportError as e:
+            self._broadcaster.close()
+            with self._cond:
+                for rid in self._broadcast_members(run):
+                    self._fail(run, rid, e)
+
+    def _broadcast(self, run: VersionRun, slot: Slot, nbytes: int) -> None:
+        """Queue the bucket's broadcast; packing into the slot again waits for it."""
+        try:
+            slot.after.append(self._broadcaster.broadcast(slot.buffer.tensor[:nbytes]))
         except TransportError as e:
             with self._cond:
                 for rid in self._broadcast_members(run):
                     self._fail(run, rid, e)
-        finally:
-            with self._cond:
-                slot.broadcasting = False
-                self._cond.notify_all()
 
     def _broadcast_members(self, run: VersionRun) -> list[str]:
         return [rid for rid in run.active() if self._receivers[rid].data_path == "broadcast"]
@@ -220,18 +242,21 @@ class VersionDriver:
         )
         transport = get_transport(run.transport)
         for slot in self._slots:
+            self._before_reuse(run, slot, torch.device(slot.device), gpu=False)
             get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
         # Round up so small growth does not reallocate every version.
         capacity = min(max(need, 1 << 20), self.settings.bucket_size_bytes)
         capacity = max(capacity, need)
         self._slots = [
-            Slot(transport.allocate(capacity, device), str(device))
+            Slot(
+                transport.allocate(capacity, device),
+                str(device),
+                ready=new_event(device) if device.type == "cuda" else None,
+            )
             for _ in range(self.settings.num_buffers)
         ]
 
-    def _announce(
-        self, run: VersionRun, slot: Slot, layout: pb.BucketLayout, checksum: int
-    ) -> bool:
+    def _announce(self, run: VersionRun, slot: Slot, layout: pb.BucketLayout) -> bool:
         """Announce a packed bucket; returns whether broadcast receivers wait for its bytes."""
         with self._cond:
             if run.done:
@@ -241,15 +266,10 @@ class VersionDriver:
                 version=run.version,
                 layout=layout,
                 buffer=slot.buffer.handle,
-                checksum_algorithm=ALGORITHM,
-                checksum=checksum,
+                ready_event=slot.ready[1] if slot.ready else b"",
             )
             sent = pb.BucketAnnouncement(
-                version=run.version,
-                layout=layout,
-                checksum_algorithm=ALGORITHM,
-                checksum=checksum,
-                group_id=self._broadcaster.group_id,
+                version=run.version, layout=layout, group_id=self._broadcaster.group_id
             )
             any_broadcast = False
             for rid in run.active():
@@ -261,7 +281,6 @@ class VersionDriver:
                 else:
                     slot.readers.add(rid)
                     conn.send(pb.Announcement(bucket=mapped))
-            slot.broadcasting = any_broadcast
             trace.mark("sender.announce", index=layout.index)
             self.metrics.bucket_announced(layout.nbytes)
             self._cond.notify_all()
@@ -290,10 +309,28 @@ class VersionDriver:
             self._maybe_complete(run)
             self._cond.notify_all()
 
-    def _end(self, run: VersionRun) -> None:
-        """Tell receivers the version has no more buckets; they commit after the last one."""
+    def _end(self, run: VersionRun, device: torch.device) -> None:
+        """Tell receivers the version has no more buckets, with every bucket's checksum; they
+        commit after checking theirs. Waits for the packing first: after this, the
+        publishers' memory is no longer read."""
+        for slot in self._slots:
+            pending = [w for w in slot.after if isinstance(w, PendingBroadcast)]
+            slot.after = [w for w in slot.after if not isinstance(w, PendingBroadcast)]
+            for work in pending:
+                self._wait_broadcast(run, work)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        buckets = run.plan.buckets
+        checksums = []
+        if buckets:
+            values = torch.stack([run.sums[b.index] for b in buckets]).cpu()
+            checksums = [finish(v, b.nbytes) for v, b in zip(values, buckets, strict=True)]
         with self._cond:
-            end = pb.Announcement(end=pb.VersionEnd(version=run.version))
+            end = pb.Announcement(
+                end=pb.VersionEnd(
+                    version=run.version, checksum_algorithm=ALGORITHM, checksums=checksums
+                )
+            )
             for rid in run.active():
                 run.outcomes[rid].expect("applied", self.settings.ack_timeout_s)
                 self._receivers[rid].send(end)

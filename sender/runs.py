@@ -94,15 +94,19 @@ class Slot:
 
     buffer: StagingBuffer
     device: str
+    ready: tuple[object, bytes] | None = None
+    """CUDA staging: an interprocess event recorded once the bucket is packed, its handle."""
     version: int = 0
     bucket_index: int = -1
     readers: set[str] = field(default_factory=set)
+    """Receivers that have not acked the bucket (not even queued their reads)."""
+    after: list = field(default_factory=list)
+    """Work to finish before packing again: receivers' read events, the pending broadcast."""
     packing: bool = False
-    broadcasting: bool = False
 
     @property
     def free(self) -> bool:
-        return not self.readers and not self.packing and not self.broadcasting
+        return not self.readers and not self.packing
 
 
 @dataclass
@@ -118,6 +122,8 @@ class VersionRun:
     """Tensors receivers copy straight from the publishers' storages (``direct_sources``)."""
     direct_sources: tuple[pb.BufferHandle, ...] = ()
     direct_readers: set[str] = field(default_factory=set)
+    sums: dict[int, object] = field(default_factory=dict)
+    """Each staged bucket's checksum reduction, queued behind its packing (finished at end)."""
     regions: Mapping[str, Sequence[Region]] | None = None
     """The publishers' memory mapped here: set when the sender packs every bucket itself."""
     layouts: tuple[pb.BucketLayout, ...] = ()

@@ -21,15 +21,27 @@ _ROW_BYTES = 8 * _ROW_WORDS
 _MASK64 = (1 << 64) - 1
 
 
-def bucket_checksum(buffer: torch.Tensor, nbytes: int) -> int:
-    """Checksum of ``buffer[:nbytes]`` (a flat uint8 tensor; ``nbytes`` a multiple of 256)."""
+def row_sums(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The checksum's reduction of ``buffer[:nbytes]``, left on the buffer's device (no sync):
+    queue it behind the copies that fill or read the buffer, finish it once per version."""
     if nbytes % _ROW_BYTES:
         raise ChecksumError(f"checksum needs a length that is a multiple of 256, got {nbytes}")
     if nbytes == 0:
+        return torch.zeros(2, dtype=torch.int64, device=buffer.device)
+    sums = buffer[:nbytes].view(torch.int64).view(-1, _ROW_WORDS).sum(dim=1)
+    positions = torch.arange(1, sums.numel() + 1, device=buffer.device, dtype=torch.int64)
+    return torch.stack([(sums * positions).sum(), sums.sum()])
+
+
+def finish(sums: torch.Tensor, nbytes: int) -> int:
+    """The checksum from :func:`row_sums` (moved to the CPU: waits for it)."""
+    if nbytes == 0:
         return 0
-    row_sums = buffer[:nbytes].view(torch.int64).view(-1, _ROW_WORDS).sum(dim=1)
-    positions = torch.arange(1, row_sums.numel() + 1, device=buffer.device, dtype=torch.int64)
-    mixed = torch.stack([(row_sums * positions).sum(), row_sums.sum()]).cpu()
-    a, b = (int(x) & _MASK64 for x in mixed.tolist())
+    a, b = (int(x) & _MASK64 for x in sums.cpu().tolist())
     # Odd multipliers keep the two halves from cancelling each other.
     return (a * 0x9E3779B97F4A7C15 + b * 0xC2B2AE3D27D4EB4F + nbytes) & _MASK64
+
+
+def bucket_checksum(buffer: torch.Tensor, nbytes: int) -> int:
+    """Checksum of ``buffer[:nbytes]`` (a flat uint8 tensor; ``nbytes`` a multiple of 256)."""
+    return finish(row_sums(buffer, nbytes), nbytes)

@@ -1,15 +1,15 @@
 """Opt-in timeline of a sync across processes: set ``WEIGHTSYNC_TRACE_DIR`` to a folder.
 
-Every process (trainer ranks, sender, receivers) then records named events with
+Every process (trainer ranks, sender, receivers) then appends named events with
 ``time.perf_counter_ns()`` (CLOCK_MONOTONIC on Linux: one clock for every process on a host)
-and writes them at exit to ``<dir>/<role>-<pid>.jsonl``. ``weightsync trace DIR`` lines the
-files up into one timeline, so a slow sync shows where its time went without a profiler.
-When the variable is unset, :func:`mark` costs one attribute check.
+to ``<dir>/<role>-<pid>.jsonl``, a line per event as it happens (so a killed process leaves
+its trace too). ``weightsync trace DIR`` lines the files up into one timeline, so a slow sync
+shows where its time went without a profiler. When the variable is unset, :func:`mark` costs
+one attribute check.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import threading
@@ -18,9 +18,9 @@ from pathlib import Path
 
 _DIR = os.environ.get("WEIGHTSYNC_TRACE_DIR", "")
 enabled = bool(_DIR)
-_events: list[tuple[int, str, str, dict]] = []
 _lock = threading.Lock()
 _role = "process"
+_file = None
 
 
 def set_role(role: str) -> None:
@@ -31,22 +31,18 @@ def set_role(role: str) -> None:
 
 def mark(event: str, **fields) -> None:
     """Record ``event`` now (no-op unless tracing is on)."""
-    if enabled:
-        _events.append((time.perf_counter_ns(), threading.current_thread().name, event, fields))
-
-
-def flush() -> Path | None:
-    """Write this process's events (also runs at exit); returns the file written."""
-    if not enabled or not _events:
-        return None
+    if not enabled:
+        return
+    global _file
+    t = time.perf_counter_ns()
+    line = json.dumps(
+        {"t_ns": t, "thread": threading.current_thread().name, "event": event, **fields}
+    )
     with _lock:
-        events, _events[:] = list(_events), []
-    path = Path(_DIR) / f"{_role}-{os.getpid()}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a") as f:
-        for t, thread, event, fields in events:
-            f.write(json.dumps({"t_ns": t, "thread": thread, "event": event, **fields}) + "\n")
-    return path
+        if _file is None:
+            Path(_DIR).mkdir(parents=True, exist_ok=True)
+            _file = open(Path(_DIR) / f"{_role}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
+        _file.write(line + "\n")
 
 
 def load(directory: str | Path) -> list[dict]:
@@ -54,9 +50,6 @@ def load(directory: str | Path) -> list[dict]:
     events = []
     for path in sorted(Path(directory).glob("*.jsonl")):
         for line in path.read_text().splitlines():
-            events.append({"process": path.stem, **json.loads(line)})
+            if line.strip():
+                events.append({"process": path.stem, **json.loads(line)})
     return sorted(events, key=lambda e: e["t_ns"])
-
-
-if enabled:
-    atexit.register(flush)

@@ -119,18 +119,23 @@ class BroadcastGroup:
         )
         return spec, store
 
-    def broadcast(self, tensor: torch.Tensor) -> None:
-        """Rank 0 sends ``tensor``; the others receive into theirs. Returns when complete."""
+    def broadcast(self, tensor: torch.Tensor) -> PendingBroadcast:
+        """Rank 0 sends ``tensor``; the others receive into theirs.
+
+        Returns at once with NCCL (the transfer runs on its own stream): ``wait()`` on the
+        result orders the current stream after it. Gloo returns when the transfer is done.
+        """
         options = dist.BroadcastOptions()
         options.rootRank = 0
         try:
-            self._pg.broadcast([tensor], options).wait()
-            if tensor.is_cuda:
-                torch.cuda.current_stream(tensor.device).synchronize()
+            return PendingBroadcast(self, self._pg.broadcast([tensor], options))
         except RuntimeError as e:
-            raise TransportError(
-                f"broadcast in group {self.spec.group_id} (rank {self.rank}) failed: {e}"
-            ) from e
+            raise self._failed(e) from e
+
+    def _failed(self, e: RuntimeError) -> TransportError:
+        return TransportError(
+            f"broadcast in group {self.spec.group_id} (rank {self.rank}) failed: {e}"
+        )
 
     def close(self) -> None:
         shutdown = getattr(self._pg, "shutdown", None) or getattr(self._pg, "abort", None)
@@ -139,3 +144,17 @@ class BroadcastGroup:
                 shutdown()
             except RuntimeError:
                 pass
+
+
+class PendingBroadcast:
+    """A queued broadcast: ``wait()`` before touching its tensor (NCCL: a stream wait only)."""
+
+    def __init__(self, group: BroadcastGroup, work) -> None:
+        self._group, self._work = group, work
+
+    def wait(self) -> None:
+        """Raises TransportError when the broadcast failed."""
+        try:
+            self._work.wait()
+        except RuntimeError as e:
+            raise self._group._failed(e) from e

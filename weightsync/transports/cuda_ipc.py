@@ -7,6 +7,7 @@ by UUID (indices differ between processes with different ``CUDA_VISIBLE_DEVICES`
 from __future__ import annotations
 
 import uuid
+import weakref
 
 import torch
 
@@ -97,3 +98,36 @@ def export_handle(tensor: torch.Tensor, buffer_id: str | None = None) -> pb.Buff
             event_sync_required=event_sync_required,
         ),
     )
+
+
+# Interprocess events order the GPU work of sender and receivers on one host without a CPU
+# wait per bucket: a receiver's stream waits for the "packed" event of a staging buffer, the
+# sender's for the receivers' "read" events before it packs into that buffer again.
+_OWN_EVENTS: weakref.WeakValueDictionary[bytes, torch.cuda.Event] = weakref.WeakValueDictionary()
+
+
+def new_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
+    """An interprocess CUDA event on ``device`` and its handle for other processes."""
+    with torch.cuda.device(device):
+        event = torch.cuda.Event(interprocess=True)
+        event.record()  # creates it on this device; a handle needs a created event
+        handle = bytes(event.ipc_handle())
+    _OWN_EVENTS[handle] = event
+    return event, handle
+
+
+class EventCache:
+    """Events of other processes opened once by handle (this process's own used as they are)."""
+
+    def __init__(self) -> None:
+        self._opened: dict[bytes, torch.cuda.Event] = {}
+
+    def get(self, handle: bytes, device: torch.device) -> torch.cuda.Event:
+        event = self._opened.get(handle) or _OWN_EVENTS.get(handle)
+        if event is None:
+            try:
+                event = torch.cuda.Event.from_ipc_handle(device, handle)
+            except RuntimeError as e:
+                raise TransportError(f"cannot open a CUDA IPC event on {device}: {e}") from e
+            self._opened[handle] = event
+        return event

@@ -251,16 +251,18 @@ class ManifestVerdict(_message.Message):
     def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class BucketAck(_message.Message):
-    __slots__ = ("version", "index", "ok", "error")
+    __slots__ = ("version", "index", "ok", "error", "read_event")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    READ_EVENT_FIELD_NUMBER: _ClassVar[int]
     version: int
     index: int
     ok: bool
     error: ErrorDetail
-    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+    read_event: bytes
+    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., read_event: _Optional[bytes] = ...) -> None: ...
 
 class VersionApplied(_message.Message):
     __slots__ = ("version", "ok", "error")
@@ -299,22 +301,20 @@ class VersionStart(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ...) -> None: ...
 
 class BucketAnnouncement(_message.Message):
-    __slots__ = ("version", "layout", "buffer", "checksum_algorithm", "checksum", "group_id", "sources")
+    __slots__ = ("version", "layout", "buffer", "group_id", "sources", "ready_event")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
-    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     version: int
     layout: BucketLayout
     buffer: BufferHandle
-    checksum_algorithm: str
-    checksum: int
     group_id: str
     sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
-    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., checksum_algorithm: _Optional[str] = ..., checksum: _Optional[int] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ...) -> None: ...
+    ready_event: bytes
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
 
 class GroupJoin(_message.Message):
     __slots__ = ("group_id", "store_host", "store_port", "rank", "world_size", "backend", "timeout_s")
@@ -335,10 +335,14 @@ class GroupJoin(_message.Message):
     def __init__(self, group_id: _Optional[str] = ..., store_host: _Optional[str] = ..., store_port: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., backend: _Optional[str] = ..., timeout_s: _Optional[float] = ...) -> None: ...
 
 class VersionEnd(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "checksum_algorithm", "checksums")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    checksum_algorithm: str
+    checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., checksum_algorithm: _Optional[str] = ..., checksums: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VersionAbort(_message.Message):
     __slots__ = ("version", "reason")
