@@ -96,7 +96,8 @@ class ReceiverCore:
         """The last manifest (without version) the target accepted: the model's names and
         shapes do not change, so the same manifest need not be checked again."""
         self._group: BroadcastGroup | None = None
-        self._recv_buffer = torch.empty(0, dtype=torch.uint8, device=target.device)
+        # Two, alternating: a bucket's broadcast lands while the previous one is loaded.
+        self._recv_buffers = [torch.empty(0, dtype=torch.uint8, device=target.device)] * 2
         self._inbox: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._lost = False
@@ -350,9 +351,12 @@ class ReceiverCore:
             return bucket, self._receive_broadcast(msg)
         buffer = self._buffers.get(msg.buffer)
         if msg.ready_event and buffer.is_cuda:
+            # Reads on another GPU are ordered after this stream by the cross-device copy.
             packed = self._events.get(msg.ready_event, buffer.device)
-            for device in {buffer.device, self.target.device}:
-                torch.cuda.current_stream(device).wait_event(packed)
+            try:
+                torch.cuda.current_stream(buffer.device).wait_event(packed)
+            except RuntimeError as e:
+                raise TransportError(f"waiting for bucket {bucket.index} to be packed: {e}") from e
         return bucket, buffer
 
     def _receive_broadcast(self, msg: pb.BucketAnnouncement) -> torch.Tensor:
@@ -363,11 +367,12 @@ class ReceiverCore:
                 f"{msg.group_id}, which this receiver did not join"
                 + (f" ({self.last_error})" if self.last_error else "")
             )
-        nbytes = msg.layout.nbytes
-        if self._recv_buffer.numel() < nbytes:
-            # One buffer suffices: this receiver loads a bucket before receiving the next.
-            self._recv_buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.target.device)
-        view = self._recv_buffer[:nbytes]
+        nbytes, which = msg.layout.nbytes, msg.layout.index % 2
+        if self._recv_buffers[which].numel() < nbytes:
+            self._recv_buffers[which] = torch.empty(
+                nbytes, dtype=torch.uint8, device=self.target.device
+            )
+        view = self._recv_buffers[which][:nbytes]
         group.broadcast(view).wait()
         return view
 

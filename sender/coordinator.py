@@ -261,6 +261,8 @@ class Coordinator(VersionDriver):
         tensors, located = arg
         staged = tuple(t for t in tensors if t.name not in located)
         plan = plan_buckets(staged, self.settings.bucket_size_bytes)
+        if located and not staged:
+            plan = BucketPlan((), (), plan.bucket_size_bytes)  # not even an empty bucket
         direct = None
         if located:
             direct = plan_direct(

@@ -138,7 +138,9 @@ class BroadcastGroup:
         )
 
     def close(self) -> None:
-        shutdown = getattr(self._pg, "shutdown", None) or getattr(self._pg, "abort", None)
+        # abort, not shutdown: NCCL's shutdown can wait for the peers, which may be closing
+        # only after us (a sender and its receivers close in any order).
+        shutdown = getattr(self._pg, "abort", None) or getattr(self._pg, "shutdown", None)
         if shutdown is not None:
             try:
                 shutdown()
