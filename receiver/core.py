@@ -10,9 +10,12 @@ import threading
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import torch
+from weightsync.receiver.inbox import BroadcastInbox
 from weightsync.receiver.target import WeightTarget
 
 from weightsync import trace
@@ -96,8 +99,7 @@ class ReceiverCore:
         """The last manifest (without version) the target accepted: the model's names and
         shapes do not change, so the same manifest need not be checked again."""
         self._group: BroadcastGroup | None = None
-        # Two, alternating: a bucket's broadcast lands while the previous one is loaded.
-        self._recv_buffers = [torch.empty(0, dtype=torch.uint8, device=target.device)] * 2
+        self._landing = BroadcastInbox(target.device)
         self._inbox: queue.Queue = queue.Queue()
         self._closed = threading.Event()
         self._lost = False
@@ -271,12 +273,15 @@ class ReceiverCore:
                 trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
                     index = msg.bucket.layout.index
-                    tensors, chunks, buffers = self._bucket_tensors(msg.bucket, assembler, reads)
-                    touched = True
-                    self.target.load(tensors)
-                    for entry, data in chunks:
-                        self.target.load_chunk(entry, data)
-                    read_event = self._after_reads(msg.bucket, buffers, reads)
+                    with self._reading(msg.bucket) as received:
+                        tensors, chunks, buffers = self._bucket_tensors(
+                            msg.bucket, assembler, reads, received
+                        )
+                        touched = True
+                        self.target.load(tensors)
+                        for entry, data in chunks:
+                            self.target.load_chunk(entry, data)
+                        read_event = self._after_reads(msg.bucket, buffers, reads)
                     trace.mark("receiver.queued", index=index)
                     self._send(
                         ack=pb.BucketAck(
@@ -290,6 +295,7 @@ class ReceiverCore:
                             f"{assembler.pending[0]!r}"
                         )
                     self._wait(reads.devices)
+                    self._landing.synchronize()
                     trace.mark("receiver.loaded", version=version)
                     reads.check(msg.end)
                     self.target.commit(manifest)
@@ -315,7 +321,11 @@ class ReceiverCore:
             raise
 
     def _bucket_tensors(
-        self, msg: pb.BucketAnnouncement, assembler: ChunkAssembler, reads: _VersionReads
+        self,
+        msg: pb.BucketAnnouncement,
+        assembler: ChunkAssembler,
+        reads: _VersionReads,
+        received: torch.Tensor | None,
     ) -> tuple[
         list[tuple[str, torch.Tensor]], list[tuple[BucketEntry, torch.Tensor]], list[torch.Tensor]
     ]:
@@ -332,7 +342,7 @@ class ReceiverCore:
                 views = [(e.name, entry_view(sources[e.source], e)) for e in bucket.entries]
                 self._direct_views = {key: views}  # the latest layout is the one reused
             return views, [], sources
-        bucket, buffer = self._bucket_buffer(msg)
+        bucket, buffer = self._bucket_buffer(msg, received)
         if self.verify_checksums:
             reads.checksum(bucket, buffer)
         if not hasattr(self.target, "load_chunk"):
@@ -344,11 +354,14 @@ class ReceiverCore:
         ]
         return whole, chunks, [buffer]
 
-    def _bucket_buffer(self, msg: pb.BucketAnnouncement) -> tuple[Bucket, torch.Tensor]:
-        """Map or receive the bucket's buffer; reads queued after this see the packed bytes."""
+    def _bucket_buffer(
+        self, msg: pb.BucketAnnouncement, received: torch.Tensor | None
+    ) -> tuple[Bucket, torch.Tensor]:
+        """Map the bucket's buffer (or take the one it was broadcast into); reads queued after
+        this see the packed bytes."""
         bucket = self._layouts(msg.layout)
-        if msg.group_id:
-            return bucket, self._receive_broadcast(msg)
+        if received is not None:
+            return bucket, received
         buffer = self._buffers.get(msg.buffer)
         if msg.ready_event and buffer.is_cuda:
             # Reads on another GPU are ordered after this stream by the cross-device copy.
@@ -359,7 +372,13 @@ class ReceiverCore:
                 raise TransportError(f"waiting for bucket {bucket.index} to be packed: {e}") from e
         return bucket, buffer
 
-    def _receive_broadcast(self, msg: pb.BucketAnnouncement) -> torch.Tensor:
+    @contextmanager
+    def _reading(self, msg: pb.BucketAnnouncement) -> Iterator[torch.Tensor | None]:
+        """Everything that reads a bucket happens in here; yields the buffer a broadcast
+        bucket was received into (None for mapped buckets)."""
+        if not msg.group_id:
+            yield None
+            return
         group = self._group
         if group is None or group.spec.group_id != msg.group_id:
             raise TransportError(
@@ -367,14 +386,9 @@ class ReceiverCore:
                 f"{msg.group_id}, which this receiver did not join"
                 + (f" ({self.last_error})" if self.last_error else "")
             )
-        nbytes, which = msg.layout.nbytes, msg.layout.index % 2
-        if self._recv_buffers[which].numel() < nbytes:
-            self._recv_buffers[which] = torch.empty(
-                nbytes, dtype=torch.uint8, device=self.target.device
-            )
-        view = self._recv_buffers[which][:nbytes]
-        group.broadcast(view).wait()
-        return view
+        received = self._landing.receive(group, msg.layout.nbytes, msg.layout.index)
+        with self._landing.loading():
+            yield received
 
     def _after_reads(
         self, msg: pb.BucketAnnouncement, buffers: list[torch.Tensor], reads: _VersionReads

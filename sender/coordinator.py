@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import torch
 from weightsync.sender.broadcaster import Broadcaster
@@ -74,7 +74,9 @@ class Coordinator(VersionDriver):
         self._plans = ParseCache(self._plan, max_entries=16)
         self._offers = ParseCache(lambda args: Offer.of(*args), max_entries=4)
         self._events = EventCache()
-        self._closed = False
+        self._stop = threading.Event()
+        self._finished: deque[tuple] = deque()
+        """Log lines of finished versions; the monitor writes them, off the path of replies."""
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
         self._monitor.start()
 
@@ -322,7 +324,10 @@ class Coordinator(VersionDriver):
             return run.to_pb()
 
     def _watch_deadlines(self) -> None:
-        while not self._closed:
+        # Its own clock, not the condition: waking on every ack would contend for the lock.
+        while not self._stop.wait(0.2):
+            while self._finished:
+                log.info(*self._finished.popleft())
             with self._cond:
                 now = time.monotonic()
                 for run in list(self._runs.values()):
@@ -338,7 +343,6 @@ class Coordinator(VersionDriver):
                                     f"during version {run.version} (owed: {owed})"
                                 ),
                             )
-                self._cond.wait(0.2)
 
     # ---- failure bookkeeping (lock held) ----
 
@@ -402,23 +406,25 @@ class Coordinator(VersionDriver):
                 rank.outbox.put(done)
                 rank.outbox.put(None)
         applied = sum(o.state == APPLIED for o in run.outcomes.values())
-        log.info(
-            "version %d %s: %.1f MB (%.1f MB direct), %d bucket(s), staged %.3f s, done %.3f s, "
-            "applied by %d/%d receiver(s)%s",
-            run.version,
-            run.state,
-            run.manifest.total_bytes / 1e6,
-            (run.direct.nbytes if run.direct else 0) / 1e6,
-            len(run.plan.buckets),
-            run.staged_s,
-            run.complete_s,
-            applied,
-            len(run.outcomes),
-            "".join(
-                f"; {rid} failed: {o.error.message}"
-                for rid, o in run.outcomes.items()
-                if o.state == FAILED
-            ),
+        self._finished.append(
+            (
+                "version %d %s: %.1f MB (%.1f MB direct), %d bucket(s), staged %.3f s, "
+                "done %.3f s, applied by %d/%d receiver(s)%s",
+                run.version,
+                run.state,
+                run.manifest.total_bytes / 1e6,
+                (run.direct.nbytes if run.direct else 0) / 1e6,
+                len(run.plan.buckets),
+                run.staged_s,
+                run.complete_s,
+                applied,
+                len(run.outcomes),
+                "".join(
+                    f"; {rid} failed: {o.error.message}"
+                    for rid, o in run.outcomes.items()
+                    if o.state == FAILED
+                ),
+            )
         )
 
     # ---- status ----
@@ -457,8 +463,10 @@ class Coordinator(VersionDriver):
         return self._last_version
 
     def close(self) -> None:
+        self._stop.set()
+        while self._finished:
+            log.info(*self._finished.popleft())
         with self._cond:
-            self._closed = True
             for run in self._runs.values():
                 if not run.done:
                     self._abort(run, error_to_pb(TransportError("the sender is shutting down")))

@@ -20,7 +20,7 @@ from weightsync.errors import TransportError, WeightSyncError
 from weightsync.regions import pack_regions
 from weightsync.transports import get_transport
 from weightsync.transports.broadcast import PendingBroadcast
-from weightsync.transports.cuda_ipc import new_event
+from weightsync.transports.cuda_ipc import new_event, release_event
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 
@@ -243,6 +243,8 @@ class VersionDriver:
         transport = get_transport(run.transport)
         for slot in self._slots:
             self._before_reuse(run, slot, torch.device(slot.device), gpu=False)
+            if slot.ready is not None:
+                release_event(slot.ready[1])
             get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
         # Round up so small growth does not reallocate every version.
         capacity = min(max(need, 1 << 20), self.settings.bucket_size_bytes)

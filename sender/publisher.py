@@ -73,10 +73,10 @@ class Publisher:
         self._channel, self._stub = connect(address, connect_timeout_s)
         self._buffers = MappedBuffers()
         self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
-        self._offered: tuple[tuple, pb.BeginVersion] | None = None
+        self._offered: tuple[Mapping, pb.BeginVersion] | None = None
         self._layouts = ParseCache(bucket_from_pb)
-        self._specs: tuple[tuple, tuple[TensorSpec, ...]] | None = None
-        self._manifests = ParseCache(manifest_to_pb, max_entries=8)
+        self._published: tuple[tuple, tuple[TensorSpec, ...], dict] | None = None
+        self._manifest: tuple[VersionManifest, pb.Manifest] | None = None
 
     def publish(
         self,
@@ -105,10 +105,13 @@ class Publisher:
         """
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         tensors = dict(items)
-        key = tuple((n, t.dtype, t.shape) for n, t in tensors.items())
-        if self._specs is None or self._specs[0] != key:
-            self._specs = (key, tuple(TensorSpec.of(n, t) for n, t in tensors.items()))
-        manifest = VersionManifest(version, self._specs[1], lora)
+        # One pass decides whether last version's specs and regions still describe these.
+        key = tuple((n, t.dtype, t.shape, t.data_ptr(), t.stride()) for n, t in tensors.items())
+        if self._published is None or self._published[0] != key:
+            specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
+            self._published = (key, specs, whole(tensors))
+        _, specs, regions = self._published
+        manifest = VersionManifest(version, specs, lora)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -121,7 +124,7 @@ class Publisher:
             device=device,
             wait=wait,
             timeout_s=timeout_s,
-            regions=whole(tensors),
+            regions=regions,
             direct=direct,
         )
 
@@ -139,7 +142,8 @@ class Publisher:
         """Publish a version whose buckets ``pack`` fills (this rank's part of each bucket).
 
         Every rank of a multi-rank publisher calls this with the same manifest. ``regions``
-        offers where this rank's parts of each tensor live (CUDA memory only): when the
+        offers where this rank's parts of each tensor live (CUDA memory only; described once
+        per mapping object, so pass the same one while the tensors stay put): when the
         ranks' regions cover every staged tensor and the sender can map them, it packs the
         buckets itself and ``pack`` is not called. With ``direct``, receivers on this host
         may read whole contiguous regions in place. The sender decides both per version.
@@ -159,7 +163,7 @@ class Publisher:
             )
         )
         begin = pb.BeginVersion(wait_applied=wait)
-        begin.manifest.CopyFrom(self._manifests(manifest, key=(manifest.tensors, manifest.lora)))
+        begin.manifest.CopyFrom(self._manifest_pb(manifest))
         begin.manifest.version = manifest.version
         if regions:
             self._offer(begin, regions)
@@ -197,17 +201,24 @@ class Publisher:
             _raise_for_failures(done)
         return PublishResult(manifest.version, staged_s, staged.receivers, done)
 
+    def _manifest_pb(self, manifest: VersionManifest) -> pb.Manifest:
+        """The wire manifest, converted again only for another tensor list (by identity: the
+        callers keep theirs; holding it here keeps the identity meaningful)."""
+        cached = self._manifest
+        if cached is None or (
+            cached[0].tensors is not manifest.tensors or cached[0].lora != manifest.lora
+        ):
+            self._manifest = cached = (manifest, manifest_to_pb(manifest))
+        return cached[1]
+
     def _offer(self, begin: pb.BeginVersion, regions: Mapping[str, Sequence[Region]]) -> None:
-        """Describe ``regions`` (cached while the tensors stay where they are; each storage is
-        exported once: Megatron keeps parameters in a few large buffers). Only tensors wholly
-        in CUDA memory are offered: other processes cannot map a CPU tensor."""
-        regions = {n: rs for n, rs in regions.items() if all(r.source.is_cuda for r in rs)}
-        key = tuple(
-            (name, r.dst_start, r.source.data_ptr(), r.source.stride(), r.source.shape)
-            for name, parts in regions.items()
-            for r in parts
-        )
-        if self._offered is None or self._offered[0] != key:
+        """Describe ``regions``: once per mapping (by identity, so callers pass the same one
+        while their tensors stay put); each storage is exported once (Megatron keeps
+        parameters in a few large buffers). Only tensors wholly in CUDA memory are offered:
+        other processes cannot map a CPU tensor."""
+        if self._offered is None or self._offered[0] is not regions:
+            offered = regions
+            regions = {n: rs for n, rs in regions.items() if all(r.source.is_cuda for r in rs)}
             offer = pb.BeginVersion()
             index: dict[str, int] = {}
             # Only the storages of this offer stay exported (and so referenced).
@@ -231,7 +242,7 @@ class Publisher:
                 return index[handle.buffer_id], tensor.storage_offset() * tensor.element_size()
 
             offer.pieces.extend(regions_to_pb(regions, locate))
-            self._offered = (key, offer)
+            self._offered = (offered, offer)
         begin.MergeFrom(self._offered[1])
 
     def _pack_one(

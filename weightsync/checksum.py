@@ -19,6 +19,7 @@ ALGORITHM = "ws-rows64-v2"
 _ROW_WORDS = 32
 _ROW_BYTES = 8 * _ROW_WORDS
 _MASK64 = (1 << 64) - 1
+_BLOCK = 4096
 
 
 def row_sums(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -29,8 +30,20 @@ def row_sums(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
     if nbytes == 0:
         return torch.zeros(2, dtype=torch.int64, device=buffer.device)
     sums = buffer[:nbytes].view(torch.int64).view(-1, _ROW_WORDS).sum(dim=1)
-    positions = torch.arange(1, sums.numel() + 1, device=buffer.device, dtype=torch.int64)
-    return torch.stack([(sums * positions).sum(), sums.sum()])
+    # sum((r + 1) * sums[r]) without a positions tensor as long as `sums`: with r = b*K + j,
+    # it is K * sum(b * block_b) + sum((j + 1) * column_j) (+ the rows after the last block),
+    # the same value modulo 2**64, from temporaries of K and R/K entries.
+    rows = sums.numel()
+    blocks, tail = divmod(rows, _BLOCK)
+    step = torch.arange(1, _BLOCK + 1, device=buffer.device, dtype=torch.int64)
+    weighted = torch.zeros((), dtype=torch.int64, device=buffer.device)
+    if blocks:
+        grid = sums[: blocks * _BLOCK].view(blocks, _BLOCK)
+        index = torch.arange(blocks, device=buffer.device, dtype=torch.int64)
+        weighted = (grid.sum(dim=0) * step).sum() + (grid.sum(dim=1) * index).sum() * _BLOCK
+    if tail:
+        weighted = weighted + (sums[blocks * _BLOCK :] * (step[:tail] + blocks * _BLOCK)).sum()
+    return torch.stack([weighted, sums.sum()])
 
 
 def finish(sums: torch.Tensor, nbytes: int) -> int:

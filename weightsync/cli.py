@@ -72,10 +72,8 @@ def _sender_settings(args: argparse.Namespace) -> dict:
 
 
 def _run_sender(args: argparse.Namespace, console: Console) -> int:
-    from weightsync.runtime import prefer_latency
     from weightsync.sender.daemon import Sender
 
-    prefer_latency()
     sender = Sender(**_sender_settings(args))
     s = sender.settings
     console.print(
@@ -161,9 +159,7 @@ def _run_demo(args: argparse.Namespace, console: Console) -> int:
 
 def _run_bench(args: argparse.Namespace, console: Console) -> int:
     from weightsync.bench.cli import run_bench
-    from weightsync.runtime import prefer_latency
 
-    prefer_latency()
     return run_bench(args, console)
 
 

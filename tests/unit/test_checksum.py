@@ -53,3 +53,19 @@ def test_stale_zero_buffer_differs_from_data():
     assert bucket_checksum(torch.zeros(4096, dtype=torch.uint8), 4096) != bucket_checksum(
         buf(), 4096
     )
+
+
+def test_blockwise_position_weighting_equals_the_plain_sum_modulo_2_64():
+    """Row sums are weighted by position in blocks (no bucket-long temporary); the value must
+    equal sum((r + 1) * row_sum[r]) mod 2**64, overflow included, for any block/tail split."""
+    from weightsync.checksum import _BLOCK, _ROW_BYTES, row_sums
+
+    g = torch.Generator().manual_seed(7)
+    for rows in (1, _BLOCK - 1, _BLOCK, 2 * _BLOCK + 5):
+        words = torch.randint(-(2**62), 2**62, (rows * _ROW_BYTES // 8,), generator=g)
+        buffer = words.view(torch.uint8)
+        row = [sum(words[r * 32 : (r + 1) * 32].tolist()) for r in range(rows)]
+        mask = (1 << 64) - 1
+        weighted = sum((r + 1) * s for r, s in enumerate(row)) & mask
+        got = [int(x) & mask for x in row_sums(buffer, buffer.numel()).tolist()]
+        assert got == [weighted, sum(row) & mask], rows

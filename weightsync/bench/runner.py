@@ -8,6 +8,7 @@ staging buffers count in its memory) and publishes. Receivers are long-lived wor
 from __future__ import annotations
 
 import datetime
+import logging
 import platform
 import shutil
 import tempfile
@@ -119,7 +120,11 @@ def _machine(device: torch.device) -> str:
 
 
 def run(cfg: BenchConfig, console) -> Report:
-    """Run every floor, baseline and case of ``cfg``; returns the report (rows in run order)."""
+    """Run every floor, baseline and case of ``cfg``; returns the report (rows in run order).
+
+    The embedded sender's per-version log lines are silenced: the report is the output, and
+    rendering them would compete with the measured versions for the GIL."""
+    logging.getLogger("weightsync.sender").setLevel(logging.WARNING)
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but CUDA is not available here; use --device cpu")

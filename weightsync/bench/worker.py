@@ -21,7 +21,6 @@ from weightsync.bench.layout import TrainerShards, plan_layout
 from weightsync.bench.models import ModelShape
 from weightsync.buckets import BucketPlan, ChunkAssembler, unpack_bucket
 from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError
-from weightsync.runtime import prefer_latency
 
 
 @dataclass(frozen=True)
@@ -123,7 +122,6 @@ def verify(target: EngineLikeTarget, shards: TrainerShards) -> tuple[int, tuple[
 
 def worker_main(conn: Connection, shape: ModelShape, device_name: str) -> None:
     """Entry point of the spawned receiver process."""
-    prefer_latency()  # this process is ours (an engine keeps its own setting)
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -7,7 +7,6 @@ by UUID (indices differ between processes with different ``CUDA_VISIBLE_DEVICES`
 from __future__ import annotations
 
 import uuid
-import weakref
 
 import torch
 
@@ -103,7 +102,9 @@ def export_handle(tensor: torch.Tensor, buffer_id: str | None = None) -> pb.Buff
 # Interprocess events order the GPU work of sender and receivers on one host without a CPU
 # wait per bucket: a receiver's stream waits for the "packed" event of a staging buffer, the
 # sender's for the receivers' "read" events before it packs into that buffer again.
-_OWN_EVENTS: weakref.WeakValueDictionary[bytes, torch.cuda.Event] = weakref.WeakValueDictionary()
+# Held strongly (a weak reference to a torch.cuda.Event crashed the interpreter on H200 /
+# torch 2.11); owners drop theirs with release_event.
+_OWN_EVENTS: dict[bytes, torch.cuda.Event] = {}
 
 
 def new_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
@@ -114,6 +115,11 @@ def new_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
         handle = bytes(event.ipc_handle())
     _OWN_EVENTS[handle] = event
     return event, handle
+
+
+def release_event(handle: bytes) -> None:
+    """Forget an event made by :func:`new_event` (its owner no longer uses it)."""
+    _OWN_EVENTS.pop(handle, None)
 
 
 class EventCache:
