@@ -100,3 +100,12 @@ def test_json_and_plot(tmp_path):
         assert "matplotlib is not installed" in plotted
     else:
         assert plotted.exists() and plotted.stat().st_size > 0
+
+
+def test_a_saved_report_reads_back_to_the_same_table_and_targets(tmp_path):
+    """``--replot`` rebuilds the report from its JSON (derived columns computed again)."""
+    report = _report()
+    back = Report.from_json(json.loads(report.write_json(tmp_path).read_text()))
+    assert back.rows == report.rows
+    assert back.targets() == report.targets()
+    assert back.to_json() == report.to_json()

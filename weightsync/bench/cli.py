@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from weightsync.bench.models import MODELS
+from weightsync.bench.report import Report
 from weightsync.bench.runner import CASES, BenchConfig, run
 from weightsync.buckets import ALIGNMENT_BYTES
 from weightsync.errors import ConfigError
@@ -44,6 +46,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
     p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
     p.add_argument("--plot", action="store_true", help="draw the table to a PNG (matplotlib)")
+    p.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="measure nothing: print the table of a saved run and draw its PNG into --out "
+        "(for runs on machines without matplotlib)",
+    )
 
 
 def _ints(text: str, what: str) -> tuple[int, ...]:
@@ -75,6 +83,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run_bench(args: argparse.Namespace, console) -> int:
     """Run the bench; 0 when every case that ran succeeded bit-exactly, 1 otherwise."""
+    if args.replot:
+        report = Report.from_json(json.loads(Path(args.replot).read_text()))
+        console.print(report.table())
+        console.print(f"plot: {report.plot(Path(args.out))}")
+        return 0
     report = run(config_from_args(args), console)
     console.print(report.table())
     for t in report.targets():

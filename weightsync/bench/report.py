@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from rich.table import Table
@@ -175,6 +175,16 @@ class Report:
                 }
             )
         return {"meta": self.meta, "rows": rows, "targets": self.targets()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Report:
+        """The report a :meth:`to_json` wrote (derived columns are computed again)."""
+        names = {f.name for f in fields(Row)}
+        rows = [
+            Row(**{k: v for k, v in r.items() if k in names} | {"samples_s": tuple(r["samples_s"])})
+            for r in data["rows"]
+        ]
+        return cls(data["meta"], rows)
 
     def write_json(self, out_dir: Path) -> Path:
         out_dir.mkdir(parents=True, exist_ok=True)
