@@ -25,28 +25,40 @@ def test_detects_a_single_flipped_bit_anywhere():
 
 
 def test_detects_swapped_rows_and_shifted_bytes():
-    b = buf()
-    ref = bucket_checksum(b, 4096)
-    rows = b.view(16, 256).clone()
+    b = buf(3 * 65536 + 512)
+    n = b.numel()
+    ref = bucket_checksum(b, n)
+    rows = b[: 3 * 65536].view(3, 65536).clone()
     rows[[0, 1]] = rows[[1, 0]]
-    assert bucket_checksum(rows.reshape(-1), 4096) != ref
-    for shift in (1, 8, 100):  # a packer that wrote at a wrong offset
+    assert bucket_checksum(torch.cat([rows.reshape(-1), b[3 * 65536 :]]), n) != ref
+    tail = b.clone()
+    tail[-512:] = torch.cat([b[-256:], b[-512:-256]])  # two 256-byte tail rows swapped
+    assert bucket_checksum(tail, n) != ref
+    for shift in (1, 8, 100, 65536):  # a packer that wrote at a wrong offset
         shifted = torch.roll(b, shift)
-        assert bucket_checksum(shifted, 4096) != ref, shift
+        assert bucket_checksum(shifted, n) != ref, shift
 
 
-def test_matches_a_plain_python_reference():
-    b = buf(8192, seed=3)
+def _reference(b: torch.Tensor) -> int:
+    """The algorithm in plain Python: 64 KiB rows, then 256-byte rows for the tail."""
+    n = b.numel()
     words = [
         int.from_bytes(b[i : i + 8].numpy().tobytes(), "little", signed=True)
-        for i in range(0, 8192, 8)
+        for i in range(0, n, 8)
     ]
-    rows = [sum(words[r * 32 : (r + 1) * 32]) for r in range(len(words) // 32)]
+    whole = len(words) // 8192 * 8192
+    rows = [sum(words[r : r + 8192]) for r in range(0, whole, 8192)]
+    rows += [sum(words[r : r + 32]) for r in range(whole, len(words), 32)]
     mask = (1 << 64) - 1
     a = sum((i + 1) * s for i, s in enumerate(rows)) & mask
     s_ = sum(rows) & mask
-    expected = (a * 0x9E3779B97F4A7C15 + s_ * 0xC2B2AE3D27D4EB4F + 8192) & mask
-    assert bucket_checksum(b, 8192) == expected
+    return (a * 0x9E3779B97F4A7C15 + s_ * 0xC2B2AE3D27D4EB4F + n) & mask
+
+
+def test_matches_a_plain_python_reference_for_any_row_and_tail_split():
+    for n in (256, 8192, 65536, 65536 + 256, 2 * 65536 + 4096):
+        b = buf(n, seed=n)
+        assert bucket_checksum(b, n) == _reference(b), n
 
 
 def test_stale_zero_buffer_differs_from_data():
@@ -55,17 +67,9 @@ def test_stale_zero_buffer_differs_from_data():
     )
 
 
-def test_blockwise_position_weighting_equals_the_plain_sum_modulo_2_64():
-    """Row sums are weighted by position in blocks (no bucket-long temporary); the value must
-    equal sum((r + 1) * row_sum[r]) mod 2**64, overflow included, for any block/tail split."""
-    from weightsync.checksum import _BLOCK, _ROW_BYTES, row_sums
-
+def test_wrapping_arithmetic_matches_the_reference_at_the_extremes():
+    """Words near the int64 limits overflow every sum: the value still equals the reference."""
     g = torch.Generator().manual_seed(7)
-    for rows in (1, _BLOCK - 1, _BLOCK, 2 * _BLOCK + 5):
-        words = torch.randint(-(2**62), 2**62, (rows * _ROW_BYTES // 8,), generator=g)
-        buffer = words.view(torch.uint8)
-        row = [sum(words[r * 32 : (r + 1) * 32].tolist()) for r in range(rows)]
-        mask = (1 << 64) - 1
-        weighted = sum((r + 1) * s for r, s in enumerate(row)) & mask
-        got = [int(x) & mask for x in row_sums(buffer, buffer.numel()).tolist()]
-        assert got == [weighted, sum(row) & mask], rows
+    words = torch.randint(-(2**63), 2**63 - 1, (2 * 8192 + 64,), generator=g)
+    b = words.view(torch.uint8)
+    assert bucket_checksum(b, b.numel()) == _reference(b)
