@@ -170,8 +170,9 @@ def _run_trace(args: argparse.Namespace, console: Console) -> int:
 
     events = trace.load(args.dir)
     if not events:
-        console.print(f"no trace files (*.jsonl) under {args.dir}")
+        console.print(f"no trace files (*.jsonl) under {args.dir}", soft_wrap=True)
         return 1
+    console = Console()  # the timeline is this command's output: stdout
     starts = [e["t_ns"] for e in events if e["event"] == "publish"] or [events[0]["t_ns"]]
     start = starts[min(args.version, len(starts)) - 1] if args.version else starts[0]
     stop = next((t for t in starts if t > start), None) if args.version else None

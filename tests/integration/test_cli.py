@@ -63,3 +63,30 @@ def test_demo_ends_with_the_bit_exact_line():
     out = subprocess.run([f"{BIN}/weightsync", "demo"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "demo: 3 versions to 2 receivers, bit-exact: yes"
+
+
+def test_trace_lines_up_every_process_of_a_version(tmp_path):
+    """With WEIGHTSYNC_TRACE_DIR set, the demo's trainer, sender and receiver processes each
+    write their events; `weightsync trace` prints one timeline of the version asked for."""
+    import os
+
+    env = {**os.environ, "WEIGHTSYNC_TRACE_DIR": str(tmp_path), "COLUMNS": "200"}
+    demo = [f"{BIN}/weightsync", "demo", "--versions", "2", "--receivers", "1"]
+    out = subprocess.run(demo, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    files = sorted(p.name.split("-")[0] for p in tmp_path.glob("*.jsonl"))
+    assert "receiver" in files and len(files) >= 2, files
+    trace = [f"{BIN}/weightsync", "trace", str(tmp_path), "--version", "2"]
+    shown = subprocess.run(trace, capture_output=True, text=True, timeout=60, env=env)
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    for event in ("publish", "sender.begin", "sender.announce", "receiver.committed"):
+        assert event in shown.stdout, event
+    assert "version=2" in shown.stdout and "version=1 " not in shown.stdout
+
+
+def test_trace_of_an_empty_folder_says_so(tmp_path):
+    out = subprocess.run(
+        [f"{BIN}/weightsync", "trace", str(tmp_path)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 1
+    assert f"no trace files (*.jsonl) under {tmp_path}" in out.stdout + out.stderr
