@@ -74,6 +74,9 @@ class Coordinator(VersionDriver):
         self._plans = ParseCache(self._plan, max_entries=16)
         self._offers = ParseCache(lambda args: Offer.of(*args), max_entries=4)
         self._events = EventCache()
+        self._copies: tuple[object, dict] = (None, {})
+        """Pack copies (destination, source views) by (staging buffer, bucket), for one
+        mapping of offered regions (see ``VersionDriver._pack``)."""
         self._stop = threading.Event()
         self._finished: deque[tuple] = deque()
         """Log lines of finished versions; the monitor writes them, off the path of replies."""
@@ -236,8 +239,9 @@ class Coordinator(VersionDriver):
 
         A tensor offered as one whole contiguous region goes direct when a publisher allows
         it and every receiver maps CUDA IPC memory of this host. The sender packs the staged
-        buckets itself when the offered regions cover every staged tensor and it can map them;
-        otherwise the publishers pack (one round trip per bucket). Both are worked out once
+        buckets itself when the offered regions cover every staged tensor and it can map them
+        (CUDA IPC, or shm buffers a publisher allocated); otherwise the publishers pack (one
+        round trip per bucket). Both are worked out once
         per (manifest, offer) and reused every version.
         """
         offer = self._offers((manifest, ranks), key=(manifest_key, _offer_key(ranks)))
@@ -253,7 +257,7 @@ class Coordinator(VersionDriver):
         run = VersionRun(manifest, plan, publisher_id, transport, ranks, direct, offer.sources)
         run.layouts = layouts
         run.notify_done = any(r.begin.wait_applied for r in ranks.values())
-        if transport == "cuda_ipc" and plan.buckets:
+        if plan.buckets:
             run.regions = offer.regions(plan, direct=bool(located))
         return run
 
@@ -464,6 +468,7 @@ class Coordinator(VersionDriver):
 
     def close(self) -> None:
         self._stop.set()
+        self._copies = (None, {})
         while self._finished:
             log.info(*self._finished.popleft())
         with self._cond:

@@ -17,7 +17,7 @@ from weightsync import trace
 from weightsync.buckets import Bucket
 from weightsync.checksum import ALGORITHM, finish, row_sums
 from weightsync.errors import TransportError, WeightSyncError
-from weightsync.regions import pack_regions
+from weightsync.regions import copy_pairs, region_copies
 from weightsync.transports import get_transport
 from weightsync.transports.broadcast import PendingBroadcast
 from weightsync.transports.cuda_ipc import new_event, release_event
@@ -117,9 +117,20 @@ class VersionDriver:
     def _pack(self, run: VersionRun, bucket: Bucket, slot: Slot, device: torch.device) -> None:
         """Queue the copies that pack ``bucket`` from the publishers' mapped memory."""
         self._before_reuse(run, slot, device, gpu=device.type == "cuda")
+        # The copies' views are worked out once per (regions, slot, bucket): with thousands of
+        # small tensors (MoE experts) building them cost more than launching the copies.
+        if self._copies[0] is not run.regions:
+            self._copies = (run.regions, {})
+        key = (slot.buffer.buffer_id, bucket.index)
         try:
-            for entry in bucket.entries:
-                pack_regions(slot.buffer.tensor, entry, run.regions[entry.name])
+            pairs = self._copies[1].get(key)
+            if pairs is None:
+                pairs = self._copies[1][key] = [
+                    pair
+                    for entry in bucket.entries
+                    for pair in region_copies(slot.buffer.tensor, entry, run.regions[entry.name])
+                ]
+            copy_pairs(pairs)
         except (RuntimeError, WeightSyncError) as e:
             raise TransportError(
                 f"version {run.version}: packing bucket {bucket.index} from the publishers' "
@@ -241,6 +252,7 @@ class VersionDriver:
             "receivers to release staging buffers",
         )
         transport = get_transport(run.transport)
+        self._copies = (None, {})  # their views hold the old buffers
         for slot in self._slots:
             self._before_reuse(run, slot, torch.device(slot.device), gpu=False)
             if slot.ready is not None:

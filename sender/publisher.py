@@ -19,7 +19,7 @@ from weightsync.errors import ReceiverFailedError, WeightSyncError, error_from_r
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.regions import Region, whole
 from weightsync.transports import MappedBuffers
-from weightsync.transports.base import register_own
+from weightsync.transports.base import own_handle, register_own
 from weightsync.transports.cuda_ipc import device_uuid, export_handle
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
@@ -214,11 +214,15 @@ class Publisher:
     def _offer(self, begin: pb.BeginVersion, regions: Mapping[str, Sequence[Region]]) -> None:
         """Describe ``regions``: once per mapping (by identity, so callers pass the same one
         while their tensors stay put); each storage is exported once (Megatron keeps
-        parameters in a few large buffers). Only tensors wholly in CUDA memory are offered:
-        other processes cannot map a CPU tensor."""
+        parameters in a few large buffers). Only tensors other processes can map are offered:
+        CUDA memory, or a staging buffer this process allocated (shm)."""
         if self._offered is None or self._offered[0] is not regions:
             offered = regions
-            regions = {n: rs for n, rs in regions.items() if all(r.source.is_cuda for r in rs)}
+            regions = {
+                n: rs
+                for n, rs in regions.items()
+                if all(r.source.is_cuda or own_handle(r.source) for r in rs)
+            }
             offer = pb.BeginVersion()
             index: dict[str, int] = {}
             # Only the storages of this offer stay exported (and so referenced).
@@ -229,6 +233,8 @@ class Publisher:
                 skey = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
                 if skey not in self._exported:
                     hit = previous.get(skey)
+                    if hit is None and not tensor.is_cuda:
+                        hit = (own_handle(tensor), tensor)
                     if hit is None:
                         whole_storage = torch.empty(0, dtype=torch.uint8, device=tensor.device)
                         whole_storage.set_(storage, 0, (storage.nbytes(),), (1,))

@@ -50,17 +50,26 @@ def entry_rows(entry: BucketEntry) -> tuple[int, int]:
 def pack_regions(buffer: torch.Tensor, entry: BucketEntry, regions: Iterable[Region]) -> None:
     """Copy the parts of ``regions`` that fall in ``entry`` (a tensor or a dim-0 row range of
     it) into ``buffer`` (flat ``uint8``, the bucket). One ``copy_`` per region, no allocation
-    (except across GPUs, see :func:`_copy`)."""
+    (except across GPUs, see :func:`copy_pairs`)."""
+    copy_pairs(region_copies(buffer, entry, regions))
+
+
+def region_copies(
+    buffer: torch.Tensor, entry: BucketEntry, regions: Iterable[Region]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The ``(destination, source)`` views :func:`pack_regions` copies: worked out once, they
+    can be copied again every version (the views follow the memory, not its contents)."""
     spec = entry.spec
     if entry.nbytes == 0:
-        return
+        return []
     first, stop = entry_rows(entry)
     raw = buffer[entry.offset : entry.offset + entry.nbytes].view(spec.torch_dtype)
     region_view = raw.view((stop - first, *spec.shape[1:])) if spec.shape else raw.view(())
+    pairs = []
     for region in regions:
         src = region.source
         if not spec.shape:
-            _copy(region_view, src)
+            pairs.append((region_view, src))
             continue
         start0, size0 = region.dst_start[0], src.shape[0]
         lo, hi = max(start0, first), min(start0 + size0, stop)
@@ -69,7 +78,14 @@ def pack_regions(buffer: torch.Tensor, entry: BucketEntry, regions: Iterable[Reg
         dst = region_view.narrow(0, lo - first, hi - lo)
         for dim in range(1, len(spec.shape)):
             dst = dst.narrow(dim, region.dst_start[dim], src.shape[dim])
-        _copy(dst, src.narrow(0, lo - start0, hi - lo))
+        pairs.append((dst, src.narrow(0, lo - start0, hi - lo)))
+    return pairs
+
+
+@torch.no_grad()
+def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for dst, src in pairs:
+        _copy(dst, src)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

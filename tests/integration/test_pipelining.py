@@ -164,3 +164,45 @@ def test_the_sender_packs_itself_when_the_offer_covers_every_staged_tensor():
                 assert torch.equal(got, want[entry.name])
     finally:
         co.close()
+
+
+def test_the_sender_packs_offered_shared_memory_itself_and_the_publisher_never_packs(
+    sock_dir, monkeypatch
+):
+    """A trainer whose tensors live in a shm buffer it allocated offers them: the sender maps
+    them and packs every bucket (chunked ones too) without a round trip to the publisher,
+    twice (the second time from the copies it worked out the first time), bit-exact."""
+    import weightsync.sender.publisher as publisher_module
+
+    from weightsync.transports import get_transport
+
+    def never(*args):
+        raise AssertionError("the publisher was asked to pack")
+
+    monkeypatch.setattr(publisher_module, "pack_entry", never)
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as sender:
+        store = get_transport("shm").allocate(1 << 16, torch.device("cpu"))
+        try:
+            reference = TinyNet(seed=3).state_dict()
+            tensors, offset = {}, 0
+            for name, t in reference.items():
+                nbytes = t.numel() * t.element_size()
+                view = store.tensor[offset : offset + nbytes].view(t.dtype).view(t.shape)
+                tensors[name] = view.copy_(t)
+                offset += (nbytes + 255) // 256 * 256
+            model = TinyNet(seed=1)
+            receiver = TorchReceiver(model, sender.address)
+            publisher = Publisher(sender.address)
+            for version in (1, 2):
+                t = threading.Thread(target=receiver.sync, kwargs={"timeout": 60})
+                t.start()
+                result = publisher.publish(tensors, version, wait=True, timeout_s=60)
+                t.join(60)
+                assert result.status.sender_packed
+                assert result.status.num_buckets > 2
+                live = model.state_dict()
+                assert all(torch.equal(live[n], tensors[n]) for n in tensors), version
+                for v in tensors.values():  # a stand-in optimizer step, in place
+                    v.add_(1)
+        finally:
+            get_transport("shm").release(store)

@@ -18,9 +18,19 @@ from weightsync.v1 import weightsync_pb2 as pb
 _OWN: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
 
+# The handles of buffers this process allocated, by their storage's address: a tensor that
+# lives in one can be offered to the sender by that handle.
+_OWN_HANDLES: dict[int, pb.BufferHandle] = {}
+
+
 def register_own(buffer_id: str, tensor: torch.Tensor) -> None:
     """Let this process "map" ``tensor`` by ``buffer_id`` while its owner holds it."""
     _OWN[buffer_id] = tensor
+
+
+def own_handle(tensor: torch.Tensor) -> pb.BufferHandle | None:
+    """The handle of the allocated buffer ``tensor`` lives in, if this process made one."""
+    return _OWN_HANDLES.get(tensor.untyped_storage().data_ptr())
 
 
 @dataclass
@@ -45,11 +55,13 @@ class Transport(ABC):
         """Create a buffer of ``nbytes`` that other processes on this host can map."""
         buffer = self._allocate(nbytes, device)
         register_own(buffer.buffer_id, buffer.tensor)
+        _OWN_HANDLES[buffer.tensor.untyped_storage().data_ptr()] = buffer.handle
         return buffer
 
     def release(self, buffer: StagingBuffer) -> None:
         """Free a buffer this process allocated. Mappings elsewhere stay valid until closed."""
         _OWN.pop(buffer.buffer_id, None)
+        _OWN_HANDLES.pop(buffer.tensor.untyped_storage().data_ptr(), None)
         self._release(buffer)
 
     @abstractmethod
