@@ -64,7 +64,8 @@ class ReceiverCore:
         address: the sender's ``unix:/path`` or ``host:port``.
         engine, rank: how this receiver shows in ``weightsync status``.
         receiver_id: unique per engine worker (default: generated).
-        verify_checksums: check every bucket's checksum before loading it.
+        verify_checksums: compare every bucket's checksum with the sender's before committing
+            the version (computed on the device as buckets arrive).
 
     Raises:
         TransportError: no sender answers at ``address``.

@@ -52,7 +52,7 @@ class WeightsyncInitInfo(WeightTransferInitInfo):
     lora_dir: str | None = None
     """Where LoRA adapters are written; unique per engine when engines share a host."""
     verify_checksums: bool = True
-    """Check every bucket's checksum before loading it."""
+    """Compare every bucket's checksum with the sender's before committing the version."""
     connect_timeout_s: float = 10.0
     """How long to wait for the sender to answer at ``address``."""
 
