@@ -3,6 +3,10 @@
 One driver thread runs per version, one version packs at a time. Mixed into
 :class:`~weightsync.sender.coordinator.Coordinator`, whose lock, condition and failure
 bookkeeping it uses; this module holds only the path a version's bytes take.
+
+On CUDA nothing here waits for the GPU per bucket: packing, checksums, broadcasts and the
+receivers' reads are ordered by streams and interprocess events, and the driver waits once,
+at the version's end, before it sends the checksums and releases the trainer's memory.
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ class VersionDriver:
             torch.cuda.current_stream(device).synchronize()
 
     def _issue_packs(self, run: VersionRun, issued: deque, todo: deque) -> None:
-        """Hand the next buckets to the publisher, one per free slot (waits if none in flight)."""
+        """Give each free slot the next bucket (waits if none is in flight); ask the publishers
+        to pack them unless the sender packs from their offered memory itself."""
         with self._cond:
             if not issued:
                 self._wait_locked(
