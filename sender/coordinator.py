@@ -23,6 +23,7 @@ from weightsync.sender.runs import (
     PENDING,
     Outcome,
     RankConn,
+    ReadEvent,
     ReceiverConn,
     RunAborted,
     Slot,
@@ -365,6 +366,11 @@ class Coordinator(VersionDriver):
         conn.last_error = conn.last_error or detail.message
         for slot in self._slots:
             slot.readers.discard(rid)
+            # A failed receiver's reads need not finish first (and if its process died, its
+            # event might never complete): packing does not wait for them.
+            slot.after = [
+                w for w in slot.after if not (isinstance(w, ReadEvent) and w.receiver_id == rid)
+            ]
         run.direct_readers.discard(rid)
         if notify:
             conn.send(pb.Announcement(abort=pb.VersionAbort(version=run.version, reason=detail)))
@@ -392,7 +398,8 @@ class Coordinator(VersionDriver):
         for slot in self._slots:
             if slot.version == version and slot.bucket_index == index and rid in slot.readers:
                 if read_event:
-                    slot.after.append(self._events.get(read_event, torch.device(slot.device)))
+                    event = self._events.get(read_event, torch.device(slot.device))
+                    slot.after.append(ReadEvent(rid, event))
                 slot.readers.discard(rid)
 
     def _maybe_complete(self, run: VersionRun) -> None:

@@ -80,9 +80,9 @@ class VersionDriver:
             if isinstance(work, PendingBroadcast):
                 self._wait_broadcast(run, work)
             elif gpu:
-                torch.cuda.current_stream(device).wait_event(work)
+                torch.cuda.current_stream(device).wait_event(work.event)
             else:
-                work.synchronize()
+                work.event.synchronize()
         if after and not gpu and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 

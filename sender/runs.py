@@ -88,6 +88,14 @@ class Outcome:
         self.deadline = time.monotonic() + timeout_s if self.awaiting else None
 
 
+@dataclass(frozen=True)
+class ReadEvent:
+    """A receiver's CUDA event recorded after it queued its reads of a staging buffer."""
+
+    receiver_id: str
+    event: object
+
+
 @dataclass
 class Slot:
     """A staging buffer and the receivers that still read the bucket it holds."""

@@ -206,3 +206,28 @@ def test_the_sender_packs_offered_shared_memory_itself_and_the_publisher_never_p
                     v.add_(1)
         finally:
             get_transport("shm").release(store)
+
+
+def test_packing_does_not_wait_for_the_reads_of_a_failed_receiver():
+    """A receiver acked (its read event is queued for the slot's next packing), then failed:
+    its event is dropped (a dead process's event might never complete); others' stay."""
+    from weightsync.sender.runs import Outcome, ReadEvent, ReceiverConn, Slot
+
+    from weightsync.errors import ProtocolError
+    from weightsync.transports import get_transport
+
+    co, manifest, ranks, _ = _coordinator_with_offer(lambda flat: {})
+    try:
+        for rid in ("a", "b"):
+            co._receivers[rid] = ReceiverConn(rid, "torch", 0, "cuda:0", ())
+        run = co._plan_run(manifest, b"m", "p", "shm", ranks)
+        run.outcomes = {"a": Outcome(), "b": Outcome()}
+        buffer = get_transport("shm").allocate(256, torch.device("cpu"))
+        slot = Slot(buffer, "cpu", after=[ReadEvent("a", "event-a"), ReadEvent("b", "event-b")])
+        co._slots = [slot]
+        with co._cond:
+            co._fail(run, "a", ProtocolError("receiver a closed its stream"), notify=False)
+        assert slot.after == [ReadEvent("b", "event-b")]
+        assert run.outcomes["a"].state == "failed" and run.outcomes["b"].state == "pending"
+    finally:
+        co.close()
