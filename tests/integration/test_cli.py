@@ -30,6 +30,8 @@ def test_status_prints_receivers_and_versions(sender):
     )
     assert out.returncode == 0, out.stderr
     assert "engine-7" in out.stderr and "complete" in out.stderr and "1/1" in out.stderr
+    # CPU tensors outside shared memory cannot be offered: the publisher packed them.
+    assert "packed by" in out.stderr and "publisher" in out.stderr
 
 
 def test_status_against_nothing_fails_clearly(sock_dir):
