@@ -8,6 +8,7 @@ reply past ``ack_timeout_s``, so a dead or stalled receiver never blocks the oth
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -21,6 +22,7 @@ from weightsync.sender.runs import (
     APPLIED,
     FAILED,
     PENDING,
+    VERSION_OVER,
     Outcome,
     RankConn,
     ReadEvent,
@@ -164,9 +166,10 @@ class Coordinator(VersionDriver):
     # ---- publishers ----
 
     def join(
-        self, hello: pb.PublisherHello, begin: pb.BeginVersion
+        self, hello: pb.PublisherHello, begin: pb.BeginVersion, outbox: queue.Queue
     ) -> tuple[VersionRun | None, RankConn]:
-        """Add one publisher rank to a version; the last rank to join starts the run."""
+        """Add one publisher rank to a version (its replies go to ``outbox``, the rank's
+        stream); the last rank to join starts the run."""
         manifest, manifest_key = self._manifests(begin.manifest)
         trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
@@ -193,7 +196,9 @@ class Coordinator(VersionDriver):
                 raise ConfigError(
                     f"publisher rank {hello.rank} joined version {manifest.version} twice"
                 )
-            conn = RankConn(hello.rank, hello.device, begin, begin_uuid=hello.device_uuid)
+            conn = RankConn(
+                hello.rank, hello.device, begin, begin_uuid=hello.device_uuid, outbox=outbox
+            )
             ranks[hello.rank] = conn
             self._publishers[hello.publisher_id] = pb.PublisherStatus(
                 publisher_id=hello.publisher_id,
@@ -415,7 +420,7 @@ class Coordinator(VersionDriver):
             done = pb.SenderReply(done=run.to_pb())
             for rank in run.ranks.values():
                 rank.outbox.put(done)
-                rank.outbox.put(None)
+                rank.outbox.put(VERSION_OVER)
         applied = sum(o.state == APPLIED for o in run.outcomes.values())
         self._finished.append(
             (

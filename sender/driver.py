@@ -15,7 +15,7 @@ import time
 from collections import deque
 
 import torch
-from weightsync.sender.runs import Outcome, RunAborted, Slot, VersionRun
+from weightsync.sender.runs import VERSION_OVER, Outcome, RunAborted, Slot, VersionRun
 
 from weightsync import trace
 from weightsync.buckets import Bucket
@@ -324,7 +324,7 @@ class VersionDriver:
             for rank in run.ranks.values():
                 rank.outbox.put(staged)
                 if not run.notify_done:
-                    rank.outbox.put(None)
+                    rank.outbox.put(VERSION_OVER)
             self._maybe_complete(run)
             self._cond.notify_all()
 

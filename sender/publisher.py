@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -15,7 +16,12 @@ import torch
 from weightsync import trace
 from weightsync.buckets import Bucket, TensorSpec, pack_entry
 from weightsync.control.client import connect
-from weightsync.errors import ReceiverFailedError, WeightSyncError, error_from_rpc
+from weightsync.errors import (
+    ReceiverFailedError,
+    SyncTimeoutError,
+    WeightSyncError,
+    error_from_rpc,
+)
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.regions import Region, whole
 from weightsync.transports import MappedBuffers
@@ -74,6 +80,7 @@ class Publisher:
         self._buffers = MappedBuffers()
         self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
         self._offered: tuple[Mapping, pb.BeginVersion] | None = None
+        self._stream: _PublishStream | None = None
         self._layouts = ParseCache(bucket_from_pb)
         self._published: tuple[tuple, tuple[TensorSpec, ...], dict] | None = None
         self._manifest: tuple[VersionManifest, pb.Manifest] | None = None
@@ -149,57 +156,79 @@ class Publisher:
         may read whole contiguous regions in place. The sender decides both per version.
         """
         what = f"publish version {manifest.version} to {self.address}"
-        trace.mark("publish", version=manifest.version, rank=self.rank)
-        requests: queue.Queue = queue.Queue()
-        requests.put(
-            pb.PublisherMessage(
-                hello=pb.PublisherHello(
-                    publisher_id=self.publisher_id,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                    device=str(device),
-                    device_uuid=device_uuid(device),
-                )
-            )
-        )
+        version = manifest.version
+        trace.mark("publish", version=version, rank=self.rank)
         begin = pb.BeginVersion(wait_applied=wait)
         begin.manifest.CopyFrom(self._manifest_pb(manifest))
-        begin.manifest.version = manifest.version
+        begin.manifest.version = version
         if regions:
             self._offer(begin, regions)
         begin.allow_direct = direct
-        requests.put(pb.PublisherMessage(begin=begin))
-        replies = self._stub.Publish(iter(requests.get, None), timeout=timeout_s)
+        stream = self._stream_for(device)
+        stream.requests.put(pb.PublisherMessage(begin=begin))
         staged: pb.VersionStaged | None = None
         done: pb.VersionStatus | None = None
         start = time.monotonic()
         staged_s = 0.0
+        # The stream lives on across versions, so the deadline is this version's own.
+        expired = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (expired.set(), stream.replies.cancel()))
+        timer.start()
         try:
-            for reply in replies:
+            for reply in stream.replies:
                 kind = reply.WhichOneof("kind")
-                trace.mark(f"publisher.{kind}", version=manifest.version)
-                if kind == "pack":
-                    self._pack_one(reply.pack, pack, requests, device)
-                elif kind == "staged":
+                trace.mark(f"publisher.{kind}", version=version)
+                if kind == "pack" and reply.pack.version == version:
+                    self._pack_one(reply.pack, pack, stream.requests, device)
+                elif kind == "staged" and reply.staged.version == version:
                     staged, staged_s = reply.staged, time.monotonic() - start
                     if not wait:
                         break
-                elif kind == "done":
+                elif kind == "done" and reply.done.version == version:
                     done = reply.done
                     break
+                # Anything else is a late reply of an earlier version (another rank waited).
         except grpc.RpcError as e:
+            self._drop_stream()
+            if expired.is_set():
+                raise SyncTimeoutError(
+                    f"{what}: the version was not {'applied' if wait else 'staged'} within "
+                    f"{timeout_s:.0f} s"
+                ) from None
             raise error_from_rpc(e, what) from None
         except BaseException as e:
-            requests.put(pb.PublisherMessage(error=error_to_pb(e)))
+            stream.requests.put(pb.PublisherMessage(error=error_to_pb(e)))
+            self._drop_stream()
             raise
         finally:
-            requests.put(None)
-            replies.cancel()
+            timer.cancel()
         if staged is None or (wait and done is None):
+            self._drop_stream()
             raise WeightSyncError(f"{what}: the sender closed the stream early")
         if done is not None:
             _raise_for_failures(done)
         return PublishResult(manifest.version, staged_s, staged.receivers, done)
+
+    def _stream_for(self, device: torch.device) -> _PublishStream:
+        """The open Publish stream (one per publisher rank, kept across versions), opened
+        again for another device or after a failure."""
+        hello = pb.PublisherHello(
+            publisher_id=self.publisher_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            device=str(device),
+            device_uuid=device_uuid(device),
+        )
+        if self._stream is not None and self._stream.hello != hello:
+            self._drop_stream()
+        if self._stream is None:
+            self._stream = _PublishStream(self._stub, hello)
+        return self._stream
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
 
     def _manifest_pb(self, manifest: VersionManifest) -> pb.Manifest:
         """The wire manifest, converted again only for another tensor list (by identity: the
@@ -285,6 +314,7 @@ class Publisher:
         return self._stub.Status(pb.StatusRequest(), timeout=10)
 
     def close(self) -> None:
+        self._drop_stream()
         self._channel.close()
 
     def __enter__(self) -> Publisher:
@@ -292,6 +322,20 @@ class Publisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _PublishStream:
+    """A Publish stream: the requests this publisher queues and the sender's replies."""
+
+    def __init__(self, stub, hello: pb.PublisherHello) -> None:
+        self.hello = hello
+        self.requests: queue.Queue = queue.Queue()
+        self.requests.put(pb.PublisherMessage(hello=hello))
+        self.replies = stub.Publish(iter(self.requests.get, None))
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.replies.cancel()
 
 
 def _raise_for_failures(status: pb.VersionStatus) -> None:

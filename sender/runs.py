@@ -17,6 +17,10 @@ from weightsync.regions import Region
 from weightsync.transports import StagingBuffer
 from weightsync.v1 import weightsync_pb2 as pb
 
+VERSION_OVER = object()
+"""Put in a publisher rank's outbox when its part of a version is over; its stream stays
+open for the next version."""
+
 
 class RunAborted(Exception):
     """The version was abandoned while a driver waited; the driver just stops."""

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Iterator
 
 import grpc
 from weightsync.sender.coordinator import Coordinator
-from weightsync.sender.runs import ReceiverConn
+from weightsync.sender.runs import VERSION_OVER, ReceiverConn
 
 from weightsync.errors import ProtocolError, WeightSyncError, grpc_code_for, rpc_details
 from weightsync.v1 import weightsync_pb2 as pb
@@ -36,6 +37,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self._co = coordinator
 
     def Publish(self, request_iterator, context):
+        """One stream per publisher rank, carrying its versions one after another (a new
+        stream per version cost milliseconds of setup)."""
         hello = _next(request_iterator, "hello", context)
         yield pb.SenderReply(
             welcome=pb.PublisherWelcome(
@@ -44,44 +47,51 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 last_version=self._co.last_version,
             )
         )
-        begin = _next(request_iterator, "begin", context)
-        try:
-            run, rank = self._co.join(hello, begin)
-        except WeightSyncError as e:
-            _abort(context, e)
-
-        def current_run():
-            # Ranks that joined before the last one got no run; it exists by their packing.
-            return run or self._co.run_of(begin.manifest.version)
-
-        def consume() -> None:
-            try:
-                for msg in request_iterator:
-                    kind = msg.WhichOneof("kind")
-                    current = current_run()
-                    if current is None:
-                        continue
-                    if kind == "packed":
-                        self._co.on_packed(current, rank, msg.packed.index)
-                    elif kind == "error":
-                        self._co.publisher_failed(current, msg.error)
-                        return
-            except grpc.RpcError:
-                pass
-            current = current_run()
-            if current is not None:
-                self._co.publisher_failed(
-                    current, ProtocolError(f"publisher rank {hello.rank} closed its stream")
-                )
-
-        threading.Thread(target=consume, daemon=True).start()
+        outbox: queue.Queue = queue.Queue()
+        threading.Thread(
+            target=self._consume_publisher, args=(hello, request_iterator, outbox), daemon=True
+        ).start()
         while True:
-            item = rank.outbox.get()
+            item = outbox.get()
             if item is None:
                 return
+            if item is VERSION_OVER:
+                continue
             if isinstance(item, WeightSyncError):
                 _abort(context, item)
             yield item
+
+    def _consume_publisher(self, hello: pb.PublisherHello, requests, outbox: queue.Queue) -> None:
+        """Read a publisher rank's stream: each ``begin`` joins a version, ``packed`` and
+        ``error`` belong to the latest one."""
+        version, run, rank = 0, None, None
+        try:
+            for msg in requests:
+                kind = msg.WhichOneof("kind")
+                if kind == "begin":
+                    version = msg.begin.manifest.version
+                    try:
+                        run, rank = self._co.join(hello, msg.begin, outbox)
+                    except WeightSyncError as e:
+                        outbox.put(e)
+                        return
+                    continue
+                # Ranks that joined before the last one got no run; it exists by their packing.
+                current = run or self._co.run_of(version)
+                if current is None or rank is None:
+                    continue
+                if kind == "packed":
+                    self._co.on_packed(current, rank, msg.packed.index)
+                elif kind == "error":
+                    self._co.publisher_failed(current, msg.error)
+        except grpc.RpcError:
+            pass
+        current = run or self._co.run_of(version)
+        if current is not None:
+            self._co.publisher_failed(
+                current, ProtocolError(f"publisher rank {hello.rank} closed its stream")
+            )
+        outbox.put(None)
 
     def Receive(self, request_iterator, context):
         hello = _next(request_iterator, "hello", context)

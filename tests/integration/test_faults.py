@@ -23,6 +23,7 @@ from weightsync.errors import (
     ManifestMismatchError,
     NameResolutionError,
     ReceiverFailedError,
+    SyncTimeoutError,
     TransportError,
     VersionError,
     WeightSyncError,
@@ -177,6 +178,38 @@ def test_version_must_increase(sender):
         ):
             publisher.publish({"w": torch.ones(4)}, bad)
     publisher.publish({"w": torch.ones(4)}, 6)
+
+
+def test_a_publish_stream_carries_every_version_and_reopens_after_a_failure(sender):
+    """One Publish stream per publisher (a new stream per version cost about a millisecond of
+    setup); a failed version drops it and the next publish opens another."""
+    publisher = Publisher(sender.address)
+    publisher.publish({"w": torch.ones(4)}, 1)
+    stream = publisher._stream
+    publisher.publish({"w": torch.ones(4)}, 2)
+    assert publisher._stream is stream
+    with pytest.raises(VersionError):
+        publisher.publish({"w": torch.ones(4)}, 2)
+    assert publisher._stream is None
+    publisher.publish({"w": torch.ones(4)}, 3)
+    assert publisher._stream is not None and publisher._stream is not stream
+    assert publisher.status().versions[-1].version == 3
+
+
+def test_the_timeout_is_per_version_on_a_kept_stream(sender):
+    """A receiver that registered but never applies: ``wait=True`` gives up after this
+    version's ``timeout_s``, not the stream's age."""
+    publisher = Publisher(sender.address)
+    publisher.publish({"w": torch.ones(4)}, 1)  # the stream is open from here on
+    time.sleep(1.5)  # older than the next version's timeout
+    idle = TorchReceiver(TinyNet(seed=1), sender.address, receiver_id="idle")
+    start = time.monotonic()
+    with pytest.raises(
+        SyncTimeoutError, match="publish version 2 to .*: the version was not applied within 1 s"
+    ):
+        publisher.publish(TinyNet(seed=2).state_dict(), 2, wait=True, timeout_s=1)
+    assert 0.9 < time.monotonic() - start < 10
+    idle.close()
 
 
 def test_unreachable_address_names_it(sock_dir):

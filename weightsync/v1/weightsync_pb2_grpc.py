@@ -60,8 +60,10 @@ class WeightSyncServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Publish(self, request_iterator, context):
-        """A trainer (or any source of HF-named tensors) registers, then publishes versions. The
-        sender answers with staging buffers to pack into, bucket by bucket.
+        """A trainer rank (or any source of HF-named tensors) says hello once, then publishes
+        versions on the same stream, one `begin` after another's `staged` (or `done`). The
+        sender packs from the memory a `begin` offers, or answers with staging buffers to pack
+        into, bucket by bucket. Replies carry their version: skip those of earlier versions.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
