@@ -19,7 +19,7 @@ from weightsync.receiver.inbox import BroadcastInbox
 from weightsync.receiver.target import WeightTarget
 
 from weightsync import trace
-from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, entry_view, unpack_bucket
+from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, entry_view
 from weightsync.checksum import ALGORITHM, finish, row_sums
 from weightsync.control.client import connect
 from weightsync.errors import (
@@ -96,6 +96,7 @@ class ReceiverCore:
         self._layouts = ParseCache(bucket_from_pb)
         self._manifests = ManifestCache()
         self._direct_views: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+        self._views: dict[tuple, tuple[list, list[BucketEntry]]] = {}
         self._validated: bytes | None = None
         """The last manifest (without version) the target accepted: the model's names and
         shapes do not change, so the same manifest need not be checked again."""
@@ -333,9 +334,9 @@ class ReceiverCore:
         """What to load from a bucket, without writing anything yet: complete tensors (views
         where possible), chunks for targets that write them in place (``load_chunk``), and
         the buffers both read."""
+        layout = msg.layout.SerializeToString()
         if msg.sources:
             sources = [self._buffers.get(h) for h in msg.sources]
-            layout = msg.layout.SerializeToString()
             key = (layout, tuple(h.buffer_id for h in msg.sources))
             views = self._direct_views.get(key)
             if views is None:
@@ -343,24 +344,41 @@ class ReceiverCore:
                 views = [(e.name, entry_view(sources[e.source], e)) for e in bucket.entries]
                 self._direct_views = {key: views}  # the latest layout is the one reused
             return views, [], sources
-        bucket, buffer = self._bucket_buffer(msg, received)
+        bucket, buffer = self._bucket_buffer(msg, received, layout)
         if self.verify_checksums:
             reads.checksum(bucket, buffer)
-        if not hasattr(self.target, "load_chunk"):
-            return list(unpack_bucket(buffer, bucket, assembler)), [], [buffer]
-        # The target writes chunks in place: no full-size temporary per oversized tensor.
-        whole = [(e.name, entry_view(buffer, e)) for e in bucket.entries if not e.is_chunked]
-        chunks = [
-            (e, buffer[e.offset : e.offset + e.nbytes]) for e in bucket.entries if e.is_chunked
-        ]
-        return whole, chunks, [buffer]
+        whole, chunked = self._staged_views(bucket, buffer, layout, cache=received is None)
+        if hasattr(self.target, "load_chunk"):
+            # The target writes chunks in place: no full-size temporary per oversized tensor.
+            chunks = [(e, buffer[e.offset : e.offset + e.nbytes]) for e in chunked]
+            return whole, chunks, [buffer]
+        assembled = [(e.name, assembler.add(buffer, e)) for e in chunked]
+        return whole + [(n, t) for n, t in assembled if t is not None], [], [buffer]
+
+    def _staged_views(
+        self, bucket: Bucket, buffer: torch.Tensor, layout: bytes, cache: bool
+    ) -> tuple[list[tuple[str, torch.Tensor]], list[BucketEntry]]:
+        """The bucket's whole tensors as views of ``buffer``, and its chunks. Mapped staging
+        buffers live as long as their mapping, so their views are worked out once per
+        (buffer, layout): building thousands of them (MoE experts) costs milliseconds every
+        version. Broadcast buffers get fresh views (they are replaced when they grow)."""
+        key = (buffer.data_ptr(), buffer.device, layout)
+        cached = self._views.get(key) if cache else None
+        if cached is None:
+            whole = [(e.name, entry_view(buffer, e)) for e in bucket.entries if not e.is_chunked]
+            cached = (whole, [e for e in bucket.entries if e.is_chunked])
+            if cache:
+                if len(self._views) >= 256:
+                    self._views.clear()
+                self._views[key] = cached
+        return cached
 
     def _bucket_buffer(
-        self, msg: pb.BucketAnnouncement, received: torch.Tensor | None
+        self, msg: pb.BucketAnnouncement, received: torch.Tensor | None, layout: bytes
     ) -> tuple[Bucket, torch.Tensor]:
         """Map the bucket's buffer (or take the one it was broadcast into); reads queued after
         this see the packed bytes."""
-        bucket = self._layouts(msg.layout)
+        bucket = self._layouts(msg.layout, layout)
         if received is not None:
             return bucket, received
         buffer = self._buffers.get(msg.buffer)
