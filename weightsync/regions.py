@@ -25,9 +25,6 @@ class Region:
     dst_start: tuple[int, ...]
     source: torch.Tensor
 
-    def box(self) -> tuple[tuple[int, int], ...]:
-        return tuple((s, s + n) for s, n in zip(self.dst_start, self.source.shape, strict=True))
-
 
 def entry_rows(entry: BucketEntry) -> tuple[int, int]:
     """The dim-0 row range ``[first, stop)`` an entry covers; PlanError if not whole rows."""
