@@ -33,7 +33,6 @@ from weightsync.sender.runs import (
 )
 
 from weightsync import __version__, trace
-from weightsync.buckets import Bucket, BucketPlan, TensorSpec, plan_buckets, plan_direct
 from weightsync.config import SenderSettings
 from weightsync.errors import (
     ConfigError,
@@ -52,7 +51,6 @@ from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
     ManifestCache,
     ParseCache,
-    bucket_to_pb,
     error_to_pb,
 )
 
@@ -74,7 +72,6 @@ class Coordinator(VersionDriver):
         self._broadcaster = Broadcaster(settings.broadcast_host, settings.ack_timeout_s)
         self._host_id = host_id()
         self._manifests = ManifestCache()
-        self._plans = ParseCache(self._plan, max_entries=16)
         self._offers = ParseCache(lambda args: Offer.of(*args), max_entries=4)
         self._events = EventCache()
         self._copies: tuple[object, dict] = (None, {})
@@ -247,8 +244,8 @@ class Coordinator(VersionDriver):
         it and every receiver maps CUDA IPC memory of this host. The sender packs the staged
         buckets itself when the offered regions cover every staged tensor and it can map them
         (CUDA IPC, or shm buffers a publisher allocated); otherwise the publishers pack (one
-        round trip per bucket). Both are worked out once
-        per (manifest, offer) and reused every version.
+        round trip per bucket). Both are worked out once per (manifest, offer) and reused
+        every version.
         """
         offer = self._offers((manifest, ranks), key=(manifest_key, _offer_key(ranks)))
         receivers = [c for c in self._receivers.values() if c.connected]
@@ -257,33 +254,14 @@ class Coordinator(VersionDriver):
             and transport == "cuda_ipc"
             and all(c.data_path == "map" for c in receivers)
         )
-        located = offer.whole if direct_ok else {}
-        key = (manifest_key, tuple(sorted(located.items())))
-        plan, direct, layouts = self._plans((manifest.tensors, located), key=key)
-        run = VersionRun(manifest, plan, publisher_id, transport, ranks, direct, offer.sources)
-        run.layouts = layouts
+        planned = offer.planned(direct_ok, self.settings.bucket_size_bytes)
+        run = VersionRun(
+            manifest, planned.plan, publisher_id, transport, ranks, planned.direct, offer.sources
+        )
+        run.layouts = planned.layouts
+        run.regions = planned.regions
         run.notify_done = any(r.begin.wait_applied for r in ranks.values())
-        if plan.buckets:
-            run.regions = offer.regions(plan, direct=bool(located))
         return run
-
-    def _plan(
-        self, arg: tuple[tuple[TensorSpec, ...], dict[str, tuple[int, int]]]
-    ) -> tuple[BucketPlan, Bucket | None, tuple[pb.BucketLayout, ...]]:
-        tensors, located = arg
-        staged = tuple(t for t in tensors if t.name not in located)
-        plan = plan_buckets(staged, self.settings.bucket_size_bytes)
-        if located and not staged:
-            plan = BucketPlan((), (), plan.bucket_size_bytes)  # not even an empty bucket
-        direct = None
-        if located:
-            direct = plan_direct(
-                [(t, *located[t.name]) for t in tensors if t.name in located],
-                index=len(plan.buckets),
-                is_last=not plan.buckets,
-            )
-        layouts = tuple(bucket_to_pb(b) for b in plan.buckets)
-        return plan, direct, layouts + ((bucket_to_pb(direct),) if direct else ())
 
     def on_packed(self, run: VersionRun, rank: RankConn, index: int) -> None:
         trace.mark("sender.packed", index=index, rank=rank.rank)
@@ -497,15 +475,15 @@ class Coordinator(VersionDriver):
 
 
 def _offer_key(ranks: dict[int, RankConn]) -> tuple[bytes, ...]:
-    """What each rank offered (sources and pieces, not the manifest), as bytes."""
-    keys = []
-    for rank in sorted(ranks):
-        offer = pb.BeginVersion()
-        offer.CopyFrom(ranks[rank].begin)
-        offer.ClearField("manifest")
-        offer.ClearField("wait_applied")
-        keys.append(offer.SerializeToString())
-    return tuple(keys)
+    """What each rank offered (sources, pieces, direct or not; not the manifest), as bytes."""
+    return tuple(
+        pb.BeginVersion(
+            sources=ranks[r].begin.sources,
+            pieces=ranks[r].begin.pieces,
+            allow_direct=ranks[r].begin.allow_direct,
+        ).SerializeToString()
+        for r in sorted(ranks)
+    )
 
 
 def _staging_device(rank: RankConn) -> torch.device:
