@@ -162,6 +162,7 @@ def _run_case(conn: Connection, cmd, target: EngineLikeTarget, shards) -> CaseRe
     device = target.device
     start = memory_start(device)
     closers = []
+    finished = False  # the trainer already sent Finish
     try:
         if isinstance(cmd, Receive):
             from weightsync.receiver.core import ReceiverCore
@@ -188,11 +189,10 @@ def _run_case(conn: Connection, cmd, target: EngineLikeTarget, shards) -> CaseRe
         reply = CaseReply("", extra, checked, mismatches)
     except Exception as e:  # reported to the trainer, which records it in the case's row
         reply = CaseReply(f"{type(e).__name__}: {e}", memory_extra(device, start))
-        if isinstance(e, _TrainerFinished):
-            return reply
+        finished = isinstance(e, _TrainerFinished)
     # Wait for the trainer's Finish before disconnecting: closing a ReceiverCore cancels its
     # stream at once and could drop the last `applied` still queued for the sender.
-    while not isinstance(conn.recv(), Finish):
+    while not finished and not isinstance(conn.recv(), Finish):
         pass
     for close in closers:
         close()
