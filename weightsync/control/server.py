@@ -28,8 +28,13 @@ SERVER_OPTIONS = CHANNEL_OPTIONS + [
 ]
 
 
+# Every open stream (a receiver, a publisher rank) holds a worker thread for its whole life;
+# threads start only when used, so the cap is about how many peers one sender may have.
+MAX_STREAMS = 1024
+
+
 def create_server(
-    listen: str, add_servicers, max_workers: int = 64
+    listen: str, add_servicers, max_workers: int = MAX_STREAMS
 ) -> tuple[grpc.Server, Address, health.HealthServicer]:
     """Create (not start) a server on ``listen``; returns it with the address actually bound.
 
@@ -40,8 +45,11 @@ def create_server(
     """
     address = parse_address(listen)
     claim_unix_socket(address)
+    # Past the cap a call is refused (RESOURCE_EXHAUSTED) rather than queued forever.
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        options=SERVER_OPTIONS,
+        maximum_concurrent_rpcs=max_workers,
     )
     add_servicers(server)
     health_servicer = health.HealthServicer()
