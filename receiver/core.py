@@ -250,25 +250,28 @@ class ReceiverCore:
             if key != self._validated:
                 self.target.validate(manifest)
                 self._validated = key
-        except WeightSyncError as e:
+        except Exception as e:
+            error = _ours(e, f"validating version {manifest.version}")
             self._send(
                 verdict=pb.ManifestVerdict(
-                    version=manifest.version, accepted=False, error=error_to_pb(e)
+                    version=manifest.version, accepted=False, error=error_to_pb(error)
                 )
             )
-            self.last_error = e
-            raise
+            self.last_error = error
+            if error is e:
+                raise
+            raise error from e
         self._send(verdict=pb.ManifestVerdict(version=manifest.version, accepted=True))
         return self._apply(manifest)
 
     def _apply(self, manifest: VersionManifest) -> int:
         version = manifest.version
-        self.target.begin(manifest)
         assembler = ChunkAssembler()
         reads = _VersionReads(version)
         touched = False  # did any write reach the model? (decides `dirty` on failure)
         index = -1
         try:
+            self.target.begin(manifest)
             while True:
                 msg = self._next(None, f"bucket of version {version}", in_version=True)
                 kind = msg.WhichOneof("kind")
@@ -312,15 +315,26 @@ class ReceiverCore:
                     )
                 else:
                     raise ProtocolError(f"unexpected {kind} inside version {version}")
-        except WeightSyncError as e:
-            if index >= 0 and not isinstance(e, ReceiverFailedError):
-                self._send(
-                    ack=pb.BucketAck(version=version, index=index, ok=False, error=error_to_pb(e))
-                )
+        except Exception as e:
+            # Whatever failed (an engine's loader raises its own types too), the target rolls
+            # back what it can, `dirty` says whether weights changed, and the sender hears why
+            # at once instead of waiting out its ack timeout.
+            where = f"version {version}" + (f", bucket {index}" if index >= 0 else "")
+            error = _ours(e, where)
             self.dirty = self.dirty or touched
-            self.last_error = e
-            self.target.abort(manifest, e)
-            raise
+            self.last_error = error
+            try:
+                self.target.abort(manifest, error)
+            finally:
+                if not isinstance(error, ReceiverFailedError) and not self._closed.is_set():
+                    self._send(
+                        applied=pb.VersionApplied(
+                            version=version, ok=False, error=error_to_pb(error)
+                        )
+                    )
+            if error is e:
+                raise
+            raise error from e
 
     def _bucket_tensors(
         self,
@@ -456,6 +470,13 @@ class ReceiverCore:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ours(error: BaseException, where: str) -> WeightSyncError:
+    """``error`` itself when it is one of ours, else a WeightSyncError saying where and what."""
+    if isinstance(error, WeightSyncError):
+        return error
+    return WeightSyncError(f"{where}: {type(error).__name__}: {error}")
 
 
 class _VersionReads:

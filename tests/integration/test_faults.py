@@ -348,3 +348,39 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
         for pid in pids:
             for path in glob.glob(f"/dev/shm/weightsync-{pid}-*"):
                 os.unlink(path)
+
+
+def test_an_engine_error_mid_version_fails_it_at_once_names_the_bucket_and_marks_dirty(sender):
+    """A target's own exception type (engines raise RuntimeError and friends) reaches the
+    sender as the receiver's failure right away, not after the ack timeout."""
+    from weightsync.receiver.core import ReceiverCore
+    from weightsync.receiver.torch_receiver import TorchModuleTarget
+
+    class Breaks(TorchModuleTarget):
+        loads = 0
+        aborted = None
+
+        def load(self, tensors):
+            Breaks.loads += 1
+            if Breaks.loads == 2:
+                raise RuntimeError("CUDA error: out of memory")
+            super().load(tensors)
+
+        def abort(self, manifest, error):
+            Breaks.aborted = error
+
+    receiver = ReceiverCore(Breaks(TinyNet(seed=1)), sender.address, receiver_id="breaks")
+    t, results = sync_in_thread(receiver)
+    start = time.monotonic()
+    with pytest.raises(
+        ReceiverFailedError,
+        match="breaks: WeightSyncError: version 1, bucket 1: RuntimeError: CUDA error: out of",
+    ):
+        Publisher(sender.address).publish(TinyNet(seed=2).state_dict(), 1, wait=True, timeout_s=60)
+    assert time.monotonic() - start < 10
+    t.join(10)
+    assert isinstance(results[0], WeightSyncError) and "bucket 1" in str(results[0])
+    assert isinstance(results[0].__cause__, RuntimeError)
+    assert receiver.dirty and Breaks.aborted is results[0]
+    (status,) = Publisher(sender.address).status().receivers
+    assert status.state == "dirty"
