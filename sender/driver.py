@@ -188,7 +188,13 @@ class VersionDriver:
                 conn.state = "applying"
                 conn.send(start)
             members = tuple(self._broadcast_members(run))
-            for rid, join in self._broadcaster.invite(members, device).items():
+            try:
+                joins = self._broadcaster.invite(members, device)
+            except TransportError as e:  # fails the broadcast receivers, not the version
+                joins = {}
+                for rid in members:
+                    self._fail(run, rid, e)
+            for rid, join in joins.items():
                 self._receivers[rid].send(join)
             trace.mark("sender.start", version=run.version)
             if run.direct is not None:

@@ -89,7 +89,7 @@ class BroadcastGroup:
                     dist.ProcessGroupGloo.create_device(hostname=local_ip_towards(spec.store_host))
                 ]
                 self._pg = dist.ProcessGroupGloo(prefixed, rank, spec.world_size, options)
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:
             raise TransportError(
                 f"joining broadcast group {spec.group_id} at {spec.store_host}:{spec.store_port} "
                 f"as rank {rank}/{spec.world_size} failed: {e}"
@@ -101,13 +101,19 @@ class BroadcastGroup:
         cls, world_size: int, device: torch.device, store_host: str, timeout_s: float
     ) -> tuple[GroupSpec, dist.TCPStore]:
         """Start the rendezvous store for a new group; members join with ``GroupJoin``."""
-        store = dist.TCPStore(
-            store_host,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
-        )
+        try:
+            store = dist.TCPStore(
+                store_host,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        except (RuntimeError, OSError) as e:
+            raise TransportError(
+                f"cannot host the broadcast rendezvous at {store_host}: {e}; set "
+                "--broadcast-host (WEIGHTSYNC_BROADCAST_HOST) to an address of this machine"
+            ) from e
         backend = "nccl" if device.type == "cuda" else "gloo"
         spec = GroupSpec(
             f"ws-{os.getpid()}-{uuid.uuid4().hex[:8]}",
@@ -122,8 +128,8 @@ class BroadcastGroup:
     def broadcast(self, tensor: torch.Tensor) -> PendingBroadcast:
         """Rank 0 sends ``tensor``; the others receive into theirs.
 
-        Returns at once with NCCL (the transfer runs on its own stream): ``wait()`` on the
-        result orders the current stream after it. Gloo returns when the transfer is done.
+        Returns at once: ``wait()`` on the result orders the current stream after the transfer
+        (NCCL) or blocks until it is done (gloo).
         """
         options = dist.BroadcastOptions()
         options.rootRank = 0
