@@ -15,7 +15,7 @@ from types import MappingProxyType
 import torch
 from weightsync.sender.megatron.convert import check_shard_tensors
 from weightsync.sender.megatron.lora import LoraExport
-from weightsync.sender.megatron.pieces import pack_pieces, piece_regions
+from weightsync.sender.megatron.pieces import piece_regions
 from weightsync.sender.megatron.plan import RankPlan, check_coverage, plan_rank
 from weightsync.sender.megatron.shards import collect_shards
 from weightsync.sender.publisher import Publisher, PublishResult
@@ -23,6 +23,7 @@ from weightsync.sender.publisher import Publisher, PublishResult
 from weightsync.buckets import Bucket
 from weightsync.errors import ConfigError
 from weightsync.manifest import VersionManifest
+from weightsync.regions import Region, pack_regions
 
 
 class MegatronPublisher:
@@ -85,16 +86,8 @@ class MegatronPublisher:
             check_coverage([self.plan])
         self.device = next(iter(local.tensors.values())).device
         self._direct = direct
-        # Parameters stay where they are across steps (updated in place), so their views are
-        # taken once; the sender packs from them (and receivers read whole ones, direct).
-        specs = {spec.name: spec for spec in self.plan.manifest}
-        with torch.no_grad():
-            self._regions = {
-                name: piece_regions(specs[name], pieces, self._tensors)
-                for name, pieces in self.plan.pieces.items()
-            }
-        if not all(r.source.is_cuda for parts in self._regions.values() for r in parts):
-            self._regions = None
+        self._regions: tuple[tuple[int, ...], dict[str, list[Region]]] | None = None
+        self._current_regions()  # a piece that does not fit its shard fails here
         model_type = getattr(hf_config, "model_type", "model")
         self.publisher = Publisher(
             address,
@@ -115,10 +108,12 @@ class MegatronPublisher:
         if version < 1:
             raise ConfigError(f"version must be >= 1, got {version}")
         manifest = VersionManifest(version, self.plan.manifest, self.plan.lora)
+        regions = self._current_regions()
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             for entry in bucket.entries:
-                pack_pieces(buffer, entry, self.plan.pieces_for(entry.name), self._tensors)
+                if pieces := regions.get(entry.name):
+                    pack_regions(buffer, entry, pieces)
 
         return self.publisher.publish_packed(
             manifest,
@@ -126,9 +121,25 @@ class MegatronPublisher:
             device=self.device,
             wait=wait,
             timeout_s=timeout_s,
-            regions=self._regions,
+            regions=regions,
             direct=self._direct,
         )
+
+    def _current_regions(self) -> dict[str, list[Region]]:
+        """Each HF tensor's pieces as views of the live parameters: the sender packs from them
+        (receivers read whole ones, direct), and so does ``pack`` when the sender cannot map
+        them. Taken again only when a parameter moved (a framework that offloads and reloads
+        weights assigns new ``.data``); a new mapping makes the publisher offer them again."""
+        ptrs = tuple(t.data_ptr() for t in self._tensors.values())
+        if self._regions is None or self._regions[0] != ptrs:
+            specs = {spec.name: spec for spec in self.plan.manifest}
+            with torch.no_grad():
+                regions = {
+                    name: piece_regions(specs[name], pieces, self._tensors)
+                    for name, pieces in self.plan.pieces.items()
+                }
+            self._regions = (ptrs, regions)
+        return self._regions[1]
 
     def close(self) -> None:
         self.publisher.close()
