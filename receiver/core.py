@@ -20,7 +20,7 @@ from weightsync.receiver.target import WeightTarget
 
 from weightsync import trace
 from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, entry_view
-from weightsync.checksum import ALGORITHM, finish, row_sums
+from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.control.client import connect
 from weightsync.errors import (
     ChecksumError,
@@ -504,11 +504,8 @@ class _VersionReads:
                 f"unknown checksum algorithm {end.checksum_algorithm!r}; "
                 f"this receiver knows {ALGORITHM}: upgrade weightsync"
             )
-        sums = [s for _, s in self._sums]
-        same = len({s.device for s in sums}) == 1
-        values = torch.stack(sums).cpu() if same else torch.stack([s.cpu() for s in sums])
-        for (bucket, _), sums in zip(self._sums, values, strict=True):
-            got = finish(sums, bucket.nbytes)
+        values = finish_all([s for _, s in self._sums], [b.nbytes for b, _ in self._sums])
+        for (bucket, _), got in zip(self._sums, values, strict=True):
             want = end.checksums[bucket.index] if bucket.index < len(end.checksums) else None
             if got != want:
                 first = bucket.entries[0].name if bucket.entries else "-"

@@ -44,7 +44,7 @@ from weightsync.errors import (
 )
 from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
-from weightsync.transports import get_transport, resolve_transport
+from weightsync.transports import resolve_transport
 from weightsync.transports.broadcast import host_id
 from weightsync.transports.cuda_ipc import EventCache, device_uuid, local_index_of
 from weightsync.v1 import weightsync_pb2 as pb
@@ -468,7 +468,7 @@ class Coordinator(VersionDriver):
             for conn in self._receivers.values():
                 conn.outbox.put(None)
             for slot in self._slots:
-                get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
+                self._free(slot)
             self._slots = []
             self._broadcaster.close()
             self._cond.notify_all()

@@ -19,10 +19,11 @@ from weightsync.sender.runs import VERSION_OVER, Outcome, RunAborted, Slot, Vers
 
 from weightsync import trace
 from weightsync.buckets import Bucket
-from weightsync.checksum import ALGORITHM, finish, row_sums
+from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.errors import TransportError, WeightSyncError
 from weightsync.regions import copy_pairs, region_copies
 from weightsync.transports import get_transport
+from weightsync.transports.base import transport_for_handle
 from weightsync.transports.broadcast import PendingBroadcast
 from weightsync.transports.cuda_ipc import new_event, release_event
 from weightsync.v1 import weightsync_pb2 as pb
@@ -266,9 +267,7 @@ class VersionDriver:
         self._copies = (None, {})  # their views hold the old buffers
         for slot in self._slots:
             self._before_reuse(run, slot, torch.device(slot.device), gpu=False)
-            if slot.ready is not None:
-                release_event(slot.ready[1])
-            get_transport(slot.buffer.handle.WhichOneof("kind")).release(slot.buffer)
+            self._free(slot)
         # Round up so small growth does not reallocate every version.
         capacity = min(max(need, 1 << 20), self.settings.bucket_size_bytes)
         capacity = max(capacity, need)
@@ -280,6 +279,12 @@ class VersionDriver:
             )
             for _ in range(self.settings.num_buffers)
         ]
+
+    @staticmethod
+    def _free(slot: Slot) -> None:
+        if slot.ready is not None:
+            release_event(slot.ready[1])
+        transport_for_handle(slot.buffer.handle).release(slot.buffer)
 
     def _announce(self, run: VersionRun, slot: Slot, layout: pb.BucketLayout) -> bool:
         """Announce a packed bucket; returns whether broadcast receivers wait for its bytes."""
@@ -346,10 +351,7 @@ class VersionDriver:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         buckets = run.plan.buckets
-        checksums = []
-        if buckets:
-            values = torch.stack([run.sums[b.index] for b in buckets]).cpu()
-            checksums = [finish(v, b.nbytes) for v, b in zip(values, buckets, strict=True)]
+        checksums = finish_all([run.sums[b.index] for b in buckets], [b.nbytes for b in buckets])
         with self._cond:
             end = pb.Announcement(
                 end=pb.VersionEnd(

@@ -52,6 +52,17 @@ def finish(sums: torch.Tensor, nbytes: int) -> int:
     return (a * 0x9E3779B97F4A7C15 + b * 0xC2B2AE3D27D4EB4F + nbytes) & _MASK64
 
 
+def finish_all(sums: list[torch.Tensor], sizes: list[int]) -> list[int]:
+    """:func:`finish` for many buckets at once, with one copy to the CPU per device."""
+    if not sums:
+        return []
+    if len({s.device for s in sums}) == 1:
+        values = torch.stack(sums).cpu()
+    else:
+        values = torch.stack([s.cpu() for s in sums])
+    return [finish(v, n) for v, n in zip(values, sizes, strict=True)]
+
+
 def bucket_checksum(buffer: torch.Tensor, nbytes: int) -> int:
     """Checksum of ``buffer[:nbytes]`` (a flat uint8 tensor; ``nbytes`` a multiple of 256)."""
     return finish(row_sums(buffer, nbytes), nbytes)

@@ -94,19 +94,18 @@ def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(se
     t, results = sync_in_thread(receiver, n=3)
     publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
 
-    real = driver.finish
-    calls = []
+    real = driver.finish_all
 
-    def corrupt_second_bucket(sums, nbytes):
-        calls.append(nbytes)
-        value = real(sums, nbytes)
-        return value ^ 1 if len(calls) == 2 else value
+    def corrupt_second_bucket(sums, sizes):
+        values = real(sums, sizes)
+        values[1] ^= 1
+        return values
 
-    monkeypatch.setattr(driver, "finish", corrupt_second_bucket)
+    monkeypatch.setattr(driver, "finish_all", corrupt_second_bucket)
     step(trainer, 2)
     with pytest.raises(ReceiverFailedError, match="bucket 1 of version 2 .* fails its checksum"):
         publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
-    monkeypatch.setattr(driver, "finish", real)
+    monkeypatch.setattr(driver, "finish_all", real)
     deadline = time.monotonic() + 10
     while len(results) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
