@@ -176,10 +176,19 @@ def _run_trace(args: argparse.Namespace, console: Console) -> int:
     if not events:
         console.print(f"no trace files (*.jsonl) under {args.dir}", soft_wrap=True)
         return 1
+    # Every publisher rank marks its own `publish`: a version starts at its first one.
+    starts: dict[int, int] = {}
+    for e in events:
+        if e["event"] == "publish":
+            starts.setdefault(e["version"], e["t_ns"])
+    if args.version and args.version not in starts:
+        console.print(f"no publish of version {args.version} traced; traced: {sorted(starts)}")
+        return 1
     console = Console()  # the timeline is this command's output: stdout
-    starts = [e["t_ns"] for e in events if e["event"] == "publish"] or [events[0]["t_ns"]]
-    start = starts[min(args.version, len(starts)) - 1] if args.version else starts[0]
-    stop = next((t for t in starts if t > start), None) if args.version else None
+    first = min(starts.values(), default=events[0]["t_ns"])
+    start = starts[args.version] if args.version else first
+    later = [t for v, t in starts.items() if v > args.version] if args.version else []
+    stop = min(later, default=None)
     table = Table(title=f"weightsync trace {args.dir} (ms from publish)")
     for col in ("ms", "+ms", "process", "thread", "event", "fields"):
         table.add_column(col, justify="right" if "ms" in col else "left")
@@ -236,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", help="the WEIGHTSYNC_TRACE_DIR the processes wrote to")
     p.add_argument(
-        "--version", type=int, default=0, help="only the N-th publish in the trace (1-based)"
+        "--version", type=int, default=0, help="only this version (from its first publish)"
     )
     p.set_defaults(func=_run_trace)
 

@@ -84,6 +84,11 @@ def test_trace_lines_up_every_process_of_a_version(tmp_path):
     for event in ("publish", "sender.begin", "sender.announce", "receiver.committed"):
         assert event in shown.stdout, event
     assert "version=2" in shown.stdout and "version=1 " not in shown.stdout
+    missing = subprocess.run(
+        trace[:-1] + ["7"], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert missing.returncode == 1
+    assert "no publish of version 7 traced; traced: [1, 2]" in missing.stderr
 
 
 def test_trace_of_an_empty_folder_says_so(tmp_path):
