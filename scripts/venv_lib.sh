@@ -19,11 +19,12 @@ cached_venv() {
     rm -rf "$CACHED_VENV"
     mkdir -p "$cache"
     "${WEIGHTSYNC_PYTHON:-python3.11}" -m venv "$CACHED_VENV"
-    # pip warns about every missing local index folder; keep the log readable.
+    # pip warns about every missing local index folder; keep the log readable. The filter
+    # must not hide pip's own failure (pipefail): a failed install is never marked complete.
     "$CACHED_VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel 2>&1 \
-      | grep -v "is ignored" >&2 || true
+      | { grep -v "is ignored" >&2 || true; }
     "$CACHED_VENV/bin/python" -m pip install -q "$@" -r "$req" 2>&1 \
-      | grep -v "is ignored" >&2 || true
+      | { grep -v "is ignored" >&2 || true; }
     if declare -F after_install >/dev/null; then
       after_install "$CACHED_VENV/bin/python"
     fi
