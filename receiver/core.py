@@ -124,13 +124,13 @@ class ReceiverCore:
         # A process that exits right after sync() must still deliver its last "applied".
         atexit.register(_close_at_exit, weakref.ref(self))
 
-    def _register(self) -> None:
+    def _register(self, timeout_s: float | None = None) -> None:
         """Open a Receive stream and register (again, after a sender restart, by the same id).
 
         Raises:
             TransportError: no sender answers, or it refused the registration.
         """
-        channel, stub = connect(self.address, self._connect_timeout_s)
+        channel, stub = connect(self.address, timeout_s or self._connect_timeout_s)
         requests: queue.Queue = queue.Queue()
         requests.put(pb.ReceiverMessage(hello=self._hello))
         stream = stub.Receive(iter(requests.get, None))
@@ -172,7 +172,9 @@ class ReceiverCore:
             )
             while not self._closed.wait(backoff_s):
                 try:
-                    self._register()
+                    # Short tries: close() must find this thread between them, not inside
+                    # a channel being set up (left there at exit, gRPC aborts the process).
+                    self._register(timeout_s=min(self._connect_timeout_s, 1.0))
                     break
                 except TransportError:
                     backoff_s = min(backoff_s * 2, 5.0)

@@ -7,6 +7,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -81,6 +82,7 @@ class Publisher:
         self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
         self._offered: tuple[Mapping, pb.BeginVersion] | None = None
         self._stream: _PublishStream | None = None
+        self._stream_closer: weakref.finalize | None = None
         self._layouts = ParseCache(bucket_from_pb)
         self._published: tuple[tuple, tuple[TensorSpec, ...], dict] | None = None
         self._manifest: tuple[VersionManifest, pb.Manifest] | None = None
@@ -223,12 +225,16 @@ class Publisher:
             self._drop_stream()
         if self._stream is None:
             self._stream = _PublishStream(self._stub, hello)
+            # A stream still open when the publisher is dropped, or at interpreter exit, can
+            # abort the process in gRPC's teardown ("terminate called without an active
+            # exception"): close it then, whoever forgot to.
+            self._stream_closer = weakref.finalize(self, self._stream.close)
         return self._stream
 
     def _drop_stream(self) -> None:
-        if self._stream is not None:
-            self._stream.close()
-            self._stream = None
+        if self._stream_closer is not None:
+            self._stream_closer()  # closes the stream, once
+        self._stream = self._stream_closer = None
 
     def _manifest_pb(self, manifest: VersionManifest) -> pb.Manifest:
         """The wire manifest, converted again only for another tensor list (by identity: the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 
 import torch
 from weightsync.receiver import TorchReceiver
@@ -75,9 +76,11 @@ def test_direct_needs_cuda_ipc_and_every_receiver_mapping(sock_dir):
         assert digests(model) == digests(trainer)
 
 
+@contextmanager
 def _coordinator_with_offer(pieces_of):
     """A coordinator, a 4-tensor manifest and one rank offering ``pieces_of(flat)`` regions
-    of a real shm buffer (mapped in this process as the sender maps trainer memory)."""
+    of a real shm buffer (mapped in this process as the sender maps trainer memory); both
+    closed and released on exit."""
     from weightsync.sender.coordinator import Coordinator
     from weightsync.sender.runs import RankConn
 
@@ -99,7 +102,11 @@ def _coordinator_with_offer(pieces_of):
     )
     specs = tuple(TensorSpec(f"w{i}", "float32", (64,)) for i in range(4))
     manifest = VersionManifest(1, specs)
-    return co, manifest, {0: RankConn(0, "cpu", begin)}, flat
+    try:
+        yield co, manifest, {0: RankConn(0, "cpu", begin)}, flat
+    finally:
+        co.close()
+        get_transport("shm").release(storage)
 
 
 def test_plan_splits_direct_and_staged_tensors():
@@ -116,8 +123,7 @@ def test_plan_splits_direct_and_staged_tensors():
             "w0": [Region((0,), flat[128:160]), Region((32,), flat[200:232])],
         }
 
-    co, manifest, ranks, _ = _coordinator_with_offer(offer)
-    try:
+    with _coordinator_with_offer(offer) as (co, manifest, ranks, _):
         key = b"m"
         co._receivers["local"] = ReceiverConn("local", "torch", 0, "cuda:0", ())
         run = co._plan_run(manifest, key, "p", "cuda_ipc", ranks)
@@ -131,8 +137,6 @@ def test_plan_splits_direct_and_staged_tensors():
         assert [e.name for b in run.plan.buckets for e in b.entries] == ["w0", "w1", "w2", "w3"]
         del co._receivers["far"]
         assert co._plan_run(manifest, key, "p", "shm", ranks).direct is None
-    finally:
-        co.close()
 
 
 def test_the_sender_packs_itself_when_the_offer_covers_every_staged_tensor():
@@ -147,8 +151,7 @@ def test_the_sender_packs_itself_when_the_offer_covers_every_staged_tensor():
         regions["w0"] = [Region((0,), flat[256:288]), Region((32,), flat[320:352])]
         return regions
 
-    co, manifest, ranks, flat = _coordinator_with_offer(offer)
-    try:
+    with _coordinator_with_offer(offer) as (co, manifest, ranks, flat):
         flat.copy_(torch.arange(flat.numel(), dtype=torch.float32))
         co._receivers["far"] = ReceiverConn("far", "torch", 0, "cuda:0", (), data_path="broadcast")
         run = co._plan_run(manifest, b"m", "p", "cuda_ipc", ranks)
@@ -162,8 +165,6 @@ def test_the_sender_packs_itself_when_the_offer_covers_every_staged_tensor():
                 pack_regions(buffer, entry, run.regions[entry.name])
                 got = buffer[entry.offset : entry.offset + entry.nbytes].view(torch.float32)
                 assert torch.equal(got, want[entry.name])
-    finally:
-        co.close()
 
 
 def test_the_sender_packs_offered_shared_memory_itself_and_the_publisher_never_packs(
@@ -216,8 +217,7 @@ def test_packing_does_not_wait_for_the_reads_of_a_failed_receiver():
     from weightsync.errors import ProtocolError
     from weightsync.transports import get_transport
 
-    co, manifest, ranks, _ = _coordinator_with_offer(lambda flat: {})
-    try:
+    with _coordinator_with_offer(lambda flat: {}) as (co, manifest, ranks, _):
         for rid in ("a", "b"):
             co._receivers[rid] = ReceiverConn(rid, "torch", 0, "cuda:0", ())
         run = co._plan_run(manifest, b"m", "p", "shm", ranks)
@@ -229,5 +229,3 @@ def test_packing_does_not_wait_for_the_reads_of_a_failed_receiver():
             co._fail(run, "a", ProtocolError("receiver a closed its stream"), notify=False)
         assert slot.after == [ReadEvent("b", "event-b")]
         assert run.outcomes["a"].state == "failed" and run.outcomes["b"].state == "pending"
-    finally:
-        co.close()
