@@ -1,26 +1,47 @@
-"""The interface every engine adapter implements; the receiver core drives it per version."""
+"""``WeightTarget``: what an engine adapter implements; the receiver core drives it per version."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Protocol
+from typing import ClassVar
 
 import torch
 
-from weightsync.errors import WeightSyncError
+from weightsync.buckets import BucketEntry, byte_view
+from weightsync.dtypes import dtype_name
+from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
 
 
-class WeightTarget(Protocol):
+class WeightTarget(ABC):
     """Where received weights go: a torch module, a vLLM worker, an SGLang model runner.
 
-    Call order per version: ``validate`` -> ``begin`` -> ``load`` (once per bucket) ->
-    ``commit``; ``abort`` instead of ``commit`` when anything failed after ``begin``.
+    Per version the core calls ``validate`` (skipped while the manifest's tensor list and
+    ``generation`` are those last accepted) -> ``begin`` -> per bucket ``load``, then
+    ``load_chunk`` for each chunk when ``chunks_in_place`` -> ``commit``; ``abort`` instead of
+    ``commit`` when anything failed after ``begin``. All calls come from the thread in
+    ``ReceiverCore.sync``.
     """
 
     device: torch.device
     """Where bucket bytes should be mapped or copied before ``load``."""
 
+    chunks_in_place: ClassVar[bool] = False
+    """True: each chunk of a tensor larger than a bucket goes to ``load_chunk`` as it arrives.
+    False: the core reassembles the tensor (a full-size temporary) and passes it to ``load``
+    with the rest of the bucket its last chunk came in."""
+
+    generation: int = 0
+    """Bump it when the target starts loading into another model (vLLM's draft model): the
+    core then validates the next manifest again, even one equal to the last accepted."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.chunks_in_place and cls.load_chunk is WeightTarget.load_chunk:
+            raise TypeError(f"{cls.__name__} sets chunks_in_place but defines no load_chunk")
+
+    @abstractmethod
     def validate(self, manifest: VersionManifest) -> None:
         """Check every name, shape and dtype against the live model before any write.
 
@@ -29,19 +50,76 @@ class WeightTarget(Protocol):
             ManifestMismatchError: a shape or dtype differing from the live parameter.
         """
 
+    @abstractmethod
     def begin(self, manifest: VersionManifest) -> None:
         """Prepare for loading (e.g. vLLM's layerwise reload setup)."""
 
+    @abstractmethod
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Load complete tensors. They may be views of a reused buffer: copy what you keep."""
 
-    # Optional: ``load_chunk(entry: BucketEntry, data: torch.Tensor) -> None`` writes the bytes
-    # of one chunk (``entry.tensor_offset``, ``entry.nbytes``) of a tensor larger than a bucket
-    # in place. Targets that have it get chunks as they come instead of whole reassembled
-    # tensors, which saves a full-size temporary per oversized tensor.
+    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
+        """Write ``data``, the bytes ``entry.tensor_offset`` to ``+ entry.nbytes`` of tensor
+        ``entry.name``, in place. Called only when ``chunks_in_place``; ``data`` is a view of a
+        reused buffer."""
+        raise NotImplementedError(f"{type(self).__name__} does not write chunks in place")
 
+    @abstractmethod
     def commit(self, manifest: VersionManifest) -> None:
         """Post-load processing, once, after the last bucket (register LoRA, flush caches)."""
 
+    @abstractmethod
     def abort(self, manifest: VersionManifest, error: WeightSyncError) -> None:
         """The version failed after ``begin``; leave the engine usable (weights may be dirty)."""
+
+
+class InPlaceTarget(WeightTarget):
+    """A target where every received tensor has one live tensor of the same shape and dtype,
+    written in place (a torch module, the bench's engine-like model): no per-version setup,
+    chunks written straight into their slice."""
+
+    chunks_in_place = True
+
+    @abstractmethod
+    def live_tensor(self, name: str) -> torch.Tensor:
+        """The live tensor ``name`` is loaded into (a contiguous slice for packed names).
+
+        Raises:
+            NameResolutionError: the model has no such tensor (the message names it).
+        """
+
+    def check_shapes(self, manifest: VersionManifest) -> None:
+        """Every manifest tensor against its live tensor.
+
+        Raises:
+            ManifestMismatchError: naming the first tensor whose shape or dtype differs.
+        """
+        for spec in manifest.tensors:
+            live = self.live_tensor(spec.name)
+            if tuple(live.shape) != spec.shape or live.dtype != spec.torch_dtype:
+                raise ManifestMismatchError(
+                    f"version {manifest.version}: tensor {spec.name!r} is {spec.shape} "
+                    f"{spec.dtype} but the model holds {tuple(live.shape)} "
+                    f"{dtype_name(live.dtype)}"
+                )
+
+    def begin(self, manifest: VersionManifest) -> None:
+        pass
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        with torch.no_grad():
+            for name, tensor in tensors:
+                self.live_tensor(name).copy_(tensor, non_blocking=True)
+
+    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
+        with torch.no_grad():
+            live = byte_view(self.live_tensor(entry.name).data)
+            live[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(
+                data, non_blocking=True
+            )
+
+    def commit(self, manifest: VersionManifest) -> None:
+        pass
+
+    def abort(self, manifest: VersionManifest, error: WeightSyncError) -> None:
+        pass

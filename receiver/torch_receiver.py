@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
-from weightsync.receiver.core import ReceiverCore
 
-from weightsync.buckets import BucketEntry, byte_view
-from weightsync.dtypes import dtype_name
-from weightsync.errors import ManifestMismatchError, NameResolutionError, WeightSyncError
+from weightsync.errors import NameResolutionError
 from weightsync.manifest import VersionManifest
+from weightsync.receiver.core import ReceiverCore
+from weightsync.receiver.target import InPlaceTarget
 
 _LISTED = 5
 
 
-class TorchModuleTarget:
+class TorchModuleTarget(InPlaceTarget):
     """Loads tensors by ``state_dict`` name, in place (parameters and persistent buffers)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -32,35 +29,10 @@ class TorchModuleTarget:
                 f"{missing[0]!r} (all: {missing[:_LISTED]}); the module has e.g. {near}. Publish "
                 "names as in the module's state_dict()"
             )
-        for spec in manifest.tensors:
-            live = self.live[spec.name]
-            if tuple(live.shape) != spec.shape or live.dtype != spec.torch_dtype:
-                raise ManifestMismatchError(
-                    f"version {manifest.version}: tensor {spec.name!r} is {spec.shape} "
-                    f"{spec.dtype} but the module holds {tuple(live.shape)} "
-                    f"{dtype_name(live.dtype)}"
-                )
+        self.check_shapes(manifest)
 
-    def begin(self, manifest: VersionManifest) -> None:
-        pass
-
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in tensors:
-                self.live[name].copy_(tensor, non_blocking=True)
-
-    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
-        with torch.no_grad():
-            live = byte_view(self.live[entry.name].data)
-            live[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(
-                data, non_blocking=True
-            )
-
-    def commit(self, manifest: VersionManifest) -> None:
-        pass
-
-    def abort(self, manifest: VersionManifest, error: WeightSyncError) -> None:
-        pass
+    def live_tensor(self, name: str) -> torch.Tensor:
+        return self.live[name]
 
 
 class TorchReceiver(ReceiverCore):

@@ -1,16 +1,15 @@
-"""``weightsync.Sender``: the daemon beside a trainer that hosts control plane and staging."""
+"""``weightsync.sender.Sender``: the daemon beside a trainer; hosts control plane and staging."""
 
 from __future__ import annotations
 
 import signal
 import threading
 
-from weightsync.sender.coordinator import Coordinator
-from weightsync.sender.service import WeightSyncServicer
-
 from weightsync.config import SenderSettings
 from weightsync.control.server import create_server
 from weightsync.metrics import SenderMetrics
+from weightsync.sender.coordinator import Coordinator
+from weightsync.sender.service import WeightSyncServicer
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
 

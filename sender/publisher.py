@@ -78,14 +78,22 @@ class Publisher:
         self.publisher_id = publisher_id or f"publisher-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.rank, self.world_size = rank, world_size
         self._channel, self._stub = connect(address, connect_timeout_s)
-        self._buffers = MappedBuffers()
-        self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
-        self._offered: tuple[Mapping, pb.BeginVersion] | None = None
         self._stream: _PublishStream | None = None
         self._stream_closer: weakref.finalize | None = None
+        # Caches; each says its key and what invalidates it.
+        self._buffers = MappedBuffers()
+        """The sender's staging buffers mapped here, by buffer id; kept while this lives."""
+        self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
+        """IPC exports by storage (address, size, device); only the last offer's are kept."""
+        self._offered: tuple[Mapping, pb.BeginVersion] | None = None
+        """The last offer's wire form, by the identity of the regions mapping described."""
         self._layouts = ParseCache(bucket_from_pb)
+        """Bucket layouts by their bytes; cleared when 512 are held."""
         self._published: tuple[tuple, tuple[TensorSpec, ...], dict] | None = None
+        """``publish``'s specs and regions, by (name, dtype, shape, address, stride) of every
+        tensor; replaced when any of those changes."""
         self._manifest: tuple[VersionManifest, pb.Manifest] | None = None
+        """The last wire manifest, by the identity of its tensor list (and its LoRA spec)."""
 
     def publish(
         self,

@@ -7,10 +7,10 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-from weightsync.sender.coordinator import Coordinator
-from weightsync.sender.runs import VERSION_OVER, ReceiverConn
 
 from weightsync.errors import ProtocolError, WeightSyncError, grpc_code_for, rpc_details
+from weightsync.sender.coordinator import Coordinator
+from weightsync.sender.records import ReceiverConn
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
@@ -55,8 +55,6 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             item = outbox.get()
             if item is None:
                 return
-            if item is VERSION_OVER:
-                continue
             if isinstance(item, WeightSyncError):
                 _abort(context, item)
             yield item

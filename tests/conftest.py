@@ -1,16 +1,15 @@
 import os
-import shutil
-import tempfile
 
 import pytest
+
+from tests.support import socket_dir
 
 
 @pytest.fixture
 def sock_dir():
-    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
-    d = tempfile.mkdtemp(prefix="ws-", dir="/tmp")
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+    """A short directory for unix sockets (see ``tests.support.socket_dir``)."""
+    with socket_dir() as d:
+        yield d
 
 
 @pytest.fixture

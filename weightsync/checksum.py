@@ -15,20 +15,22 @@ from __future__ import annotations
 
 import torch
 
+from weightsync.buckets import ALIGNMENT_BYTES
 from weightsync.errors import ChecksumError
 
 ALGORITHM = "ws-rows64k-v3"
 _ROW_WORDS = 8192
-_TAIL_ROW_WORDS = 32
-_ALIGN_BYTES = 8 * _TAIL_ROW_WORDS
+_TAIL_ROW_WORDS = ALIGNMENT_BYTES // 8
 _MASK64 = (1 << 64) - 1
 
 
 def row_sums(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
     """The checksum's reduction of ``buffer[:nbytes]``, left on the buffer's device (no sync):
     queue it behind the copies that fill or read the buffer, finish it once per version."""
-    if nbytes % _ALIGN_BYTES:
-        raise ChecksumError(f"checksum needs a length that is a multiple of 256, got {nbytes}")
+    if nbytes % ALIGNMENT_BYTES:
+        raise ChecksumError(
+            f"checksum needs a length that is a multiple of {ALIGNMENT_BYTES}, got {nbytes}"
+        )
     if nbytes == 0:
         return torch.zeros(2, dtype=torch.int64, device=buffer.device)
     words = buffer[:nbytes].view(torch.int64)
@@ -61,8 +63,3 @@ def finish_all(sums: list[torch.Tensor], sizes: list[int]) -> list[int]:
     else:
         values = torch.stack([s.cpu() for s in sums])
     return [finish(v, n) for v, n in zip(values, sizes, strict=True)]
-
-
-def bucket_checksum(buffer: torch.Tensor, nbytes: int) -> int:
-    """Checksum of ``buffer[:nbytes]`` (a flat uint8 tensor; ``nbytes`` a multiple of 256)."""
-    return finish(row_sums(buffer, nbytes), nbytes)

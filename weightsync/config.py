@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from weightsync.buckets import ALIGNMENT_BYTES, DEFAULT_BUCKET_SIZE_BYTES
+from weightsync.buckets import DEFAULT_BUCKET_SIZE_BYTES, check_bucket_size
+from weightsync.errors import ConfigError
 
 DEFAULT_ADDRESS = "unix:/tmp/weightsync.sock"
 
@@ -18,7 +19,7 @@ class SenderSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WEIGHTSYNC_", extra="forbid")
 
     listen: str = Field(DEFAULT_ADDRESS, description="unix:/path or host:port (port 0: any)")
-    bucket_size_bytes: int = Field(DEFAULT_BUCKET_SIZE_BYTES, gt=0)
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     num_buffers: int = Field(2, ge=2, description="staging buffers; >= 2 so packing overlaps")
     transport: Literal["auto", "shm", "cuda_ipc", "nccl"] = Field(
         "auto",
@@ -41,6 +42,7 @@ class SenderSettings(BaseSettings):
     @field_validator("bucket_size_bytes")
     @classmethod
     def _aligned(cls, v: int) -> int:
-        if v % ALIGNMENT_BYTES:
-            raise ValueError(f"must be a multiple of {ALIGNMENT_BYTES}")
-        return v
+        try:
+            return check_bucket_size(v)
+        except ConfigError as e:  # pydantic reports only ValueErrors as validation errors
+            raise ValueError(str(e)) from None

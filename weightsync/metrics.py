@@ -2,12 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-
-if TYPE_CHECKING:
-    from sender.runs import VersionRun
 
 
 class SenderMetrics:
@@ -35,8 +30,8 @@ class SenderMetrics:
     def serve(self, port: int) -> None:
         start_http_server(port, registry=self.registry)
 
-    def version_started(self, run: VersionRun) -> None:
-        self.last_version.set(run.version)
+    def version_started(self, version: int) -> None:
+        self.last_version.set(version)
 
     def bucket_announced(self, nbytes: int) -> None:
         self.bytes.inc(nbytes)
@@ -47,6 +42,6 @@ class SenderMetrics:
     def receiver_failed(self, receiver_id: str) -> None:
         self.failures.labels(receiver_id).inc()
 
-    def version_done(self, run: VersionRun) -> None:
-        self.versions.labels(run.state).inc()
-        self.sync_seconds.observe(run.complete_s)
+    def version_done(self, state: str, complete_s: float) -> None:
+        self.versions.labels(state).inc()
+        self.sync_seconds.observe(complete_s)

@@ -141,7 +141,8 @@ def describe(detail: pb.ErrorDetail) -> str:
 
 
 class ParseCache:
-    """Converted messages by key (default: their bytes): layouts and manifests repeat every
+    """``parse(msg)`` memoized by key (default: the message's bytes, so an entry is never
+    stale); emptied whenever it holds ``max_entries``. Layouts and manifests repeat every
     version, and converting a 339-tensor layout costs milliseconds, hashing it microseconds.
     """
 
@@ -168,7 +169,8 @@ def manifest_key(msg: pb.Manifest) -> bytes:
 
 
 class ManifestCache:
-    """Parses a manifest once per tensor list: only its version changes between versions."""
+    """Parses a manifest once per tensor list (key: :func:`manifest_key`, the bytes without the
+    version, which alone changes between versions); emptied whenever it holds 16."""
 
     def __init__(self, max_entries: int = 16) -> None:
         self._parsed = ParseCache(manifest_from_pb, max_entries)

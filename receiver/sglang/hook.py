@@ -11,8 +11,8 @@ Launch the server with the hook allowed, and tell the workers where the sender l
 Optional environment: ``WEIGHTSYNC_SYNC_TIMEOUT_S`` (default 600: how long a worker waits for
 the version to start), ``WEIGHTSYNC_VERIFY_CHECKSUMS=0`` to skip bucket checksums.
 
-Then drive one version with :class:`~weightsync.receiver.sglang.http_client.SglangHttpClient`
-(or POST the same requests yourself): ``/begin_weight_update``, then
+Then drive one version with :class:`~weightsync.drivers.sglang.SglangHttpClient` (in the RL
+framework's process), or POST the same requests yourself: ``/begin_weight_update``, then
 ``/update_weights_from_tensor`` with ``load_format`` set to the hook's path and one empty
 payload per TP rank (the bytes travel over weightsync's data plane, not HTTP), then
 ``/end_weight_update``. SGLang 0.5.23 refuses ``update_weights_from_tensor`` outside that
@@ -33,10 +33,10 @@ import os
 from collections.abc import Sequence
 
 import torch
-from weightsync.receiver.core import ReceiverCore
-from weightsync.receiver.sglang.target import SglangWeightTarget
 
 from weightsync.errors import ConfigError
+from weightsync.receiver.core import ReceiverCore
+from weightsync.receiver.sglang.target import SglangWeightTarget
 
 HOOK_PATH = "weightsync.receiver.sglang.hook.sync_weights"
 """What ``--custom-weight-loader`` and the request's ``load_format`` name."""
@@ -44,9 +44,11 @@ ADDRESS_ENV = "WEIGHTSYNC_ADDRESS"
 TIMEOUT_ENV = "WEIGHTSYNC_SYNC_TIMEOUT_S"
 VERIFY_ENV = "WEIGHTSYNC_VERIFY_CHECKSUMS"
 
-# One receiver per live model in this worker process, registered on first use and kept: the
-# sender caches opened IPC handles per receiver, which is what makes later versions cheap.
 _RECEIVERS: dict[int, ReceiverCore] = {}
+"""This worker's receiver by ``id(model)``, registered on first use and kept for the process:
+it keeps its registration, the buffers it mapped and the manifest it validated, which is what
+makes later versions cheap. An id is safe as the key: the worker's model lives as long as the
+process."""
 
 
 def _model_device(model: torch.nn.Module) -> torch.device:

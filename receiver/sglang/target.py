@@ -19,16 +19,17 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
-from weightsync.receiver.lora import LoraAccumulator
-from weightsync.receiver.names import ResolvedName, check_specs
-from weightsync.receiver.sglang.names import check_expert_shapes, sglang_resolver
 
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.receiver.lora_accumulator import LoraAccumulator, check_peft_names
+from weightsync.receiver.name_resolver import ResolvedName, check_specs
+from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes, sglang_resolver
+from weightsync.receiver.target import WeightTarget
 
 
 class LoraLoader(Protocol):
-    """Where a completed adapter goes (e.g. :class:`~.lora.SglangLoraLoader`)."""
+    """Where a completed adapter goes (e.g. :class:`~.lora_loader.SglangLoraLoader`)."""
 
     def validate(self, spec: LoraAdapterSpec) -> None:
         """Reject an adapter the engine cannot serve, before any write."""
@@ -37,11 +38,7 @@ class LoraLoader(Protocol):
         """Load the adapter, replacing the previous adapter of the same name."""
 
 
-def _is_lora_weight(name: str) -> bool:
-    return name.endswith((".lora_A.weight", ".lora_B.weight")) or ".lora_embedding_" in name
-
-
-class SglangWeightTarget:
+class SglangWeightTarget(WeightTarget):
     """A :class:`~weightsync.receiver.target.WeightTarget` for an SGLang model.
 
     Args:
@@ -66,6 +63,8 @@ class SglangWeightTarget:
         self.device = torch.device(device)
         self.lora_loader = lora_loader
         self.process_quantized = process_quantized
+        # What validate found, reused by every version until the core validates again (a new
+        # tensor list).
         self._resolved: dict[str, ResolvedName] = {}
         self._lora: LoraAccumulator | None = None
         self._restored = False
@@ -89,11 +88,7 @@ class SglangWeightTarget:
                 "target has no LoRA loader: build it with target_from_model_runner on a server "
                 "launched with --enable-lora (and --max-lora-rank, --lora-target-modules)"
             )
-        bad = [n for n in spec.tensor_names if not _is_lora_weight(n)]
-        if bad:
-            raise ManifestMismatchError(
-                f"LoRA adapter {spec.name!r}: {bad[0]!r} is not a PEFT lora_A/lora_B weight"
-            )
+        check_peft_names(spec)
         self.lora_loader.validate(spec)
 
     def begin(self, manifest: VersionManifest) -> None:
@@ -150,7 +145,7 @@ def target_from_model_runner(model_runner: Any, **kwargs: Any) -> SglangWeightTa
 
     LoRA goes through the runner's ``lora_manager`` when the server runs with ``--enable-lora``.
     """
-    from weightsync.receiver.sglang.lora import SglangLoraLoader
+    from weightsync.receiver.sglang.lora_loader import SglangLoraLoader
 
     lora_manager = getattr(model_runner, "lora_manager", None)
     kwargs.setdefault("lora_loader", SglangLoraLoader(lora_manager) if lora_manager else None)

@@ -27,14 +27,15 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from weightsync.receiver.vllm.lora import LoraStore
-from weightsync.receiver.vllm.target import VllmWeightTarget
 
 from weightsync.errors import ConfigError, ProtocolError, VersionError
+from weightsync.receiver.vllm.lora_store import LoraStore
+from weightsync.receiver.vllm.target import VllmWeightTarget
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
+
     from weightsync.receiver.core import ReceiverCore
 
 BACKEND_NAME = "weightsync"

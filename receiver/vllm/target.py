@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from weightsync.receiver.lora import LoraAccumulator
-from weightsync.receiver.names import NameResolver, ResolvedName, check_specs, live_tensors
-from weightsync.receiver.vllm.lora import LoraStore
 
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
+from weightsync.receiver.lora_accumulator import LoraAccumulator
+from weightsync.receiver.name_resolver import NameResolver, ResolvedName, check_specs, live_tensors
+from weightsync.receiver.target import WeightTarget
+from weightsync.receiver.vllm.lora_store import LoraStore
 
 # Layerwise reload leaves these alone (vLLM builds them outside create_weights), so a partial
 # update need not cover them; see vllm.model_executor.model_loader.reload.meta.SKIP_TENSORS.
@@ -107,7 +108,7 @@ def _strip_base_layer(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-class VllmWeightTarget:
+class VllmWeightTarget(WeightTarget):
     """A :class:`~weightsync.receiver.target.WeightTarget` for one vLLM worker's model.
 
     Args:
@@ -134,6 +135,8 @@ class VllmWeightTarget:
         self.device = torch.device(device)
         self.lora_store = lora_store
         self.after_reload = after_reload
+        # What validate found, reused by every version until the core validates again (a new
+        # tensor list, or a new generation after retarget).
         self._resolved: dict[str, ResolvedName] = {}
         self._tied: dict[str, list[str]] = {}
         self._pending_by_module: dict[str, set[str]] = {}
@@ -157,6 +160,8 @@ class VllmWeightTarget:
 
     def retarget(self, model: torch.nn.Module, model_config: Any) -> None:
         """Load the next versions into ``model`` (vLLM's draft model for a draft session)."""
+        if model is not self.model:
+            self.generation += 1  # the core validates the next manifest against this model
         self.model = model
         self.model_config = model_config
 

@@ -1,12 +1,13 @@
 """Megatron-core -> HF conversion: shard metadata, per-module-kind rules, planning, packing.
 
-Pure parts (``rules``, ``names``, ``plan``, ``pieces``) never import megatron-core; only
-:func:`collect_shards` / :func:`topology_from_parallel_state` read a live trainer rank.
+Pure parts (``rules``, ``name_templates``, ``name_table``, ``plan``, ``pieces``) never import
+megatron-core; only :func:`collect_shards` / :func:`topology_from_parallel_state` read a live
+trainer rank.
 """
 
 from .convert import check_shard_tensors, convert_megatron_to_hf, gather_local_shards
 from .dims import ModelDims
-from .lora import LoraExport
+from .lora_export import LoraExport
 from .pieces import CopyPiece, pack_pieces
 from .plan import RankPlan, check_coverage, hf_dims, hf_manifest, plan_rank
 from .publisher import MegatronPublisher

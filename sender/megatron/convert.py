@@ -22,7 +22,7 @@ from weightsync.buckets import ChunkAssembler, align_up, plan_buckets, unpack_bu
 from weightsync.dtypes import dtype_name
 from weightsync.errors import PlanError
 
-from .lora import LoraExport
+from .lora_export import LoraExport
 from .pieces import pack_pieces
 from .plan import RankPlan, check_coverage, plan_rank
 from .shards import LocalShards, RankTopology, ShardMeta

@@ -1,4 +1,5 @@
-"""The sizes and switches of the target HF model that the Megatron -> HF rules need."""
+"""The sizes and switches of the target HF model that the Megatron -> HF rules need, and the
+readers that take them from a transformers config (one per architecture)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,13 @@ CONDITIONS = (
     "shared_expert_gate",
     "expert_bias",
 )
-"""Names a :class:`~weightsync.sender.megatron.names.ParamMapping` may use as its ``when``."""
+"""Names a :class:`~weightsync.sender.megatron.name_templates.ParamMapping` may use as its
+``when``."""
 
 
 @dataclass(frozen=True)
 class ModelDims:
-    """Read once from the HF config by the architecture's reader (see ``names.py``)."""
+    """Read once from the HF config by the architecture's reader (below)."""
 
     model_type: str
     num_layers: int
@@ -111,3 +113,97 @@ class ModelDims:
             "expert_bias": moe and self.expert_bias,
         }
         return values[condition]
+
+
+# --- readers: a transformers config -> ModelDims ------------------------------------------
+
+
+def _dims(cfg: object, **extra: object) -> ModelDims:
+    heads = cfg.num_attention_heads
+    hidden = cfg.hidden_size
+    return ModelDims(
+        model_type=cfg.model_type,
+        num_layers=cfg.num_hidden_layers,
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or hidden // heads,
+        ffn=getattr(cfg, "intermediate_size", 0) or 0,
+        vocab=cfg.vocab_size,
+        tied=bool(getattr(cfg, "tie_word_embeddings", False)),
+        **extra,
+    )
+
+
+def _sparse_layers(cfg: object) -> frozenset[int]:
+    """Qwen MoE: layer i is sparse unless in ``mlp_only_layers``, every ``decoder_sparse_step``."""
+    skip = set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = getattr(cfg, "decoder_sparse_step", 1) or 1
+    return frozenset(
+        i for i in range(cfg.num_hidden_layers) if i not in skip and (i + 1) % step == 0
+    )
+
+
+def llama_dims(cfg: object) -> ModelDims:
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return _dims(cfg, qkv_bias=bias, o_bias=bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+
+def qwen2_dims(cfg: object) -> ModelDims:
+    return _dims(cfg, qkv_bias=True)
+
+
+def qwen3_dims(cfg: object, **extra: object) -> ModelDims:
+    bias = bool(getattr(cfg, "attention_bias", False))
+    return _dims(cfg, qkv_bias=bias, o_bias=bias, qk_norm=True, **extra)
+
+
+def qwen3_moe_dims(cfg: object) -> ModelDims:
+    return qwen3_dims(
+        cfg,
+        num_experts=cfg.num_experts,
+        moe_ffn=cfg.moe_intermediate_size,
+        moe_layers=_sparse_layers(cfg),
+    )
+
+
+def qwen2_moe_dims(cfg: object) -> ModelDims:
+    return _dims(
+        cfg,
+        qkv_bias=True,
+        num_experts=cfg.num_experts,
+        moe_ffn=cfg.moe_intermediate_size,
+        shared_ffn=cfg.shared_expert_intermediate_size,
+        shared_expert_gate=True,
+        moe_layers=_sparse_layers(cfg),
+    )
+
+
+def mixtral_dims(cfg: object) -> ModelDims:
+    return _dims(
+        cfg,
+        num_experts=cfg.num_local_experts,
+        moe_ffn=cfg.intermediate_size,
+        moe_layers=frozenset(range(cfg.num_hidden_layers)),
+    )
+
+
+def starcoder2_dims(cfg: object) -> ModelDims:
+    bias = bool(getattr(cfg, "use_bias", True))
+    return _dims(cfg, qkv_bias=bias, o_bias=bias, mlp_bias=bias, norm_bias=True)
+
+
+def glm4_moe_dims(cfg: object) -> ModelDims:
+    dense = getattr(cfg, "first_k_dense_replace", 0) or 0
+    mtp = getattr(cfg, "num_nextn_predict_layers", 0) or 0
+    return _dims(
+        cfg,
+        qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+        qk_norm=bool(getattr(cfg, "use_qk_norm", False)),
+        num_experts=cfg.n_routed_experts,
+        moe_ffn=cfg.moe_intermediate_size,
+        shared_ffn=cfg.moe_intermediate_size * (getattr(cfg, "n_shared_experts", 0) or 0),
+        expert_bias=True,
+        moe_layers=frozenset(range(dense, cfg.num_hidden_layers + mtp)),
+        num_mtp_layers=mtp,
+    )

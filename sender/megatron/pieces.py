@@ -47,9 +47,6 @@ class CopyPiece:
             box[dim] = (start, start + length)
         return tuple(box)
 
-    def dst_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(stop - start for start, stop in self.dst_box(shape))
-
     @property
     def is_whole(self) -> bool:
         """True when the piece is the whole shard copied onto the whole HF tensor."""

@@ -20,8 +20,9 @@ from weightsync.errors import PlanError
 from weightsync.manifest import LoraAdapterSpec
 
 from .dims import ModelDims
-from .lora import LoraExport, plan_adapter
-from .names import NameTable, ParamMapping, name_table, template_of
+from .lora_export import LoraExport, plan_adapter
+from .name_table import NameTable, name_table, template_of
+from .name_templates import ParamMapping
 from .pieces import CopyPiece, box_volume, boxes_overlap
 from .rules import DroppedRule, ShardContext
 from .shards import RankTopology, ShardMeta
@@ -39,7 +40,8 @@ class RankPlan:
     shards: Mapping[str, ShardMeta]
     """The rank's shards by key (what :func:`pack_pieces` reads)."""
     lora: LoraAdapterSpec | None = None
-    """The LoRA adapter whose tensors close the manifest (see ``lora.py``); None without one."""
+    """The LoRA adapter whose tensors close the manifest (see ``lora_export.py``); None without
+    one."""
 
     def pieces_for(self, name: str) -> tuple[CopyPiece, ...]:
         return self.pieces.get(name, ())

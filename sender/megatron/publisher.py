@@ -13,17 +13,17 @@ from collections.abc import Sequence
 from types import MappingProxyType
 
 import torch
-from weightsync.sender.megatron.convert import check_shard_tensors
-from weightsync.sender.megatron.lora import LoraExport
-from weightsync.sender.megatron.pieces import piece_regions
-from weightsync.sender.megatron.plan import RankPlan, check_coverage, plan_rank
-from weightsync.sender.megatron.shards import collect_shards
-from weightsync.sender.publisher import Publisher, PublishResult
 
 from weightsync.buckets import Bucket
 from weightsync.errors import ConfigError
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region, pack_regions
+from weightsync.sender.megatron.convert import check_shard_tensors
+from weightsync.sender.megatron.lora_export import LoraExport
+from weightsync.sender.megatron.pieces import piece_regions
+from weightsync.sender.megatron.plan import RankPlan, check_coverage, plan_rank
+from weightsync.sender.megatron.shards import collect_shards
+from weightsync.sender.publisher import Publisher, PublishResult
 
 
 class MegatronPublisher:
@@ -87,6 +87,7 @@ class MegatronPublisher:
         self.device = next(iter(local.tensors.values())).device
         self._direct = direct
         self._regions: tuple[tuple[int, ...], dict[str, list[Region]]] | None = None
+        """(every local tensor's ``data_ptr``, the regions): taken again when any pointer moved."""
         self._current_regions()  # a piece that does not fit its shard fails here
         model_type = getattr(hf_config, "model_type", "model")
         self.publisher = Publisher(

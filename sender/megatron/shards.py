@@ -163,6 +163,8 @@ def unwrap_model(chunk: torch.nn.Module) -> torch.nn.Module:
 
 
 def _global_layer(model: torch.nn.Module, name: str, cache: dict[str, int]) -> int | None:
+    """The 0-based global layer of parameter ``name``; ``cache`` (layer module prefix -> layer,
+    one per chunk and collection) spares looking the module up for each of its parameters."""
     match = _LAYER_PREFIX.match(name)
     if match is None:
         return None

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from tests.integration.test_bench_cpu import _bench
+from tests.support.bench import bench
 
 pytestmark = [
     pytest.mark.gpu,
@@ -20,7 +20,7 @@ pytestmark = [
 
 @pytest.mark.parametrize(("model", "bucket_mb"), [("tiny", "0.25"), ("tiny-moe", "0.0625")])
 def test_dense_and_moe_layouts_are_bit_exact_on_every_gpu_path(tmp_path, model, bucket_mb):
-    code = _bench(
+    code = bench(
         ["--model", model, "--device", "cuda", "--bucket-size-mb", bucket_mb, "--versions", "2"]
         + ["--no-baselines", "--no-floors", "--timeout-s", "60", "--out", str(tmp_path)]
     )

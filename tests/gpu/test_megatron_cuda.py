@@ -18,12 +18,10 @@ pytestmark = [
 def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir):
     pytest.importorskip("megatron.core")
     transformers = pytest.importorskip("transformers")
+    from tests.support import megatron as ms
     from weightsync.receiver import TorchReceiver
     from weightsync.sender.daemon import Sender
     from weightsync.sender.megatron import convert_megatron_to_hf
-
-    from tests import megatron_support as ms
-    from tests.integration.test_megatron_publish import VERSIONS, publish_worker
 
     case = ms.CASES["qwen2_bias"]
     config = ms.hf_config(case)
@@ -39,16 +37,16 @@ def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir):
                         {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
                     ),
                 )
-                for _ in range(VERSIONS)
+                for _ in range(ms.VERSIONS)
             ]
         )
         thread.start()
         states = ms.launch(
-            tmp_path, {"tp": 2, "pp": 1}, publish_worker, "qwen2_bias", sender.address, True
+            tmp_path, {"tp": 2, "pp": 1}, ms.publish_worker, "qwen2_bias", sender.address, True
         )[0]
         thread.join(300)
         status = sender.coordinator.status()
-        staging = {s.buffer.handle.WhichOneof("kind") for s in sender.coordinator._slots}
+        staging = {s.buffer.handle.WhichOneof("kind") for s in sender.coordinator.staging_slots()}
     print(
         "versions:",
         [(v.version, v.state, round(v.complete_s * 1e3, 1)) for v in status.versions],
@@ -58,7 +56,7 @@ def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir):
         [(p.publisher_id, p.world_size, p.device) for p in status.publishers],
     )
     assert staging == {"cuda_ipc"}
-    assert [v.state for v in status.versions] == ["complete"] * VERSIONS
+    assert [v.state for v in status.versions] == ["complete"] * ms.VERSIONS
     for version, state in enumerate(states):
         want = convert_megatron_to_hf(state, config)
         for name, tensor in want.items():

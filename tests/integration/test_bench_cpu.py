@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
-from rich.console import Console
-
-from weightsync.bench.cli import add_bench_args, run_bench
-
-
-def _bench(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser()
-    add_bench_args(parser)
-    return run_bench(parser.parse_args(argv), Console(stderr=True, width=200))
+from tests.support.bench import bench
 
 
 def test_cpu_bench_measures_every_row_and_receivers_are_bit_exact(tmp_path):
     start = time.monotonic()
-    code = _bench(
+    code = bench(
         ["--model", "tiny", "--device", "cpu", "--bucket-size-mb", "0.25", "--versions", "3"]
         + ["--out", str(tmp_path), "--plot"]
     )
@@ -54,7 +45,7 @@ def test_cpu_bench_measures_every_row_and_receivers_are_bit_exact(tmp_path):
 
 
 def test_cpu_bench_moe_layouts_through_fused_experts(tmp_path):
-    code = _bench(
+    code = bench(
         ["--model", "tiny-moe", "--device", "cpu", "--bucket-size-mb", "0.0625"]
         + ["--versions", "2", "--cases", "staged", "--no-baselines", "--no-floors"]
         + ["--out", str(tmp_path)]

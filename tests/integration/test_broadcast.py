@@ -5,11 +5,19 @@ from __future__ import annotations
 import time
 
 import pytest
+
+from tests.support import (
+    TinyNet,
+    assert_applied,
+    digests,
+    next_outcomes,
+    publish_versions,
+    start_receivers,
+    step,
+)
+from weightsync.errors import ReceiverFailedError
 from weightsync.sender import Publisher
 from weightsync.sender.daemon import Sender
-
-from tests.support import TinyNet, digests, start_receivers, step
-from weightsync.errors import ReceiverFailedError
 
 
 def test_broadcast_to_receiver_processes_is_bit_exact(sock_dir):
@@ -17,14 +25,8 @@ def test_broadcast_to_receiver_processes_is_bit_exact(sock_dir):
         procs, out = start_receivers(sender.address, ["b0", "b1"], syncs=3)
         trainer = TinyNet(seed=1)
         publisher = Publisher(sender.address)
-        expected = {}
-        for version in (1, 2, 3):
-            step(trainer, version)
-            publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=60)
-            expected[version] = digests(trainer)
-        for rid, state, version, d, err in (out.get(timeout=60) for _ in range(6)):
-            assert state == "applied", err
-            assert d == expected[version], f"{rid} differs at version {version}"
+        expected, _ = publish_versions(publisher, trainer, (1, 2, 3))
+        assert_applied(next_outcomes(out, 6), expected)
         paths = {r.receiver_id: r.data_path for r in publisher.status().receivers}
         assert paths == {"b0": "broadcast", "b1": "broadcast"}
         for p in procs:
@@ -54,6 +56,6 @@ def test_remote_host_gets_broadcast_while_local_maps_and_a_dying_remote_fails_al
         assert outcomes == {"local": "applied", "remote": "failed"}
         step(trainer, 3)
         publisher.publish(trainer.state_dict(), 3, wait=True, timeout_s=60)
-        local = [r for r in (out.get(timeout=60) for _ in range(4)) if r[0] == "local"]
+        local = [r for r in next_outcomes(out, 4) if r[0] == "local"]
         assert [(r[1], r[2]) for r in local] == [("applied", 1), ("applied", 2), ("applied", 3)]
         assert local[-1][3] == digests(trainer)

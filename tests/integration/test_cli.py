@@ -5,22 +5,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 
+from tests.support import TinyNet, sync_in_thread
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher
-
-from tests.support import TinyNet
 
 BIN = os.path.dirname(sys.executable)
 
 
 def test_status_prints_receivers_and_versions(sender):
     receiver = TorchReceiver(TinyNet(seed=1), sender.address, receiver_id="engine-7")
-    t = threading.Thread(target=receiver.sync, kwargs={"timeout": 30})
-    t.start()
+    t, _ = sync_in_thread(receiver)
     Publisher(sender.address).publish(TinyNet(seed=2).state_dict(), 1, wait=True, timeout_s=30)
-    t.join(30)
+    t.finish(30)
     out = subprocess.run(
         [f"{BIN}/weightsync", "status", "--address", sender.address],
         capture_output=True,

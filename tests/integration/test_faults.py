@@ -6,17 +6,21 @@ import glob
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import grpc
 import pytest
 import torch
-from weightsync.receiver import TorchReceiver
-from weightsync.sender import Publisher
-from weightsync.sender.daemon import Sender
 
-from tests.support import TinyNet, digests, start_receivers, step
+from tests.support import (
+    TinyNet,
+    digests,
+    next_outcomes,
+    start_receivers,
+    step,
+    sync_in_thread,
+    wait_until,
+)
 from weightsync.errors import (
     ChecksumError,
     ConfigError,
@@ -28,21 +32,9 @@ from weightsync.errors import (
     VersionError,
     WeightSyncError,
 )
-
-
-def sync_in_thread(receiver, n=1):
-    results = []
-
-    def run():
-        for _ in range(n):
-            try:
-                results.append(receiver.sync(timeout=30))
-            except Exception as e:  # collected for the assertions
-                results.append(e)
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, results
+from weightsync.receiver import TorchReceiver
+from weightsync.sender import Publisher
+from weightsync.sender.daemon import Sender
 
 
 def test_unknown_name_is_rejected_before_any_write(sender):
@@ -55,7 +47,7 @@ def test_unknown_name_is_rejected_before_any_write(sender):
     t, results = sync_in_thread(receiver)
     with pytest.raises(ReceiverFailedError, match="layers.0.ghost.weight"):
         Publisher(sender.address).publish(tensors, 1, wait=True, timeout_s=30)
-    t.join(30)
+    t.finish(30)
     assert isinstance(results[0], NameResolutionError)
     assert "'layers.0.ghost.weight'" in str(results[0])
     assert digests(model) == before
@@ -73,14 +65,14 @@ def test_shape_or_dtype_mismatch_is_rejected_before_any_write(sender):
     t, results = sync_in_thread(receiver)
     with pytest.raises(ReceiverFailedError, match="'norm' is \\(17,\\)"):
         Publisher(sender.address).publish(tensors, 1, wait=True, timeout_s=30)
-    t.join(30)
+    t.finish(30)
     assert isinstance(results[0], ManifestMismatchError)
     assert digests(model) == before
     tensors["norm"] = torch.zeros(16, dtype=torch.float64)
     t, results = sync_in_thread(receiver)
     with pytest.raises(ReceiverFailedError, match="'norm' is \\(16,\\) float64"):
         Publisher(sender.address).publish(tensors, 2, wait=True, timeout_s=30)
-    t.join(30)
+    t.finish(30)
     assert digests(model) == before
 
 
@@ -106,9 +98,7 @@ def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(se
     with pytest.raises(ReceiverFailedError, match="bucket 1 of version 2 .* fails its checksum"):
         publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
     monkeypatch.setattr(driver, "finish_all", real)
-    deadline = time.monotonic() + 10
-    while len(results) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: len(results) >= 2, 10, "the receiver's sync of version 2 did not return")
     assert isinstance(results[1], ChecksumError)
     assert receiver.dirty and receiver.applied_version == 1
     (status,) = publisher.status().receivers
@@ -116,7 +106,7 @@ def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(se
 
     step(trainer, 3)
     publisher.publish(trainer.state_dict(), 3, wait=True, timeout_s=30)
-    t.join(30)
+    t.finish(30)
     assert results[2] == 3 and not receiver.dirty
     assert digests(model) == digests(trainer)
     (status,) = publisher.status().receivers
@@ -138,7 +128,7 @@ def test_receiver_dying_mid_version_fails_alone_and_others_complete(sender):
     assert time.monotonic() - start < 15  # the stream break is seen at once, not at a timeout
     outcomes = {o.receiver_id: o.state for o in publisher.status().versions[-1].receivers}
     assert outcomes == {"alive": "applied", "doomed": "failed"}
-    results = [out.get(timeout=30) for _ in range(3)]
+    results = next_outcomes(out, 3, timeout=30)
     assert [(r[0], r[1], r[2]) for r in results if r[0] == "alive"] == [
         ("alive", "applied", 1),
         ("alive", "applied", 2),
@@ -164,7 +154,7 @@ def test_stalled_receiver_times_out_and_others_complete(sock_dir):
         ):
             Publisher(s.address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
         assert time.monotonic() - start < 10
-        t.join(30)
+        t.finish(30)
         assert results == [1] and digests(live) == digests(trainer)
 
 
@@ -200,7 +190,7 @@ def test_the_timeout_is_per_version_on_a_kept_stream(sender):
     version's ``timeout_s``, not the stream's age."""
     publisher = Publisher(sender.address)
     publisher.publish({"w": torch.ones(4)}, 1)  # the stream is open from here on
-    time.sleep(1.5)  # older than the next version's timeout
+    time.sleep(1.5)  # deliberately lets time pass: the stream is older than version 2's timeout
     idle = TorchReceiver(TinyNet(seed=1), sender.address, receiver_id="idle")
     start = time.monotonic()
     with pytest.raises(
@@ -251,8 +241,8 @@ def test_shm_buffers_are_owner_only(sender):
     receiver = TorchReceiver(TinyNet(seed=1), sender.address)
     t, _ = sync_in_thread(receiver)
     Publisher(sender.address).publish(TinyNet(seed=2).state_dict(), 1, wait=True, timeout_s=30)
-    t.join(30)
-    paths = [s.buffer.handle.shm.path for s in sender.coordinator._slots]
+    t.finish(30)
+    paths = [s.buffer.handle.shm.path for s in sender.coordinator.staging_slots()]
     assert len(paths) == 2
     assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths)
 
@@ -265,20 +255,20 @@ def test_receiver_registers_again_after_the_sender_restarts(sock_dir):
         receiver = TorchReceiver(model, first.address, receiver_id="survivor")
         t, results = sync_in_thread(receiver)
         Publisher(address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
-        t.join(30)
+        t.finish(30)
         assert results == [1]
     # Between versions, losing the sender only delays the next one.
     t, results = sync_in_thread(receiver)
     with Sender(address, bucket_size_bytes=4096) as second:
         publisher = Publisher(second.address)
-        deadline = time.monotonic() + 20
-        while not publisher.status().receivers and time.monotonic() < deadline:
-            time.sleep(0.05)  # the receiver's back-off before it registers again
-        (status,) = publisher.status().receivers
+        # The receiver backs off before it registers again.
+        (status,) = wait_until(
+            lambda: publisher.status().receivers, 20, "the receiver did not register again"
+        )
         assert status.receiver_id == "survivor" and status.connected
         step(trainer, 2)
         publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
-        t.join(30)
+        t.finish(30)
     assert results == [1] and digests(model) == digests(trainer)
 
 
@@ -326,7 +316,7 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
         t, results = sync_in_thread(receiver)
         with pytest.raises(WeightSyncError):  # the publisher loses it too
             Publisher(address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
-        t.join(30)
+        t.finish(30)
         assert isinstance(results[0], TransportError), results
         assert "during a version" in str(results[0])
         assert receiver.dirty and receiver.applied_version == 0
@@ -334,11 +324,10 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
         pids.append(daemon.pid)
         t, results = sync_in_thread(receiver)
         publisher = Publisher(address)
-        deadline = time.monotonic() + 20
-        while not publisher.status().receivers and time.monotonic() < deadline:
-            time.sleep(0.05)  # the receiver's back-off before it registers again
+        # The receiver backs off before it registers again.
+        wait_until(lambda: publisher.status().receivers, 20, "the receiver did not register again")
         publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
-        t.join(30)
+        t.finish(30)
         assert results == [1] and not receiver.dirty
         assert digests(model) == digests(trainer)
     finally:
@@ -377,7 +366,7 @@ def test_an_engine_error_mid_version_fails_it_at_once_names_the_bucket_and_marks
     ):
         Publisher(sender.address).publish(TinyNet(seed=2).state_dict(), 1, wait=True, timeout_s=60)
     assert time.monotonic() - start < 10
-    t.join(10)
+    t.finish(10)
     assert isinstance(results[0], WeightSyncError) and "bucket 1" in str(results[0])
     assert isinstance(results[0].__cause__, RuntimeError)
     assert receiver.dirty and Breaks.aborted is results[0]

@@ -13,6 +13,9 @@ import re
 
 import pytest
 import torch
+
+from tests.support import megatron as ms
+from weightsync.errors import PlanError
 from weightsync.sender.megatron import (
     LocalShards,
     ShardMeta,
@@ -20,9 +23,6 @@ from weightsync.sender.megatron import (
     convert_megatron_to_hf,
     plan_rank,
 )
-
-from tests import megatron_support as ms
-from weightsync.errors import PlanError
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")

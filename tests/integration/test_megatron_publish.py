@@ -10,14 +10,13 @@ import threading
 import pytest
 import torch
 
-from tests import megatron_support as ms
 from tests.support import holder_module
+from tests.support import megatron as ms
 
 pytest.importorskip("megatron.core")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.megatron
 
-VERSIONS = 2
 LAYOUTS = {
     "tp2": ({"tp": 2, "pp": 1}, "qwen2_bias"),
     "pp2": ({"tp": 1, "pp": 2}, "llama_mqa_tied"),
@@ -25,36 +24,6 @@ LAYOUTS = {
     "ep2": ({"tp": 1, "pp": 1, "ep": 2}, "qwen3_moe"),
     "tp2_ep2": ({"tp": 2, "pp": 1, "ep": 2, "etp": 1}, "mixtral"),
 }
-
-
-def publish_worker(rank: int, sizes: dict, case_name: str, address: str, cuda: bool = False):
-    """Build the model, publish VERSIONS versions (weights change between them).
-
-    ``cuda``: move rank r's chunks to ``cuda:r`` after building, so shards travel by CUDA IPC.
-    """
-    from weightsync.sender.megatron import MegatronPublisher, collect_shards, gather_local_shards
-
-    case = ms.CASES[case_name]
-    torch.manual_seed(0)
-    chunks = ms.build_chunks(case, sizes)
-    ms.fill_by_global_name(chunks, case)
-    if cuda:
-        chunks = [chunk.to(f"cuda:{rank}") for chunk in chunks]
-    publisher = MegatronPublisher(chunks, ms.hf_config(case), address)
-    states = []
-    for version in range(1, VERSIONS + 1):
-        if version > 1:
-            with torch.no_grad():  # a stand-in optimizer step, the same on every replica
-                for chunk in chunks:
-                    for i, p in enumerate(chunk.parameters()):
-                        if i % 2:
-                            p.mul_(0.5).add_(0.25)
-                        else:  # as frameworks that offload and reload weights do: new memory
-                            p.data = p.data.mul(0.5).add(0.25)
-        publisher.publish(version, wait=True, timeout_s=120)
-        states.append(gather_local_shards(collect_shards(chunks)))
-    publisher.close()
-    return states if rank == 0 else None
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -78,7 +47,7 @@ def test_megatron_publish_reaches_a_torch_receiver_bit_exact(layout, tmp_path, s
 
         def receive() -> None:
             try:
-                for _ in range(VERSIONS):
+                for _ in range(ms.VERSIONS):
                     receiver.sync(timeout=300)
                     held.append({k: v.clone() for k, v in model.state_dict().items()})
             except Exception as e:  # reported by the assertion below
@@ -86,11 +55,11 @@ def test_megatron_publish_reaches_a_torch_receiver_bit_exact(layout, tmp_path, s
 
         thread = threading.Thread(target=receive)
         thread.start()
-        states = ms.launch(tmp_path, sizes, publish_worker, case_name, sender.address)[0]
+        states = ms.launch(tmp_path, sizes, ms.publish_worker, case_name, sender.address)[0]
         thread.join(300)
         assert not errors, errors
         versions = version_states(sender)
-    assert versions == [(v, "complete") for v in range(1, VERSIONS + 1)]
+    assert versions == [(v, "complete") for v in range(1, ms.VERSIONS + 1)]
     for version, state in enumerate(states):
         want = convert_megatron_to_hf(state, config)
         for name, tensor in want.items():

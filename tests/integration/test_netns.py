@@ -13,10 +13,10 @@ import sys
 import uuid
 
 import pytest
-from weightsync.sender import Publisher
-from weightsync.sender.daemon import Sender
 
 from tests.support import TinyNet, digests, step
+from weightsync.sender import Publisher
+from weightsync.sender.daemon import Sender
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2"

@@ -9,18 +9,20 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from weightsync.sender import Publisher  # noqa: E402
-
-from tests.vllm_support import (  # noqa: E402
-    checkpoint_template,
+from tests.support import random_weights, unix_sender  # noqa: E402
+from tests.support.vllm import (  # noqa: E402
+    ADAPTER,
+    LORA_KIND,
+    count_adapter_loads,
     hf_greedy,
     hf_reference,
+    lora_version,
     make_llm,
-    random_weights,
-    save_checkpoint,
+    random_checkpoint,
     vllm_greedy,
     worker_of,
 )
+from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -28,15 +30,8 @@ KIND = "qwen2"
 
 
 def _sender():
-    import shutil
-    import tempfile
-
-    from weightsync.sender.daemon import Sender
-
-    d = tempfile.mkdtemp(prefix="ws-", dir="/tmp")
-    with Sender(f"unix:{d}/s.sock", bucket_size_bytes=64 * 1024, ack_timeout_s=60) as s:
+    with unix_sender(bucket_size_bytes=64 * 1024, ack_timeout_s=60) as s:
         yield s.address
-    shutil.rmtree(d, ignore_errors=True)
 
 
 # One sender per engine: a sender delivers every version to all of its receivers.
@@ -47,11 +42,8 @@ lora_sender_address = pytest.fixture(scope="module", name="lora_sender_address")
 @pytest.fixture(scope="module")
 def engine(sender_address, tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
-    template = checkpoint_template(KIND)
-    llm = make_llm(
-        save_checkpoint(KIND, root / "model", random_weights(template, seed=0)),
-        weight_transfer_config={"backend": "weightsync"},
-    )
+    model, template = random_checkpoint(KIND, root / "model")
+    llm = make_llm(model, weight_transfer_config={"backend": "weightsync"})
     llm.init_weight_transfer_engine({"init_info": {"address": sender_address}})
     yield root, llm, template
     del llm
@@ -93,6 +85,7 @@ def test_three_versions_through_vllm_weight_transfer(engine, sender_address):
 
 def test_register_is_idempotent():
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
     from weightsync.receiver.vllm_plugin import register
 
     register()
@@ -103,9 +96,9 @@ def test_register_is_idempotent():
 @pytest.fixture(scope="module")
 def lora_engine(lora_sender_address, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_engine")
-    template = checkpoint_template("llama")
+    model, template = random_checkpoint(LORA_KIND, root / "model")
     llm = make_llm(
-        save_checkpoint("llama", root / "model", random_weights(template, seed=0)),
+        model,
         weight_transfer_config={"backend": "weightsync"},
         enable_lora=True,
         max_lora_rank=8,
@@ -126,18 +119,11 @@ def test_lora_through_weight_transfer_survives_reset_and_is_replaced(
     backend is loaded again from its path, once per version, and matches transformers+peft."""
     from weightsync.receiver.vllm import lora_id, lora_request
 
-    from tests.integration.test_vllm_lora import ADAPTER, _version
-
     root, llm, template, lora_dir = lora_engine
-    manager = worker_of(llm).model_runner.lora_manager
-    loads: list[int] = []
-    original = manager._load_adapter
-    monkeypatch.setattr(
-        manager, "_load_adapter", lambda r: (loads.append(r.lora_int_id), original(r))[1]
-    )
+    loads = count_adapter_loads(worker_of(llm), monkeypatch)
     previous = None
     for version in (1, 2):
-        manifest, tensors, peft_model = _version(root, template, version, seed=40 + version)
+        manifest, tensors, peft_model = lora_version(root, template, version, seed=40 + version)
         loads.clear()
         results = _publish_and_update(llm, lora_sender_address, tensors, version, manifest.lora)
         assert not isinstance(results[0], Exception), results[0]

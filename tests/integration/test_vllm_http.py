@@ -4,30 +4,25 @@ loaded from the ``vllm.general_plugins`` entry point) fed by a real sender."""
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import sys
-import tempfile
-import time
 
 import pytest
 import requests
 
 vllm = pytest.importorskip("vllm")
 
-from weightsync.receiver.vllm.client import VllmServerClient, publish_to_vllm  # noqa: E402
-from weightsync.sender import Publisher  # noqa: E402
-
-from tests.vllm_support import (  # noqa: E402
+from tests.support import random_weights, unix_sender, wait_until  # noqa: E402
+from tests.support.vllm import (  # noqa: E402
     MAX_NEW_TOKENS,
     PROMPTS,
-    checkpoint_template,
     hf_reference,
-    random_weights,
-    save_checkpoint,
+    random_checkpoint,
 )
+from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
 from weightsync.errors import ReceiverFailedError  # noqa: E402
+from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -43,19 +38,14 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def sender_address():
-    from weightsync.sender.daemon import Sender
-
-    d = tempfile.mkdtemp(prefix="ws-", dir="/tmp")
-    with Sender(f"unix:{d}/s.sock", bucket_size_bytes=64 * 1024, ack_timeout_s=120) as s:
+    with unix_sender(bucket_size_bytes=64 * 1024, ack_timeout_s=120) as s:
         yield s.address
-    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("http")
-    template = checkpoint_template(KIND)
-    model = save_checkpoint(KIND, root / "model", random_weights(template, seed=0))
+    model, template = random_checkpoint(KIND, root / "model")
     port = _free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     cmd = [
@@ -71,21 +61,22 @@ def server(tmp_path_factory):
     log = open(root / "server.log", "w")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:  # wait on the health check
+
+    def healthy() -> bool:
         if proc.poll() is not None:
             pytest.fail(
                 f"vllm serve exited {proc.returncode}: {(root / 'server.log').read_text()[-3000:]}"
             )
         try:
-            if requests.get(f"{base_url}/health", timeout=2).status_code == 200:
-                break
+            return requests.get(f"{base_url}/health", timeout=2).status_code == 200
         except requests.ConnectionError:
-            pass
-        if time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"vllm serve not healthy: {(root / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.5)
+            return False
+
+    try:
+        wait_until(healthy, STARTUP_TIMEOUT_S, "vllm serve not healthy", interval=0.5)
+    except AssertionError as e:
+        proc.kill()
+        pytest.fail(f"{e}: {(root / 'server.log').read_text()[-3000:]}")
     yield root, base_url, str(model), template
     proc.terminate()
     proc.wait(60)

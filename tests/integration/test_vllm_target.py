@@ -7,22 +7,19 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from weightsync.receiver.vllm import VllmWeightTarget  # noqa: E402
-
-from tests.vllm_support import (  # noqa: E402
-    checkpoint_template,
-    drive,
+from tests.support import drive, manifest_of, random_weights  # noqa: E402
+from tests.support.vllm import (  # noqa: E402
+    BUCKET_BYTES,
     hf_reference,
     make_llm,
-    manifest_of,
-    random_weights,
-    save_checkpoint,
+    random_checkpoint,
     vllm_greedy,
     worker_of,
 )
 from weightsync.buckets import TensorSpec  # noqa: E402
 from weightsync.errors import ManifestMismatchError, NameResolutionError  # noqa: E402
 from weightsync.manifest import VersionManifest  # noqa: E402
+from weightsync.receiver.vllm import VllmWeightTarget  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -31,37 +28,36 @@ pytestmark = pytest.mark.vllm
 def engine(request, tmp_path_factory):
     kind = request.param
     root = tmp_path_factory.mktemp(kind)
-    template = checkpoint_template(kind)
-    initial = random_weights(template, seed=0)
-    llm = make_llm(save_checkpoint(kind, root / "model", initial))
+    model, template = random_checkpoint(kind, root / "model")
+    llm = make_llm(model)
     target = VllmWeightTarget.from_worker(worker_of(llm))
-    yield kind, root, llm, target, template, initial
+    yield kind, root, llm, target, template
     del llm
 
 
 def test_three_versions_match_transformers(engine):
-    kind, root, llm, target, template, _ = engine
+    kind, root, llm, target, template = engine
     for version in (1, 2, 3):
         weights = random_weights(template, seed=100 + version)
-        drive(target, manifest_of(version, weights), weights, per_bucket=5)
+        drive(target, manifest_of(version, weights), weights, BUCKET_BYTES)
         assert vllm_greedy(llm) == hf_reference(kind, root / f"ref{version}", weights)
 
 
 def test_unknown_name_rejected_before_any_write(engine):
-    kind, root, llm, target, template, _ = engine
+    kind, root, llm, target, template = engine
     weights = random_weights(template, seed=7)
-    drive(target, manifest_of(4, weights), weights, per_bucket=8)
+    drive(target, manifest_of(4, weights), weights, BUCKET_BYTES)
     before = vllm_greedy(llm)
     bad = dict(random_weights(template, seed=8))
     bad["model.layers.0.self_attn.nonexistent_proj.weight"] = bad["model.norm.weight"]
     with pytest.raises(NameResolutionError, match="nonexistent_proj"):
-        drive(target, manifest_of(5, bad), bad, per_bucket=8)
+        drive(target, manifest_of(5, bad), bad, BUCKET_BYTES)
     assert vllm_greedy(llm) == before
     assert before == hf_reference(kind, root / "ref_before_bad", weights)
 
 
 def test_wrong_shape_rejected_naming_tensor(engine):
-    _, _, llm, target, template, _ = engine
+    _, _, llm, target, template = engine
     before = vllm_greedy(llm)
     name = "model.layers.1.self_attn.o_proj.weight"
     spec = TensorSpec(name, "float32", (7, 3))
@@ -71,9 +67,9 @@ def test_wrong_shape_rejected_naming_tensor(engine):
 
 
 def test_partial_update(engine):
-    kind, root, llm, target, template, _ = engine
+    kind, root, llm, target, template = engine
     full = random_weights(template, seed=20)
-    drive(target, manifest_of(7, full), full, per_bucket=6)
+    drive(target, manifest_of(7, full), full, BUCKET_BYTES)
     fresh = random_weights(template, seed=21)
     # Whole layers only: layer 1's attention and MLP and the final norm.
     subset = {
@@ -81,12 +77,12 @@ def test_partial_update(engine):
         for n, t in fresh.items()
         if n.startswith("model.layers.1.") or n == "model.norm.weight"
     }
-    drive(target, manifest_of(8, subset), subset, per_bucket=3)
+    drive(target, manifest_of(8, subset), subset, BUCKET_BYTES)
     assert vllm_greedy(llm) == hf_reference(kind, root / "ref_partial", {**full, **subset})
 
 
 def test_partial_layer_rejected(engine):
-    _, _, llm, target, template, _ = engine
+    _, _, llm, target, template = engine
     before = vllm_greedy(llm)
     only_q = {
         "model.layers.0.self_attn.q_proj.weight": template["model.layers.0.self_attn.q_proj.weight"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.sglang.compat import install_cpu_shims
+from tests.support.sglang import FakeSglang, install_cpu_shims
 from weightsync.errors import ConfigError, ReceiverFailedError
 from weightsync.manifest import LoraAdapterSpec
 
@@ -25,19 +25,14 @@ install_cpu_shims()
 def test_client_routes_and_fields_exist_in_installed_sglang():
     import sglang
     from sglang.srt.managers import io_struct
-    from weightsync.receiver.sglang.http_client import PauseMode, SglangHttpClient
 
-    from tests.unit.test_sglang_http_client import FakeSglang
+    from weightsync.drivers.sglang import PauseMode, SglangHttpClient
 
     # Read, not imported: the server module needs uvicorn/fastapi, which the test venv omits.
     source = (Path(sglang.__file__).parent / "srt/entrypoints/http_server.py").read_text()
     routes = set(re.findall(r'@app\.(?:post|api_route)\("(/[a-z_]+)"', source))
-    fake = FakeSglang()
-    try:
+    with FakeSglang() as fake:
         SglangHttpClient(fake.url, pause=PauseMode.WAIT, release_kv_cache=True).update(1)
-    finally:
-        fake.server.shutdown()
-        fake.server.server_close()
     inputs = {
         "/pause_generation": io_struct.PauseGenerationReqInput,
         "/release_memory_occupation": io_struct.ReleaseMemoryOccupationReqInput,
@@ -59,6 +54,7 @@ def test_client_routes_and_fields_exist_in_installed_sglang():
 def test_custom_loader_is_called_with_model_and_tensors():
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.utils import dynamic_import
+
     from weightsync.receiver.sglang.hook import HOOK_PATH, sync_weights
 
     assert dynamic_import(HOOK_PATH) is sync_weights
@@ -115,7 +111,7 @@ class FakeLoraManager:
 
 
 def test_lora_loader_replaces_the_adapter_under_the_same_ref():
-    from weightsync.receiver.sglang.lora import SglangLoraLoader
+    from weightsync.receiver.sglang.lora_loader import SglangLoraLoader
 
     manager = FakeLoraManager()
     loader = SglangLoraLoader(manager)
@@ -127,9 +123,8 @@ def test_lora_loader_replaces_the_adapter_under_the_same_ref():
 
 
 def test_lora_loader_reports_failures_and_rank_limits():
-    from weightsync.receiver.sglang.lora import SglangLoraLoader
-
     from weightsync.errors import ManifestMismatchError
+    from weightsync.receiver.sglang.lora_loader import SglangLoraLoader
 
     loader = SglangLoraLoader(FakeLoraManager(fail_load=True))
     with pytest.raises(ManifestMismatchError, match="--max-lora-rank 16"):

@@ -1,7 +1,7 @@
 """SglangWeightTarget against SGLang 0.5's REAL model classes built on CPU (TP=1, gloo).
 
 Every live parameter is compared bit-exactly with a reference packed by hand from the same HF
-tensors (tests/sglang/support.py), packed qkv / gate_up slices and fused experts included.
+tensors (tests/support/sglang.py), packed qkv / gate_up slices and fused experts included.
 """
 
 from __future__ import annotations
@@ -11,14 +11,8 @@ import json
 import pytest
 import torch
 
-from tests.sglang.support import (
-    build,
-    checkpoint_specs,
-    drive,
-    expected_live,
-    manifest_for,
-    random_tensors,
-)
+from tests.support import drive, manifest_of, random_weights
+from tests.support.sglang import build, checkpoint_specs, expected_live
 from weightsync.errors import ManifestMismatchError, NameResolutionError
 from weightsync.manifest import LoraAdapterSpec
 
@@ -51,8 +45,8 @@ def test_three_versions_bit_exact(arch):
     specs = checkpoint_specs(hf)
     target = _target(model)
     for version in (1, 2, 3):
-        tensors = random_tensors(specs, seed=version)
-        loads = drive(target, manifest_for(version, tensors), tensors, BUCKET_BYTES)
+        tensors = random_weights(specs, seed=version)
+        loads = drive(target, manifest_of(version, tensors), tensors, BUCKET_BYTES)
         assert loads >= 3
         assert_live_equals(model, tensors)
 
@@ -60,9 +54,9 @@ def test_three_versions_bit_exact(arch):
 def test_partial_update_changes_only_what_was_sent(arch):
     model, hf = build(arch)
     specs = checkpoint_specs(hf)
-    full = random_tensors(specs, seed=1)
+    full = random_weights(specs, seed=1)
     target = _target(model)
-    drive(target, manifest_for(1, full), full, BUCKET_BYTES)
+    drive(target, manifest_of(1, full), full, BUCKET_BYTES)
     # One slice of a packed qkv, one of a packed gate_up or of a fused expert, a norm.
     wanted = [
         "model.layers.1.self_attn.k_proj.weight",
@@ -70,8 +64,8 @@ def test_partial_update_changes_only_what_was_sent(arch):
         else "model.layers.0.mlp.gate_proj.weight",
         "model.norm.weight",
     ]
-    fresh = random_tensors([s for s in specs if s.name in wanted], seed=2)
-    drive(target, manifest_for(2, fresh), fresh, BUCKET_BYTES)
+    fresh = random_weights([s for s in specs if s.name in wanted], seed=2)
+    drive(target, manifest_of(2, fresh), fresh, BUCKET_BYTES)
     assert_live_equals(model, {**full, **fresh})
 
 
@@ -101,12 +95,12 @@ def test_lora_accumulated_across_buckets_and_loaded_once():
             lora[f"{prefix}.{layer}.self_attn.{proj}.lora_B.weight"] = torch.randn(out_features, 8)
     config = json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]})
     for version in (1, 2):
-        base = random_tensors(specs, seed=version)
+        base = random_weights(specs, seed=version)
         # Half the adapter first, half last: it spans the first and the final bucket.
         names = list(lora)
         ordered = {**{n: lora[n] for n in names[:4]}, **base, **{n: lora[n] for n in names[4:]}}
         spec = LoraAdapterSpec("policy", config, tuple(names))
-        loads = drive(target, manifest_for(version, ordered, spec), ordered, BUCKET_BYTES)
+        loads = drive(target, manifest_of(version, ordered, spec), ordered, BUCKET_BYTES)
         assert loads >= 2
         assert_live_equals(model, base)
         assert len(loader.calls) == version  # once per version, after the last bucket
@@ -121,12 +115,12 @@ def test_lora_accumulated_across_buckets_and_loaded_once():
 def test_unknown_name_rejected_before_any_write():
     model, hf = build("qwen2")
     target = _target(model)
-    good = random_tensors(checkpoint_specs(hf), seed=3)
-    drive(target, manifest_for(1, good), good, BUCKET_BYTES)
-    bad = {**random_tensors(checkpoint_specs(hf), seed=4),
+    good = random_weights(checkpoint_specs(hf), seed=3)
+    drive(target, manifest_of(1, good), good, BUCKET_BYTES)
+    bad = {**random_weights(checkpoint_specs(hf), seed=4),
            "model.layers.0.self_attn.qkv_proj_typo.weight": torch.zeros(4)}
     with pytest.raises(NameResolutionError, match="qkv_proj_typo"):
-        target.validate(manifest_for(2, bad))
+        target.validate(manifest_of(2, bad))
     assert_live_equals(model, good)
 
 
@@ -139,25 +133,25 @@ def test_unknown_name_rejected_before_any_write():
 )
 def test_shape_or_dtype_mismatch_names_the_tensor(name, bad):
     model, hf = build("qwen2")
-    tensors = random_tensors(checkpoint_specs(hf), seed=4)
+    tensors = random_weights(checkpoint_specs(hf), seed=4)
     tensors[name] = bad
     with pytest.raises(ManifestMismatchError, match=name.replace(".", r"\.")):
-        _target(model).validate(manifest_for(1, tensors))
+        _target(model).validate(manifest_of(1, tensors))
 
 
 def test_wrong_expert_shape_rejected():
     model, hf = build("qwen3_moe")
-    tensors = random_tensors(checkpoint_specs(hf), seed=5)
+    tensors = random_weights(checkpoint_specs(hf), seed=5)
     tensors["model.layers.1.mlp.experts.3.down_proj.weight"] = torch.zeros(128, 32)
     with pytest.raises(ManifestMismatchError, match=r"experts\.3\.down_proj"):
-        _target(model).validate(manifest_for(1, tensors))
+        _target(model).validate(manifest_of(1, tensors))
 
 
 def test_lora_without_loader_rejected():
     model, hf = build("qwen2")
-    tensors = random_tensors(checkpoint_specs(hf), seed=6)
+    tensors = random_weights(checkpoint_specs(hf), seed=6)
     name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     tensors[name] = torch.zeros(8, 128)
     spec = LoraAdapterSpec("policy", "{}", (name,))
     with pytest.raises(ManifestMismatchError, match="no LoRA loader"):
-        _target(model).validate(manifest_for(1, tensors, spec))
+        _target(model).validate(manifest_of(1, tensors, spec))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bench.engine_like import EngineLikeModel, EngineLikeTarget
-from weightsync.bench.layout import TrainerShards, plan_layout
-from weightsync.bench.models import hf_specs, model_shape
-from weightsync.bench.worker import verify
+from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
+from weightsync.app.bench.layout import TrainerShards, plan_layout
+from weightsync.app.bench.models import hf_specs, model_shape
+from weightsync.app.bench.worker import verify
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError, NameResolutionError
 from weightsync.manifest import VersionManifest

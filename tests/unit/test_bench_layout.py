@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.bench.layout import TrainerShards, plan_layout
-from weightsync.bench.models import hf_specs, model_shape
+from weightsync.app.bench.layout import TrainerShards, plan_layout
+from weightsync.app.bench.models import hf_specs, model_shape
 from weightsync.buckets import ChunkAssembler, plan_buckets, unpack_bucket
 from weightsync.errors import ConfigError, PlanError
 

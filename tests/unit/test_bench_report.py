@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from weightsync.bench.report import (
+from weightsync.app.bench.report import (
     BASELINE,
     D2D,
     FLOOR,

@@ -13,7 +13,11 @@ import peft
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2ForCausalLM
+
+from tests.support import tiny_config
+from weightsync.errors import PlanError
+from weightsync.manifest import VersionManifest
 from weightsync.sender.megatron import (
     LoraExport,
     RankTopology,
@@ -21,9 +25,6 @@ from weightsync.sender.megatron import (
     convert_megatron_to_hf,
     plan_rank,
 )
-
-from weightsync.errors import PlanError
-from weightsync.manifest import VersionManifest
 
 H, HEADS, KV, HD, FFN, VOCAB, LAYERS, R, ALPHA = 32, 4, 2, 8, 48, 64, 2, 4, 16.0
 QKV = (HEADS + 2 * KV) * HD
@@ -36,15 +37,15 @@ PATHS = {
 }
 
 
-def hf_config() -> Qwen2Config:
-    return Qwen2Config(
+def hf_config():
+    return tiny_config(
+        "qwen2",
         hidden_size=H,
         num_attention_heads=HEADS,
         num_key_value_heads=KV,
         intermediate_size=FFN,
         num_hidden_layers=LAYERS,
         vocab_size=VOCAB,
-        tie_word_embeddings=False,
         max_position_embeddings=64,
     )
 

@@ -6,6 +6,8 @@ from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
+
+from weightsync.errors import PlanError
 from weightsync.sender.megatron import (
     RankTopology,
     ShardMeta,
@@ -13,9 +15,8 @@ from weightsync.sender.megatron import (
     hf_manifest,
     plan_rank,
 )
-from weightsync.sender.megatron.names import ARCHITECTURES, template_of
-
-from weightsync.errors import PlanError
+from weightsync.sender.megatron.name_table import template_of
+from weightsync.sender.megatron.name_templates import ARCHITECTURES
 
 H, HEADS, KV, HD, FFN, VOCAB, PADDED = 16, 4, 2, 4, 24, 30, 32
 

@@ -6,6 +6,10 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+
+from weightsync.buckets import BucketEntry, TensorSpec, plan_buckets
+from weightsync.dtypes import dtype_name
+from weightsync.errors import PlanError
 from weightsync.sender.megatron.dims import ModelDims
 from weightsync.sender.megatron.pieces import CopyPiece, pack_pieces
 from weightsync.sender.megatron.rules import (
@@ -19,10 +23,6 @@ from weightsync.sender.megatron.rules import (
     VocabRule,
 )
 from weightsync.sender.megatron.shards import ShardMeta
-
-from weightsync.buckets import BucketEntry, TensorSpec, plan_buckets
-from weightsync.dtypes import dtype_name
-from weightsync.errors import PlanError
 
 
 def dims(**kw) -> ModelDims:

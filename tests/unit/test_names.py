@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from weightsync.receiver.names import NameResolver, ResolvedName, check_specs
 
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError, NameResolutionError
+from weightsync.receiver.name_resolver import NameResolver, ResolvedName, check_specs
 
 H = 8
 

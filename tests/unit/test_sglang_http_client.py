@@ -9,81 +9,30 @@ text on failure). Runs in the main venv; SGLang is not imported.
 from __future__ import annotations
 
 import base64
-import json
 import pickle
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from weightsync.receiver.sglang.http_client import (
-    HOOK_LOAD_FORMAT,
-    PauseMode,
-    SglangHttpClient,
-    SglangUpdateError,
-)
 
+from tests.support.sglang import FakeSglang
+from weightsync.drivers.sglang import PauseMode, SglangHttpClient, SglangUpdateError
 from weightsync.errors import ConfigError
+from weightsync.receiver.sglang.hook import HOOK_PATH
 
 KV = {"tags": ["kv_cache"]}
 EMPTY = base64.b64encode(pickle.dumps([])).decode()
 
 
-class FakeSglang:
-    """Records (route, body); ``fail[route]`` makes that route answer HTTP 400."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, dict]] = []
-        self.fail: dict[str, str] = {}
-        self.soft_fail: dict[str, str] = {}
-        """Routes answering 200 with {"success": false} (some SGLang routes do)."""
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-                fake.requests.append((self.path, body))
-                if self.path in fake.fail:
-                    self._answer(400, {"success": False, "message": fake.fail[self.path]})
-                elif self.path in fake.soft_fail:
-                    self._answer(200, {"success": False, "message": fake.soft_fail[self.path]})
-                elif self.path == "/release_memory_occupation":
-                    self._answer(200, None)  # SGLang's route returns nothing on success
-                else:
-                    self._answer(200, {"success": True, "message": "ok"})
-
-            def _answer(self, status: int, content: object) -> None:
-                data = json.dumps(content).encode()
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
-        ).start()
-
-    def routes(self) -> list[str]:
-        return [route for route, _ in self.requests]
-
-
 @pytest.fixture
 def sglang():
-    fake = FakeSglang()
-    yield fake
-    fake.server.shutdown()
-    fake.server.server_close()
+    with FakeSglang() as fake:
+        yield fake
 
 
 def update_body(tp_size: int) -> dict:
     return {
         "serialized_named_tensors": [EMPTY] * tp_size,
-        "load_format": HOOK_LOAD_FORMAT,
+        "load_format": HOOK_PATH,
         "flush_cache": False,
         "selector": "target",
     }

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.registry import Registry
+from weightsync.errors import ConfigError
 from weightsync.transports.base import MappedBuffers, StagingBuffer, Transport
+from weightsync.transports.cuda_ipc import CudaIpcTransport
+from weightsync.transports.shm import ShmTransport
 
-TRANSPORTS: Registry[type[Transport]] = Registry(
-    "transport",
-    {
-        "shm": "weightsync.transports.shm:ShmTransport",
-        "cuda_ipc": "weightsync.transports.cuda_ipc:CudaIpcTransport",
-    },
-)
+_CLASSES: dict[str, type[Transport]] = {"cuda_ipc": CudaIpcTransport, "shm": ShmTransport}
 
 _instances: dict[str, Transport] = {}
+"""One instance per transport name for the whole process, made on first use; never dropped."""
+
+
+def _class_of(name: str) -> type[Transport]:
+    try:
+        return _CLASSES[name]
+    except KeyError:
+        raise ConfigError(f"unknown transport {name!r}; known: {', '.join(_CLASSES)}") from None
 
 
 def get_transport(name: str) -> Transport:
     """The process-wide instance of transport ``name`` ("shm", "cuda_ipc")."""
     if name not in _instances:
-        _instances[name] = TRANSPORTS.get(name)()
+        _instances[name] = _class_of(name)()
     return _instances[name]
 
 
@@ -33,7 +37,7 @@ def resolve_transport(name: str, device: torch.device) -> str:
     """
     if name in ("auto", "nccl"):
         return "cuda_ipc" if device.type == "cuda" else "shm"
-    TRANSPORTS.get(name)
+    _class_of(name)
     return name
 
 

@@ -76,7 +76,8 @@ class Transport(ABC):
 
 
 class MappedBuffers:
-    """A process's cache of mapped buffers: each handle is opened once, by ``buffer_id``."""
+    """One owner's mapped buffers by ``buffer_id``, each handle opened once; never stale (every
+    allocation gets a new id), dropped with the owner (a receiver, publisher or offer)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

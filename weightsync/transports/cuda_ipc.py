@@ -123,7 +123,8 @@ def release_event(handle: bytes) -> None:
 
 
 class EventCache:
-    """Events of other processes opened once by handle (this process's own used as they are)."""
+    """Events of other processes opened once by handle (this process's own used as they are);
+    never stale (a handle names one event), dropped with the owner."""
 
     def __init__(self) -> None:
         self._opened: dict[bytes, torch.cuda.Event] = {}

@@ -1,0 +1,111 @@
+"""The receiver's end of the broadcast data path: join the sender's group, land its buckets.
+
+Buckets land in two buffers, alternating, so bucket i+1 arrives while bucket i is loaded. On
+CUDA the loads run on a side stream: NCCL orders each collective after the *current* stream,
+so loading on that stream would hold back the next transfer until the previous load finished.
+The sender's end is :mod:`weightsync.sender.broadcast`; the group itself is
+:mod:`weightsync.transports.broadcast`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from weightsync.errors import TransportError
+from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, PendingBroadcast
+from weightsync.v1 import weightsync_pb2 as pb
+
+
+class BroadcastReceiver:
+    """Joins the sender's broadcast group when told to and receives buckets announced in it."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._group: BroadcastGroup | None = None
+        self._join_error: TransportError | None = None
+        """Why the last join failed (the sender times out and fails this receiver too)."""
+        self._landing = [torch.empty(0, dtype=torch.uint8, device=device)] * 2
+        self._loaded: list[torch.cuda.Event | None] = [None, None]
+        """Recorded on the side stream after the loads from each landing buffer."""
+        self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def join(self, join: pb.GroupJoin) -> None:
+        """Join the group ``join`` names, leaving the previous one (runs on the pump thread)."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+        spec = GroupSpec(
+            join.group_id,
+            join.store_host,
+            join.store_port,
+            join.world_size,
+            join.backend,
+            join.timeout_s,
+        )
+        try:
+            self._group = BroadcastGroup(spec, join.rank, self.device)
+            self._join_error = None
+        except TransportError as e:
+            self._join_error = e
+
+    @contextmanager
+    def reading(self, msg: pb.BucketAnnouncement) -> Iterator[torch.Tensor | None]:
+        """Everything that reads a bucket happens in here; yields the buffer a broadcast
+        bucket landed in (None for a bucket that does not come by broadcast).
+
+        Raises:
+            TransportError: the bucket comes in a group this receiver did not join.
+        """
+        if not msg.group_id:
+            yield None
+            return
+        group = self._group
+        if group is None or group.spec.group_id != msg.group_id:
+            raise TransportError(
+                f"bucket {msg.layout.index} of version {msg.version} comes by broadcast in group "
+                f"{msg.group_id}, which this receiver did not join"
+                + (f" ({self._join_error})" if self._join_error else "")
+            )
+        which = msg.layout.index % 2
+        landed, pending = self._receive(group, which, msg.layout.nbytes)
+        with self._loading(which, pending):
+            yield landed
+
+    def _receive(
+        self, group: BroadcastGroup, which: int, nbytes: int
+    ) -> tuple[torch.Tensor, PendingBroadcast]:
+        """Queue the transfer into landing buffer ``which`` once its previous loads are done."""
+        if self._landing[which].numel() < nbytes:
+            self.synchronize()  # the old buffer may still be read on the side stream
+            self._landing[which] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        elif self._loaded[which] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._loaded[which])
+        landed = self._landing[which][:nbytes]
+        return landed, group.broadcast(landed)
+
+    @contextmanager
+    def _loading(self, which: int, pending: PendingBroadcast) -> Iterator[None]:
+        """Reads after the transfer and (CUDA) on the side stream, whose progress frees the
+        landing buffer for a later bucket."""
+        if self._side is None:
+            pending.wait()
+            yield
+            return
+        with torch.cuda.stream(self._side):
+            pending.wait()
+            yield
+            event = self._loaded[which] or torch.cuda.Event()
+            event.record(self._side)
+            self._loaded[which] = event
+
+    def synchronize(self) -> None:
+        """Wait for every load queued so far."""
+        if self._side is not None:
+            self._side.synchronize()
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()

@@ -1,0 +1,230 @@
+"""The receiver's connection to its sender: register, pump announcements, register again.
+
+:class:`GrpcConnection` is the real one; :class:`ReceiverCore` takes any :class:`Connection`,
+so its version state machine can be driven by an in-memory one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+import torch
+
+from weightsync import trace
+from weightsync.control.client import connect
+from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError
+from weightsync.transports.broadcast import host_id
+from weightsync.transports.cuda_ipc import device_uuid
+from weightsync.v1 import weightsync_pb2 as pb
+
+log = logging.getLogger("weightsync.receiver")
+
+
+@dataclass(frozen=True)
+class SenderLost:
+    """Queued in the inbox, between announcements, where the stream to the sender broke."""
+
+    reason: str
+
+
+class Inbox:
+    """Announcements in arrival order, and where the sender went away in between.
+
+    Losing the sender fails a version in flight; between versions it only delays the next
+    one (the connection registers again).
+    """
+
+    def __init__(self, receiver_id: str, address: str) -> None:
+        self.receiver_id, self.address = receiver_id, address
+        self._queue: queue.Queue[pb.Announcement | SenderLost] = queue.Queue()
+        self._lost = False
+        """The last thing queued was a SenderLost: say so when nothing arrives in time."""
+
+    def put(self, item: pb.Announcement | SenderLost) -> None:
+        self._queue.put(item)
+
+    def next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
+        """The next announcement, by ``deadline`` (monotonic; None: wait forever).
+
+        Raises:
+            SyncTimeoutError: nothing by the deadline.
+            TransportError: the sender went away while ``in_version``.
+        """
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            try:
+                item = self._queue.get(timeout=left)
+            except queue.Empty:
+                raise SyncTimeoutError(
+                    f"receiver {self.receiver_id}: no {waiting_for} in time"
+                    + (f" (the sender at {self.address} is gone)" if self._lost else "")
+                ) from None
+            if not isinstance(item, SenderLost):
+                self._lost = False
+                return item
+            self._lost = True
+            if in_version:
+                raise TransportError(
+                    f"receiver {self.receiver_id}: lost the sender at {self.address} during "
+                    f"a version: {item.reason}"
+                )
+
+
+class Connection(Protocol):
+    """What the version state machine needs of its link to the sender."""
+
+    @property
+    def receiver_id(self) -> str: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def next(
+        self, deadline: float | None, waiting_for: str, in_version: bool
+    ) -> pb.Announcement: ...
+
+    def send(self, message: pb.ReceiverMessage) -> None: ...
+
+    def close(self, flush_timeout_s: float) -> None: ...
+
+
+def receiver_hello(
+    device: torch.device,
+    *,
+    engine: str,
+    rank: int,
+    receiver_id: str | None,
+    transports: tuple[str, ...],
+) -> pb.ReceiverHello:
+    """How a receiver on ``device`` introduces itself (default id: engine, pid, random)."""
+    return pb.ReceiverHello(
+        receiver_id=receiver_id or f"{engine}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
+        engine=engine,
+        rank=rank,
+        device=str(device),
+        device_uuid=device_uuid(device),
+        transports=list(transports),
+        host_id=host_id(),
+    )
+
+
+class GrpcConnection:
+    """A Receive stream to the sender at ``address``, registered in the constructor.
+
+    A pump thread moves announcements to the inbox and hands broadcast group joins to
+    ``on_join`` at once (the sender waits for the join, not for ``sync()``). When the sender
+    goes away it queues :class:`SenderLost` and registers again by the same id, backing off.
+
+    Raises:
+        TransportError: no sender answers at ``address``, or it refused the registration.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        hello: pb.ReceiverHello,
+        *,
+        on_join: Callable[[pb.GroupJoin], None],
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        self.address = address
+        self._hello = hello
+        self._on_join = on_join
+        self._connect_timeout_s = connect_timeout_s
+        self._closed = threading.Event()
+        self._channel: grpc.Channel | None = None
+        self._register(connect_timeout_s)
+        self._inbox = Inbox(self.receiver_id, address)
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
+
+    @property
+    def receiver_id(self) -> str:
+        """The id the sender welcomed this receiver by."""
+        return self._hello.receiver_id
+
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    def _register(self, timeout_s: float) -> None:
+        """Open a Receive stream and register (again, after a sender restart, by the same id)."""
+        channel, stub = connect(self.address, timeout_s)
+        requests: queue.Queue[pb.ReceiverMessage | None] = queue.Queue()
+        requests.put(pb.ReceiverMessage(hello=self._hello))
+        stream = stub.Receive(iter(requests.get, None))
+        try:
+            first = next(stream)
+        except grpc.RpcError as e:
+            channel.close()
+            raise TransportError(
+                f"register with the sender at {self.address}: {e.details()}"
+            ) from None
+        self._hello.receiver_id = first.welcome.receiver_id
+        old = self._channel
+        self._channel, self._requests, self._stream = channel, requests, stream
+        if old is not None:
+            old.close()
+
+    def _pump(self) -> None:
+        backoff_s = 0.5
+        while True:
+            try:
+                for msg in self._stream:
+                    trace.mark("receiver.arrived", kind=msg.WhichOneof("kind"))
+                    if msg.WhichOneof("kind") == "join":
+                        self._on_join(msg.join)
+                    else:
+                        self._inbox.put(msg)
+                reason = "the sender ended the stream"
+            except grpc.RpcError as e:
+                reason = e.details() or str(e.code())
+            if self._closed.is_set():
+                return
+            self._inbox.put(SenderLost(reason))
+            log.warning(
+                "receiver %s lost the sender at %s (%s); registering again",
+                self.receiver_id,
+                self.address,
+                reason,
+            )
+            while not self._closed.wait(backoff_s):
+                try:
+                    # Short tries: close() must find this thread between them, not inside
+                    # a channel being set up (left there at exit, gRPC aborts the process).
+                    self._register(min(self._connect_timeout_s, 1.0))
+                    break
+                except TransportError:
+                    backoff_s = min(backoff_s * 2, 5.0)
+            else:
+                return
+            backoff_s = 0.5
+            log.warning("receiver %s registered again at %s", self.receiver_id, self.address)
+
+    def next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
+        return self._inbox.next(deadline, waiting_for, in_version)
+
+    def send(self, message: pb.ReceiverMessage) -> None:
+        """Queue ``message`` on the stream (delivered in order, also across ``close``)."""
+        if self._closed.is_set():
+            raise ProtocolError(f"receiver {self.receiver_id} is closed")
+        self._requests.put(message)
+
+    def close(self, flush_timeout_s: float) -> None:
+        """Deliver what was sent, then leave: ending our stream lets the sender end its side."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._requests.put(None)
+        self._pump_thread.join(flush_timeout_s)
+        self._stream.cancel()
+        self._channel.close()

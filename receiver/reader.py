@@ -1,0 +1,212 @@
+"""Reading one bucket: map its buffer, view its tensors, order the reads, verify the bytes.
+
+A bucket's bytes are in one of three places: a staging buffer the sender packed (shm or CUDA
+IPC, mapped here once), the trainer's own memory (``sources``: the direct path, read in place)
+or a landing buffer it was broadcast into (:mod:`.broadcast`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, entry_view
+from weightsync.checksum import ALGORITHM, finish_all, row_sums
+from weightsync.errors import ChecksumError, ProtocolError, TransportError
+from weightsync.receiver.target import WeightTarget
+from weightsync.transports import MappedBuffers
+from weightsync.transports.cuda_ipc import EventCache, new_event
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import ParseCache, bucket_from_pb
+
+_MAX_CACHED_VIEWS = 256
+
+Named = list[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class BucketViews:
+    """A bucket's whole tensors as views of its buffer, and the entries that are chunks."""
+
+    whole: Named
+    chunked: list[BucketEntry]
+
+
+@dataclass(frozen=True)
+class BucketLoad:
+    """One bucket's writes, worked out before any is made."""
+
+    tensors: Named
+    """Complete tensors: views of the buffer, or chunked tensors whose last chunk came."""
+    chunks: list[tuple[BucketEntry, torch.Tensor]]
+    """Chunks of tensors larger than a bucket, for a target that writes them in place."""
+    buffers: list[torch.Tensor]
+    """The buffers these read."""
+
+    def write(self, target: WeightTarget) -> None:
+        target.load(self.tensors)
+        for entry, data in self.chunks:
+            target.load_chunk(entry, data)
+
+
+def wait_for_streams(devices: set[torch.device]) -> None:
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
+class VersionReads:
+    """What one version's buckets leave to finish: chunked tensors being reassembled,
+    checksums queued behind the reads, and the devices whose streams did the reading."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.assembler = ChunkAssembler()
+        self.devices: set[torch.device] = set()
+        self._sums: list[tuple[Bucket, torch.Tensor]] = []
+
+    def checksum(self, bucket: Bucket, buffer: torch.Tensor) -> None:
+        self._sums.append((bucket, row_sums(buffer, bucket.nbytes)))
+
+    def require_complete(self) -> None:
+        """Raises ProtocolError when a chunked tensor is still missing chunks."""
+        if self.assembler.pending:
+            raise ProtocolError(
+                f"version {self.version} ended with chunks missing for "
+                f"{self.assembler.pending[0]!r}"
+            )
+
+    def wait(self) -> None:
+        """Wait for the reads queued on every device so far."""
+        wait_for_streams(self.devices)
+
+    def check(self, end: pb.VersionEnd) -> None:
+        """Compare every bucket's checksum with the sender's (the reads must be done).
+
+        Raises:
+            ChecksumError: naming the first bucket that differs and its first tensor.
+        """
+        if not self._sums:
+            return
+        if end.checksum_algorithm != ALGORITHM:
+            raise ChecksumError(
+                f"unknown checksum algorithm {end.checksum_algorithm!r}; "
+                f"this receiver knows {ALGORITHM}: upgrade weightsync"
+            )
+        values = finish_all([s for _, s in self._sums], [b.nbytes for b, _ in self._sums])
+        for (bucket, _), got in zip(self._sums, values, strict=True):
+            want = end.checksums[bucket.index] if bucket.index < len(end.checksums) else None
+            if got != want:
+                first = bucket.entries[0].name if bucket.entries else "-"
+                announced = "none" if want is None else f"{want:#018x}"
+                raise ChecksumError(
+                    f"bucket {bucket.index} of version {self.version} (first tensor {first!r}, "
+                    f"{bucket.nbytes} bytes) fails its checksum: got {got:#018x}, sender "
+                    f"announced {announced}. Its weights were written: re-publish to heal"
+                )
+
+
+class BucketReader:
+    """Works out what a bucket loads (:meth:`prepare`) and frees its buffer (:meth:`release`).
+
+    Args:
+        device: the target's device; reads are queued on its current stream.
+        chunks_in_place: the target's :attr:`~.WeightTarget.chunks_in_place`.
+        verify_checksums: queue a checksum behind every staged or broadcast bucket's reads
+            (direct buckets are the trainer's memory: the sender computed nothing to compare).
+    """
+
+    def __init__(
+        self, device: torch.device, *, chunks_in_place: bool, verify_checksums: bool
+    ) -> None:
+        self.device = device
+        self.chunks_in_place = chunks_in_place
+        self.verify_checksums = verify_checksums
+        self._mapped = MappedBuffers()
+        self._events = EventCache()
+        self._layouts = ParseCache(bucket_from_pb)
+        self._views: dict[tuple[bytes, tuple[str, ...]], BucketViews] = {}
+        """Views by (layout bytes, buffer ids): mapped buffers stay mapped, so their views
+        are built once, not every version (thousands of them for MoE experts cost ms)."""
+        self._release_event: tuple[torch.cuda.Event, bytes] | None = None
+        """Recorded behind each staged bucket's reads on our GPU; the sender waits for it."""
+
+    def prepare(
+        self, msg: pb.BucketAnnouncement, reads: VersionReads, landed: torch.Tensor | None
+    ) -> BucketLoad:
+        """What to load from the bucket, without writing anything to the model yet.
+
+        ``landed``: the buffer a broadcast bucket was received into (None otherwise); its
+        views are not cached, since landing buffers are replaced when they grow.
+        """
+        layout = msg.layout.SerializeToString()
+        if msg.sources:
+            sources = [self._mapped.get(h) for h in msg.sources]
+            key = (layout, tuple(h.buffer_id for h in msg.sources))
+            views = self._views.get(key) or self._cache(
+                key, self._view(self._layouts(msg.layout, layout), sources)
+            )
+            return BucketLoad(views.whole, [], sources)
+        bucket = self._layouts(msg.layout, layout)
+        buffer = landed if landed is not None else self._packed_buffer(msg, bucket)
+        if self.verify_checksums:
+            reads.checksum(bucket, buffer)
+        if landed is not None:
+            views = self._view(bucket, [buffer])
+        else:
+            key = (layout, (msg.buffer.buffer_id,))
+            views = self._views.get(key) or self._cache(key, self._view(bucket, [buffer]))
+        if self.chunks_in_place:
+            chunks = [(e, buffer[e.offset : e.offset + e.nbytes]) for e in views.chunked]
+            return BucketLoad(views.whole, chunks, [buffer])
+        assembled = [(e.name, reads.assembler.add(buffer, e)) for e in views.chunked]
+        complete = [(name, t) for name, t in assembled if t is not None]
+        return BucketLoad(views.whole + complete, [], [buffer])
+
+    @staticmethod
+    def _view(bucket: Bucket, sources: list[torch.Tensor]) -> BucketViews:
+        entries = bucket.entries
+        whole = [(e.name, entry_view(sources[e.source], e)) for e in entries if not e.is_chunked]
+        return BucketViews(whole, [e for e in entries if e.is_chunked])
+
+    def _cache(self, key: tuple[bytes, tuple[str, ...]], views: BucketViews) -> BucketViews:
+        if len(self._views) >= _MAX_CACHED_VIEWS:
+            self._views.clear()  # what repeats every version is back after one version
+        self._views[key] = views
+        return views
+
+    def _packed_buffer(self, msg: pb.BucketAnnouncement, bucket: Bucket) -> torch.Tensor:
+        """Map the staging buffer; reads queued after this see the packed bytes."""
+        buffer = self._mapped.get(msg.buffer)
+        if msg.ready_event and buffer.is_cuda:
+            # Reads on another GPU are ordered after this stream by the cross-device copy.
+            packed = self._events.get(msg.ready_event, buffer.device)
+            try:
+                torch.cuda.current_stream(buffer.device).wait_event(packed)
+            except RuntimeError as e:
+                raise TransportError(f"waiting for bucket {bucket.index} to be packed: {e}") from e
+        return buffer
+
+    def release(self, msg: pb.BucketAnnouncement, load: BucketLoad, reads: VersionReads) -> bytes:
+        """Make the bucket's buffer reusable; returns the event the sender waits for, if any.
+
+        Direct reads come from trainer memory: they finish here. A staging buffer on our own
+        GPU is released by an event recorded behind the reads (no wait); other CUDA buffers
+        by waiting for the reads. Landing buffers are our own (:mod:`.broadcast` orders their
+        reuse).
+        """
+        devices = {b.device for b in load.buffers if b.is_cuda}
+        if self.device.type == "cuda":
+            devices.add(self.device)
+        reads.devices |= devices
+        if msg.sources:
+            wait_for_streams(devices)
+        elif msg.ready_event and devices == {self.device}:
+            if self._release_event is None:
+                self._release_event = new_event(self.device)
+            event, handle = self._release_event
+            event.record(torch.cuda.current_stream(self.device))
+            return handle
+        elif not msg.group_id:
+            wait_for_streams(devices)
+        return b""

@@ -1,0 +1,90 @@
+"""The sender packing staged buckets itself, from the publishers' memory mapped here.
+
+Used when the plan says the offered regions cover every staged tensor (``TensorPlan.
+sender_packs``) and the memory maps here (CUDA IPC, or shm buffers a publisher allocated);
+otherwise the publishers pack each bucket when asked (``PackBucket``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+
+from weightsync.buckets import Bucket
+from weightsync.errors import ProtocolError, TransportError, WeightSyncError
+from weightsync.regions import Region, copy_pairs, region_copies
+from weightsync.sender.offer import OfferKey
+from weightsync.sender.records import VersionRun
+from weightsync.sender.slots import PackCopies, Slot
+from weightsync.transports import MappedBuffers
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import regions_from_pb
+
+log = logging.getLogger("weightsync.sender")
+
+Regions = Mapping[str, Sequence[Region]]
+
+
+class MappedOffers:
+    """Offered regions mapped here, by tensor name. Key: the :data:`OfferKey`; the last
+    ``max_entries`` offers are kept with their mappings, one that does not map too (None,
+    warned once: the publishers pack)."""
+
+    def __init__(self, max_entries: int = 4) -> None:
+        self._max = max_entries
+        self._mapped: OrderedDict[OfferKey, tuple[Regions | None, MappedBuffers]] = OrderedDict()
+
+    def regions(self, key: OfferKey, begins: Mapping[int, pb.BeginVersion]) -> Regions | None:
+        hit = self._mapped.get(key)
+        if hit is None:
+            buffers = MappedBuffers()
+            hit = self._mapped[key] = (_map(begins, buffers), buffers)
+            while len(self._mapped) > self._max:
+                self._mapped.popitem(last=False)
+        self._mapped.move_to_end(key)
+        return hit[0]
+
+    def clear(self) -> None:
+        self._mapped.clear()
+
+
+def _map(begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers) -> Regions | None:
+    regions: dict[str, list[Region]] = {}
+    try:
+        for rank in sorted(begins):
+            begin = begins[rank]
+            mapped = [buffers.get(h) for h in begin.sources]
+            for name, parts in regions_from_pb(begin.pieces, mapped).items():
+                regions.setdefault(name, []).extend(parts)
+    except (TransportError, ProtocolError) as e:
+        log.warning("the publishers pack: their offered memory does not map here (%s)", e)
+        return None
+    return regions
+
+
+def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> None:
+    """Queue the copies that pack ``bucket`` into ``slot`` from ``run.regions`` (set).
+
+    Raises:
+        TransportError: a copy failed.
+    """
+    # The copies' views are worked out once per (plan, regions, slot, bucket): with thousands
+    # of small tensors (MoE experts) building them cost more than launching the copies.
+    copies = slot.copies
+    if copies is None or copies.plan is not run.tensors or copies.regions is not run.regions:
+        copies = slot.copies = PackCopies(run.tensors, run.regions)
+    try:
+        pairs = copies.by_bucket.get(bucket.index)
+        if pairs is None:
+            pairs = copies.by_bucket[bucket.index] = [
+                pair
+                for entry in bucket.entries
+                for pair in region_copies(slot.buffer.tensor, entry, run.regions[entry.name])
+            ]
+        copy_pairs(pairs)
+    except (RuntimeError, WeightSyncError) as e:
+        raise TransportError(
+            f"version {run.version}: packing bucket {bucket.index} from the publishers' "
+            f"memory failed: {e}"
+        ) from e

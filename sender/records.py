@@ -1,0 +1,153 @@
+"""The sender's records of its peers and versions: receivers, publisher ranks, version runs.
+
+Plain data, no locks and no threads: the registry (``registry.py``) mutates them with the
+sender's lock held; the servicer only moves their queued messages.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from weightsync.manifest import VersionManifest
+from weightsync.regions import Region
+from weightsync.sender.planner import TensorPlan
+from weightsync.v1 import weightsync_pb2 as pb
+
+
+class RunAborted(Exception):
+    """The version was abandoned while a driver waited; the driver just stops."""
+
+
+# Outcome states of one receiver for one version.
+PENDING, APPLIED, FAILED = "pending", "applied", "failed"
+
+
+@dataclass
+class ReceiverConn:
+    """One subscribed engine worker and the queue of announcements going to it."""
+
+    receiver_id: str
+    engine: str
+    rank: int
+    device: str
+    transports: tuple[str, ...]
+    remote: bool = False
+    """On another host: it can only receive broadcasts."""
+    device_uuid: str = ""
+    data_path: str = "map"
+    """"map": open the staging buffers (same host); "broadcast": receive them from the sender."""
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    connected: bool = True
+    applied_version: int = 0
+    state: str = "idle"
+    dirty: bool = False
+    """Some bucket of a failed version was written: its weights match no version."""
+    last_error: str = ""
+
+    def send(self, msg: pb.Announcement | None) -> None:
+        if self.connected or msg is None:
+            self.outbox.put(msg)
+
+
+@dataclass
+class RankConn:
+    """One publisher rank's stream for one version."""
+
+    rank: int
+    device: str
+    begin: pb.BeginVersion = field(default_factory=pb.BeginVersion)
+    """What the rank announced, including storages receivers may read directly."""
+    device_uuid: str = ""
+    """The UUID of the rank's GPU (its ``device`` index is the rank's own numbering)."""
+    outbox: queue.Queue = field(default_factory=queue.Queue)
+    packed: set[int] = field(default_factory=set)
+    """Buckets this rank reported packed (when the publishers pack)."""
+
+
+@dataclass
+class Outcome:
+    """What one receiver did with one version."""
+
+    state: str = PENDING
+    error: pb.ErrorDetail | None = None
+    applied_at: float = 0.0
+    awaiting: set[str] = field(default_factory=set)
+    """What the sender waits for from it: "verdict", "bucket:<i>", "applied"."""
+    deadline: float | None = None
+
+    def expect(self, what: str, timeout_s: float) -> None:
+        if not self.awaiting:
+            self.deadline = time.monotonic() + timeout_s
+        self.awaiting.add(what)
+
+    def got(self, what: str, timeout_s: float) -> None:
+        self.awaiting.discard(what)
+        self.deadline = time.monotonic() + timeout_s if self.awaiting else None
+
+
+@dataclass
+class VersionRun:
+    """One published version from begin to every receiver's outcome."""
+
+    manifest: VersionManifest
+    tensors: TensorPlan
+    """How its tensors travel: staged buckets, the direct bucket, their wire layouts."""
+    publisher_id: str
+    transport: str
+    ranks: dict[int, RankConn]
+    regions: Mapping[str, Sequence[Region]] | None = None
+    """The publishers' memory mapped here: set when the sender packs every bucket itself."""
+    notify_done: bool = False
+    """A publisher waits on its stream for every receiver's outcome."""
+    direct_readers: set[str] = field(default_factory=set)
+    """Receivers still copying the direct tensors out of the publishers' memory."""
+    sums: dict[int, object] = field(default_factory=dict)
+    """Each staged bucket's checksum reduction, queued behind its packing (finished at end)."""
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    started_mono: float = field(default_factory=time.monotonic)
+    staged_s: float = 0.0
+    complete_s: float = 0.0
+    state: str = "packing"
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("complete", "failed")
+
+    @property
+    def manifest_pb(self) -> pb.Manifest:
+        """The wire manifest as the first rank sent it (every rank's is the same)."""
+        return self.ranks[min(self.ranks)].begin.manifest
+
+    def active(self) -> list[str]:
+        """Receivers still taking part (not failed, not yet applied)."""
+        return [rid for rid, o in self.outcomes.items() if o.state == PENDING]
+
+    def to_pb(self) -> pb.VersionStatus:
+        direct = self.tensors.direct
+        return pb.VersionStatus(
+            version=self.version,
+            state=self.state,
+            total_bytes=self.manifest.total_bytes,
+            direct_bytes=direct.nbytes if direct else 0,
+            staged_bytes=self.tensors.staged.total_bytes,
+            sender_packed=self.regions is not None,
+            num_tensors=len(self.manifest.tensors),
+            num_buckets=len(self.tensors.staged.buckets) + (1 if direct else 0),
+            started_at_unix_s=self.started_at,
+            staged_s=self.staged_s,
+            complete_s=self.complete_s,
+            receivers=[
+                pb.ReceiverOutcome(
+                    receiver_id=rid, state=o.state, error=o.error, applied_at_unix_s=o.applied_at
+                )
+                for rid, o in sorted(self.outcomes.items())
+            ],
+        )

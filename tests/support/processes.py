@@ -1,0 +1,205 @@
+"""Senders and receivers for integration tests: a sender on a short unix socket path, receivers
+in their own processes (reporting ``Outcome``s on a queue) or in a thread of the test."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import NamedTuple
+
+from tests.support.models import TinyNet, digests, step
+
+
+@contextmanager
+def socket_dir() -> Iterator[str]:
+    """A fresh directory under /tmp for unix sockets: their paths are limited to ~107 bytes,
+    and pytest's ``tmp_path`` can be longer."""
+    d = tempfile.mkdtemp(prefix="ws-", dir="/tmp")
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@contextmanager
+def unix_sender(**settings):
+    """A ``Sender`` with ``settings``, listening on a unix socket in a fresh ``socket_dir``."""
+    from weightsync.sender.daemon import Sender
+
+    with socket_dir() as d, Sender(f"unix:{d}/s.sock", **settings) as sender:
+        yield sender
+
+
+# --- receivers in their own processes --------------------------------------------------------
+
+
+class Outcome(NamedTuple):
+    """What a receiver process reports after each sync."""
+
+    receiver_id: str
+    state: str
+    """"applied", or the name of the error's type."""
+    version: int
+    """The version applied (after an error: the receiver's applied version)."""
+    digests: dict[str, str]
+    """``digests`` of the receiver's model after the sync."""
+    error: str
+
+
+def _receiver_main(address, rid, seed, syncs, die_on_version, ready, out, env):
+    import os
+
+    os.environ.update(env)
+    from weightsync.errors import WeightSyncError
+    from weightsync.receiver import TorchReceiver
+
+    model = TinyNet(seed)
+    receiver = TorchReceiver(model, address, receiver_id=rid)
+    if die_on_version:
+        load = receiver.target.load
+
+        def load_then_die(tensors):
+            if receiver_version[0] == die_on_version:
+                # Flush what this process reported first: dying while its queue's feeder
+                # thread holds the queue's lock would block every other receiver's reports.
+                out.close()
+                out.join_thread()
+                os._exit(3)  # a crash mid-version, after the first bucket arrived
+            load(tensors)
+
+        receiver_version = [0]
+        begin = receiver.target.begin
+        receiver.target.begin = lambda m: (receiver_version.__setitem__(0, m.version), begin(m))
+        receiver.target.load = load_then_die
+    ready.put(rid)
+    for _ in range(syncs):
+        try:
+            v = receiver.sync(timeout=60)
+            out.put(Outcome(rid, "applied", v, digests(model), ""))
+        except WeightSyncError as e:
+            out.put(
+                Outcome(rid, type(e).__name__, receiver.applied_version, digests(model), str(e))
+            )
+
+
+def start_receivers(
+    address: str,
+    ids: list[str],
+    syncs: int,
+    die_on_version: dict | None = None,
+    env: dict | None = None,
+):
+    """Start one process per id, each holding a ``TinyNet`` and syncing ``syncs`` times;
+    returns (processes, out queue of ``Outcome``) once all registered.
+
+    ``die_on_version`` maps a receiver id to a version its process exits (code 3) in, after
+    that version's first bucket arrived. ``env`` maps a receiver id to environment variables
+    set in its process.
+    """
+    ctx = mp.get_context("spawn")
+    ready, out = ctx.Queue(), ctx.Queue()
+    procs = []
+    for i, rid in enumerate(ids):
+        p = ctx.Process(
+            target=_receiver_main,
+            daemon=True,
+            args=(
+                address,
+                rid,
+                100 + i,
+                syncs,
+                (die_on_version or {}).get(rid, 0),
+                ready,
+                out,
+                (env or {}).get(rid, {}),
+            ),
+        )
+        p.start()
+        procs.append(p)
+    for _ in ids:
+        ready.get(timeout=60)
+    return procs, out
+
+
+def next_outcomes(out, count: int, timeout: float = 60) -> list[Outcome]:
+    """The next ``count`` outcomes from ``start_receivers``' queue, each awaited up to
+    ``timeout`` seconds.
+
+    Raises:
+        AssertionError: fewer came (a receiver process died or hangs), saying which did.
+    """
+    got: list[Outcome] = []
+    for _ in range(count):
+        try:
+            got.append(out.get(timeout=timeout))
+        except queue.Empty:
+            raise AssertionError(
+                f"{len(got)} of {count} receiver outcomes came; none more within {timeout:g} s: "
+                f"{[(o.receiver_id, o.state, o.version) for o in got]}"
+            ) from None
+    return got
+
+
+def publish_versions(publisher, trainer, versions, timeout_s: float = 60):
+    """Step ``trainer`` (``step(trainer, version)``) and publish it as each of ``versions``,
+    waiting until applied; returns ({version: the trainer's digests}, [publish results])."""
+    expected, results = {}, []
+    for version in versions:
+        step(trainer, version)
+        results.append(
+            publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=timeout_s)
+        )
+        expected[version] = digests(trainer)
+    return expected, results
+
+
+def assert_applied(got: list[Outcome], expected: dict[int, dict[str, str]]) -> None:
+    """Every outcome applied its version, bit-exact: ``expected`` maps version -> digests."""
+    for o in got:
+        assert o.state == "applied", o.error
+        assert o.digests == expected[o.version], f"{o.receiver_id} differs at version {o.version}"
+
+
+# --- receivers in a thread -------------------------------------------------------------------
+
+
+class SyncThread(threading.Thread):
+    """``receiver.sync()`` ``n`` times in a daemon thread; ``results`` collects each applied
+    version or the exception a sync raised."""
+
+    def __init__(self, receiver, n: int = 1, timeout: float = 30) -> None:
+        super().__init__(daemon=True)
+        self.receiver, self.n, self.timeout = receiver, n, timeout
+        self.results: list = []
+
+    def run(self) -> None:
+        for _ in range(self.n):
+            try:
+                self.results.append(self.receiver.sync(timeout=self.timeout))
+            except Exception as e:  # collected for the test's assertions
+                self.results.append(e)
+
+    def finish(self, timeout: float = 30) -> list:
+        """Join; returns ``results``.
+
+        Raises:
+            AssertionError: the syncs did not all return within ``timeout`` seconds.
+        """
+        self.join(timeout)
+        assert not self.is_alive(), (
+            f"receiver {getattr(self.receiver, 'receiver_id', '?')}: {self.n} sync(s) did not "
+            f"return within {timeout:g} s; results so far: {self.results!r}"
+        )
+        return self.results
+
+
+def sync_in_thread(receiver, n: int = 1) -> tuple[SyncThread, list]:
+    """Start a ``SyncThread``; returns it and its ``results`` list."""
+    thread = SyncThread(receiver, n)
+    thread.start()
+    return thread, thread.results

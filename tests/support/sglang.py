@@ -1,0 +1,262 @@
+"""SGLang tests: CPU shims to import SGLang, its REAL model classes built on CPU, the reference
+packing of HF tensors into live parameters, and a stand-in SGLang HTTP server.
+
+Imported in the SGLang venv (``.venv-sglang``: its own torch, no vLLM, no megatron) and, for
+``FakeSglang``, in the main venv, so it imports neither of the other engines' support.
+
+CPU shims (SGLang 0.5.23 targets CUDA; the SGLang venv, requirements/sglang.txt, runs it on CPU
+torch). Two things fail there, and each shim is the smallest stand-in that lets the REAL
+classes import and build. Nothing here runs a forward pass (SGLang's CPU kernels need
+sgl-kernel's CPU build, which PyPI does not carry), so no stand-in is ever called.
+
+- ``torchvision``: SGLang imports ``torchvision.transforms`` at import time (InternVL
+  preprocessing, via ``sglang.srt.configs``). PyPI's torchvision is CUDA-linked; on CPU torch
+  its C++ ops do not load, and its import then dies registering fake kernels for
+  ``torchvision::nms``/``qnms``, ops that do not exist. Defining their schemas (no kernels)
+  lets the pure-Python parts import; the ops stay unusable.
+- ``vllm._custom_ops.rotary_embedding``: on a host that is neither CUDA nor SGLang's CPU
+  engine (``SGLANG_USE_CPU_ENGINE=1``, which needs sgl-kernel's CPU ops), ``RotaryEmbedding``
+  imports vLLM's kernel as its fallback at construction. It is only stored, never called
+  here; the stub raises if it ever is.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+import tempfile
+import threading
+import types
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+
+from tests.support.models import tiny_config
+from weightsync.buckets import TensorSpec
+
+# --- CPU shims -------------------------------------------------------------------------------
+
+_TORCHVISION_OPS = {
+    "torchvision::nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+    "torchvision::qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
+}
+
+
+def _define_missing_torchvision_ops() -> None:
+    for qualname, schema in _TORCHVISION_OPS.items():
+        namespace, name = qualname.split("::")
+        if not hasattr(getattr(torch.ops, namespace), name):  # torchvision's C++ ops loaded
+            torch.library.define(qualname, schema)
+
+
+def _rotary_embedding_unavailable(*args: object, **kwargs: object) -> None:
+    raise NotImplementedError(
+        "tests/support/sglang.py stands in for vllm._custom_ops.rotary_embedding: SGLang model "
+        "forward passes do not run on CPU in these tests"
+    )
+
+
+def _stub_vllm_rotary_kernel() -> None:
+    if "vllm" in sys.modules or importlib.util.find_spec("vllm") is not None:
+        return  # a real vLLM is installed: use it
+    vllm = types.ModuleType("vllm")
+    vllm.__path__ = []  # a package, so `vllm._custom_ops` imports
+    custom_ops = types.ModuleType("vllm._custom_ops")
+    custom_ops.rotary_embedding = _rotary_embedding_unavailable  # type: ignore[attr-defined]
+    sys.modules["vllm"] = vllm
+    sys.modules["vllm._custom_ops"] = custom_ops
+
+
+def install_cpu_shims() -> None:
+    """Install both shims; call before the first ``import sglang``. Idempotent."""
+    _define_missing_torchvision_ops()
+    _stub_vllm_rotary_kernel()
+
+
+# --- SGLang's model classes on CPU -----------------------------------------------------------
+
+_initialized = False
+
+
+def init_sglang() -> None:
+    """A world-size-1 gloo group and SGLang's published topology; SGLang layers need both."""
+    global _initialized
+    if _initialized:
+        return
+    install_cpu_shims()
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    # A file rendezvous: no port to pick (SGLang's own test helper uses a fixed one).
+    store = os.path.join(tempfile.mkdtemp(prefix="ws-sgl-"), "rendezvous")
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        backend="gloo",
+        distributed_init_method=f"file://{store}",
+    )
+    # What sglang.test.test_utils.publish_build_topology does (that module imports datasets).
+    reset_context()
+    publish(
+        ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1),
+        role="test",
+        ranks=SpawnRanks(world_rank=0),
+    )
+    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    initialize_model_parallel(backend="gloo")
+    initialize_moe_config()
+    _initialized = True
+
+
+def build(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(sglang_model, hf_model)`` for a tiny float32 config of ``arch``."""
+    init_sglang()
+    import transformers
+
+    if arch == "qwen2":
+        from sglang.srt.models.qwen2 import Qwen2ForCausalLM as Sgl
+    elif arch == "llama":
+        from sglang.srt.models.llama import LlamaForCausalLM as Sgl
+    elif arch == "qwen3_moe":
+        from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM as Sgl
+    else:
+        raise ValueError(f"unknown arch {arch!r}")
+    config = tiny_config(arch)
+    config.dtype = torch.float32
+    hf_cls = getattr(transformers, config.architectures[0])
+    torch.manual_seed(0)
+    return Sgl(config), hf_cls(config)
+
+
+def checkpoint_specs(hf_model: torch.nn.Module) -> list[TensorSpec]:
+    """The HF checkpoint names and shapes (per-expert names, as checkpoints store them).
+
+    transformers 5 keeps experts fused in memory (``experts.gate_up_proj``: ``[E, 2I, H]``)
+    and splits them per expert only when saving; the sender publishes the saved form.
+    """
+    specs = []
+    for name, t in hf_model.state_dict().items():
+        head, _, leaf = name.rpartition("experts.")
+        if leaf == "gate_up_proj":
+            num_experts, rows, cols = t.shape
+            for e in range(num_experts):
+                for which in ("gate_proj", "up_proj"):
+                    specs.append(
+                        TensorSpec(
+                            f"{head}experts.{e}.{which}.weight", "float32", (rows // 2, cols)
+                        )
+                    )
+        elif leaf == "down_proj":
+            num_experts, rows, cols = t.shape
+            specs.extend(
+                TensorSpec(f"{head}experts.{e}.down_proj.weight", "float32", (rows, cols))
+                for e in range(num_experts)
+            )
+        else:
+            specs.append(TensorSpec.of(name, t))
+    return specs
+
+
+_PACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def expected_live(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What every live SGLang parameter must hold, packed by hand from HF tensors (TP=1).
+
+    Independent of SGLang's loaders: qkv = cat(q, k, v); gate_up = cat(gate, up); fused
+    experts w13[e] = cat(gate_e, up_e), w2[e] = down_e.
+    """
+    slices: dict[str, dict[tuple[int, int], torch.Tensor]] = {}  # live -> (expert, slot) -> t
+    out: dict[str, torch.Tensor] = {}
+    for name, t in checkpoint.items():
+        pieces = name.split(".")
+        if "experts" in pieces and pieces[pieces.index("experts") + 1].isdigit():
+            i = pieces.index("experts")
+            expert, which = int(pieces[i + 1]), pieces[i + 2]
+            base = ".".join(pieces[: i + 1])
+            live = f"{base}.w2_weight" if which == "down_proj" else f"{base}.w13_weight"
+            slices.setdefault(live, {})[(expert, int(which == "up_proj"))] = t
+        elif len(pieces) >= 2 and pieces[-2] in _PACKED:
+            packed, index = _PACKED[pieces[-2]]
+            live = ".".join([*pieces[:-2], packed, pieces[-1]])
+            slices.setdefault(live, {})[(-1, index)] = t
+        else:
+            out[name] = t
+    for live, by_key in slices.items():
+        experts = sorted({e for e, _ in by_key})
+        rows = [torch.cat([by_key[k] for k in sorted(by_key) if k[0] == e]) for e in experts]
+        out[live] = rows[0] if experts == [-1] else torch.stack(rows)
+    return out
+
+
+# --- a stand-in SGLang HTTP server -----------------------------------------------------------
+
+
+class FakeSglang:
+    """A local HTTP server answering like SGLang 0.5.23's routes (status 400 with
+    {"success": false, "message"} on failure); records (route, body). ``fail[route]`` makes
+    that route answer HTTP 400. A context manager that closes the server."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, dict]] = []
+        self.fail: dict[str, str] = {}
+        self.soft_fail: dict[str, str] = {}
+        """Routes answering 200 with {"success": false} (some SGLang routes do)."""
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                fake.requests.append((self.path, body))
+                if self.path in fake.fail:
+                    self._answer(400, {"success": False, "message": fake.fail[self.path]})
+                elif self.path in fake.soft_fail:
+                    self._answer(200, {"success": False, "message": fake.soft_fail[self.path]})
+                elif self.path == "/release_memory_occupation":
+                    self._answer(200, None)  # SGLang's route returns nothing on success
+                else:
+                    self._answer(200, {"success": True, "message": "ok"})
+
+            def _answer(self, status: int, content: object) -> None:
+                data = json.dumps(content).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.01}, daemon=True
+        ).start()
+
+    def routes(self) -> list[str]:
+        return [route for route, _ in self.requests]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> FakeSglang:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

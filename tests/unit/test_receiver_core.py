@@ -1,0 +1,420 @@
+"""ReceiverCore's pieces without a sender: the bucket reader over shm staging buffers, and the
+version state machine driven by an in-memory connection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from weightsync.buckets import (
+    BucketEntry,
+    BucketPlan,
+    TensorSpec,
+    byte_view,
+    pack_entry,
+    plan_buckets,
+)
+from weightsync.checksum import ALGORITHM, finish_all, row_sums
+from weightsync.errors import (
+    ChecksumError,
+    ManifestMismatchError,
+    ProtocolError,
+    ReceiverFailedError,
+    SyncTimeoutError,
+    TransportError,
+    WeightSyncError,
+)
+from weightsync.manifest import VersionManifest
+from weightsync.receiver.connection import Inbox, SenderLost
+from weightsync.receiver.core import ReceiverCore
+from weightsync.receiver.reader import BucketReader, VersionReads
+from weightsync.receiver.target import WeightTarget
+from weightsync.transports import get_transport
+from weightsync.transports.base import StagingBuffer
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import bucket_to_pb, manifest_to_pb
+
+CPU = torch.device("cpu")
+CAP = 512  # bytes per bucket: "big" (1200 bytes) is split into three chunks
+
+
+def weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(4, 8, generator=g),  # 128 bytes
+        "b": torch.randn(64, generator=g),  # 256 bytes
+        "big": torch.randn(300, generator=g),  # 1200 bytes: chunked
+        "c": torch.randint(0, 100, (8,), generator=g),  # int64, 64 bytes
+    }
+
+
+class Recorder(WeightTarget):
+    """Writes into ``live`` by name and records every call the core makes."""
+
+    def __init__(self, live: dict[str, torch.Tensor]) -> None:
+        self.device = CPU
+        self.live = live
+        self.calls: list[str] = []
+        self.loaded: list[list[str]] = []
+        """Names per ``load`` call."""
+        self.aborted: WeightSyncError | None = None
+        self.reject: Exception | None = None
+        self.fail_on_load: int | None = None
+        """Raise a RuntimeError (as engines do) in this ``load`` call (0-based)."""
+
+    def validate(self, manifest: VersionManifest) -> None:
+        self.calls.append("validate")
+        if self.reject is not None:
+            raise self.reject
+
+    def begin(self, manifest: VersionManifest) -> None:
+        self.calls.append("begin")
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if len(self.loaded) == self.fail_on_load:
+            raise RuntimeError("CUDA error: out of memory")
+        self.loaded.append([name for name, _ in tensors])
+        for name, tensor in tensors:
+            self.live[name].copy_(tensor)
+
+    def commit(self, manifest: VersionManifest) -> None:
+        self.calls.append("commit")
+
+    def abort(self, manifest: VersionManifest, error: WeightSyncError) -> None:
+        self.calls.append("abort")
+        self.aborted = error
+
+
+class InPlace(Recorder):
+    chunks_in_place = True
+
+    def __init__(self, live: dict[str, torch.Tensor]) -> None:
+        super().__init__(live)
+        self.chunks: list[tuple[str, int]] = []
+
+    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
+        self.chunks.append((entry.name, entry.chunk_index))
+        live = byte_view(self.live[entry.name])
+        live[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(data)
+
+
+class Staged:
+    """A version packed into shm staging buffers, one per bucket, as the sender packs it."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+        self.tensors, self.version = tensors, version
+        self.manifest = VersionManifest(
+            version, tuple(TensorSpec.of(n, t) for n, t in tensors.items())
+        )
+        self.plan: BucketPlan = plan_buckets(self.manifest.tensors, CAP)
+        self.buffers: list[StagingBuffer] = []
+        for bucket in self.plan.buckets:
+            staging = get_transport("shm").allocate(CAP, CPU)
+            self.buffers.append(staging)
+            for entry in bucket.entries:
+                pack_entry(staging.tensor, entry, tensors[entry.name])
+        sizes = [b.nbytes for b in self.plan.buckets]
+        sums = [row_sums(s.tensor, n) for s, n in zip(self.buffers, sizes, strict=True)]
+        self.checksums = finish_all(sums, sizes)
+
+    def start(self) -> pb.Announcement:
+        return pb.Announcement(
+            start=pb.VersionStart(
+                manifest=manifest_to_pb(self.manifest), num_buckets=len(self.plan.buckets)
+            )
+        )
+
+    def bucket(self, index: int) -> pb.Announcement:
+        return pb.Announcement(bucket=self.bucket_msg(index))
+
+    def bucket_msg(self, index: int, buffer: StagingBuffer | None = None) -> pb.BucketAnnouncement:
+        return pb.BucketAnnouncement(
+            version=self.version,
+            layout=bucket_to_pb(self.plan.buckets[index]),
+            buffer=(buffer or self.buffers[index]).handle,
+        )
+
+    def end_msg(self) -> pb.VersionEnd:
+        return pb.VersionEnd(
+            version=self.version, checksum_algorithm=ALGORITHM, checksums=self.checksums
+        )
+
+    def announcements(self) -> list[pb.Announcement]:
+        buckets = [self.bucket(i) for i in range(len(self.plan.buckets))]
+        return [self.start(), *buckets, pb.Announcement(end=self.end_msg())]
+
+    def release(self) -> None:
+        for staging in self.buffers:
+            get_transport("shm").release(staging)
+
+
+@pytest.fixture
+def stage() -> Iterator:
+    made: list[Staged] = []
+
+    def make(tensors: dict[str, torch.Tensor], version: int = 1) -> Staged:
+        made.append(Staged(tensors, version))
+        return made[-1]
+
+    yield make
+    for staged in made:
+        staged.release()
+
+
+def zeros_like(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(t) for n, t in tensors.items()}
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+# -- the bucket reader ------------------------------------------------------------------------
+
+
+def read_all(reader: BucketReader, target: Recorder, staged: Staged) -> VersionReads:
+    reads = VersionReads(staged.version)
+    for i in range(len(staged.plan.buckets)):
+        msg = staged.bucket_msg(i)
+        load = reader.prepare(msg, reads, None)
+        load.write(target)
+        assert reader.release(msg, load, reads) == b""  # CPU buffers: nothing to wait for
+    return reads
+
+
+def test_views_of_a_staging_buffer_see_its_current_bytes_and_no_other_buffers(stage):
+    first, second = stage(weights(1)), stage(weights(2))
+    reader = BucketReader(CPU, chunks_in_place=False, verify_checksums=False)
+    tensors = dict(reader.prepare(first.bucket_msg(0), VersionReads(1), None).tensors)
+    assert same(tensors, {n: first.tensors[n] for n in tensors}) and "a" in tensors
+    # The same layout in another buffer: its own bytes, not the first buffer's views.
+    other = dict(
+        reader.prepare(first.bucket_msg(0, second.buffers[0]), VersionReads(1), None).tensors
+    )
+    assert same(other, {n: second.tensors[n] for n in other})
+    # The next version packed into the first buffer: the views read the new bytes.
+    for entry in first.plan.buckets[0].entries:
+        pack_entry(first.buffers[0].tensor, entry, second.tensors[entry.name])
+    again = dict(reader.prepare(first.bucket_msg(0), VersionReads(2), None).tensors)
+    assert same(again, {n: second.tensors[n] for n in again})
+
+
+def test_chunked_tensors_are_reassembled_and_loaded_with_their_last_bucket(stage):
+    staged = stage(weights(1))
+    target = Recorder(zeros_like(staged.tensors))
+    reader = BucketReader(CPU, chunks_in_place=False, verify_checksums=False)
+    reads = VersionReads(1)
+    last_of_big = max(
+        b.index for b in staged.plan.buckets if any(e.name == "big" for e in b.entries)
+    )
+    for i in range(last_of_big):
+        msg = staged.bucket_msg(i)
+        reader.prepare(msg, reads, None).write(target)
+    with pytest.raises(ProtocolError, match="version 1 ended with chunks missing for 'big'"):
+        reads.require_complete()
+    read_all(reader, target, staged)
+    assert same(target.live, staged.tensors)
+    assert sum(names.count("big") for names in target.loaded) == 1
+
+
+def test_a_target_writing_chunks_in_place_gets_each_chunk_and_never_the_whole_tensor(stage):
+    staged = stage(weights(1))
+    target = InPlace(zeros_like(staged.tensors))
+    read_all(BucketReader(CPU, chunks_in_place=True, verify_checksums=False), target, staged)
+    assert target.chunks == [("big", 0), ("big", 1), ("big", 2)]
+    assert all("big" not in names for names in target.loaded)
+    assert same(target.live, staged.tensors)
+
+
+def test_checksums_match_for_intact_buckets(stage):
+    staged = stage(weights(1))
+    reader = BucketReader(CPU, chunks_in_place=False, verify_checksums=True)
+    reads = read_all(reader, Recorder(zeros_like(staged.tensors)), staged)
+    reads.check(staged.end_msg())
+
+
+def test_a_checksum_mismatch_names_the_bucket_and_its_first_tensor(stage):
+    staged = stage(weights(1), version=3)
+    corrupt = staged.plan.buckets[1]
+    staged.buffers[1].tensor[corrupt.entries[0].offset] ^= 0x40  # after the sender's checksum
+    reader = BucketReader(CPU, chunks_in_place=False, verify_checksums=True)
+    reads = read_all(reader, Recorder(zeros_like(staged.tensors)), staged)
+    first = corrupt.entries[0].name
+    with pytest.raises(ChecksumError, match=f"bucket 1 of version 3 \\(first tensor '{first}'"):
+        reads.check(staged.end_msg())
+    unknown = pb.VersionEnd(version=3, checksum_algorithm="crc-0", checksums=staged.checksums)
+    with pytest.raises(ChecksumError, match="unknown checksum algorithm 'crc-0'"):
+        reads.check(unknown)
+
+
+# -- the version state machine ----------------------------------------------------------------
+
+
+class MemoryConnection:
+    """A connection whose announcements are queued by the test and whose sends are kept."""
+
+    receiver_id = "memory"
+
+    def __init__(self) -> None:
+        self.inbox = Inbox(self.receiver_id, "memory:")
+        self.sent: list[pb.ReceiverMessage] = []
+        self.closed = False
+
+    def announce(self, *items: pb.Announcement | SenderLost) -> None:
+        for item in items:
+            self.inbox.put(item)
+
+    def next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
+        return self.inbox.next(deadline, waiting_for, in_version)
+
+    def send(self, message: pb.ReceiverMessage) -> None:
+        self.sent.append(message)
+
+    def close(self, flush_timeout_s: float) -> None:
+        self.closed = True
+
+    def kinds(self) -> list[str]:
+        return [m.WhichOneof("kind") for m in self.sent]
+
+
+def core_for(target: Recorder) -> tuple[ReceiverCore, MemoryConnection]:
+    connection = MemoryConnection()
+    return ReceiverCore(target, "memory:", connection=connection), connection
+
+
+def test_a_version_is_validated_loaded_acked_committed_and_applied(stage):
+    staged = stage(weights(1), version=4)
+    target = Recorder(zeros_like(staged.tensors))
+    core, connection = core_for(target)
+    leftover = stage(weights(9), version=3).bucket(0)  # of a version this receiver left
+    connection.announce(leftover, *staged.announcements())
+    assert core.sync(timeout=5) == 4
+    assert same(target.live, staged.tensors)
+    assert target.calls == ["validate", "begin", "commit"]
+    n = len(staged.plan.buckets)
+    assert connection.kinds() == ["verdict"] + ["ack"] * n + ["applied"]
+    verdict, applied = connection.sent[0].verdict, connection.sent[-1].applied
+    assert (verdict.version, verdict.accepted) == (4, True)
+    assert [m.ack.index for m in connection.sent[1:-1]] == list(range(n))
+    assert (applied.version, applied.ok) == (4, True)
+    assert (core.applied_version, core.dirty, core.last_error) == (4, False, None)
+
+
+def test_an_unchanged_manifest_is_validated_again_only_for_a_new_target_generation(stage):
+    target = Recorder(zeros_like(weights(1)))
+    core, connection = core_for(target)
+    for version in (1, 2, 3):
+        if version == 3:
+            target.generation += 1  # e.g. vLLM switched to its draft model
+        connection.announce(*stage(weights(version), version).announcements())
+        assert core.sync(timeout=5) == version
+    assert target.calls.count("validate") == 2
+
+
+def test_a_rejected_manifest_is_answered_and_nothing_is_loaded(stage):
+    staged = stage(weights(1))
+    target = Recorder(zeros_like(staged.tensors))
+    target.reject = ManifestMismatchError("tensor 'a' is (4, 8) but the module holds (8, 4)")
+    core, connection = core_for(target)
+    connection.announce(*staged.announcements())
+    with pytest.raises(ManifestMismatchError, match="'a' is"):
+        core.sync(timeout=5)
+    assert connection.kinds() == ["verdict"]
+    verdict = connection.sent[0].verdict
+    assert not verdict.accepted and verdict.error.code == "ManifestMismatchError"
+    assert target.calls == ["validate"] and target.loaded == []
+    assert core.last_error is target.reject and not core.dirty
+
+
+def test_an_engine_exception_in_validate_is_wrapped_saying_where(stage):
+    target = Recorder(zeros_like(weights(1)))
+    target.reject = KeyError("lm_head.weight")
+    core, connection = core_for(target)
+    connection.announce(*stage(weights(1), version=2).announcements())
+    with pytest.raises(WeightSyncError, match="validating version 2: KeyError") as caught:
+        core.sync(timeout=5)
+    assert caught.value.__cause__ is target.reject
+    assert connection.sent[0].verdict.error.message == str(caught.value)
+
+
+@pytest.mark.parametrize("buckets_before_abort", [0, 1])
+def test_the_senders_abort_fails_the_version_and_dirty_says_whether_weights_changed(
+    stage, buckets_before_abort
+):
+    staged = stage(weights(1))
+    target = Recorder(zeros_like(staged.tensors))
+    core, connection = core_for(target)
+    reason = pb.ErrorDetail(code="SyncTimeoutError", message="no ack from memory in 30 s")
+    connection.announce(
+        staged.start(),
+        *[staged.bucket(i) for i in range(buckets_before_abort)],
+        pb.Announcement(abort=pb.VersionAbort(version=1, reason=reason)),
+    )
+    with pytest.raises(ReceiverFailedError, match="abandoned version 1.*no ack from memory"):
+        core.sync(timeout=5)
+    assert target.calls[-1] == "abort" and target.aborted is core.last_error
+    assert core.dirty == (buckets_before_abort > 0)
+    assert "applied" not in connection.kinds()  # the sender knows already
+    assert core.applied_version == 0
+
+
+def test_an_engine_exception_mid_version_is_reported_at_once_naming_the_bucket(stage):
+    staged = stage(weights(1))
+    target = Recorder(zeros_like(staged.tensors))
+    target.fail_on_load = 1
+    core, connection = core_for(target)
+    connection.announce(*staged.announcements())
+    with pytest.raises(WeightSyncError, match="version 1, bucket 1: RuntimeError: CUDA error") as e:
+        core.sync(timeout=5)
+    assert isinstance(e.value.__cause__, RuntimeError)
+    assert connection.kinds() == ["verdict", "ack", "applied"]
+    applied = connection.sent[-1].applied
+    assert (applied.version, applied.ok) == (1, False)
+    assert "bucket 1" in applied.error.message
+    assert core.dirty and target.aborted is e.value and "commit" not in target.calls
+
+
+def test_a_corrupt_bucket_fails_the_version_before_commit(stage):
+    staged = stage(weights(1))
+    staged.buffers[0].tensor[0] ^= 1
+    target = Recorder(zeros_like(staged.tensors))
+    core, connection = core_for(target)
+    connection.announce(*staged.announcements())
+    with pytest.raises(ChecksumError, match="bucket 0 of version 1"):
+        core.sync(timeout=5)
+    assert connection.sent[-1].applied.error.code == "ChecksumError"
+    assert core.dirty and "commit" not in target.calls
+
+
+def test_losing_the_sender_fails_a_version_in_flight_but_not_the_wait_for_one(stage):
+    first, second = stage(weights(1), 1), stage(weights(2), 2)
+    target = Recorder(zeros_like(first.tensors))
+    core, connection = core_for(target)
+    connection.announce(first.start(), first.bucket(0), SenderLost("connection reset"))
+    with pytest.raises(TransportError, match="lost the sender at memory: during a version"):
+        core.sync(timeout=5)
+    assert core.dirty and target.calls[-1] == "abort"
+    connection.announce(SenderLost("still gone"))
+    with pytest.raises(SyncTimeoutError, match="no version in time \\(the sender at memory: is"):
+        core.sync(timeout=0.05)
+    connection.announce(SenderLost("still gone"), *second.announcements())
+    assert core.sync(timeout=5) == 2 and not core.dirty
+    assert same(target.live, second.tensors)
+
+
+def test_a_second_start_inside_a_version_is_a_protocol_error(stage):
+    staged = stage(weights(1))
+    core, connection = core_for(Recorder(zeros_like(staged.tensors)))
+    connection.announce(staged.start(), staged.start())
+    with pytest.raises(ProtocolError, match="unexpected start inside version 1"):
+        core.sync(timeout=5)
+    assert connection.sent[-1].applied.error.code == "ProtocolError"
+
+
+def test_a_target_that_writes_chunks_in_place_must_say_how():
+    with pytest.raises(TypeError, match="Broken sets chunks_in_place but defines no load_chunk"):
+
+        class Broken(Recorder):
+            chunks_in_place = True

@@ -1,0 +1,102 @@
+"""``weightsync bench``: options and entry point (wired in from :mod:`weightsync.app.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from weightsync.app.bench.models import MODELS
+from weightsync.app.bench.report import Report
+from weightsync.app.bench.runner import CASES, BenchConfig, run
+from weightsync.buckets import ALIGNMENT_BYTES
+from weightsync.errors import ConfigError
+
+MIB = 1024 * 1024
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    """Define the options of ``weightsync bench`` on its subparser."""
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-7b")
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="cut the model to N layers (default: all; qwen3-30b-a3b: 12, to fit memory)",
+    )
+    p.add_argument("--tp", default="1,2", help="trainer TP layouts to run, comma-separated")
+    p.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help="weightsync cases: staged (cuda_ipc, same GPU; shm on CPU), direct (cuda_ipc "
+        "direct path), ipc-cross (cuda_ipc to the other GPU), nccl (the other GPU)",
+    )
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--versions", type=int, default=5, help="measured versions per case (median)")
+    p.add_argument("--warmup", type=int, default=1, help="versions before measuring")
+    p.add_argument(
+        "--bucket-size-mb",
+        type=float,
+        default=512,
+        help="bucket cap in MiB for weightsync and the bucket baselines (fractions allowed)",
+    )
+    p.add_argument("--no-baselines", action="store_true", help="skip the peer baselines")
+    p.add_argument("--no-floors", action="store_true", help="skip the D2D and broadcast floors")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
+    p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
+    p.add_argument("--plot", action="store_true", help="draw the table to a PNG (matplotlib)")
+    p.add_argument(
+        "--replot",
+        metavar="JSON",
+        help="measure nothing: print the table of a saved run and draw its PNG into --out "
+        "(for runs on machines without matplotlib)",
+    )
+
+
+def _ints(text: str, what: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: expected comma-separated integers") from None
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    bucket = int(args.bucket_size_mb * MIB) // ALIGNMENT_BYTES * ALIGNMENT_BYTES
+    if bucket < ALIGNMENT_BYTES:
+        raise ConfigError(f"--bucket-size-mb {args.bucket_size_mb} is below 256 bytes")
+    return BenchConfig(
+        model=args.model,
+        layers=args.layers,
+        tps=_ints(args.tp, "--tp"),
+        cases=tuple(c.strip() for c in args.cases.split(",") if c.strip()),
+        device=args.device,
+        versions=args.versions,
+        warmup=args.warmup,
+        bucket_size_bytes=bucket,
+        baselines=not args.no_baselines,
+        floors=not args.no_floors,
+        seed=args.seed,
+        timeout_s=args.timeout_s,
+    )
+
+
+def run_bench(args: argparse.Namespace, console) -> int:
+    """Run the bench; 0 when every case that ran succeeded bit-exactly, 1 otherwise."""
+    if args.replot:
+        report = Report.from_json(json.loads(Path(args.replot).read_text()))
+        console.print(report.table())
+        console.print(f"plot: {report.plot(Path(args.out))}")
+        return 0
+    report = run(config_from_args(args), console)
+    console.print(report.table())
+    for t in report.targets():
+        mark = "[green]met[/green]" if t["met"] else "[red]not met[/red]"
+        console.print(f"target {t['target']}: {t['value']} (limit {t['limit']}) {mark}")
+    for note in report.meta["notes"]:
+        console.print(f"note: {note}")
+    out = Path(args.out)
+    console.print(f"JSON: {report.write_json(out)}")
+    if args.plot:
+        console.print(f"plot: {report.plot(out)}")
+    return 1 if any(r.failed for r in report.rows) else 0

@@ -1,0 +1,136 @@
+"""Drive vLLM servers running the ``weightsync`` backend through vLLM's own HTTP routes, from
+the RL framework's process.
+
+The RL framework's one call: :func:`publish_to_vllm` publishes a version to the sender and,
+concurrently, has every server pause, apply exactly that version, set its weight version and
+resume; it returns once every server serves the version.
+
+The routes are vLLM's RL routes (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import requests
+import torch
+
+from weightsync.errors import ConfigError, ReceiverFailedError, WeightSyncError
+from weightsync.manifest import LoraAdapterSpec
+
+if TYPE_CHECKING:
+    from weightsync.sender import Publisher, PublishResult
+
+
+class VllmServerClient:
+    """One vLLM server (``base_url`` like ``http://host:8000``) with the weightsync backend.
+
+    Args:
+        base_url: the server's root URL.
+        timeout_s: HTTP timeout for quick calls; ``apply`` waits up to its own timeout.
+        pause_mode: vLLM's ``/pause`` mode during an update: ``"wait"`` lets in-flight
+            requests finish on the old weights, ``"abort"`` aborts them. (``"keep"`` is not
+            offered: it keeps the prefix cache, which holds KV of the old weights.)
+    """
+
+    def __init__(self, base_url: str, timeout_s: float = 300.0, pause_mode: str = "wait") -> None:
+        if pause_mode not in ("wait", "abort"):
+            raise ConfigError(f"pause_mode must be 'wait' or 'abort', got {pause_mode!r}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.pause_mode = pause_mode
+
+    def _post(self, route: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
+        # A fresh connection per call: after a failed route vLLM may drop the connection,
+        # and a pooled one would swallow the /resume that must follow.
+        response = requests.post(
+            f"{self.base_url}/{route}",
+            timeout=timeout_s or self.timeout_s,
+            headers={"Connection": "close"},
+            **kwargs,
+        )
+        if response.status_code != 200:
+            raise ReceiverFailedError(
+                f"vLLM at {self.base_url}: /{route} answered {response.status_code}: "
+                f"{response.text[:500]}"
+            )
+        return response.json()
+
+    def init(self, sender_address: str, **init_info: Any) -> None:
+        """Subscribe every worker of the server to the sender (``WeightsyncInitInfo`` fields)."""
+        self._post(
+            "init_weight_transfer_engine",
+            json={"init_info": {"address": sender_address, **init_info}},
+        )
+
+    def apply(self, version: int, timeout_s: float = 600.0) -> None:
+        """Pause, apply ``version`` (blocks until it is loaded), set the weight version, resume.
+
+        Raises:
+            ReceiverFailedError: a route failed (the message carries vLLM's answer, e.g. a
+                name the model lacks); generation is resumed on the previous weights.
+        """
+        # clear_cache: cached prefixes hold KV computed with the old weights.
+        self._post("pause", params={"mode": self.pause_mode, "clear_cache": "true"})
+        try:
+            self._post("start_weight_update")
+            # A failed update_weights ends vLLM's update session itself (and the version
+            # number stays the previous one), so finish only runs on success.
+            self._post(
+                "update_weights",
+                timeout_s=timeout_s + self.timeout_s,
+                json={"update_info": {"version": version, "timeout_s": timeout_s}},
+            )
+            self._post("finish_weight_update", json={"weight_version": str(version)})
+        finally:
+            self._post("resume")
+
+    def weight_version(self) -> str:
+        response = requests.get(f"{self.base_url}/weight_info", timeout=self.timeout_s)
+        response.raise_for_status()
+        return response.json()["weight_version"]
+
+
+def publish_to_vllm(
+    publisher: Publisher,
+    tensors: Mapping[str, torch.Tensor],
+    version: int,
+    servers: Sequence[VllmServerClient],
+    *,
+    lora: LoraAdapterSpec | None = None,
+    timeout_s: float = 600.0,
+) -> PublishResult:
+    """Publish ``version`` and return only once every server serves it.
+
+    Args:
+        publisher: connected to the sender.
+        tensors: the version's HF-named tensors.
+        version: the version number (greater than the last).
+        servers: the vLLM servers to update (each ``init``-ed against the same sender).
+        lora: the LoRA adapter shipped with the version, if any.
+
+    Returns:
+        What ``publisher.publish(..., wait=True)`` returns.
+
+    Raises:
+        ReceiverFailedError: a server failed to apply the version.
+    """
+    with ThreadPoolExecutor(max_workers=len(servers) + 1) as pool:
+        applying = [pool.submit(s.apply, version, timeout_s) for s in servers]
+        published = pool.submit(
+            publisher.publish, tensors, version, lora=lora, wait=True, timeout_s=timeout_s
+        )
+        failures = [f.exception() for f in applying if f.exception() is not None]
+        try:
+            result = published.result()
+        except WeightSyncError as e:
+            if not failures:
+                raise
+            # vLLM answers a failed route with a bare 500; the sender knows why.
+            servers_say = "; ".join(str(f) for f in failures)
+            raise ReceiverFailedError(f"{servers_say}; the sender reports: {e}") from e
+    if failures:
+        raise failures[0]
+    return result
