@@ -107,9 +107,14 @@ class InPlaceTarget(WeightTarget):
         pass
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        with torch.no_grad():
-            for name, tensor in tensors:
-                self.live_tensor(name).copy_(tensor, non_blocking=True)
+        # One launch for the bucket, not one per tensor (thousands for MoE experts).
+        if tensors:
+            with torch.no_grad():
+                torch._foreach_copy_(
+                    [self.live_tensor(name) for name, _ in tensors],
+                    [tensor for _, tensor in tensors],
+                    non_blocking=True,
+                )
 
     def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
         with torch.no_grad():

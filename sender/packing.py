@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from weightsync.buckets import Bucket
 from weightsync.errors import ProtocolError, TransportError, WeightSyncError
-from weightsync.regions import Region, copy_pairs, region_copies
+from weightsync.regions import CopyBatch, Region, region_copies
 from weightsync.sender.offer import OfferKey
 from weightsync.sender.records import VersionRun
 from weightsync.sender.slots import PackCopies, Slot
@@ -75,14 +75,14 @@ def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> None:
     if copies is None or copies.plan is not run.tensors or copies.regions is not run.regions:
         copies = slot.copies = PackCopies(run.tensors, run.regions)
     try:
-        pairs = copies.by_bucket.get(bucket.index)
-        if pairs is None:
-            pairs = copies.by_bucket[bucket.index] = [
+        batch = copies.by_bucket.get(bucket.index)
+        if batch is None:
+            batch = copies.by_bucket[bucket.index] = CopyBatch.of(
                 pair
                 for entry in bucket.entries
                 for pair in region_copies(slot.buffer.tensor, entry, run.regions[entry.name])
-            ]
-        copy_pairs(pairs)
+            )
+        batch.run()
     except (RuntimeError, WeightSyncError) as e:
         raise TransportError(
             f"version {run.version}: packing bucket {bucket.index} from the publishers' "

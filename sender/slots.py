@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync.regions import Region
+from weightsync.regions import CopyBatch, Region
 from weightsync.transports import StagingBuffer, Transport
 from weightsync.transports.base import transport_for_handle
 from weightsync.transports.broadcast import PendingBroadcast
@@ -46,7 +46,7 @@ class PackCopies:
 
     plan: TensorPlan
     regions: Mapping[str, Sequence[Region]]
-    by_bucket: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    by_bucket: dict[int, CopyBatch] = field(default_factory=dict)
 
 
 @dataclass

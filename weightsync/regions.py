@@ -81,8 +81,33 @@ def region_copies(
 
 @torch.no_grad()
 def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for dst, src in pairs:
-        _copy(dst, src)
+    CopyBatch.of(pairs).run()
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """``(destination, source)`` copies issued with as few launches as torch allows: the
+    same-device ones in one ``torch._foreach_copy_`` (fused per dtype on CUDA), so MoE models
+    with thousands of tensors pay for bytes, not for a Python loop of launches. Build it once
+    and :meth:`run` it every version (views follow the memory, not its contents)."""
+
+    dsts: tuple[torch.Tensor, ...]
+    srcs: tuple[torch.Tensor, ...]
+    cross_device: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+
+    @classmethod
+    def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
+        local, cross = [], []
+        for dst, src in pairs:
+            (local if dst.device == src.device else cross).append((dst, src))
+        return cls(tuple(d for d, _ in local), tuple(s for _, s in local), tuple(cross))
+
+    @torch.no_grad()
+    def run(self) -> None:
+        if self.dsts:
+            torch._foreach_copy_(list(self.dsts), list(self.srcs), non_blocking=True)
+        for dst, src in self.cross_device:
+            _copy(dst, src)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
