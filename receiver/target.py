@@ -12,6 +12,7 @@ from weightsync.buckets import BucketEntry, byte_view
 from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
+from weightsync.regions import CopyBatch
 
 
 class WeightTarget(ABC):
@@ -107,14 +108,8 @@ class InPlaceTarget(WeightTarget):
         pass
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        # One launch for the bucket, not one per tensor (thousands for MoE experts).
-        if tensors:
-            with torch.no_grad():
-                torch._foreach_copy_(
-                    [self.live_tensor(name) for name, _ in tensors],
-                    [tensor for _, tensor in tensors],
-                    non_blocking=True,
-                )
+        # Small tensors in one launch, not one each (thousands for MoE experts).
+        CopyBatch.of((self.live_tensor(name), tensor) for name, tensor in tensors).run()
 
     def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
         with torch.no_grad():

@@ -84,29 +84,37 @@ def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
     CopyBatch.of(pairs).run()
 
 
+FOREACH_MAX_BYTES = 4 << 20
+"""Copies up to this size go in the batched launch; larger ones get their own ``copy_``,
+which moves same-dtype contiguous bytes on the copy engine at full bandwidth, where the
+fused kernel of ``_foreach_copy_`` is slower per byte: launches only matter for small copies."""
+
+
 @dataclass(frozen=True)
 class CopyBatch:
-    """``(destination, source)`` copies issued with as few launches as torch allows: the
+    """``(destination, source)`` copies issued with as few launches as torch allows: the small
     same-device ones in one ``torch._foreach_copy_`` (fused per dtype on CUDA), so MoE models
     with thousands of tensors pay for bytes, not for a Python loop of launches. Build it once
     and :meth:`run` it every version (views follow the memory, not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
     srcs: tuple[torch.Tensor, ...]
-    cross_device: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    one_by_one: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    """Large copies, and copies across devices."""
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
-        local, cross = [], []
+        small, single = [], []
         for dst, src in pairs:
-            (local if dst.device == src.device else cross).append((dst, src))
-        return cls(tuple(d for d, _ in local), tuple(s for _, s in local), tuple(cross))
+            batched = dst.device == src.device and dst.nbytes <= FOREACH_MAX_BYTES
+            (small if batched else single).append((dst, src))
+        return cls(tuple(d for d, _ in small), tuple(s for _, s in small), tuple(single))
 
     @torch.no_grad()
     def run(self) -> None:
         if self.dsts:
             torch._foreach_copy_(list(self.dsts), list(self.srcs), non_blocking=True)
-        for dst, src in self.cross_device:
+        for dst, src in self.one_by_one:
             _copy(dst, src)
 
 

@@ -80,3 +80,23 @@ def test_a_piece_reaching_past_its_source_is_refused_by_name():
     pieces = regions_to_pb(whole({"layers.0.w": torch.zeros(4, 4)}), lambda t: (0, 0))
     with pytest.raises(ProtocolError, match="'layers.0.w' reaches byte 64 of a 32-byte source"):
         regions_from_pb(pieces, [torch.zeros(32, dtype=torch.uint8)])
+
+
+def test_a_copy_batch_copies_small_pairs_in_one_launch_and_large_ones_alone(monkeypatch):
+    import weightsync.regions as regions
+
+    monkeypatch.setattr(regions, "FOREACH_MAX_BYTES", 64)
+    g = torch.Generator().manual_seed(3)
+    small = [(torch.zeros(4), torch.randn(4, generator=g)) for _ in range(3)]
+    cast = (torch.zeros(8, dtype=torch.bfloat16), torch.randn(8, generator=g))
+    large = (torch.zeros(100), torch.randn(100, generator=g))
+    batch = regions.CopyBatch.of([*small, cast, large])
+    assert len(batch.dsts) == 4 and [d for d, _ in batch.one_by_one] == [large[0]]
+    launches = []
+    real = torch._foreach_copy_
+    counted = lambda *a, **k: (launches.append(1), real(*a, **k))  # noqa: E731
+    monkeypatch.setattr(torch, "_foreach_copy_", counted)
+    batch.run()
+    assert launches == [1]
+    for dst, src in [*small, cast, large]:
+        assert torch.equal(dst, src.to(dst.dtype))
