@@ -1,16 +1,45 @@
-"""vLLM ``general_plugins`` entry point: registers the ``weightsync`` weight-transfer backend.
+"""vLLM ``general_plugins`` entry point: registers the ``weightsync`` weight-transfer backend on
+both sides of vLLM's weight transfer.
 
-vLLM calls :func:`register` in its main, EngineCore and worker processes, so
-``--weight-transfer-config '{"backend": "weightsync"}'`` works with the multiprocess engine.
+- Engine side (``WeightTransferEngineFactory``): ``weightsync.receiver.vllm.engine``, so
+  ``--weight-transfer-config '{"backend": "weightsync"}'`` works. vLLM calls :func:`register`
+  in its main, EngineCore and worker processes, so this covers the multiprocess engine.
+- Trainer side (``WeightTransferTrainerFactory``): ``weightsync.drivers.vllm_trainer``, so
+  ``WeightTransferTrainerFactory.trainer_init(WeightsyncTrainerInitInfo(...), ...)`` works.
+  Registered by module path (imported only when used); importing
+  ``weightsync.drivers.vllm_trainer`` registers it too, for trainer processes where vLLM never
+  loads its plugins.
+
+Both registrations are idempotent: vLLM loads plugins more than once per process and its
+registries raise on a duplicate name.
 """
 
 from __future__ import annotations
 
+BACKEND_NAME = "weightsync"
+TRAINER_MODULE = "weightsync.drivers.vllm_trainer"
+TRAINER_CLASS = "WeightsyncTrainerEngine"
+
 
 def register() -> None:
-    """Register the backend; a no-op when vLLM has no weight-transfer registry (< 0.30)."""
+    """Register both sides; a no-op when vLLM has no weight-transfer registry (< 0.30)."""
     try:
         from weightsync.receiver.vllm.engine import register_engine
     except ImportError:
         return
     register_engine()
+    register_trainer_engine()
+
+
+def register_trainer_engine() -> None:
+    """Register the trainer-side engine by module path; safe to call more than once, and a
+    no-op on vLLM without a trainer-side registry."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+    except ImportError:
+        return
+    try:
+        WeightTransferTrainerFactory.register_engine(BACKEND_NAME, TRAINER_MODULE, TRAINER_CLASS)
+    except ValueError as e:
+        if "already registered" not in str(e):
+            raise

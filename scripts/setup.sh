@@ -9,7 +9,7 @@ source scripts/venv_lib.sh
 after_install() {
   # PyPI's torchvision/torchaudio/torchcodec are CUDA-linked and break `import vllm` on CPU torch.
   "$1" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  "$1" -c "import torch, vllm, megatron.core, transformers, grpc_tools"
+  "$1" -c "import torch, vllm, megatron.core, transformers, grpc_tools, build"
 }
 
 cached_venv requirements/ci.txt venv

@@ -13,6 +13,7 @@ import threading
 import torch
 
 from weightsync.errors import TransportError
+from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.records import VersionRun
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import Slot
@@ -21,13 +22,19 @@ from weightsync.v1 import weightsync_pb2 as pb
 
 
 class SenderBroadcast:
-    """Invites, connects and feeds the group; ``cond`` is the sender's lock (see registry)."""
+    """Invites, connects and feeds the group; ``cond`` is the sender's lock (see ``outcomes.py``);
+    ``registry`` says who gets broadcasts, ``outcomes`` fails them when the group does."""
 
     def __init__(
-        self, store_host: str, timeout_s: float, cond: threading.Condition, registry: Registry
+        self,
+        store_host: str,
+        timeout_s: float,
+        cond: threading.Condition,
+        registry: Registry,
+        outcomes: Outcomes,
     ) -> None:
         self._store_host, self._timeout_s = store_host, timeout_s
-        self._cond, self._registry = cond, registry
+        self._cond, self._registry, self._outcomes = cond, registry, outcomes
         self._group: BroadcastGroup | None = None
         self._members: tuple[str, ...] = ()
         self._device: torch.device | None = None
@@ -104,4 +111,4 @@ class SenderBroadcast:
     def _fail_members(self, run: VersionRun, error: TransportError) -> None:
         with self._cond:
             for rid in self._registry.broadcast_members(run):
-                self._registry.fail(run, rid, error)
+                self._outcomes.fail(run, rid, error)

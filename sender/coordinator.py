@@ -2,7 +2,9 @@
 
 The parts, each given what it uses:
 
-- :class:`~weightsync.sender.registry.Registry`: receivers, publishers, versions, failures;
+- :class:`~weightsync.sender.registry.Registry`: who is connected, ``Status``;
+- :class:`~weightsync.sender.history.VersionHistory`: the last versions, ``WaitApplied``;
+- :class:`~weightsync.sender.outcomes.Outcomes`: each receiver's outcome per version, failures;
 - :class:`~weightsync.sender.slots.SlotPool`: the staging buffers;
 - :func:`~weightsync.sender.planner.plan_version`: how a version travels (pure);
 - :class:`~weightsync.sender.driver.VersionDriver`: executes a plan, one version at a time;
@@ -19,6 +21,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -29,10 +33,12 @@ from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.driver import VersionDriver
+from weightsync.sender.history import VersionHistory
 from weightsync.sender.offer import offer_key
+from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.packing import MappedOffers
 from weightsync.sender.planner import Staging, TensorPlans, plan_version
-from weightsync.sender.records import RankConn, ReceiverConn, VersionRun
+from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import Slot, SlotPool
 from weightsync.transports import resolve_transport
@@ -54,12 +60,20 @@ class Coordinator:
         self.settings = settings
         self._cond = threading.Condition()
         self._slots = SlotPool(settings.num_buffers, settings.bucket_size_bytes)
-        self.registry = Registry(self._cond, settings, metrics, self._slots, host_id())
+        self.history = VersionHistory(self._cond, settings.history)
+        self.registry = Registry(self._cond, settings, metrics, self.history, host_id())
+        self.outcomes = Outcomes(
+            self._cond, settings, metrics, self._slots, self.registry, self.history
+        )
         self._broadcast = SenderBroadcast(
-            settings.broadcast_host, settings.ack_timeout_s, self._cond, self.registry
+            settings.broadcast_host,
+            settings.ack_timeout_s,
+            self._cond,
+            self.registry,
+            self.outcomes,
         )
         self._driver = VersionDriver(
-            self._cond, settings, metrics, self.registry, self._slots, self._broadcast
+            self._cond, settings, metrics, self.outcomes, self._slots, self._broadcast
         )
         self._joining: dict[tuple[str, int], _Joining] = {}
         """By (publisher id, version)."""
@@ -76,18 +90,44 @@ class Coordinator:
 
     # ---- publishers ----
 
+    def publisher_connected(self, hello: pb.PublisherHello) -> PublisherConn:
+        """A publisher rank's stream said hello: check it (ConfigError naming the field) and
+        count the rank as connected until :meth:`publisher_left`."""
+        check_publisher_hello(hello)
+        return self.registry.publisher_connected(hello)
+
+    def publisher_left(self, conn: PublisherConn, why: str) -> None:
+        self.registry.publisher_left(conn, why)
+
     def join(
         self, hello: pb.PublisherHello, begin: pb.BeginVersion, outbox: queue.Queue
     ) -> tuple[VersionRun | None, RankConn]:
         """Add one publisher rank to a version (its replies go to ``outbox``, the rank's
-        stream); the last rank to join plans the version and starts its driver."""
+        stream); the last rank to join plans the version and starts its driver.
+
+        Raises:
+            WeightSyncError: the begin is refused; any other exception becomes a ConfigError
+                (INVALID_ARGUMENT) naming the hello's and begin's fields. Nothing is left
+                behind: not the rank, not the version; ranks that had joined the version are
+                told it is abandoned.
+        """
+        with _refused(
+            f"publisher {hello.publisher_id!r} rank {hello.rank} could not begin version "
+            f"{begin.manifest.version}",
+            f"PublisherHello (device {hello.device!r}, device_uuid {hello.device_uuid!r}) and "
+            "BeginVersion (manifest, sources, pieces)",
+        ):
+            return self._join(hello, begin, outbox)
+
+    def _join(
+        self, hello: pb.PublisherHello, begin: pb.BeginVersion, outbox: queue.Queue
+    ) -> tuple[VersionRun | None, RankConn]:
+        check_publisher_hello(hello)
         manifest, manifest_key = self._manifests(begin.manifest)
         trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
-        if hello.rank >= world:
-            raise ConfigError(f"publisher rank {hello.rank} is not below world_size {world}")
         with self._cond:
-            self.registry.check_version(manifest.version)
+            self.history.check_version(manifest.version)
             key = (hello.publisher_id, manifest.version)
             first, first_world, ranks = self._joining.setdefault(key, (manifest, world, {}))
             if world != first_world:
@@ -107,22 +147,48 @@ class Coordinator:
                 hello.rank, hello.device, begin, device_uuid=hello.device_uuid, outbox=outbox
             )
             ranks[hello.rank] = conn
-            self.registry.publisher_joined(
-                pb.PublisherStatus(
-                    publisher_id=hello.publisher_id,
-                    ranks_connected=len(ranks),
-                    world_size=world,
-                    device=hello.device,
-                )
-            )
             if len(ranks) < world:
                 return None, conn
+            try:
+                device = _staging_device(ranks[min(ranks)])
+                run = self._plan_run(manifest, manifest_key, hello.publisher_id, device, ranks)
+            except BaseException as e:
+                self._abandon_joining(key, conn, e)
+                raise
             del self._joining[key]
-            device = _staging_device(ranks[min(ranks)])
-            run = self._plan_run(manifest, manifest_key, hello.publisher_id, device, ranks)
-            self.registry.add_run(run)
-        self._driver.start(run, device)
+            self.history.add_run(run)
+        try:
+            self._driver.start(run, device)
+        except Exception as e:
+            log.exception("version %d: the driver did not start", run.version)
+            with self._cond:
+                self.outcomes.abort(run, error_to_pb(WeightSyncError(f"{type(e).__name__}: {e}")))
         return run, conn
+
+    def _abandon_joining(self, key: tuple[str, int], failed: RankConn, error: BaseException):
+        """Lock held: planning a version whose ranks had all joined failed. Nothing of it is
+        kept; every other rank's stream ends with the error (the failing rank's caller
+        answers its own)."""
+        _, _, ranks = self._joining.pop(key)
+        for rank in ranks.values():
+            if rank is not failed:
+                rank.outbox.put(
+                    WeightSyncError(
+                        f"version {key[1]} abandoned: it could not be planned: "
+                        f"{type(error).__name__}: {error}"
+                    )
+                )
+
+    def rank_left(self, hello: pb.PublisherHello, version: int, conn: RankConn | None) -> None:
+        """A rank's stream ended: if it was still waiting for the other ranks of ``version``,
+        it no longer counts as joined (a rank that comes back joins again)."""
+        with self._cond:
+            entry = self._joining.get((hello.publisher_id, version))
+            if conn is None or entry is None or entry[2].get(conn.rank) is not conn:
+                return
+            del entry[2][conn.rank]
+            if not entry[2]:
+                del self._joining[(hello.publisher_id, version)]
 
     def _plan_run(
         self,
@@ -146,6 +212,7 @@ class Coordinator:
             self._tensor_plans.memo(manifest_key, offered),
         )
         self.registry.set_data_paths(plan.data_paths)
+        self.registry.staging_uuid = device_uuid(device)
         regions = None
         if plan.tensors.sender_packs:
             regions = self._mapped_offers.regions(offered, begins)
@@ -172,31 +239,41 @@ class Coordinator:
             if run.staged_s or run.done:
                 return
             detail = error if isinstance(error, pb.ErrorDetail) else error_to_pb(error)
-            self.registry.abort(run, detail)
+            self.outcomes.abort(run, detail)
 
-    # ---- receivers and queries (the registry's) ----
+    # ---- receivers and queries ----
 
     def add_receiver(self, hello: pb.ReceiverHello) -> ReceiverConn:
-        return self.registry.add_receiver(hello)
+        """Register a receiver (ConfigError naming the field for a bad hello; any other
+        exception becomes a ConfigError too, and registers nothing)."""
+        check_receiver_hello(hello)
+        with _refused(
+            f"receiver {hello.receiver_id!r} could not register",
+            f"ReceiverHello (engine {hello.engine!r}, device {hello.device!r}, "
+            f"transports {list(hello.transports)}, host_id {hello.host_id!r})",
+        ):
+            return self.registry.add_receiver(hello)
 
     def receiver_gone(self, conn: ReceiverConn, why: str) -> None:
-        self.registry.receiver_gone(conn, why)
+        self.outcomes.receiver_left(conn, why)
 
     def on_receiver_message(self, conn: ReceiverConn, msg: pb.ReceiverMessage) -> None:
-        self.registry.on_receiver_message(conn, msg)
+        self.outcomes.on_receiver_message(conn, msg)
 
     def status(self) -> pb.StatusReply:
         return self.registry.status()
 
-    def wait_applied(self, version: int, timeout_s: float) -> pb.VersionStatus:
-        return self.registry.wait_applied(version, timeout_s)
+    def wait_applied(
+        self, version: int, timeout_s: float, alive: Callable[[], bool] = lambda: True
+    ) -> pb.VersionStatus:
+        return self.history.wait_applied(version, timeout_s, alive)
 
     def run_of(self, version: int) -> VersionRun | None:
-        return self.registry.run_of(version)
+        return self.history.run_of(version)
 
     @property
     def last_version(self) -> int:
-        return self.registry.last_version
+        return self.history.last_version
 
     def staging_slots(self) -> tuple[Slot, ...]:
         """The staging slots now allocated (their buffers: ``slot.buffer``)."""
@@ -210,21 +287,84 @@ class Coordinator:
         while not self._stop.wait(0.2):
             self._log_finished()
             with self._cond:
-                self.registry.expire(time.monotonic())
+                self.outcomes.expire(time.monotonic())
 
     def _log_finished(self) -> None:
-        while self.registry.finished:
-            log.info(*self.registry.finished.popleft())
+        while self.outcomes.finished:
+            line = self.outcomes.finished.popleft()
+            log.info("%s", line.message, extra=line.extra)
 
     def close(self) -> None:
         self._stop.set()
         self._log_finished()
-        self.registry.close()
         with self._cond:
+            self.history.close()
+            self.outcomes.close()
+            self.registry.close()
             self._slots.close()
             self._mapped_offers.clear()
             self._broadcast.close()
             self._cond.notify_all()
+
+
+@contextmanager
+def _refused(what: str, check: str) -> Iterator[None]:
+    """Our errors pass; any other exception (a bug, or input no check foresaw) becomes a
+    ConfigError, INVALID_ARGUMENT for the caller, saying ``what`` failed and which fields to
+    ``check``; its traceback goes to the log."""
+    try:
+        yield
+    except WeightSyncError:
+        raise
+    except Exception as e:
+        log.exception("refused: %s", what)
+        raise ConfigError(f"{what}: {type(e).__name__}: {e}; check {check}") from e
+
+
+_PUBLISHER_DEVICES = "'cpu' or 'cuda:N' (where this rank's tensors live)"
+
+
+def check_publisher_hello(hello: pb.PublisherHello) -> None:
+    """ConfigError naming the field of a hello this sender cannot serve."""
+    world = max(hello.world_size, 1)
+    if hello.rank >= world:
+        raise ConfigError(
+            f"publisher rank {hello.rank} is not below world_size {world} "
+            "(PublisherHello.rank, PublisherHello.world_size)"
+        )
+    if not hello.device:
+        raise ConfigError(f"PublisherHello.device is empty; send {_PUBLISHER_DEVICES}")
+    device = _parse_device(hello.device, "PublisherHello.device", _PUBLISHER_DEVICES)
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"PublisherHello.device {hello.device!r} is not supported; send {_PUBLISHER_DEVICES}"
+        )
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"PublisherHello.device {hello.device!r}: this sender sees no CUDA device; run "
+                "it where the trainer's GPUs are visible, or publish CPU tensors"
+            )
+        count = torch.cuda.device_count()
+        if not hello.device_uuid and (device.index or 0) >= count:
+            raise ConfigError(
+                f"PublisherHello.device {hello.device!r}: this sender sees {count} GPU(s); "
+                "send PublisherHello.device_uuid so it finds the GPU by UUID"
+            )
+
+
+def check_receiver_hello(hello: pb.ReceiverHello) -> None:
+    """ConfigError naming the field of a receiver hello that cannot be right. The device is
+    the receiver's own (its numbering, maybe another host): only its form is checked."""
+    if hello.device:
+        _parse_device(hello.device, "ReceiverHello.device", "'cpu', 'cuda:N', or empty")
+
+
+def _parse_device(text: str, field: str, accepted: str) -> torch.device:
+    try:
+        return torch.device(text)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ConfigError(f"{field} {text!r} is not a device; send {accepted}") from e
 
 
 def _staging_device(rank: RankConn) -> torch.device:

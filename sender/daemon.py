@@ -33,15 +33,20 @@ class Sender:
             settings["listen"] = listen
         self.settings = SenderSettings(**settings)
         self.metrics = SenderMetrics()
-        self.coordinator = Coordinator(self.settings, self.metrics)
-        servicer = WeightSyncServicer(self.coordinator)
-        self._server, bound, self._health = create_server(
-            self.settings.listen, lambda s: pb_grpc.add_WeightSyncServicer_to_server(servicer, s)
-        )
+        if self.settings.metrics_port:  # first: a busy port fails before anything else is up
+            self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
+        try:
+            self.coordinator = Coordinator(self.settings, self.metrics)
+            servicer = WeightSyncServicer(self.coordinator)
+            self._server, bound, self._health = create_server(
+                self.settings.listen,
+                lambda s: pb_grpc.add_WeightSyncServicer_to_server(servicer, s),
+            )
+        except BaseException:
+            self.metrics.close()
+            raise
         self.address = bound.text
         self._server.start()
-        if self.settings.metrics_port:
-            self.metrics.serve(self.settings.metrics_port)
         self._closed = threading.Event()
 
     def wait(self) -> None:
@@ -57,6 +62,7 @@ class Sender:
         self._health.enter_graceful_shutdown()
         self.coordinator.close()
         self._server.stop(grace_s).wait()
+        self.metrics.close()
         self._closed.set()
 
     def __enter__(self) -> Sender:

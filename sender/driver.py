@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -22,13 +23,13 @@ from weightsync import trace
 from weightsync.buckets import Bucket
 from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.config import SenderSettings
-from weightsync.errors import WeightSyncError
+from weightsync.errors import SyncTimeoutError, WeightSyncError
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
+from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.packing import pack_bucket
 from weightsync.sender.planner import BROADCAST, MAP
 from weightsync.sender.records import RunAborted, VersionRun
-from weightsync.sender.registry import Registry
 from weightsync.sender.slots import Slot, SlotPool
 from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
@@ -36,19 +37,19 @@ from weightsync.wire import error_to_pb
 
 
 class VersionDriver:
-    """Runs versions one at a time; ``cond`` is the sender's lock (see ``registry.py``)."""
+    """Runs versions one at a time; ``cond`` is the sender's lock (see ``outcomes.py``)."""
 
     def __init__(
         self,
         cond: threading.Condition,
         settings: SenderSettings,
         metrics: SenderMetrics,
-        registry: Registry,
+        outcomes: Outcomes,
         slots: SlotPool,
         broadcast: SenderBroadcast,
     ) -> None:
         self._cond, self._settings, self._metrics = cond, settings, metrics
-        self._registry, self._slots, self._broadcast = registry, slots, broadcast
+        self._outcomes, self._slots, self._broadcast = outcomes, slots, broadcast
         self._one_at_a_time = threading.Lock()
 
     def start(self, run: VersionRun, device: torch.device) -> None:
@@ -82,7 +83,7 @@ class VersionDriver:
                 pass
             except WeightSyncError as e:
                 with self._cond:
-                    self._registry.abort(run, error_to_pb(e))
+                    self._outcomes.abort(run, error_to_pb(e))
             finally:
                 with self._cond:
                     self._slots.stop_packing()
@@ -96,7 +97,7 @@ class VersionDriver:
                     manifest=run.manifest_pb, num_buckets=len(run.tensors.staged.buckets)
                 )
             )
-            self._registry.open_version(run, start)
+            self._outcomes.open_version(run, start)
             self._broadcast.invite(run, device)
             trace.mark("sender.start", version=run.version)
             if run.tensors.direct is not None:
@@ -108,7 +109,7 @@ class VersionDriver:
         need = max((b.nbytes for b in run.tensors.staged.buckets), default=0) or 256
         if self._slots.fits(need, device):
             return
-        self._registry.wait(
+        self._wait(
             run,
             self._slots.all_free,
             self._settings.ack_timeout_s,
@@ -127,7 +128,7 @@ class VersionDriver:
                 sources=run.tensors.direct_sources,
             )
         )
-        for conn in self._registry.address(run, f"bucket:{direct.index}", lambda c: msg):
+        for conn in self._outcomes.address(run, f"bucket:{direct.index}", lambda c: msg):
             run.direct_readers.add(conn.receiver_id)
 
     def _before_reuse(
@@ -151,7 +152,7 @@ class VersionDriver:
         to pack them unless the sender packs from their offered memory itself."""
         with self._cond:
             if not issued:
-                self._registry.wait(
+                self._wait(
                     run,
                     self._slots.any_free,
                     self._settings.ack_timeout_s + 5,
@@ -184,7 +185,7 @@ class VersionDriver:
             return all(bucket.index in r.packed for r in run.ranks.values())
 
         with self._cond:
-            self._registry.wait(
+            self._wait(
                 run,
                 lambda: packed() or (todo and self._slots.any_free()),
                 self._settings.pack_timeout_s,
@@ -217,7 +218,7 @@ class VersionDriver:
                     version=run.version, layout=layout, group_id=self._broadcast.group_id
                 )
             )
-            conns = self._registry.address(
+            conns = self._outcomes.address(
                 run,
                 f"bucket:{layout.index}",
                 lambda c: sent if c.data_path == BROADCAST else mapped,
@@ -245,12 +246,12 @@ class VersionDriver:
             )
         )
         with self._cond:
-            self._registry.address(run, "applied", lambda c: end)
+            self._outcomes.address(run, "applied", lambda c: end)
 
     def _staged(self, run: VersionRun) -> None:
         with self._cond:
             # Direct reads come from trainer memory: it must not change until they are done.
-            self._registry.wait(
+            self._wait(
                 run,
                 lambda: not run.direct_readers,
                 self._settings.ack_timeout_s + 5,
@@ -263,5 +264,22 @@ class VersionDriver:
             )
             for rank in run.ranks.values():
                 rank.outbox.put(staged)
-            self._registry.maybe_complete(run)
+            self._outcomes.maybe_complete(run)
             self._cond.notify_all()
+
+    def _wait(
+        self, run: VersionRun, ready: Callable[[], object], timeout_s: float, what: str
+    ) -> None:
+        """Wait (lock held) until ``ready()``; RunAborted once ``run`` is over."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if run.done:
+                raise RunAborted()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise SyncTimeoutError(
+                    f"version {run.version}: waited {timeout_s:.0f} s for {what}"
+                )
+            self._cond.wait(min(left, 1.0))
+        if run.done:
+            raise RunAborted()

@@ -310,14 +310,19 @@ class Publisher:
         )
 
     def wait_applied(self, version: int, timeout_s: float = 600.0) -> pb.VersionStatus:
-        """Block until every receiver addressed by ``version`` applied it.
+        """Block until every receiver addressed by ``version`` applied it (or failed); a
+        version not published yet is waited for first. ``timeout_s = 0``: no limit.
 
         Raises:
             ReceiverFailedError: naming each receiver that failed and why.
+            SyncTimeoutError: not published, or not done, within ``timeout_s``.
+            VersionError: a version that will never come (not greater than the last one
+                published yet never published, or older than the sender's history).
         """
         try:
             reply = self._stub.WaitApplied(
-                pb.WaitAppliedRequest(version=version, timeout_s=timeout_s), timeout=timeout_s + 5
+                pb.WaitAppliedRequest(version=version, timeout_s=timeout_s),
+                timeout=timeout_s + 5 if timeout_s > 0 else None,
             )
         except grpc.RpcError as e:
             raise error_from_rpc(e, f"wait for version {version} at {self.address}") from None

@@ -1,7 +1,8 @@
 """The sender's records of its peers and versions: receivers, publisher ranks, version runs.
 
-Plain data, no locks and no threads: the registry (``registry.py``) mutates them with the
-sender's lock held; the servicer only moves their queued messages.
+Plain data, no locks and no threads: the registry, the version history and the outcomes
+(``registry.py``, ``history.py``, ``outcomes.py``) mutate them with the sender's lock held;
+the servicer only moves their queued messages.
 """
 
 from __future__ import annotations
@@ -50,6 +51,18 @@ class ReceiverConn:
     def send(self, msg: pb.Announcement | None) -> None:
         if self.connected or msg is None:
             self.outbox.put(msg)
+
+
+@dataclass
+class PublisherConn:
+    """One publisher rank's open ``Publish`` stream, from its hello until the stream ends."""
+
+    publisher_id: str
+    rank: int
+    world_size: int
+    device: str
+    device_uuid: str = ""
+    connected: bool = True
 
 
 @dataclass

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Iterator
 
 import grpc
 
-from weightsync.errors import ProtocolError, WeightSyncError, grpc_code_for, rpc_details
+from weightsync.errors import (
+    ConfigError,
+    ProtocolError,
+    WeightSyncError,
+    grpc_code_for,
+    rpc_details,
+)
 from weightsync.sender.coordinator import Coordinator
-from weightsync.sender.records import ReceiverConn
+from weightsync.sender.records import PublisherConn, ReceiverConn
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
+
+log = logging.getLogger("weightsync.sender")
 
 
 def _next(requests: Iterator, kind: str, context: grpc.ServicerContext):
@@ -40,6 +49,19 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         """One stream per publisher rank, carrying its versions one after another (a new
         stream per version cost milliseconds of setup)."""
         hello = _next(request_iterator, "hello", context)
+        try:
+            pconn = self._co.publisher_connected(hello)
+        except WeightSyncError as e:
+            _abort(context, e)
+        except Exception as e:  # never leave a stream without an answer
+            _abort(context, ConfigError(f"PublisherHello refused: {type(e).__name__}: {e}"))
+        context.add_callback(lambda: self._co.publisher_left(pconn, "disconnected"))
+        outbox: queue.Queue = queue.Queue()
+        threading.Thread(
+            target=self._consume_publisher,
+            args=(hello, pconn, request_iterator, outbox),
+            daemon=True,
+        ).start()
         yield pb.SenderReply(
             welcome=pb.PublisherWelcome(
                 bucket_size_bytes=self._co.settings.bucket_size_bytes,
@@ -47,10 +69,6 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 last_version=self._co.last_version,
             )
         )
-        outbox: queue.Queue = queue.Queue()
-        threading.Thread(
-            target=self._consume_publisher, args=(hello, request_iterator, outbox), daemon=True
-        ).start()
         while True:
             item = outbox.get()
             if item is None:
@@ -59,18 +77,24 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 _abort(context, item)
             yield item
 
-    def _consume_publisher(self, hello: pb.PublisherHello, requests, outbox: queue.Queue) -> None:
+    def _consume_publisher(
+        self, hello: pb.PublisherHello, pconn: PublisherConn, requests, outbox: queue.Queue
+    ) -> None:
         """Read a publisher rank's stream: each ``begin`` joins a version, ``packed`` and
-        ``error`` belong to the latest one."""
+        ``error`` belong to the latest one. Whatever happens, the stream gets an answer and
+        the rank is left nowhere once it ends."""
         version, run, rank = 0, None, None
+        why = "closed its stream"
         try:
             for msg in requests:
                 kind = msg.WhichOneof("kind")
                 if kind == "begin":
                     version = msg.begin.manifest.version
+                    run, rank = None, None
                     try:
                         run, rank = self._co.join(hello, msg.begin, outbox)
                     except WeightSyncError as e:
+                        why = f"begin of version {version} refused: {e}"
                         outbox.put(e)
                         return
                     continue
@@ -83,13 +107,22 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 elif kind == "error":
                     self._co.publisher_failed(current, msg.error)
         except grpc.RpcError:
-            pass
-        current = run or self._co.run_of(version)
-        if current is not None:
-            self._co.publisher_failed(
-                current, ProtocolError(f"publisher rank {hello.rank} closed its stream")
-            )
-        outbox.put(None)
+            why = "its stream broke"
+        except Exception as e:  # a bug: answer the stream rather than leave it hanging
+            why = f"{type(e).__name__}: {e}"
+            log.exception("publisher rank %d: stream failed", hello.rank)
+            outbox.put(WeightSyncError(f"the sender failed on this stream: {why}"))
+        finally:
+            try:
+                self._co.rank_left(hello, version, rank)
+                current = run or (self._co.run_of(version) if rank is not None else None)
+                if current is not None:
+                    self._co.publisher_failed(
+                        current, ProtocolError(f"publisher rank {hello.rank} closed its stream")
+                    )
+            finally:
+                self._co.publisher_left(pconn, why)
+                outbox.put(None)
 
     def Receive(self, request_iterator, context):
         hello = _next(request_iterator, "hello", context)
@@ -109,12 +142,17 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             yield item
 
     def _consume_receiver(self, conn: ReceiverConn, requests) -> None:
+        why = "closed its stream"
         try:
             for msg in requests:
                 self._co.on_receiver_message(conn, msg)
         except grpc.RpcError:
-            pass
-        self._co.receiver_gone(conn, "closed its stream")
+            why = "its stream broke"
+        except Exception as e:
+            why = f"the sender failed on its message: {type(e).__name__}: {e}"
+            log.exception("receiver %s: stream failed", conn.receiver_id)
+        finally:
+            self._co.receiver_gone(conn, why)
 
     def Status(self, request, context):
         return self._co.status()
@@ -124,6 +162,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         if context.time_remaining() is not None:
             timeout = min(timeout or context.time_remaining(), context.time_remaining())
         try:
-            return pb.WaitAppliedReply(version=self._co.wait_applied(request.version, timeout))
+            status = self._co.wait_applied(request.version, timeout, alive=context.is_active)
         except WeightSyncError as e:
             _abort(context, e)
+        return pb.WaitAppliedReply(version=status)

@@ -1,22 +1,102 @@
-"""Configuration models. Every field can be set by an env var with the ``WEIGHTSYNC_`` prefix."""
+"""Configuration models. Every field can be set by an env var with the ``WEIGHTSYNC_`` prefix.
+
+An invalid value raises :class:`~weightsync.errors.ConfigError` with one line naming the setting
+as it was given (``WEIGHTSYNC_NUM_BUFFERS`` for an env var, ``num_buffers`` for a keyword) and
+the values it accepts; never pydantic's multi-line ``ValidationError``.
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import os
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from weightsync.buckets import DEFAULT_BUCKET_SIZE_BYTES, check_bucket_size
 from weightsync.errors import ConfigError
 
+# The values of weightsync.buckets (which imports torch): settings and the CLI stay light, so
+# `weightsync --version` or `status` start fast. tests/unit/test_config.py checks they agree.
+ALIGNMENT_BYTES = 256
+DEFAULT_BUCKET_SIZE_BYTES = 512 * 1024 * 1024
+
 DEFAULT_ADDRESS = "unix:/tmp/weightsync.sock"
+ENV_PREFIX = "WEIGHTSYNC_"
+ADDRESS_ENV = "WEIGHTSYNC_ADDRESS"
+"""Where clients (``weightsync status``, engine hooks) find the sender; falls back to
+``WEIGHTSYNC_LISTEN``, the address the sender listens on, then :data:`DEFAULT_ADDRESS`."""
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOG_FORMATS = ("text", "json")
 
 
-class SenderSettings(BaseSettings):
+def client_address(environ: Mapping[str, str] | None = None) -> str:
+    """The sender address a client on this host uses when none is given: ``$WEIGHTSYNC_ADDRESS``,
+    else ``$WEIGHTSYNC_LISTEN`` (what ``weightsync-sender`` reads), else the default."""
+    env = os.environ if environ is None else environ
+    return env.get(ADDRESS_ENV) or env.get(f"{ENV_PREFIX}LISTEN") or DEFAULT_ADDRESS
+
+
+class _Settings(BaseSettings):
+    """Settings whose validation errors are one-line :class:`ConfigError` s."""
+
+    ACCEPTED: ClassVar[dict[str, str]] = {}
+    """Per field: the values it accepts, in words (said in every error about it)."""
+
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as e:
+            raise ConfigError(describe_validation_error(e, type(self), values)) from None
+
+
+def setting_name(cls: type[BaseSettings], field: str, given: Mapping[str, Any]) -> str:
+    """How the user spelt ``field``: the keyword when given as one, else its env var."""
+    if field in given:
+        return field
+    prefix = cls.model_config.get("env_prefix", "")
+    return f"{prefix}{field}".upper()
+
+
+def describe_validation_error(
+    error: ValidationError, cls: type[_Settings], given: Mapping[str, Any]
+) -> str:
+    """One line for every invalid setting in ``error``: its name, value and what it accepts."""
+    parts = []
+    for item in error.errors():
+        field = str(item["loc"][0]) if item["loc"] else "?"
+        if item["type"] == "extra_forbidden":
+            known = ", ".join(cls.model_fields)
+            parts.append(f"unknown setting {field!r}; known: {known}")
+            continue
+        name = setting_name(cls, field, given)
+        accepted = cls.ACCEPTED.get(field)
+        if accepted is None:
+            msg = item["msg"].removeprefix("Value error, ")
+            accepted = msg[:1].lower() + msg[1:]
+        parts.append(f"{name}={item.get('input')!r} is invalid; expected {accepted}")
+    return "; ".join(parts)
+
+
+class SenderSettings(_Settings):
     """Settings of the sender daemon (``weightsync-sender``)."""
 
-    model_config = SettingsConfigDict(env_prefix="WEIGHTSYNC_", extra="forbid")
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid")
+    ACCEPTED: ClassVar[dict[str, str]] = {
+        "listen": "unix:/abs/path or host:port (e.g. 127.0.0.1:50551; port 0: any free port)",
+        "bucket_size_bytes": f"a positive multiple of {ALIGNMENT_BYTES} bytes "
+        f"(default {DEFAULT_BUCKET_SIZE_BYTES}, 512 MiB)",
+        "num_buffers": "an integer >= 2 (default 2)",
+        "transport": "one of auto, shm, cuda_ipc, nccl",
+        "broadcast_host": "a host name or IP address of this machine (default 127.0.0.1)",
+        "ack_timeout_s": "a number of seconds > 0 (default 120)",
+        "pack_timeout_s": "a number of seconds > 0 (default 600)",
+        "metrics_port": "a TCP port 0-65535 (0, the default: no metrics endpoint)",
+        "metrics_host": "an address to bind the metrics endpoint to (default 127.0.0.1; "
+        "0.0.0.0 for every interface)",
+        "history": "an integer >= 1 (default 64)",
+    }
 
     listen: str = Field(DEFAULT_ADDRESS, description="unix:/path or host:port (port 0: any)")
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
@@ -36,13 +116,36 @@ class SenderSettings(BaseSettings):
     pack_timeout_s: float = Field(
         600.0, gt=0, description="a publisher silent this long while packing abandons the version"
     )
-    metrics_port: int = Field(0, ge=0, description="Prometheus metrics port; 0 = off")
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus metrics port; 0 = off")
+    metrics_host: str = Field(
+        "127.0.0.1", min_length=1, description="address the metrics endpoint binds to"
+    )
     history: int = Field(64, ge=1, description="how many versions Status keeps")
 
     @field_validator("bucket_size_bytes")
     @classmethod
     def _aligned(cls, v: int) -> int:
+        from weightsync.buckets import check_bucket_size
+
         try:
             return check_bucket_size(v)
         except ConfigError as e:  # pydantic reports only ValueErrors as validation errors
             raise ValueError(str(e)) from None
+
+
+class LogSettings(_Settings):
+    """How a weightsync process logs: ``WEIGHTSYNC_LOG_LEVEL``, ``WEIGHTSYNC_LOG_FORMAT``."""
+
+    model_config = SettingsConfigDict(env_prefix=f"{ENV_PREFIX}LOG_", extra="forbid")
+    ACCEPTED: ClassVar[dict[str, str]] = {
+        "level": f"one of {', '.join(LOG_LEVELS)} (default info)",
+        "format": "text (one line per record; rich on a terminal) or json (one object per line)",
+    }
+
+    level: Literal["debug", "info", "warning", "error", "critical"] = "info"
+    format: Literal["text", "json"] = "text"
+
+    @field_validator("level", "format", mode="before")
+    @classmethod
+    def _lower(cls, v: Any) -> Any:
+        return v.strip().lower() if isinstance(v, str) else v

@@ -15,8 +15,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 PROTO = REPO / "proto" / "weightsync" / "v1" / "weightsync.proto"
-CLIENT = HERE / "client.py"
-NODE_DIR = HERE / "node"
+CLIENT = REPO / "tests" / "conformance" / "client.py"
+NODE_DIR = REPO / "tests" / "conformance" / "node"
 BUCKET_SIZE_BYTES = 4096
 """Small, so a few tensors make several buckets and one tensor is chunked."""
 

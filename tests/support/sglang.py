@@ -207,6 +207,18 @@ def expected_live(checkpoint: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 # --- a stand-in SGLang HTTP server -----------------------------------------------------------
 
 
+UPDATE_ROUTES = [
+    "/pause_generation",
+    "/begin_weight_update",
+    "/update_weights_from_tensor",
+    "/end_weight_update",
+    "/flush_cache",
+    "/update_weight_version",
+    "/continue_generation",
+]
+"""The SGLang routes one weight update calls, in order (one bucket, no memory release)."""
+
+
 class FakeSglang:
     """A local HTTP server answering like SGLang 0.5.23's routes (status 400 with
     {"success": false, "message"} on failure); records (route, body). ``fail[route]`` makes

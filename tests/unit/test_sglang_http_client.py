@@ -14,7 +14,7 @@ import socket
 
 import pytest
 
-from tests.support.sglang import FakeSglang
+from tests.support.sglang import UPDATE_ROUTES, FakeSglang
 from weightsync.drivers.sglang import PauseMode, SglangHttpClient, SglangUpdateError
 from weightsync.errors import ConfigError
 from weightsync.receiver.sglang.hook import HOOK_PATH
@@ -63,15 +63,7 @@ def test_payload_is_an_empty_list_per_rank(sglang):
 def test_pause_modes_without_release(sglang, mode):
     SglangHttpClient(sglang.url, pause=mode).update(2)
     assert sglang.requests[0] == ("/pause_generation", {"mode": mode.value})
-    assert sglang.routes() == [
-        "/pause_generation",
-        "/begin_weight_update",
-        "/update_weights_from_tensor",
-        "/end_weight_update",
-        "/flush_cache",
-        "/update_weight_version",
-        "/continue_generation",
-    ]
+    assert sglang.routes() == UPDATE_ROUTES
 
 
 def test_no_pause(sglang):

@@ -1,150 +1,27 @@
-"""Command line: ``weightsync {sender,status,demo,trace,bench}`` and ``weightsync-sender``."""
+"""Command line: ``weightsync {sender,status,wait,demo,trace,bench}`` and ``weightsync-sender``.
+
+This module wires the commands into one parser and runs them; each command's options and
+entry point live in its own module (``sender_cli``, ``status_cli``, ``wait_cli``,
+``bench.cli``). Every bad argument or setting ends the command with exit code 2 and one line
+on stderr naming it and the values it accepts (``weightsync-sender: error: ...``); command
+output (``status``, ``wait``, ``trace``) goes to stdout, logs to stderr.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
-from rich.console import Console
-from rich.table import Table
-
-from weightsync.config import DEFAULT_ADDRESS
+from weightsync.app import output
+from weightsync.app.arguments import Parser, one_line, positive_int, version_arg
+from weightsync.app.sender_cli import add_sender_args, run_sender
+from weightsync.app.status_cli import add_status_args, run_status
+from weightsync.app.wait_cli import add_wait_args, run_wait
 from weightsync.errors import WeightSyncError
 
-MIB = 1024 * 1024
 
-
-def _add_sender_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--listen",
-        default=None,
-        help=f"unix:/path or host:port (default: $WEIGHTSYNC_LISTEN or {DEFAULT_ADDRESS})",
-    )
-    p.add_argument(
-        "--bucket-size-mb",
-        type=int,
-        default=None,
-        help="staging bucket cap in MiB (default 512); tensors larger are chunked",
-    )
-    p.add_argument(
-        "--num-buffers",
-        type=int,
-        default=None,
-        help="staging buffers (default 2): packing bucket i+1 overlaps loading bucket i",
-    )
-    p.add_argument(
-        "--transport",
-        choices=["auto", "shm", "cuda_ipc", "nccl"],
-        default=None,
-        help="auto: receivers on this host map the staging buffers (cuda_ipc for CUDA "
-        "tensors, shm for CPU ones), others get broadcasts; nccl: broadcast to every receiver",
-    )
-    p.add_argument(
-        "--broadcast-host",
-        default=None,
-        help="address remote receivers reach the broadcast rendezvous at (default 127.0.0.1)",
-    )
-    p.add_argument(
-        "--ack-timeout-s",
-        type=float,
-        default=None,
-        help="fail a receiver that owes a reply this long (default 120)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=None,
-        help="serve Prometheus metrics on this port (default off)",
-    )
-
-
-def _sender_settings(args: argparse.Namespace) -> dict:
-    given = {
-        "listen": args.listen,
-        "bucket_size_bytes": args.bucket_size_mb * MIB if args.bucket_size_mb else None,
-        "num_buffers": args.num_buffers,
-        "transport": args.transport,
-        "ack_timeout_s": args.ack_timeout_s,
-        "metrics_port": args.metrics_port,
-        "broadcast_host": args.broadcast_host,
-    }
-    return {k: v for k, v in given.items() if v is not None}
-
-
-def _run_sender(args: argparse.Namespace, console: Console) -> int:
-    from weightsync.sender import Sender
-
-    sender = Sender(**_sender_settings(args))
-    s = sender.settings
-    console.print(
-        f"weightsync-sender listening on {sender.address} (transport {s.transport}, "
-        f"{s.num_buffers} x {s.bucket_size_bytes // MIB} MiB buckets); Ctrl-C stops"
-    )
-    sender.wait()
-    return 0
-
-
-def _run_status(args: argparse.Namespace, console: Console) -> int:
-    from weightsync.control.client import connect
-    from weightsync.v1 import weightsync_pb2 as pb
-
-    channel, stub = connect(args.address, timeout_s=args.timeout_s)
-    with channel:
-        reply = stub.Status(pb.StatusRequest(), timeout=args.timeout_s)
-    console.print(
-        f"sender {reply.sender_version} at {args.address}: transport {reply.transport}, "
-        f"{reply.num_buffers} x {reply.bucket_size_bytes // MIB} MiB buckets"
-    )
-    receivers = Table(title="receivers")
-    columns = ("id", "engine", "rank", "device", "data path", "connected", "applied", "state")
-    for col in (*columns, "last error"):
-        receivers.add_column(col)
-    for r in reply.receivers:
-        receivers.add_row(
-            r.receiver_id,
-            r.engine,
-            str(r.rank),
-            r.device,
-            r.data_path,
-            str(r.connected),
-            str(r.applied_version),
-            r.state,
-            r.last_error[:80],
-        )
-    console.print(receivers)
-    versions = Table(title="versions")
-    for col in (
-        "version",
-        "state",
-        "MB",
-        "MB direct",
-        "packed by",
-        "tensors",
-        "buckets",
-        "staged s",
-        "complete s",
-        "applied",
-    ):
-        versions.add_column(col)
-    for v in reply.versions[-args.last :]:
-        applied = sum(o.state == "applied" for o in v.receivers)
-        versions.add_row(
-            str(v.version),
-            v.state,
-            f"{v.total_bytes / 1e6:.1f}",
-            f"{v.direct_bytes / 1e6:.1f}",
-            "sender" if v.sender_packed else "publisher",
-            str(v.num_tensors),
-            str(v.num_buckets),
-            f"{v.staged_s:.3f}",
-            f"{v.complete_s:.3f}",
-            f"{applied}/{len(v.receivers)}",
-        )
-    console.print(versions)
-    return 0
-
-
-def _run_demo(args: argparse.Namespace, console: Console) -> int:
+def _run_demo(args: argparse.Namespace) -> int:
     from weightsync.app.demo import DemoConfig, run_demo
 
     cfg = DemoConfig(
@@ -153,7 +30,7 @@ def _run_demo(args: argparse.Namespace, console: Console) -> int:
         transport=args.transport,
         device=args.device,
     )
-    ok = run_demo(cfg, console)
+    ok = run_demo(cfg, output.console(stderr=True))
     print(
         f"demo: {cfg.versions} versions to {cfg.receivers} receivers, "
         f"bit-exact: {'yes' if ok else 'no'}"
@@ -161,20 +38,18 @@ def _run_demo(args: argparse.Namespace, console: Console) -> int:
     return 0 if ok else 1
 
 
-def _run_bench(args: argparse.Namespace, console: Console) -> int:
+def _run_bench(args: argparse.Namespace) -> int:
     from weightsync.app.bench.cli import run_bench
 
-    return run_bench(args, console)
+    return run_bench(args, output.console(stderr=True))
 
 
-def _run_trace(args: argparse.Namespace, console: Console) -> int:
-    from rich.table import Table
-
+def _run_trace(args: argparse.Namespace) -> int:
     from weightsync import trace
 
     events = trace.load(args.dir)
     if not events:
-        console.print(f"no trace files (*.jsonl) under {args.dir}", soft_wrap=True)
+        print(f"no trace files (*.jsonl) under {args.dir}", file=sys.stderr)
         return 1
     # Every publisher rank marks its own `publish`: a version starts at its first one.
     starts: dict[int, int] = {}
@@ -182,22 +57,26 @@ def _run_trace(args: argparse.Namespace, console: Console) -> int:
         if e["event"] == "publish":
             starts.setdefault(e["version"], e["t_ns"])
     if args.version and args.version not in starts:
-        console.print(f"no publish of version {args.version} traced; traced: {sorted(starts)}")
+        print(
+            f"no publish of version {args.version} traced; traced: {sorted(starts)}",
+            file=sys.stderr,
+        )
         return 1
-    console = Console()  # the timeline is this command's output: stdout
     first = min(starts.values(), default=events[0]["t_ns"])
     start = starts[args.version] if args.version else first
     later = [t for v, t in starts.items() if v > args.version] if args.version else []
     stop = min(later, default=None)
-    table = Table(title=f"weightsync trace {args.dir} (ms from publish)")
-    for col in ("ms", "+ms", "process", "thread", "event", "fields"):
-        table.add_column(col, justify="right" if "ms" in col else "left")
+    table = output.table(
+        "ms", "+ms", "process", "thread", "event", "fields",
+        title=f"weightsync trace {args.dir} (ms from publish)", right=("ms", "+ms"),
+    )  # fmt: skip
     last = start
     for e in events:
         if e["t_ns"] < start or (stop is not None and e["t_ns"] >= stop):
             continue
         fields = {k: v for k, v in e.items() if k not in ("t_ns", "process", "thread", "event")}
-        table.add_row(
+        output.add_row(
+            table,
             f"{(e['t_ns'] - start) / 1e6:.3f}",
             f"{(e['t_ns'] - last) / 1e6:.3f}",
             e["process"],
@@ -206,30 +85,46 @@ def _run_trace(args: argparse.Namespace, console: Console) -> int:
             " ".join(f"{k}={v}" for k, v in fields.items()),
         )
         last = e["t_ns"]
-    console.print(table)
+    output.console().print(table)  # the timeline is this command's output: stdout
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def build_parser(bench: bool = True) -> argparse.ArgumentParser:
+    """The ``weightsync`` parser; ``bench=False`` leaves out the bench's options, whose
+    definitions import torch (so ``--version``, ``status``, errors answer fast)."""
+    parser = Parser(
         prog="weightsync",
         description="Move freshly trained weights into running inference engines, exactly.",
     )
+    version_arg(parser)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("sender", help="run the sender daemon (same as weightsync-sender)")
-    _add_sender_args(p)
-    p.set_defaults(func=_run_sender)
+    add_sender_args(p)
+    p.set_defaults(func=run_sender)
 
-    p = sub.add_parser("status", help="show a sender's receivers and versions")
-    p.add_argument("--address", default=DEFAULT_ADDRESS, help="the sender's address")
-    p.add_argument("--timeout-s", type=float, default=5.0)
-    p.add_argument("--last", type=int, default=10, help="how many recent versions to list")
-    p.set_defaults(func=_run_status)
+    p = sub.add_parser(
+        "status",
+        help="show a sender's receivers, publishers and versions (stdout)",
+        description="Show a sender's receivers, publishers and recent versions on stdout.",
+    )
+    add_status_args(p)
+    p.set_defaults(func=run_status)
+
+    p = sub.add_parser(
+        "wait",
+        help="wait until a version is applied by every receiver (or failed); print its status",
+        description="Wait for VERSION (first for it to be published) until every receiver it "
+        "was addressed to applied it or failed; print its status on stdout. Exit 0: every "
+        "receiver applied it; 1: it failed for some receiver, or timeout / no such version / "
+        "no sender (one line on stderr); 2: a bad argument.",
+    )
+    add_wait_args(p)
+    p.set_defaults(func=run_wait)
 
     p = sub.add_parser("demo", help="sender + trainer + receivers on this machine, bit-exact check")
-    p.add_argument("--versions", type=int, default=3)
-    p.add_argument("--receivers", type=int, default=2)
+    p.add_argument("--versions", type=positive_int, default=3)
+    p.add_argument("--receivers", type=positive_int, default=2)
     p.add_argument(
         "--transport",
         choices=["auto", "shm", "cuda_ipc"],
@@ -250,52 +145,46 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_run_trace)
 
     p = sub.add_parser("bench", help="measure sync time against the hardware floor (GPU)")
-    from weightsync.app.bench.cli import add_bench_args
+    if bench:
+        from weightsync.app.bench.cli import add_bench_args
 
-    add_bench_args(p)
+        add_bench_args(p)
     p.set_defaults(func=_run_bench, bench_parser=p)
     return parser
 
 
-def _log_to(console: Console) -> None:
-    import logging
+def _run(prog: str, args: argparse.Namespace, func: Callable[[argparse.Namespace], int]) -> int:
+    """Configure logging, run ``func``; our errors become one line on stderr and exit code 2."""
+    from weightsync.logs import configure_logging
 
-    from rich.logging import RichHandler
-
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(message)s",
-        handlers=[RichHandler(console=console, show_path=False)],
-    )
+    try:
+        configure_logging(getattr(args, "log_level", None), getattr(args, "log_format", None))
+        return func(args)
+    except WeightSyncError as e:
+        print(f"{prog}: error: {one_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 def main(argv: list[str] | None = None) -> int:
-    console = Console(stderr=True)
-    _log_to(console)
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args, console)
-    except WeightSyncError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(bench="bench" in argv).parse_args(argv)
+    return _run("weightsync", args, args.func)
 
 
 def sender_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="weightsync-sender",
         description="Run the weightsync sender daemon beside a trainer: it hosts the gRPC "
         "control plane and the staging buffers. Every option can also be set with a "
-        "WEIGHTSYNC_* environment variable (e.g. WEIGHTSYNC_LISTEN).",
+        "WEIGHTSYNC_* environment variable (e.g. WEIGHTSYNC_LISTEN); a bad one ends it with "
+        "exit code 2 and one line naming it.",
     )
-    _add_sender_args(parser)
+    version_arg(parser)
+    add_sender_args(parser)
     args = parser.parse_args(argv)
-    console = Console(stderr=True)
-    _log_to(console)
-    try:
-        return _run_sender(args, console)
-    except WeightSyncError as e:
-        console.print(f"[red]error:[/red] {e}")
-        return 2
+    return _run("weightsync-sender", args, run_sender)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """``weightsync demo``: a sender, a trainer process and receiver processes on one machine.
 
-The trainer holds a tiny Qwen2-shaped transformers model with random weights; each receiver
-holds its own copy with different random weights. For every version the trainer changes its
-weights (a stand-in optimizer step) and publishes; then every receiver's weights are compared
-with the trainer's by SHA-256 of each tensor's bytes, which is a bit-for-bit comparison.
+The trainer holds a tiny Qwen2-shaped model with random weights (transformers' Qwen2ForCausalLM
+where transformers is installed, else a plain-torch module with the same tensor names and
+shapes, so a core install runs the demo); each receiver holds its own copy with different random
+weights. For every version the trainer changes its weights (a stand-in optimizer step) and
+publishes; then every receiver's weights are compared with the trainer's by SHA-256 of each
+tensor's bytes, which is a bit-for-bit comparison.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.buckets import byte_view
-from weightsync.errors import ConfigError
 
 _TIMEOUT_S = 120.0
 
@@ -47,12 +48,38 @@ TINY_QWEN2 = dict(
 
 
 def _tiny_qwen2(seed: int, device: str) -> torch.nn.Module:
+    torch.manual_seed(seed)
     try:
         from transformers import Qwen2Config, Qwen2ForCausalLM
-    except ImportError as e:
-        raise ConfigError("the demo needs transformers: pip install 'weightsync[dev]'") from e
-    torch.manual_seed(seed)
+    except ImportError:
+        return _torch_qwen2(TINY_QWEN2).to(device).eval()
     return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)).to(device).eval()
+
+
+def _torch_qwen2(c: dict) -> torch.nn.Module:
+    """Weights only (no forward): the state_dict names and shapes of transformers'
+    ``Qwen2ForCausalLM(Qwen2Config(**c))``, built from plain torch modules."""
+    nn = torch.nn
+    h, inter = c["hidden_size"], c["intermediate_size"]
+    kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
+
+    def layer() -> nn.Module:
+        attn, mlp, block = nn.Module(), nn.Module(), nn.Module()
+        attn.q_proj, attn.k_proj, attn.v_proj = nn.Linear(h, h), nn.Linear(h, kv), nn.Linear(h, kv)
+        attn.o_proj = nn.Linear(h, h, bias=False)
+        mlp.gate_proj = nn.Linear(h, inter, bias=False)
+        mlp.up_proj = nn.Linear(h, inter, bias=False)
+        mlp.down_proj = nn.Linear(inter, h, bias=False)
+        block.self_attn, block.mlp = attn, mlp
+        block.input_layernorm, block.post_attention_layernorm = nn.RMSNorm(h), nn.RMSNorm(h)
+        return block
+
+    model, top = nn.Module(), nn.Module()
+    model.embed_tokens = nn.Embedding(c["vocab_size"], h)
+    model.layers = nn.ModuleList(layer() for _ in range(c["num_hidden_layers"]))
+    model.norm = nn.RMSNorm(h)
+    top.model, top.lm_head = model, nn.Linear(h, c["vocab_size"], bias=False)
+    return top
 
 
 def state_digests(model: torch.nn.Module) -> dict[str, str]:

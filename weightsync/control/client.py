@@ -28,7 +28,7 @@ def connect(address: str, timeout_s: float = 10.0) -> tuple[grpc.Channel, pb_grp
     except (grpc.FutureTimeoutError, grpc.RpcError) as e:
         channel.close()
         raise TransportError(
-            f"no weightsync sender answers at {address} within {timeout_s:.0f} s; start one with "
+            f"no weightsync sender answers at {address} within {timeout_s:g} s; start one with "
             f"`weightsync-sender --listen {address}` or fix the address"
         ) from e
     if reply.status != health_pb2.HealthCheckResponse.SERVING:

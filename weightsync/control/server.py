@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+import socket
 from concurrent import futures
 
 import grpc
@@ -45,6 +48,7 @@ def create_server(
     """
     address = parse_address(listen)
     claim_unix_socket(address)
+    check_bindable(address)
     # Past the cap a call is refused (RESOURCE_EXHAUSTED) rather than queued forever.
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
@@ -59,10 +63,9 @@ def create_server(
     )
     try:
         port = server.add_insecure_port(address.grpc_target)
-    except RuntimeError as e:
-        raise ConfigError(
-            f"cannot listen on {listen}: {e} (is another sender running there?)"
-        ) from e
+    except RuntimeError as e:  # what check_bindable could not foresee
+        why = str(e).split(";")[0].strip()
+        raise ConfigError(f"cannot listen on {listen}: {why}") from None
     if address.unix_path is None:
         if port == 0:
             raise ConfigError(f"cannot listen on {listen}: address in use or not local")
@@ -70,3 +73,53 @@ def create_server(
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     return server, address, health_servicer
+
+
+_HINT = "pick another address (--listen, WEIGHTSYNC_LISTEN)"
+
+
+def check_bindable(address: Address) -> None:
+    """Say in one line why gRPC could not bind ``address``, before it tries (and logs).
+
+    Raises:
+        ConfigError: a unix socket's directory is missing or not writable; a TCP host that is
+            not an address of this machine, or a port another process listens on.
+    """
+    where = address.text
+    if address.unix_path is not None:
+        parent = os.path.dirname(address.unix_path) or "/"
+        if not os.path.isdir(parent):
+            raise ConfigError(
+                f"cannot listen on {where}: directory {parent} does not exist; create it or "
+                + _HINT
+            )
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"cannot listen on {where}: directory {parent} is not writable; " + _HINT
+            )
+        return
+    if not address.port:
+        return  # port 0: any free port
+    try:
+        infos = socket.getaddrinfo(
+            address.host, address.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as e:
+        raise ConfigError(
+            f"cannot listen on {where}: host {address.host!r}: {e.strerror}"
+        ) from None
+    family, kind, proto, _, sockaddr = infos[0]
+    probe = socket.socket(family, kind, proto)
+    try:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        probe.bind(sockaddr)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            why = "address already in use (is another sender running there?)"
+        elif e.errno == errno.EADDRNOTAVAIL:
+            why = f"{address.host} is not an address of this machine"
+        else:
+            why = e.strerror or str(e)
+        raise ConfigError(f"cannot listen on {where}: {why}; " + _HINT) from None
+    finally:
+        probe.close()

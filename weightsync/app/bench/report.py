@@ -129,9 +129,13 @@ class Report:
             "peak torch.cuda.max_memory_allocated delta, trainer+sender / receiver process",
         )
         for col in ("model", "case", "transport", "layout", "receiver", "GB", "seconds", "GB/s"):
-            table.add_column(col, justify="right" if col in ("GB", "seconds", "GB/s") else "left")
+            table.add_column(
+                col,
+                justify="right" if col in ("GB", "seconds", "GB/s") else "left",
+                overflow="fold",  # wrap, never cut (see weightsync.app.output)
+            )
         for col in ("x floor", "x per-tensor", "x lockstep", "extra mem GB", "bit-exact", "note"):
-            table.add_column(col, justify="left" if col == "note" else "right")
+            table.add_column(col, justify="left" if col == "note" else "right", overflow="fold")
 
         def num(v: float | None, fmt: str) -> str:
             return "-" if v is None else format(v, fmt)

@@ -1,0 +1,120 @@
+"""The sender's version history: the last published version, the last ``history`` runs, and
+``WaitApplied`` waiting for one of them.
+
+Every method runs with ``cond`` held, the sender's one lock (see ``coordinator.py``); waiters
+wake on it when a version is added or finishes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError, VersionError
+from weightsync.sender.records import VersionRun
+from weightsync.v1 import weightsync_pb2 as pb
+
+
+class VersionHistory:
+    """Versions by number, oldest first; only the last ``keep`` are kept (``Status`` shows
+    them, ``WaitApplied`` answers for them)."""
+
+    def __init__(self, cond: threading.Condition, keep: int) -> None:
+        self._cond, self._keep = cond, keep
+        self._runs: OrderedDict[int, VersionRun] = OrderedDict()
+        self._last_version = 0
+        self._closed = False
+
+    @property
+    def last_version(self) -> int:
+        return self._last_version
+
+    def runs(self) -> list[VersionRun]:
+        """The kept versions, oldest first (lock held)."""
+        return list(self._runs.values())
+
+    def run_of(self, version: int) -> VersionRun | None:
+        with self._cond:
+            return self._runs.get(version)
+
+    def check_version(self, version: int) -> None:
+        if version <= self._last_version:
+            raise VersionError(
+                f"version {version} is not greater than the last published version "
+                f"{self._last_version}; publish {self._last_version + 1} or later"
+            )
+
+    def add_run(self, run: VersionRun) -> None:
+        """Record a new version (checked by :meth:`check_version`), dropping the oldest past
+        ``keep``."""
+        self._last_version = run.version
+        self._runs[run.version] = run
+        while len(self._runs) > self._keep:
+            self._runs.popitem(last=False)
+        self._cond.notify_all()  # WaitApplied callers waiting for it to be published
+
+    def close(self) -> None:
+        """The sender shuts down: every ``wait_applied`` ends with TransportError."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def wait_applied(
+        self, version: int, timeout_s: float, alive: Callable[[], bool] = lambda: True
+    ) -> pb.VersionStatus:
+        """Wait until ``version`` is complete or failed, first until it is published if it is
+        not yet; ``timeout_s = 0`` waits without limit (``alive()`` false ends the wait: the
+        caller left).
+
+        Raises:
+            VersionError: at once, for a version that is not in the history and never will
+                be (0, older than the history, or not greater than the last published).
+            SyncTimeoutError: past ``timeout_s``, naming the version and what it waited for.
+            TransportError: the sender shut down while waiting.
+        """
+        deadline = time.monotonic() + timeout_s if timeout_s > 0 else None
+        with self._cond:
+            while True:
+                run = self._runs.get(version)
+                if run is None:
+                    self._check_coming(version)
+                elif run.done:
+                    return run.to_pb()
+                if self._closed:
+                    raise TransportError(
+                        f"the sender shut down while WaitApplied waited for version {version}"
+                    )
+                if not alive():
+                    raise ProtocolError(f"the caller of WaitApplied({version}) left")
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    if run is None:
+                        raise SyncTimeoutError(
+                            f"version {version} was not published within {timeout_s:g} s "
+                            f"(the last published version is {self._last_version})"
+                        )
+                    raise SyncTimeoutError(
+                        f"version {version} not applied by every receiver within "
+                        f"{timeout_s:g} s; still pending: {run.active()}"
+                    )
+                self._cond.wait(1.0 if left is None else min(left, 1.0))
+
+    def _check_coming(self, version: int) -> None:
+        """Raise VersionError if ``version``, not in the history, can never be waited for."""
+        if version == 0:
+            raise VersionError("version 0 is never published: versions start at 1")
+        if version > self._last_version:
+            return  # not published yet: wait for it
+        oldest = next(iter(self._runs), None)
+        if oldest is not None and version < oldest:
+            raise VersionError(
+                f"version {version} is older than this sender's history (it keeps the last "
+                f"{self._keep} versions, now {oldest}..{self._last_version}); "
+                "its status is gone"
+            )
+        raise VersionError(
+            f"version {version} was never published on this sender and never will be: "
+            f"versions only increase and the last published is {self._last_version}"
+        )

@@ -1,0 +1,287 @@
+"""The per-version outcome state machine: what each receiver owes for a version and what it
+did (addressed, verdict, bucket acks, applied; failed or timed out at any point), and the
+failure bookkeeping that goes with it.
+
+Every mutating method runs with ``cond`` held, the one lock of the sender: the coordinator,
+the version driver and the broadcast share it (it is an ``RLock``, so they nest). Waiters
+(drivers waiting for a slot or a packed bucket, ``WaitApplied`` callers) wake on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import NamedTuple
+
+from weightsync import trace
+from weightsync.config import SenderSettings
+from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError, WeightSyncError
+from weightsync.metrics import SenderMetrics
+from weightsync.sender.history import VersionHistory
+from weightsync.sender.planner import MAP
+from weightsync.sender.records import APPLIED, FAILED, PENDING, Outcome, ReceiverConn, VersionRun
+from weightsync.sender.registry import Registry
+from weightsync.sender.slots import SlotPool
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import error_to_pb
+
+log = logging.getLogger("weightsync.sender")
+
+
+class LogLine(NamedTuple):
+    """One INFO line to write off the lock: its text and its structured fields."""
+
+    message: str
+    extra: dict
+
+
+class Outcomes:
+    """Moves each receiver's :class:`Outcome` through the versions of ``history``; receivers
+    are looked up in ``registry``; ``slots`` learns which receivers no longer read (acked,
+    failed, or their version abandoned)."""
+
+    def __init__(
+        self,
+        cond: threading.Condition,
+        settings: SenderSettings,
+        metrics: SenderMetrics,
+        slots: SlotPool,
+        registry: Registry,
+        history: VersionHistory,
+    ) -> None:
+        self._cond, self._settings, self._metrics, self._slots = cond, settings, metrics, slots
+        self._registry, self._history = registry, history
+        self.finished: deque[LogLine] = deque()
+        """Log lines of finished versions, written off the lock (the coordinator's monitor)."""
+
+    def receiver_left(self, conn: ReceiverConn, why: str) -> None:
+        """Its stream ended (later calls do nothing): it fails in every version it was still
+        in."""
+        with self._cond:
+            was = self._registry.disconnect(conn)
+            if was is None:
+                return
+            failed = []
+            for run in self._history.runs():
+                if run.outcomes.get(conn.receiver_id, Outcome(APPLIED)).state == PENDING:
+                    failed.append(run.version)
+                    self.fail(run, conn.receiver_id, ProtocolError(f"receiver {why}"))
+        log.info(
+            "receiver %s left (%s): applied version %d, was %s%s",
+            conn.receiver_id,
+            why,
+            conn.applied_version,
+            was,
+            f"; failed in version(s) {', '.join(map(str, failed))}" if failed else "",
+            extra={
+                "event": "receiver_left",
+                "receiver_id": conn.receiver_id,
+                "reason": why,
+                "applied_version": conn.applied_version,
+                "state": was,
+                "failed_versions": failed,
+            },
+        )
+
+    def on_receiver_message(self, conn: ReceiverConn, msg: pb.ReceiverMessage) -> None:
+        kind = msg.WhichOneof("kind")
+        body = getattr(msg, kind)
+        trace.mark(f"sender.{kind}", receiver=conn.receiver_id, index=getattr(body, "index", -1))
+        with self._cond:
+            run = self._history.run_of(body.version)
+            outcome = run.outcomes.get(conn.receiver_id) if run else None
+            if run is None or outcome is None or outcome.state != PENDING:
+                return  # late reply for a version it already left
+            timeout = self._settings.ack_timeout_s
+            if kind == "verdict":
+                outcome.got("verdict", timeout)
+                if not body.accepted:
+                    # Rejected before any write: it still holds its previous weights.
+                    conn.state = "dirty" if conn.dirty else "idle"
+                    conn.last_error = body.error.message
+                    self.fail(run, conn.receiver_id, body.error, notify=False)
+            elif kind == "ack":
+                outcome.got(f"bucket:{body.index}", timeout)
+                try:
+                    self._slots.release_reader(
+                        conn.receiver_id, run.version, body.index, body.read_event
+                    )
+                except TransportError as e:
+                    self._fail_dirty(run, conn, error_to_pb(e))
+                direct = run.tensors.direct
+                if direct is not None and body.index == direct.index:
+                    run.direct_readers.discard(conn.receiver_id)
+                if not body.ok:
+                    self._fail_dirty(run, conn, body.error)
+            elif kind == "applied":
+                outcome.got("applied", timeout)
+                if body.ok:
+                    outcome.state, outcome.applied_at = APPLIED, time.time()
+                    conn.applied_version, conn.state, conn.last_error = run.version, "idle", ""
+                    conn.dirty = False
+                    self._metrics.receiver_applied(conn.receiver_id, run.version)
+                else:
+                    self._fail_dirty(run, conn, body.error)
+            self.maybe_complete(run)
+            self._cond.notify_all()
+
+    # ---- versions ----
+
+    def address(
+        self, run: VersionRun, expect: str, message: Callable[[ReceiverConn], pb.Announcement]
+    ) -> list[ReceiverConn]:
+        """Send every receiver still in ``run`` its ``message``; each owes ``expect`` back."""
+        conns = [self._registry.receiver(rid) for rid in run.active()]
+        for conn in conns:
+            run.outcomes[conn.receiver_id].expect(expect, self._settings.ack_timeout_s)
+            conn.send(message(conn))
+        return conns
+
+    def open_version(self, run: VersionRun, start: pb.Announcement) -> None:
+        """Address ``run`` to every connected receiver; one that cannot open the staging
+        transport fails at once."""
+        for conn in self._registry.receivers():
+            if not conn.connected:
+                continue
+            outcome = run.outcomes[conn.receiver_id] = Outcome()
+            if conn.data_path == MAP and conn.transports and run.transport not in conn.transports:
+                self.fail(
+                    run,
+                    conn.receiver_id,
+                    TransportError(
+                        f"receiver {conn.receiver_id} opens {list(conn.transports)}, "
+                        f"the sender stages with {run.transport}"
+                    ),
+                )
+                continue
+            outcome.expect("verdict", self._settings.ack_timeout_s)
+            conn.state = "applying"
+            conn.send(start)
+
+    def expire(self, now: float) -> None:
+        """Fail every receiver that owes a reply past its deadline (lock held)."""
+        for run in self._history.runs():
+            for rid, outcome in list(run.outcomes.items()):
+                if outcome.state == PENDING and outcome.deadline and outcome.deadline < now:
+                    owed = ", ".join(sorted(outcome.awaiting))
+                    self.fail(
+                        run,
+                        rid,
+                        SyncTimeoutError(
+                            f"receiver {rid} sent nothing for "
+                            f"{self._settings.ack_timeout_s:.0f} s "
+                            f"during version {run.version} (owed: {owed})"
+                        ),
+                    )
+
+    # ---- failure bookkeeping (lock held) ----
+
+    def fail(
+        self, run: VersionRun, rid: str, error: BaseException | pb.ErrorDetail, notify: bool = True
+    ) -> None:
+        """Receiver ``rid`` is out of ``run``; with ``notify``, it is told to abort it."""
+        detail = error if isinstance(error, pb.ErrorDetail) else error_to_pb(error)
+        outcome = run.outcomes[rid]
+        outcome.state, outcome.error = FAILED, detail
+        outcome.awaiting, outcome.deadline = set(), None
+        conn = self._registry.receiver(rid)
+        if conn.state == "applying":
+            conn.state = "failed"
+        conn.last_error = conn.last_error or detail.message
+        self._slots.forget_reader(rid)
+        run.direct_readers.discard(rid)
+        if notify:
+            conn.send(pb.Announcement(abort=pb.VersionAbort(version=run.version, reason=detail)))
+        self._metrics.receiver_failed(rid)
+        self.maybe_complete(run)
+        self._cond.notify_all()
+
+    def _fail_dirty(self, run: VersionRun, conn: ReceiverConn, error: pb.ErrorDetail) -> None:
+        """The receiver failed after writing: its weights match no version until the next."""
+        conn.state, conn.dirty, conn.last_error = "dirty", True, error.message
+        self.fail(run, conn.receiver_id, error, notify=False)
+
+    def abort(self, run: VersionRun, detail: pb.ErrorDetail) -> None:
+        """Abandon ``run``: every receiver still in it fails, its publishers get the error."""
+        if run.done:
+            return
+        for rid in run.active():
+            self.fail(run, rid, detail)
+        finished = run.done  # it was staged: failing its last receivers finished it
+        self._slots.release_version(run.version)
+        for rank in run.ranks.values():
+            rank.outbox.put(WeightSyncError(f"version {run.version} abandoned: {detail.message}"))
+        if not finished:
+            run.state = "failed"
+            run.complete_s = time.monotonic() - run.started_mono
+            self._metrics.version_done(run.state, run.complete_s)
+            self.finished.append(_summary(run, abandoned=detail.message))
+        self._cond.notify_all()
+
+    def maybe_complete(self, run: VersionRun) -> None:
+        """Once staged and no receiver is left owing anything, the version is over."""
+        if run.state != "staged" or run.active():
+            return
+        run.complete_s = time.monotonic() - run.started_mono
+        run.state = (
+            "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
+        )
+        self._metrics.version_done(run.state, run.complete_s)
+        trace.mark("sender.complete", version=run.version)
+        if run.notify_done:
+            done = pb.SenderReply(done=run.to_pb())
+            for rank in run.ranks.values():
+                rank.outbox.put(done)
+        self.finished.append(_summary(run))
+
+    def close(self) -> None:
+        """Abandon unfinished versions (the sender shuts down)."""
+        with self._cond:
+            for run in self._history.runs():
+                if not run.done:
+                    self.abort(run, error_to_pb(TransportError("the sender is shutting down")))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _summary(run: VersionRun, abandoned: str = "") -> LogLine:
+    """The one log line of a finished version, with its timings as structured fields."""
+    applied = sum(o.state == APPLIED for o in run.outcomes.values())
+    direct = run.tensors.direct
+    direct_bytes = direct.nbytes if direct else 0
+    failures = {
+        rid: _one_line(o.error.message if o.error is not None else "")
+        for rid, o in run.outcomes.items()
+        if o.state == FAILED
+    }
+    message = (
+        f"version {run.version} {run.state}: {run.manifest.total_bytes / 1e6:.1f} MB "
+        f"({direct_bytes / 1e6:.1f} MB direct), {len(run.tensors.staged.buckets)} bucket(s), "
+        f"staged {run.staged_s:.3f} s, done {run.complete_s:.3f} s, applied by "
+        f"{applied}/{len(run.outcomes)} receiver(s)"
+        + (f"; abandoned: {_one_line(abandoned)}" if abandoned else "")
+        + "".join(f"; {rid} failed: {why}" for rid, why in failures.items())
+    )
+    extra = {
+        "event": "version_finished",
+        "version": run.version,
+        "state": run.state,
+        "total_bytes": run.manifest.total_bytes,
+        "direct_bytes": direct_bytes,
+        "buckets": len(run.tensors.staged.buckets),
+        "staged_s": round(run.staged_s, 6),
+        "done_s": round(run.complete_s, 6),
+        "applied": applied,
+        "receivers": len(run.outcomes),
+        "sender_packed": run.regions is not None,
+        "publisher_id": run.publisher_id,
+        "failed": failures,
+    }
+    if abandoned:
+        extra["abandoned"] = _one_line(abandoned)
+    return LogLine(message, extra)

@@ -1,0 +1,104 @@
+"""``weightsync sender`` and ``weightsync-sender``: the sender daemon's options and entry point
+(wired in from :mod:`weightsync.app.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from weightsync import __version__
+from weightsync.app import arguments
+from weightsync.config import DEFAULT_ADDRESS
+
+MIB = 1024 * 1024
+log = logging.getLogger("weightsync.sender")
+
+
+def add_sender_args(p: argparse.ArgumentParser) -> None:
+    """Define the sender's options (each also read from a WEIGHTSYNC_* variable) on ``p``."""
+    p.add_argument(
+        "--listen",
+        type=arguments.address,
+        default=None,
+        help=f"unix:/path or host:port (default: $WEIGHTSYNC_LISTEN or {DEFAULT_ADDRESS})",
+    )
+    p.add_argument(
+        "--bucket-size-mb",
+        type=arguments.mib,
+        default=None,
+        help="staging bucket cap in MiB, a positive integer (default 512; "
+        "WEIGHTSYNC_BUCKET_SIZE_BYTES in bytes); tensors larger are chunked",
+    )
+    p.add_argument(
+        "--num-buffers",
+        type=arguments.buffers,
+        default=None,
+        help="staging buffers, >= 2 (default 2; WEIGHTSYNC_NUM_BUFFERS): packing bucket i+1 "
+        "overlaps loading bucket i",
+    )
+    p.add_argument(
+        "--transport",
+        choices=["auto", "shm", "cuda_ipc", "nccl"],
+        default=None,
+        help="auto: receivers on this host map the staging buffers (cuda_ipc for CUDA "
+        "tensors, shm for CPU ones), others get broadcasts; nccl: broadcast to every receiver "
+        "(default auto; WEIGHTSYNC_TRANSPORT)",
+    )
+    p.add_argument(
+        "--broadcast-host",
+        default=None,
+        help="address remote receivers reach the broadcast rendezvous at (default 127.0.0.1; "
+        "WEIGHTSYNC_BROADCAST_HOST)",
+    )
+    p.add_argument(
+        "--ack-timeout-s",
+        type=arguments.seconds,
+        default=None,
+        help="fail a receiver that owes a reply this long (default 120; WEIGHTSYNC_ACK_TIMEOUT_S)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=arguments.port,
+        default=None,
+        help="serve Prometheus metrics on this port (default 0: off; WEIGHTSYNC_METRICS_PORT)",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        help="address the metrics endpoint binds to (default 127.0.0.1, this machine only; "
+        "0.0.0.0 for every interface; WEIGHTSYNC_METRICS_HOST)",
+    )
+    arguments.add_log_args(p)
+
+
+def _sender_settings(args: argparse.Namespace) -> dict:
+    given = {
+        "listen": args.listen,
+        "bucket_size_bytes": args.bucket_size_mb * MIB if args.bucket_size_mb else None,
+        "num_buffers": args.num_buffers,
+        "transport": args.transport,
+        "ack_timeout_s": args.ack_timeout_s,
+        "metrics_port": args.metrics_port,
+        "metrics_host": args.metrics_host,
+        "broadcast_host": args.broadcast_host,
+    }
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def run_sender(args: argparse.Namespace) -> int:
+    from weightsync.sender import Sender
+
+    sender = Sender(**_sender_settings(args))
+    s = sender.settings
+    metrics = sender.metrics.address
+    log.info(
+        "weightsync-sender %s listening on %s (transport %s, %d x %d MiB buckets%s); Ctrl-C stops",
+        __version__,
+        sender.address,
+        s.transport,
+        s.num_buffers,
+        s.bucket_size_bytes // MIB,
+        f", metrics on http://{metrics[0]}:{metrics[1]}/metrics" if metrics else "",
+    )
+    sender.wait()
+    return 0

@@ -1,0 +1,164 @@
+"""``weightsync status``: a sender's receivers, publishers and versions on stdout, as tables
+or JSON, once or ``--watch``-ed (wired in from :mod:`weightsync.app.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from rich.table import Table
+from rich.text import Text
+
+from weightsync.app import arguments, output
+from weightsync.app.arguments import add_address_arg, client_address, one_line
+
+MIB = 1024 * 1024
+
+
+def add_status_args(p: argparse.ArgumentParser) -> None:
+    """Define the options of ``weightsync status`` on its subparser."""
+    add_address_arg(p)
+    p.add_argument(
+        "--timeout-s", type=arguments.seconds, default=5.0, help="connect and RPC deadline"
+    )
+    p.add_argument(
+        "--last", type=arguments.positive_int, default=10, help="how many recent versions to list"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the StatusReply as JSON (proto field names); with --watch one object per line",
+    )
+    p.add_argument(
+        "--watch",
+        nargs="?",
+        type=arguments.seconds,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="refresh every SECONDS (default 2) until Ctrl-C",
+    )
+    p.add_argument(
+        "--count",
+        type=arguments.positive_int,
+        default=None,
+        help="with --watch: stop after this many refreshes",
+    )
+
+
+def message_json(reply, indent: int | None) -> str:
+    """A reply as JSON with proto field names and every field, set or not."""
+    import json
+
+    from google.protobuf import json_format
+
+    options = dict(preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    try:  # 64-bit integers (versions, bytes) as JSON numbers where the runtime can
+        data = json_format.MessageToDict(reply, unquote_int64_if_possible=True, **options)
+    except TypeError:
+        data = json_format.MessageToDict(reply, **options)
+    return json.dumps(data, indent=indent)
+
+
+def _status_tables(reply, address: str, last: int) -> list:
+    receivers = output.table(
+        "id", "engine", "rank", "device", "data path", "connected", "applied", "state",
+        "last error", title="receivers", right=("rank", "applied"),
+    )  # fmt: skip
+    for r in reply.receivers:
+        output.add_row(
+            receivers,
+            r.receiver_id,
+            r.engine,
+            str(r.rank),
+            r.device,
+            r.data_path,
+            str(r.connected),
+            str(r.applied_version),
+            r.state,
+            one_line(r.last_error),
+        )
+    publishers = output.table(
+        "id", "ranks connected", "world size", "device", title="publishers",
+        right=("ranks connected", "world size"),
+    )  # fmt: skip
+    for p in reply.publishers:
+        output.add_row(
+            publishers, p.publisher_id, str(p.ranks_connected), str(p.world_size), p.device
+        )
+    head = (
+        f"sender {reply.sender_version} at {address}: transport {reply.transport}, "
+        f"{reply.num_buffers} x {_size(reply.bucket_size_bytes)} buckets"
+    )
+    return [Text(head), receivers, publishers, versions_table(reply.versions[-last:])]
+
+
+def versions_table(versions) -> Table:
+    """One row per ``VersionStatus``: its state, sizes, timings and receivers applied."""
+    numbers = ("version", "MB", "MB direct", "tensors", "buckets", "staged s", "complete s")
+    table = output.table(
+        "version", "state", "MB", "MB direct", "packed by", "tensors", "buckets", "staged s",
+        "complete s", "applied", title="versions", right=numbers,
+    )  # fmt: skip
+    for v in versions:
+        applied = sum(o.state == "applied" for o in v.receivers)
+        output.add_row(
+            table,
+            str(v.version),
+            v.state,
+            f"{v.total_bytes / 1e6:.1f}",
+            f"{v.direct_bytes / 1e6:.1f}",
+            "sender" if v.sender_packed else "publisher",
+            str(v.num_tensors),
+            str(v.num_buckets),
+            f"{v.staged_s:.3f}",
+            f"{v.complete_s:.3f}",
+            f"{applied}/{len(v.receivers)}",
+        )
+    return table
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", MIB), ("KiB", 1024)):
+        if nbytes >= scale and nbytes % scale == 0:
+            return f"{nbytes // scale} {unit}"
+    return f"{nbytes} bytes"
+
+
+def run_status(args: argparse.Namespace) -> int:
+    import grpc
+
+    from weightsync.control.client import connect
+    from weightsync.errors import error_from_rpc
+    from weightsync.v1 import weightsync_pb2 as pb
+
+    address = client_address(args)
+    console = output.console()
+    channel, stub = connect(address, timeout_s=args.timeout_s)
+    shown = 0
+    with channel:
+        while True:  # until --count refreshes, or Ctrl-C (a normal end of --watch: exit 0)
+            try:
+                reply = stub.Status(pb.StatusRequest(), timeout=args.timeout_s)
+            except grpc.RpcError as e:
+                raise error_from_rpc(e, f"status of the sender at {address}") from None
+            if args.json:
+                # --watch: one object per line (JSON lines); once: indented
+                print(message_json(reply, None if args.watch else 2), flush=True)
+            else:
+                if args.watch and console.is_terminal:
+                    console.clear()
+                elif shown:
+                    console.print()
+                for part in _status_tables(reply, address, args.last):
+                    console.print(part)
+                if args.watch:
+                    console.print(f"every {args.watch:g} s; Ctrl-C stops", style="dim")
+                console.file.flush()
+            shown += 1
+            if not args.watch or (args.count and shown >= args.count):
+                return 0
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0
