@@ -32,6 +32,7 @@ from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
+from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.offer import offer_key
@@ -82,6 +83,8 @@ class Coordinator:
         """Parsed manifests by their bytes without the version; cleared when 16 are held."""
         self._tensor_plans = TensorPlans()
         """Tensor plans by (manifest, offer, direct, bucket size); the last 4 are kept."""
+        self._direct_reads = DirectReads()
+        """Each receiver's direct bucket by (tensor plan, receivers' GPUs); the last 4."""
         self._mapped_offers = MappedOffers()
         """Offered memory mapped here, by offer; the last 4 are kept (cleared at close)."""
         self._stop = threading.Event()
@@ -202,7 +205,8 @@ class Coordinator:
         memory when the sender packs."""
         transport = resolve_transport(self.settings.transport, device)
         begins = {rank: conn.begin for rank, conn in ranks.items()}
-        offered = offer_key(begins)
+        gpus = {rank: conn.device_uuid for rank, conn in ranks.items()}
+        offered = offer_key(begins, gpus)
         plan = plan_version(
             manifest,
             begins,
@@ -210,12 +214,15 @@ class Coordinator:
             self.settings,
             Staging(transport, device_uuid(device)),
             self._tensor_plans.memo(manifest_key, offered),
+            gpus,
+            self._direct_reads,
         )
         self.registry.set_data_paths(plan.data_paths)
         self.registry.staging_uuid = device_uuid(device)
         regions = None
         if plan.tensors.sender_packs:
-            regions = self._mapped_offers.regions(offered, begins)
+            # One copy of each piece: the staging GPU's is chosen (offered fixes it).
+            regions = self._mapped_offers.regions(offered, plan.tensors.pack_from)
         return VersionRun(
             manifest,
             plan.tensors,
@@ -224,6 +231,8 @@ class Coordinator:
             ranks,
             regions=regions,
             notify_done=any(b.wait_applied for b in begins.values()),
+            direct_reads=plan.direct_reads,
+            route_bytes=plan.route_bytes,
         )
 
     def on_packed(self, run: VersionRun, rank: RankConn, index: int) -> None:

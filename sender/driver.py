@@ -120,6 +120,8 @@ class VersionDriver:
         self._slots.reallocate(need, device, get_transport(run.transport))
 
     def _announce_direct(self, run: VersionRun) -> None:
+        """Each receiver gets its own direct bucket (its nearest copies); one that registered
+        after the plan reads the lowest ranks' copies."""
         direct = run.tensors.direct
         msg = pb.Announcement(
             bucket=pb.BucketAnnouncement(
@@ -128,7 +130,17 @@ class VersionDriver:
                 sources=run.tensors.direct_sources,
             )
         )
-        for conn in self._outcomes.address(run, f"bucket:{direct.index}", lambda c: msg):
+        own = {
+            rid: pb.Announcement(
+                bucket=pb.BucketAnnouncement(
+                    version=run.version, layout=read.layout, sources=read.sources
+                )
+            )
+            for rid, read in run.direct_reads.items()
+        }
+        for conn in self._outcomes.address(
+            run, f"bucket:{direct.index}", lambda c: own.get(c.receiver_id, msg)
+        ):
             run.direct_readers.add(conn.receiver_id)
 
     def _before_reuse(

@@ -1,7 +1,12 @@
 """What the publisher ranks of one version offered: their storages and where each tensor lives.
 
-Pure: built from the ranks' ``BeginVersion`` messages, no mapping and no I/O (the sender maps
-offered memory in ``packing.py``, only when the plan says it packs).
+Pure: built from the ranks' ``BeginVersion`` messages and the GPU each rank is on, no mapping
+and no I/O (the sender maps offered memory in ``packing.py``, only when the plan says it packs).
+
+Several ranks may offer the same tensor (DP replicas): every whole copy is kept, so receivers
+can each read their nearest one (``direct_reads.py``), while staging packs from one copy only.
+Every publisher rank is on the sender's host (it offers memory the sender maps), so a copy's
+place is its GPU.
 """
 
 from __future__ import annotations
@@ -15,57 +20,92 @@ from weightsync.manifest import VersionManifest
 from weightsync.v1 import weightsync_pb2 as pb
 
 OfferKey = tuple[bytes, ...]
-"""What each rank offered (sources, pieces, direct or not; not the manifest), as bytes."""
+"""What each rank offered (sources, pieces, direct or not, its GPU; not the manifest), as
+bytes."""
 
 
-def offer_key(begins: Mapping[int, pb.BeginVersion]) -> OfferKey:
-    """The :data:`OfferKey` of the ranks' begin messages (by rank)."""
+def offer_key(
+    begins: Mapping[int, pb.BeginVersion], gpus: Mapping[int, str] | None = None
+) -> OfferKey:
+    """The :data:`OfferKey` of the ranks' begin messages (by rank) and their GPUs' UUIDs."""
+    gpus = gpus or {}
     return tuple(
         pb.BeginVersion(
             sources=begins[r].sources,
             pieces=begins[r].pieces,
             allow_direct=begins[r].allow_direct,
         ).SerializeToString()
+        + gpus.get(r, "").encode()
         for r in sorted(begins)
     )
 
 
 @dataclass(frozen=True)
+class Copy:
+    """One whole, contiguous copy of a tensor in a rank's storage."""
+
+    rank: int
+    source: int
+    """Index into :attr:`Offer.sources`."""
+    offset: int
+    gpu: str
+    """The rank's GPU UUID (empty for CPU memory)."""
+
+
+@dataclass(frozen=True)
 class Offer:
     sources: tuple[pb.BufferHandle, ...]
-    """Every rank's storages, rank by rank (piece ``source`` indices are rebased onto it)."""
-    pieces: tuple[tuple[int, pb.BeginVersion], ...]
-    """Each rank's begin message with the index of its first source in ``sources``."""
-    whole: Mapping[str, tuple[int, int]]
-    """Tensors offered as one whole contiguous piece of their own dtype: (source, offset)."""
+    """Every rank's storages, rank by rank (a copy's ``source`` indexes it)."""
+    whole: Mapping[str, tuple[Copy, ...]]
+    """Tensors offered as one whole contiguous piece of their own dtype: every such copy, by
+    rank."""
+    pack_from: Mapping[int, pb.BeginVersion]
+    """The begin messages with one piece per box of each tensor (DP replicas offer the same
+    boxes: one copy is packed, the one on ``staging_gpu``, else the lowest rank's); ranks left
+    with no piece are left out (their memory need not be mapped)."""
 
     @classmethod
-    def of(cls, manifest: VersionManifest, begins: Mapping[int, pb.BeginVersion]) -> Offer:
+    def of(
+        cls,
+        manifest: VersionManifest,
+        begins: Mapping[int, pb.BeginVersion],
+        gpus: Mapping[int, str] | None = None,
+        staging_gpu: str = "",
+    ) -> Offer:
+        gpus = gpus or {}
         sources: list[pb.BufferHandle] = []
-        pieces = []
-        count: dict[str, int] = {}
+        specs = {t.name: t for t in manifest.tensors}
+        whole: dict[str, list[Copy]] = {}
+        # (tensor, box) -> (preference, rank, piece): the copy staging packs from.
+        chosen: dict[tuple, tuple[tuple[bool, int], int, pb.SourcePiece]] = {}
         for rank in sorted(begins):
-            begin = begins[rank]
-            pieces.append((len(sources), begin))
+            begin, base, gpu = begins[rank], len(sources), gpus.get(rank, "")
             sources.extend(begin.sources)
             for p in begin.pieces:
-                count[p.name] = count.get(p.name, 0) + 1
-        specs = {t.name: t for t in manifest.tensors}
-        whole = {}
-        for base, begin in pieces:
-            for p in begin.pieces:
+                box = (p.name, tuple(p.dst_start), tuple(p.size))
+                preference = (not (staging_gpu and gpu == staging_gpu), rank)
+                if box not in chosen or preference < chosen[box][0]:
+                    chosen[box] = (preference, rank, p)
                 spec = specs.get(p.name)
-                if spec is None or count[p.name] != 1 or p.dtype != spec.dtype:
+                if spec is None or p.dtype != spec.dtype:
                     continue
                 if tuple(p.size) == spec.shape and _contiguous(spec.shape, tuple(p.stride)):
-                    whole[p.name] = (base + p.source, p.offset)
-        return cls(tuple(sources), tuple(pieces), whole)
+                    whole.setdefault(p.name, []).append(Copy(rank, base + p.source, p.offset, gpu))
+        kept: dict[int, list[pb.SourcePiece]] = {}
+        for _, rank, p in chosen.values():
+            kept.setdefault(rank, []).append(p)
+        pack_from = {
+            rank: pb.BeginVersion(sources=begins[rank].sources, pieces=kept[rank])
+            for rank in sorted(kept)
+        }
+        return cls(tuple(sources), {n: tuple(c) for n, c in whole.items()}, pack_from)
 
     def covers(self, specs: Mapping[str, TensorSpec]) -> bool:
-        """Whether the pieces fit their tensors and add up to every tensor of ``specs`` (the
-        publishers guarantee they do not overlap; Megatron proves it at construction)."""
+        """Whether the pieces staging packs from fit their tensors and add up to every tensor
+        of ``specs`` (the publishers guarantee one rank's pieces do not overlap; Megatron
+        proves it at construction; copies of equal boxes were reduced to one)."""
         left = {name: spec.numel for name, spec in specs.items()}
-        for _, begin in self.pieces:
+        for begin in self.pack_from.values():
             for p in begin.pieces:
                 spec = specs.get(p.name)
                 if spec is None:

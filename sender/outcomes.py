@@ -279,6 +279,7 @@ def _summary(run: VersionRun, abandoned: str = "") -> LogLine:
         "applied": applied,
         "receivers": len(run.outcomes),
         "sender_packed": run.regions is not None,
+        "route_bytes": dict(run.route_bytes),
         "publisher_id": run.publisher_id,
         "failed": failures,
     }

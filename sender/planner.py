@@ -6,10 +6,14 @@
 - which tensors receivers read in place from the publishers' memory (the direct bucket) and
   which are staged, and the staged bucket plan with every bucket's wire layout;
 - whether the sender packs the staged buckets itself from the offered memory (else the
-  publishers pack, one round trip per bucket).
+  publishers pack, one round trip per bucket), from one copy of each tensor;
+- each mapping receiver's own direct bucket, every tensor from its nearest copy
+  (``direct_reads.py``), and the bytes each route carries.
 
 The tensor part depends only on the layout (manifest tensors, offer, direct or not), so the
-coordinator memoizes it with :class:`TensorPlans` and reuses it every version.
+coordinator memoizes it with :class:`TensorPlans` and reuses it every version; the direct
+reads depend on it and the receivers' GPUs (memo: :class:`~weightsync.sender.direct_reads.
+DirectReads`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import TYPE_CHECKING
 from weightsync.buckets import Bucket, BucketPlan, plan_buckets, plan_direct
 from weightsync.config import SenderSettings
 from weightsync.manifest import VersionManifest
-from weightsync.sender.offer import Offer, OfferKey
+from weightsync.sender.direct_reads import DirectRead, ReceiverGpus, plan_direct_reads
+from weightsync.sender.offer import Copy, Offer, OfferKey
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb
 
@@ -30,6 +35,9 @@ if TYPE_CHECKING:
     from weightsync.sender.records import ReceiverConn
 
 MAP, BROADCAST = "map", "broadcast"
+ROUTES = ("local", "peer", "staged", "broadcast")
+"""How bytes reach receivers: direct from a copy on the receiver's GPU, direct from another
+GPU, through the mapped staging buffers, by broadcast."""
 
 
 @dataclass(frozen=True)
@@ -53,9 +61,14 @@ class TensorPlan:
     its index follows the staged buckets'."""
     direct_sources: tuple[pb.BufferHandle, ...]
     layouts: tuple[pb.BucketLayout, ...]
-    """Wire form of every bucket, by index (the direct bucket last)."""
+    """Wire form of every bucket, by index (the direct bucket last: each tensor from its
+    lowest rank's copy, for a receiver that has no :class:`DirectRead` of its own)."""
     sender_packs: bool
     """The offered regions cover every staged tensor: the sender can pack every bucket."""
+    copies: Mapping[str, tuple[Copy, ...]]
+    """Every whole copy of each direct tensor."""
+    pack_from: Mapping[int, pb.BeginVersion]
+    """The offer reduced to one copy of each piece: what the sender maps and packs from."""
 
 
 @dataclass(frozen=True)
@@ -63,9 +76,17 @@ class Plan:
     data_paths: Mapping[str, str]
     """Receiver id -> :data:`MAP` or :data:`BROADCAST`, for every receiver given."""
     tensors: TensorPlan
+    direct_reads: Mapping[str, DirectRead]
+    """Each connected receiver's own direct bucket (none when nothing goes direct)."""
+    route_bytes: Mapping[str, int]
+    """Bytes every connected receiver together takes by each of :data:`ROUTES`."""
 
 
-PlanTensors = Callable[[VersionManifest, Mapping[int, pb.BeginVersion], bool, int], TensorPlan]
+PlanTensors = Callable[
+    [VersionManifest, Mapping[int, pb.BeginVersion], bool, int, Mapping[int, str], str],
+    TensorPlan,
+]
+PlanReads = Callable[[TensorPlan, ReceiverGpus], Mapping[str, DirectRead]]
 
 
 def plan_version(
@@ -75,20 +96,39 @@ def plan_version(
     settings: SenderSettings,
     staging: Staging,
     tensors_of: PlanTensors | None = None,
+    gpus: Mapping[int, str] | None = None,
+    reads_of: PlanReads | None = None,
 ) -> Plan:
-    """The plan of one version; ``offers`` are the publisher ranks' begin messages by rank.
+    """The plan of one version; ``offers`` are the publisher ranks' begin messages by rank,
+    ``gpus`` their GPUs' UUIDs by rank.
 
     Tensors go direct only when a publisher allows it, the sender stages with CUDA IPC and
-    every connected receiver maps. ``tensors_of``: :func:`plan_tensors` (default) or its memo.
+    every connected receiver maps. ``tensors_of``: :func:`plan_tensors` (default) or its memo;
+    ``reads_of``: :func:`~weightsync.sender.direct_reads.plan_direct_reads` or its memo.
     """
     paths = data_paths(receivers, settings.transport, staging.device_uuid)
+    connected = [c for c in receivers if c.connected]
     direct = (
         any(b.allow_direct for b in offers.values())
         and staging.transport == "cuda_ipc"
-        and all(paths[c.receiver_id] == MAP for c in receivers if c.connected)
+        and all(paths[c.receiver_id] == MAP for c in connected)
     )
-    tensors = (tensors_of or plan_tensors)(manifest, offers, direct, settings.bucket_size_bytes)
-    return Plan(paths, tensors)
+    tensors = (tensors_of or plan_tensors)(
+        manifest, offers, direct, settings.bucket_size_bytes, gpus or {}, staging.device_uuid
+    )
+    reads: Mapping[str, DirectRead] = {}
+    if tensors.direct is not None:
+        at = tuple(sorted((c.receiver_id, c.device_uuid) for c in connected))
+        reads = (reads_of or plan_direct_reads)(tensors, at)
+    routes = dict.fromkeys(ROUTES, 0)
+    for read in reads.values():
+        for route, n in read.route_bytes.items():
+            routes[route] += n
+    for c in connected:
+        routes["staged" if paths[c.receiver_id] == MAP else "broadcast"] += (
+            tensors.staged.total_bytes
+        )
+    return Plan(paths, tensors, reads, routes)
 
 
 def data_paths(
@@ -113,10 +153,14 @@ def plan_tensors(
     offers: Mapping[int, pb.BeginVersion],
     direct: bool,
     bucket_size_bytes: int,
+    gpus: Mapping[int, str] | None = None,
+    staging_gpu: str = "",
 ) -> TensorPlan:
-    """Stage every tensor, except, when ``direct``, those offered whole (read in place)."""
-    offer = Offer.of(manifest, offers)
-    located = offer.whole if direct else {}
+    """Stage every tensor, except, when ``direct``, those offered whole (read in place).
+    ``gpus``: each rank's GPU UUID; staging packs from the copies on ``staging_gpu`` first."""
+    offer = Offer.of(manifest, offers, gpus, staging_gpu)
+    copies = offer.whole if direct else {}
+    located = {name: (c[0].source, c[0].offset) for name, c in copies.items()}
     staged = tuple(t for t in manifest.tensors if t.name not in located)
     plan = plan_buckets(staged, bucket_size_bytes)
     if located and not staged:
@@ -131,12 +175,14 @@ def plan_tensors(
     layouts = tuple(bucket_to_pb(b) for b in (*plan.buckets, direct_bucket) if b)
     specs = {e.spec.name: e.spec for b in plan.buckets for e in b.entries}
     sender_packs = bool(plan.buckets) and offer.covers(specs)
-    return TensorPlan(plan, direct_bucket, offer.sources, layouts, sender_packs)
+    return TensorPlan(
+        plan, direct_bucket, offer.sources, layouts, sender_packs, copies, offer.pack_from
+    )
 
 
 class TensorPlans:
-    """Memo of :func:`plan_tensors`. Key: (manifest key, offer key, direct, bucket size);
-    the last ``max_entries`` layouts are kept (a trainer alternates few)."""
+    """Memo of :func:`plan_tensors`. Key: (manifest key, offer key, direct, bucket size,
+    staging GPU); the last ``max_entries`` layouts are kept (a trainer alternates few)."""
 
     def __init__(self, max_entries: int = 4) -> None:
         self._max = max_entries
@@ -145,11 +191,16 @@ class TensorPlans:
     def memo(self, manifest_key: bytes, offer: OfferKey) -> PlanTensors:
         """:func:`plan_tensors` for the manifest and offer these keys stand for."""
 
-        def planned(manifest, offers, direct: bool, bucket_size_bytes: int) -> TensorPlan:
-            key = (manifest_key, offer, direct, bucket_size_bytes)
+        def planned(
+            manifest, offers, direct: bool, bucket_size_bytes: int, gpus=None, staging_gpu=""
+        ) -> TensorPlan:
+            # The offer key says each rank's GPU too (``offer_key``).
+            key = (manifest_key, offer, direct, bucket_size_bytes, staging_gpu)
             hit = self._plans.get(key)
             if hit is None:
-                hit = self._plans[key] = plan_tensors(manifest, offers, direct, bucket_size_bytes)
+                hit = self._plans[key] = plan_tensors(
+                    manifest, offers, direct, bucket_size_bytes, gpus, staging_gpu
+                )
                 while len(self._plans) > self._max:
                     self._plans.popitem(last=False)
             self._plans.move_to_end(key)

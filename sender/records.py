@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
+from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.planner import TensorPlan
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -115,6 +116,10 @@ class VersionRun:
     """The publishers' memory mapped here: set when the sender packs every bucket itself."""
     notify_done: bool = False
     """A publisher waits on its stream for every receiver's outcome."""
+    direct_reads: Mapping[str, DirectRead] = field(default_factory=dict)
+    """Each receiver's own direct bucket, from its nearest copies (as planned)."""
+    route_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Bytes the receivers take by each route (``planner.ROUTES``), as planned."""
     direct_readers: set[str] = field(default_factory=set)
     """Receivers still copying the direct tensors out of the publishers' memory."""
     sums: dict[int, object] = field(default_factory=dict)
@@ -152,6 +157,7 @@ class VersionRun:
             direct_bytes=direct.nbytes if direct else 0,
             staged_bytes=self.tensors.staged.total_bytes,
             sender_packed=self.regions is not None,
+            route_bytes=self.route_bytes,
             num_tensors=len(self.manifest.tensors),
             num_buckets=len(self.tensors.staged.buckets) + (1 if direct else 0),
             started_at_unix_s=self.started_at,

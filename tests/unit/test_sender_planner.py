@@ -7,6 +7,7 @@ import pytest
 from weightsync.buckets import TensorSpec
 from weightsync.config import SenderSettings
 from weightsync.manifest import VersionManifest
+from weightsync.sender.direct_reads import DirectReads, plan_direct_reads
 from weightsync.sender.planner import (
     BROADCAST,
     MAP,
@@ -133,3 +134,112 @@ def test_the_memo_plans_a_layout_once_per_direct_choice():
     staged = memo(MANIFEST, WHOLE_W1_W3, False, 1024)
     assert staged is not first and staged.direct is None
     assert staged == plan_tensors(MANIFEST, WHOLE_W1_W3, False, 1024)
+
+
+# --- several ranks offering the same tensors (DP replicas): nearest copy per receiver --------
+
+
+def replicas(n: int) -> tuple[dict[int, pb.BeginVersion], dict[int, str]]:
+    """``n`` ranks, each on its own GPU ``GPU-r`` with all four tensors whole in its storage."""
+    begins = {
+        r: pb.BeginVersion(
+            sources=[pb.BufferHandle(buffer_id=f"storage-{r}", nbytes=4096)],
+            pieces=[piece(f"w{i}", 256 * i, 64) for i in range(4)],
+            allow_direct=True,
+        )
+        for r in range(n)
+    }
+    return begins, {r: f"GPU-{r}" for r in range(n)}
+
+
+SETTINGS_1K = SenderSettings(bucket_size_bytes=1024)
+
+
+def plan_dp(n_replicas: int, receiver_gpus: list[str]):
+    begins, gpus = replicas(n_replicas)
+    receivers = [receiver(f"r{i}", gpu=g) for i, g in enumerate(receiver_gpus)]
+    staging = Staging("cuda_ipc", gpus[0])
+    return plan_version(MANIFEST, begins, receivers, SETTINGS_1K, staging, gpus=gpus)
+
+
+def read_ranks(read) -> list[int]:
+    """The rank whose storage each entry of a receiver's direct bucket reads."""
+    return [int(read.sources[e.source].buffer_id.split("-")[1]) for e in read.layout.entries]
+
+
+def test_each_receiver_on_a_replicas_gpu_reads_only_its_own_gpus_copy():
+    p = plan_dp(4, ["GPU-0", "GPU-1", "GPU-2", "GPU-3"])
+    for i in range(4):
+        read = p.direct_reads[f"r{i}"]
+        assert [s.buffer_id for s in read.sources] == [f"storage-{i}"]
+        assert read_ranks(read) == [i] * 4
+        assert [e.tensor.name for e in read.layout.entries] == ["w0", "w1", "w2", "w3"]
+        assert [e.offset for e in read.layout.entries] == [0, 256, 512, 768]
+        assert read.layout.index == p.tensors.direct.index
+    assert p.route_bytes == {"local": 4 * 1024, "peer": 0, "staged": 0, "broadcast": 0}
+
+
+def test_receivers_beyond_the_replicas_gpus_read_from_peers_balanced():
+    p = plan_dp(2, ["GPU-0", "GPU-1", "GPU-2", "GPU-3"])
+    assert read_ranks(p.direct_reads["r0"]) == [0] * 4
+    assert read_ranks(p.direct_reads["r1"]) == [1] * 4
+    peer = read_ranks(p.direct_reads["r2"]) + read_ranks(p.direct_reads["r3"])
+    assert sorted(peer) == [0] * 4 + [1] * 4  # each replica's GPU sends half the peer bytes
+    assert p.route_bytes == {"local": 2 * 1024, "peer": 2 * 1024, "staged": 0, "broadcast": 0}
+
+
+def test_receivers_on_no_replicas_gpu_are_balanced_over_the_replicas():
+    p = plan_dp(2, ["GPU-7", "GPU-8", "", ""])
+    ranks = [r for i in range(4) for r in read_ranks(p.direct_reads[f"r{i}"])]
+    assert sorted(ranks) == [0] * 8 + [1] * 8
+    assert p.route_bytes["peer"] == 4 * 1024 and p.route_bytes["local"] == 0
+
+
+def test_a_single_source_gives_every_receiver_the_bucket_of_today():
+    p = plan(offer(*(piece(f"w{i}", 256 * i, 64) for i in range(4))), [receiver("a")])
+    read = p.direct_reads["a"]
+    assert read.layout == p.tensors.layouts[p.tensors.direct.index]
+    assert read.sources == p.tensors.direct_sources
+    assert read.route_bytes == {"local": 0, "peer": 1024}
+
+
+def test_replicas_are_packed_once_from_the_staging_gpus_copy():
+    begins, gpus = replicas(2)
+    for rank in range(2):
+        receivers = [receiver("far", remote=True)]
+        staging = Staging("cuda_ipc", gpus[rank])
+        p = plan_version(MANIFEST, begins, receivers, SETTINGS_1K, staging, gpus=gpus)
+        assert p.tensors.direct is None and p.tensors.sender_packs
+        assert list(p.tensors.pack_from) == [rank]
+        assert [x.name for x in p.tensors.pack_from[rank].pieces] == ["w0", "w1", "w2", "w3"]
+        assert p.route_bytes == {"local": 0, "peer": 0, "staged": 0, "broadcast": 1024}
+    # Without GPUs (shm): the lowest rank's copy.
+    cpu = plan_version(MANIFEST, begins, [receiver("a")], SETTINGS_1K, Staging("shm"))
+    assert cpu.tensors.sender_packs and list(cpu.tensors.pack_from) == [0]
+    assert cpu.route_bytes["staged"] == 1024
+
+
+def test_direct_reads_are_planned_once_per_tensor_plan_and_receivers():
+    begins, gpus = replicas(2)
+    tensors = plan_tensors(MANIFEST, begins, True, 1024, gpus, "GPU-0")
+    memo = DirectReads(max_entries=2)
+    at = (("r0", "GPU-0"), ("r1", "GPU-1"))
+    first = memo(tensors, at)
+    assert memo(tensors, at) is first
+    assert memo(tensors, (("r0", "GPU-1"),)) is not first
+    assert first == plan_direct_reads(tensors, at)
+
+
+def test_tp_shards_of_dp_replicas_are_packed_once_each():
+    """TP=2 x DP=2: ranks 0 and 2 hold the first half of every tensor, 1 and 3 the second."""
+    begins = {
+        r: pb.BeginVersion(
+            sources=[pb.BufferHandle(buffer_id=f"storage-{r}", nbytes=4096)],
+            pieces=[piece(f"w{i}", 128 * i, 32, start=32 * (r % 2)) for i in range(4)],
+        )
+        for r in range(4)
+    }
+    gpus = {r: f"GPU-{r}" for r in range(4)}
+    tensors = plan_tensors(MANIFEST, begins, False, 1024, gpus, "GPU-0")
+    assert tensors.sender_packs and list(tensors.pack_from) == [0, 1]
+    assert all(len(b.pieces) == 4 for b in tensors.pack_from.values())

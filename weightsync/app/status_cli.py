@@ -98,10 +98,12 @@ def versions_table(versions) -> Table:
     numbers = ("version", "MB", "MB direct", "tensors", "buckets", "staged s", "complete s")
     table = output.table(
         "version", "state", "MB", "MB direct", "packed by", "tensors", "buckets", "staged s",
-        "complete s", "applied", title="versions", right=numbers,
+        "complete s", "applied", "MB by route", title="versions", right=numbers,
     )  # fmt: skip
     for v in versions:
         applied = sum(o.state == "applied" for o in v.receivers)
+        # All receivers together; routes that carried nothing are left out.
+        routes = ", ".join(f"{k} {n / 1e6:.1f}" for k, n in sorted(v.route_bytes.items()) if n)
         output.add_row(
             table,
             str(v.version),
@@ -114,6 +116,7 @@ def versions_table(versions) -> Table:
             f"{v.staged_s:.3f}",
             f"{v.complete_s:.3f}",
             f"{applied}/{len(v.receivers)}",
+            routes or "-",
         )
     return table
 

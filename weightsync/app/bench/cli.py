@@ -42,6 +42,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-baselines", action="store_true", help="skip the peer baselines")
     p.add_argument("--no-floors", action="store_true", help="skip the D2D and broadcast floors")
+    p.add_argument(
+        "--gpus",
+        type=int,
+        default=0,
+        help="also the node case on GPUs 0..N-1: trainer TP=1 x DP=N (a publisher rank "
+        "process per GPU), engines TP=1 x N (a receiver process per GPU), direct, against every "
+        "GPU copying its share at once (add --tp '' --no-baselines --no-floors for it alone)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
     p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
@@ -78,6 +86,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         floors=not args.no_floors,
         seed=args.seed,
         timeout_s=args.timeout_s,
+        gpus=args.gpus,
     )
 
 

@@ -12,6 +12,8 @@ from rich.table import Table
 FLOOR, BASELINE, WEIGHTSYNC = "floor", "baseline", "weightsync"
 SAME, OTHER = "same GPU", "other GPU"
 PER_TENSOR, LOCKSTEP, D2D = "per-tensor IPC", "lockstep bucket", "d2d copy"
+NODE_FLOOR = "every GPU its share"
+"""The node case's floor: every GPU copying its share from its own memory at once."""
 GB = 1e9
 
 
@@ -65,6 +67,8 @@ class Report:
         """The floor a row is held against: the broadcast across GPUs, else the D2D copy."""
         if row.placement == OTHER:
             return self._find(FLOOR, "broadcast")
+        if row.placement.startswith("node"):  # every GPU copying its share, in the same run
+            return self._find(FLOOR, NODE_FLOOR, row.placement)
         return self._find(FLOOR, D2D)
 
     def ratios(self, row: Row) -> dict[str, float | None]:
@@ -106,6 +110,8 @@ class Report:
                 continue
             label = f"{r.name} {r.transport} {r.layout} ({r.placement})"
             x = self.ratios(r)
+            if r.placement.startswith("node"):
+                add(f"{label}: x every-GPU-its-share floor", x["x_floor"], 1.5, True)
             if r.name == "direct" and r.layout == "TP=1":
                 add(f"{label}: x floor", x["x_floor"], 1.4, True)
             if r.name == "staged" and r.layout == "TP=2" and r.placement == SAME:
@@ -124,7 +130,8 @@ class Report:
         table = Table(
             title=f"weightsync bench: {m['model']} ({m['model_note']}), {m['tensors']} tensors, "
             f"{m['gb']:.2f} GB, median of {m['versions']} versions after {m['warmup']} warm-up",
-            caption="x floor = seconds / floor (D2D copy same device, broadcast across GPUs); "
+            caption="x floor = seconds / floor (D2D copy same device, broadcast across GPUs, "
+            "every GPU copying its share at once for the node); "
             "x per-tensor, x lockstep = baseline seconds / seconds (speed-up); extra memory = "
             "peak torch.cuda.max_memory_allocated delta, trainer+sender / receiver process",
         )

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.multiprocessing as tmp
 
-from weightsync.app.bench import baselines, floors
+from weightsync.app.bench import baselines, floors, node
 from weightsync.app.bench.layout import TrainerLayout, TrainerShards, plan_layout
 from weightsync.app.bench.models import hf_specs, model_shape
 from weightsync.app.bench.report import (
@@ -71,6 +71,8 @@ class BenchConfig:
     floors: bool = True
     seed: int = 0
     timeout_s: float = 300.0
+    gpus: int = 0
+    """With N >= 1: also the node case on GPUs 0..N-1 (``node.py``)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.cases) - set(CASES)
@@ -80,6 +82,8 @@ class BenchConfig:
             raise ConfigError("--versions must be >= 1 and --warmup >= 0")
         if self.device not in ("auto", "cuda", "cpu"):
             raise ConfigError(f"--device {self.device!r}: pick auto, cuda or cpu")
+        if self.gpus < 0:
+            raise ConfigError(f"--gpus {self.gpus}: give a number of GPUs, or 0 for no node case")
 
 
 class _Workers:
@@ -122,9 +126,18 @@ def _machine(device: torch.device) -> str:
 def run(cfg: BenchConfig, console) -> Report:
     """Run every floor, baseline and case of ``cfg``; returns the report (rows in run order).
 
-    The embedded sender's per-version log lines are silenced: the report is the output, and
-    rendering them would compete with the measured versions for the GIL."""
-    logging.getLogger("weightsync.sender").setLevel(logging.WARNING)
+    The embedded sender's per-version log lines are silenced while it runs: the report is the
+    output, and rendering them would compete with the measured versions for the GIL."""
+    sender_log = logging.getLogger("weightsync.sender")
+    level = sender_log.level
+    sender_log.setLevel(logging.WARNING)
+    try:
+        return _run(cfg, console)
+    finally:
+        sender_log.setLevel(level)
+
+
+def _run(cfg: BenchConfig, console) -> Report:
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     if cuda and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but CUDA is not available here; use --device cpu")
@@ -191,6 +204,12 @@ def run(cfg: BenchConfig, console) -> Report:
     finally:
         workers.close()
         shutil.rmtree(sock_dir, ignore_errors=True)
+    if cfg.gpus:  # after the single-GPU cases: their workers have given back their memory
+        console.print(f"node: trainer TP=1 x DP={cfg.gpus}, engines TP=1 x {cfg.gpus}")
+        node_run = node.measure_node(
+            shape, cfg.gpus, cfg.versions, cfg.warmup, cfg.versions, cfg.timeout_s
+        )
+        report.rows.extend(node_run.rows())
     if not cuda:
         notes.append("CPU mode: shm instead of cuda_ipc; direct, cross-GPU and nccl skipped")
     return report

@@ -1,0 +1,105 @@
+"""Each receiver's own direct bucket: every direct tensor read from its nearest copy.
+
+Pure: a function of the tensor plan (the whole copies every rank offered) and the GPUs of the
+receivers that map. Which copy each receiver reads is :func:`weightsync.topology.plan_topology`'s
+choice (the planner ``weightsync plan`` shares): the copy on the receiver's own GPU, else one on
+a peer GPU, the bytes balanced over the source GPUs so no one GPU's outbound link bounds the
+node. Boxes stay whole: a direct entry is one whole tensor read from one copy.
+
+A receiver maps every storage its announcement lists, so each gets only the storages it reads.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from weightsync.buckets import plan_direct
+from weightsync.topology import Piece, Receiver, Source, plan_topology, whole_box
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import bucket_to_pb
+
+if TYPE_CHECKING:
+    from weightsync.sender.planner import TensorPlan
+
+_HOST = "this host"
+"""Every reader here maps the publishers' memory, so it is on the publishers' host."""
+_WHOLE = 1 << 62
+"""``split_min_bytes`` that never splits: a layout entry is a whole tensor."""
+
+ReceiverGpus = tuple[tuple[str, str], ...]
+"""(receiver id, GPU UUID) of every receiver that reads direct, sorted."""
+
+
+@dataclass(frozen=True)
+class DirectRead:
+    """One receiver's direct bucket."""
+
+    layout: pb.BucketLayout
+    """The direct tensors, each at its copy's offset in ``sources``."""
+    sources: tuple[pb.BufferHandle, ...]
+    """Only the storages this receiver reads."""
+    route_bytes: Mapping[str, int]
+    """Bytes by route: "local" (a copy on its own GPU) and "peer" (another GPU)."""
+
+
+def plan_direct_reads(tensors: TensorPlan, receivers: ReceiverGpus) -> dict[str, DirectRead]:
+    """Every receiver's :class:`DirectRead` (none when nothing goes direct).
+
+    A receiver with no GPU UUID, or on a GPU no copy is on, reads from peers; an empty tensor
+    from its lowest rank's copy (nothing moves, the planner leaves it out).
+    """
+    direct = tensors.direct
+    if direct is None or not receivers:
+        return {}
+    specs = [e.spec for e in direct.entries]
+    pieces: dict[int, list[Piece]] = defaultdict(list)
+    gpu_of: dict[int, str] = {}
+    for spec in specs:
+        for c in tensors.copies[spec.name]:
+            pieces[c.rank].append(Piece(spec.name, whole_box(spec.shape)))
+            gpu_of[c.rank] = c.gpu or f"rank {c.rank}"  # CPU copies: none is a receiver's GPU
+    sources = [Source(rank, gpu_of[rank], _HOST, tuple(ps)) for rank, ps in pieces.items()]
+    readers = [Receiver(rid, gpu or f"receiver {rid}", _HOST) for rid, gpu in receivers]
+    plan = plan_topology(specs, sources, readers, split_min_bytes=_WHOLE)
+    chosen: dict[str, dict[str, tuple[int, str]]] = defaultdict(dict)
+    for t in plan.transfers:
+        chosen[t.receiver][t.tensor] = (t.source, t.route)
+    reads = {}
+    for rid, _ in receivers:
+        index: dict[int, int] = {}  # the offer's source index -> this receiver's
+        located = []
+        routes = {"local": 0, "peer": 0}
+        for spec in specs:
+            copies = tensors.copies[spec.name]
+            rank, route = chosen[rid].get(spec.name, (copies[0].rank, ""))
+            copy = next(c for c in copies if c.rank == rank)
+            located.append((spec, index.setdefault(copy.source, len(index)), copy.offset))
+            if route:
+                routes[route] += spec.nbytes
+        bucket = plan_direct(located, direct.index, direct.is_last)
+        sources_read = tuple(tensors.direct_sources[i] for i in index)
+        reads[rid] = DirectRead(bucket_to_pb(bucket), sources_read, routes)
+    return reads
+
+
+class DirectReads:
+    """Memo of :func:`plan_direct_reads`. Key: the tensor plan (by identity; the tensor plans'
+    memo keeps it while its layout is in use) and the receivers' GPUs; the last
+    ``max_entries`` are kept."""
+
+    def __init__(self, max_entries: int = 4) -> None:
+        self._max = max_entries
+        self._reads: OrderedDict[tuple, tuple[TensorPlan, dict[str, DirectRead]]] = OrderedDict()
+
+    def __call__(self, tensors: TensorPlan, receivers: ReceiverGpus) -> dict[str, DirectRead]:
+        key = (id(tensors), receivers)
+        hit = self._reads.get(key)
+        if hit is None or hit[0] is not tensors:
+            hit = self._reads[key] = (tensors, plan_direct_reads(tensors, receivers))
+            while len(self._reads) > self._max:
+                self._reads.popitem(last=False)
+        self._reads.move_to_end(key)
+        return hit[1]

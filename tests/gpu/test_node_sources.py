@@ -1,0 +1,49 @@
+"""A whole node, every trainer rank a source (issue 11): trainer TP=1 x DP=N, one publisher
+rank process per GPU each holding the whole model there, and N receiver processes, one per
+GPU (engine TP=1 x N), on the direct path: each receiver reads only its own GPU's copy. The
+floor, in the same run: every GPU copying the model from its own memory at once, in separate
+processes. The same case as ``weightsync bench --gpus N`` (``weightsync.app.bench.node``).
+
+Run on a GPU machine (prints the timing and the floor)::
+
+    .venv/bin/python -m pytest -m gpu tests/gpu/test_node_sources.py -s
+
+Settings (environment): ``WS_NODE_GPUS`` (default: every GPU), ``WS_NODE_MODEL`` (a
+``weightsync bench`` model, default ``qwen2.5-7b``), ``WS_NODE_LAYERS`` (default: all),
+``WS_NODE_VERSIONS`` (measured, default 3, after one warm-up), ``WS_NODE_FLOOR_REPS``
+(default 5).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def test_dp_sources_each_gpu_reads_its_own_copy_against_the_floor():
+    from weightsync.app.bench.models import model_shape
+    from weightsync.app.bench.node import measure_node, summary
+
+    n = int(os.environ.get("WS_NODE_GPUS", "0")) or torch.cuda.device_count()
+    shape = model_shape(
+        os.environ.get("WS_NODE_MODEL", "qwen2.5-7b"),
+        int(os.environ.get("WS_NODE_LAYERS", "0")) or None,
+    )
+    run = measure_node(
+        shape,
+        n,
+        versions=int(os.environ.get("WS_NODE_VERSIONS", "3")),
+        warmup=1,
+        reps=int(os.environ.get("WS_NODE_FLOOR_REPS", "5")),
+        timeout_s=300,
+    )
+    print("\n" + summary(run))
+    assert run.bit_exact
+    assert run.route_bytes["local"] == n * run.nbytes and run.route_bytes["peer"] == 0
