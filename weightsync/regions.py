@@ -90,6 +90,10 @@ which moves same-dtype contiguous bytes on the copy engine at full bandwidth, wh
 fused kernel of ``_foreach_copy_`` is slower per byte: launches only matter for small copies."""
 
 
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""An integer dtype of each element size, to batch copies bit for bit."""
+
+
 @dataclass(frozen=True)
 class CopyBatch:
     """``(destination, source)`` copies issued with as few launches as torch allows: the small
@@ -100,14 +104,25 @@ class CopyBatch:
     dsts: tuple[torch.Tensor, ...]
     srcs: tuple[torch.Tensor, ...]
     one_by_one: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    """Large copies, and copies across devices."""
+    """Large copies, casts, and copies across devices."""
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
         small, single = [], []
         for dst, src in pairs:
-            batched = dst.device == src.device and dst.nbytes <= FOREACH_MAX_BYTES
-            (small if batched else single).append((dst, src))
+            bits = _BITS.get(dst.element_size())
+            batched = (
+                bits is not None
+                and dst.dtype == src.dtype
+                and dst.device == src.device
+                and dst.nbytes <= FOREACH_MAX_BYTES
+            )
+            if batched:
+                # As integers: the fused kernel computes bf16/fp16 in fp32, which rewrites NaN
+                # payloads (seen on H200); integer copies move the bits as they are.
+                small.append((dst.view(bits), src.view(bits)))
+            else:
+                single.append((dst, src))
         return cls(tuple(d for d, _ in small), tuple(s for _, s in small), tuple(single))
 
     @torch.no_grad()

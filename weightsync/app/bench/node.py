@@ -97,6 +97,19 @@ class _ViewsTarget(InPlaceTarget):
         return self.tensors[name]
 
 
+def _mismatch(tensors: dict[str, torch.Tensor], flat, expected, version: int) -> str:
+    """Empty when ``flat`` holds version ``version``'s bytes, else which tensors differ."""
+    if torch.equal(flat, expected):
+        return ""
+    offset, wrong = 0, []
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if not torch.equal(flat[offset : offset + n], expected[offset : offset + n]):
+            wrong.append(name)
+        offset += n
+    return f"version {version}: {len(wrong)} tensor(s) differ, first {wrong[:3]}"
+
+
 def _publisher(shape, rank: int, world: int, address: str, timeout_s: float, commands, out):
     from weightsync.sender import Publisher
 
@@ -125,7 +138,7 @@ def _receiver(shape, rank: int, address: str, versions: int, reps: int, timeout_
     for _ in range(versions):
         version = receiver.sync(timeout=timeout_s)
         _fill(expected, version)
-        out.put(("applied", rank, torch.equal(flat, expected)))
+        out.put(("applied", rank, _mismatch(tensors, flat, expected, version)))
     times = []
     for _ in range(reps + 1):  # the first is a warm-up
         barrier.wait()
@@ -186,7 +199,10 @@ def measure_node(
                     q.put(version)
                 got = _collect(out, {"published": gpus, "applied": gpus}, timeout_s)
                 statuses.append(pb.VersionStatus.FromString(got["published"][0][2]))
-                exact = exact and all(ok for *_, ok in got["applied"])
+                wrong = [f"gpu{rank} {why}" for _, rank, why in got["applied"] if why]
+                exact = exact and not wrong
+                for line in wrong:
+                    print(f"node bench: NOT bit-exact: {line}", flush=True)
             floors = _collect(out, {"floor": gpus}, timeout_s)["floor"]
             for q in commands:
                 q.put(None)
