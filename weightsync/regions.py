@@ -118,8 +118,8 @@ class CopyBatch:
                 and dst.nbytes <= FOREACH_MAX_BYTES
             )
             if batched:
-                # As integers: the fused kernel computes bf16/fp16 in fp32, which rewrites NaN
-                # payloads (seen on H200); integer copies move the bits as they are.
+                # As integers: on H200 the fused kernel changed some bf16 bit patterns of
+                # random bytes (likely NaN payloads); integer copies move the bits as they are.
                 small.append((dst.view(bits), src.view(bits)))
             else:
                 single.append((dst, src))

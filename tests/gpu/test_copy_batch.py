@@ -1,5 +1,6 @@
-"""Batched copies on CUDA move bits, not values: the fused ``_foreach_copy_`` kernel computes
-bf16 in fp32 and rewrote NaN payloads (found by the node bench's random bytes on H200)."""
+"""Batched copies on CUDA move bits, not values: on bf16 views of random bytes the fused
+``_foreach_copy_`` kernel changed some bit patterns (likely NaN payloads; found by the node
+bench on H200)."""
 
 from __future__ import annotations
 
