@@ -18,6 +18,8 @@ import datetime
 import json
 import logging
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import IO, Any
 
 from weightsync.config import LogSettings
@@ -114,3 +116,15 @@ def configure_logging(
     root.addHandler(handler)
     root.setLevel(number)
     return handler
+
+
+@contextmanager
+def quieted(name: str, level: int = logging.WARNING) -> Iterator[None]:
+    """Logger ``name`` at ``level`` inside the block (or the decorated call), as it was after."""
+    logger = logging.getLogger(name)
+    before = logger.level
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.setLevel(before)

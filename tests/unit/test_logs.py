@@ -79,3 +79,19 @@ def test_configuring_again_replaces_the_handler():
     configure_logging("info", "json", stream=second)
     logging.getLogger("x").info("once")
     assert first.getvalue() == "" and len(second.getvalue().splitlines()) == 1
+
+
+def test_quieted_restores_the_level_after_the_call_even_when_it_raises():
+    from weightsync.logs import quieted
+
+    log = logging.getLogger("weightsync.test.quieted")
+    log.setLevel(logging.DEBUG)
+
+    @quieted("weightsync.test.quieted")
+    def fails():
+        assert log.level == logging.WARNING
+        raise ValueError("boom")
+
+    with pytest.raises(ValueError, match="boom"):
+        fails()
+    assert log.level == logging.DEBUG

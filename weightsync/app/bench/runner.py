@@ -8,8 +8,6 @@ staging buffers count in its memory) and publishes. Receivers are long-lived wor
 from __future__ import annotations
 
 import datetime
-import logging
-import platform
 import shutil
 import tempfile
 import time
@@ -20,6 +18,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from weightsync.app.bench import baselines, floors, node
+from weightsync.app.bench.host import check_memory, machine
 from weightsync.app.bench.layout import TrainerLayout, TrainerShards, plan_layout
 from weightsync.app.bench.models import hf_specs, model_shape
 from weightsync.app.bench.report import (
@@ -48,6 +47,7 @@ from weightsync.app.bench.worker import (
 )
 from weightsync.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
 from weightsync.errors import ConfigError
+from weightsync.logs import quieted
 from weightsync.manifest import VersionManifest
 
 CASES = ("staged", "direct", "ipc-cross", "nccl")
@@ -116,25 +116,13 @@ class _Workers:
                 link.process.terminate()
 
 
-def _machine(device: torch.device) -> str:
-    if device.type != "cuda":
-        return f"CPU ({platform.processor() or platform.machine()}), torch {torch.__version__}"
-    n = torch.cuda.device_count()
-    return f"{n} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-
-
+@quieted("weightsync.sender")
 def run(cfg: BenchConfig, console) -> Report:
     """Run every floor, baseline and case of ``cfg``; returns the report (rows in run order).
 
     The embedded sender's per-version log lines are silenced while it runs: the report is the
     output, and rendering them would compete with the measured versions for the GIL."""
-    sender_log = logging.getLogger("weightsync.sender")
-    level = sender_log.level
-    sender_log.setLevel(logging.WARNING)
-    try:
-        return _run(cfg, console)
-    finally:
-        sender_log.setLevel(level)
+    return _run(cfg, console)
 
 
 def _run(cfg: BenchConfig, console) -> Report:
@@ -164,7 +152,7 @@ def _run(cfg: BenchConfig, console) -> Report:
             "warmup": cfg.warmup,
             "device": str(device),
             "gpus": gpus,
-            "machine": _machine(device),
+            "machine": machine(device),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "memory_measure": "torch.cuda.max_memory_allocated delta per process (IPC-mapped "
             "memory counts in the process that allocated it)",
@@ -175,7 +163,7 @@ def _run(cfg: BenchConfig, console) -> Report:
     if shape.full_layers:
         console.print(f"[yellow]{shape.name}: {model_note}[/yellow]")
     if cuda:
-        _check_memory(nbytes, cfg.bucket_size_bytes)
+        check_memory(nbytes, cfg.bucket_size_bytes)
     placements = {SAME if cuda else "cpu": str(device)}
     if gpus >= 2 and {"ipc-cross", "nccl"} & set(cfg.cases):
         placements[OTHER] = "cuda:1"
@@ -213,18 +201,6 @@ def _run(cfg: BenchConfig, console) -> Report:
     if not cuda:
         notes.append("CPU mode: shm instead of cuda_ipc; direct, cross-GPU and nccl skipped")
     return report
-
-
-def _check_memory(nbytes: int, bucket: int) -> None:
-    # cuda:0 holds the trainer shards, the HF-tensor copies (floor twin and baseline source),
-    # the colocated receiver's model and the staging buffers at once.
-    need = 3 * nbytes + 2 * bucket
-    free, _ = torch.cuda.mem_get_info(0)
-    if need > free:
-        raise ConfigError(
-            f"the bench needs about {need / 1e9:.1f} GB on cuda:0 for this model, "
-            f"{free / 1e9:.1f} GB are free: cut the model with --layers N"
-        )
 
 
 def _broadcast_floor(cfg: BenchConfig, nbytes: int, cuda: bool, gpus: int) -> Row:
