@@ -137,6 +137,12 @@ class StreamReceiver:
             torch.cuda.current_stream(self.device).synchronize()
         target.taken.release()
 
+    def _finish(self, kind: str, payload) -> None:
+        """The version's end: "done" records its version, anything else raises its error."""
+        if kind != "done":
+            raise payload
+        self.last_version = payload
+
     @staticmethod
     def _close(target: StreamTarget) -> None:
         target.closed.set()
@@ -157,16 +163,12 @@ class StreamReceiver:
         try:
             while True:
                 kind, payload = target.items.get()
-                if kind == "tensors":
-                    yield from payload
-                    self._taken(target)
-                elif kind == "done":
+                if kind != "tensors":
                     finished = True
-                    self.last_version = payload
+                    self._finish(kind, payload)
                     return
-                else:
-                    finished = True
-                    raise payload
+                yield from payload
+                self._taken(target)
         finally:
             if not finished:
                 self._close(target)
@@ -180,17 +182,13 @@ class StreamReceiver:
         try:
             while True:
                 kind, payload = await asyncio.to_thread(target.items.get)
-                if kind == "tensors":
-                    for item in payload:
-                        yield item
-                    self._taken(target)
-                elif kind == "done":
+                if kind != "tensors":
                     finished = True
-                    self.last_version = payload
+                    self._finish(kind, payload)
                     return
-                else:
-                    finished = True
-                    raise payload
+                for item in payload:
+                    yield item
+                self._taken(target)
         finally:
             if not finished:
                 self._close(target)
