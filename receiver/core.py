@@ -40,7 +40,10 @@ from weightsync.wire import ManifestCache, describe, error_to_pb
 def _close_at_exit(ref: weakref.ref[ReceiverCore]) -> None:
     receiver = ref()
     if receiver is not None:
-        receiver.close(flush_timeout_s=2.0)
+        # Long enough for a loaded machine to deliver the last "applied": losing it makes the
+        # sender report a version this receiver did apply as failed. Only paid while the
+        # sender is alive and slow; a gone sender ends the stream at once.
+        receiver.close(flush_timeout_s=10.0)
 
 
 def as_weightsync_error(error: BaseException, where: str) -> WeightSyncError:
