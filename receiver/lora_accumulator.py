@@ -12,6 +12,38 @@ import torch
 from weightsync.errors import ManifestMismatchError, ProtocolError
 from weightsync.manifest import LoraAdapterSpec
 
+MAX_ADAPTER_NAME_BYTES = 200
+"""Engines store an adapter under its name, and vLLM's copy as ``.<name>.v<version>`` (up to 23
+bytes more): 200 keeps every such file name within Linux's 255-byte limit, so a name that passes
+here cannot fail at commit, after the base weights were written."""
+
+
+def check_adapter(spec: LoraAdapterSpec) -> None:
+    """Everything an engine checks of an adapter before a version writes anything."""
+    check_adapter_name(spec.name)
+    check_peft_names(spec)
+
+
+def check_adapter_name(name: str, error: type[Exception] = ManifestMismatchError) -> None:
+    """Reject a name that is not one plain file name (engines make it a path)."""
+    try:
+        size = len(name.encode())
+    except UnicodeEncodeError:
+        size = -1
+    if size < 0:
+        problem = "is not valid UTF-8"
+    elif not name:
+        problem = "is empty"
+    elif "\0" in name or "/" in name or "\\" in name:
+        problem = "contains a NUL or a path separator"
+    elif name.startswith("."):
+        problem = "starts with '.' (., .. and hidden names are not adapter names)"
+    elif size > MAX_ADAPTER_NAME_BYTES:
+        problem = f"is {size} bytes long, over {MAX_ADAPTER_NAME_BYTES}"
+    else:
+        return
+    raise error(f"LoRA adapter name {name!r} {problem}; it must be a plain file name")
+
 
 def check_peft_names(spec: LoraAdapterSpec) -> None:
     """Reject an adapter carrying a tensor that is not a PEFT ``lora_A``/``lora_B`` weight."""

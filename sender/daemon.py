@@ -10,6 +10,7 @@ from weightsync.control.server import create_server
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.coordinator import Coordinator
 from weightsync.sender.service import WeightSyncServicer
+from weightsync.transports.shm import claim_staging
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
 
@@ -36,6 +37,9 @@ class Sender:
         if self.settings.metrics_port:  # first: a busy port fails before anything else is up
             self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
         try:
+            # Before any staging exists: a predecessor on this address killed with -9 left its
+            # shm segments behind; they are ours to remove.
+            claim_staging(self.settings.listen)
             self.coordinator = Coordinator(self.settings, self.metrics)
             servicer = WeightSyncServicer(self.coordinator)
             self._server, bound, self._health = create_server(

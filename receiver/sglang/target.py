@@ -22,7 +22,7 @@ import torch
 
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
-from weightsync.receiver.lora_accumulator import LoraAccumulator, check_peft_names
+from weightsync.receiver.lora_accumulator import LoraAccumulator, check_adapter
 from weightsync.receiver.name_resolver import ResolvedName, check_specs
 from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes, sglang_resolver
 from weightsync.receiver.target import WeightTarget
@@ -88,7 +88,7 @@ class SglangWeightTarget(WeightTarget):
                 "target has no LoRA loader: build it with target_from_model_runner on a server "
                 "launched with --enable-lora (and --max-lora-rank, --lora-target-modules)"
             )
-        check_peft_names(spec)
+        check_adapter(spec)
         self.lora_loader.validate(spec)
 
     def begin(self, manifest: VersionManifest) -> None:

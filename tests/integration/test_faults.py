@@ -334,7 +334,7 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
         daemon.kill()
         # A killed daemon cannot unlink its shared memory.
         for pid in pids:
-            for path in glob.glob(f"/dev/shm/weightsync-{pid}-*"):
+            for path in glob.glob(f"/dev/shm/weightsync-*-{pid}-*"):
                 os.unlink(path)
 
 

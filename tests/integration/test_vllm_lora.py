@@ -68,3 +68,13 @@ def test_adapter_over_max_rank_rejected(engine):
     spec = LoraAdapterSpec(ADAPTER, config, (name,))
     with pytest.raises(ManifestMismatchError, match="policy"):
         target.validate(manifest_of(9, tensors, spec))
+
+
+def test_adapter_name_with_nul_rejected_at_validation(engine):
+    """Refused in ``validate``, before ``begin``: no base weight is written for it."""
+    root, llm, worker, target, template = engine
+    config = json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+    name = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    spec = LoraAdapterSpec("pol\0icy", config, (name,))
+    with pytest.raises(ManifestMismatchError, match="'pol\\\\x00icy' contains a NUL"):
+        target.validate(manifest_of(9, {name: torch.zeros(8, 128)}, spec))

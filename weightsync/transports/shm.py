@@ -1,9 +1,18 @@
-"""POSIX shared memory (``/dev/shm``) buffers, created owner-only, for CPU tensors."""
+"""POSIX shared memory (``/dev/shm``) buffers, created owner-only, for CPU tensors.
+
+Segments are named ``weightsync-<owner key>-<pid>-<hex>``. The owner key is a hash of the
+sender's listen address (:func:`claim_staging`), so a sender restarted on the same address finds
+the segments a killed predecessor left behind (2 x bucket each) and removes those whose pid is
+gone; a live process's segments are never touched.
+"""
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import mmap
 import os
+import re
 import uuid
 
 import torch
@@ -13,6 +22,76 @@ from weightsync.transports.base import StagingBuffer, Transport
 from weightsync.v1 import weightsync_pb2 as pb
 
 SHM_DIR = "/dev/shm"
+"""Where segments are created; a module setting so tests can point it elsewhere."""
+
+_PREFIX = "weightsync-"
+_ANONYMOUS = "anon"  # segments of a process that claimed no listen address: never reclaimed
+_owner_key = _ANONYMOUS
+_SEGMENT = re.compile(r"weightsync-(?P<key>[0-9a-f]{16})-(?P<pid>\d+)-[0-9a-f]{12}")
+
+
+def owner_key(listen: str) -> str:
+    """The key segments of a sender listening on ``listen`` carry in their names."""
+    return hashlib.sha256(listen.encode()).hexdigest()[:16]
+
+
+def claim_staging(listen: str) -> list[str]:
+    """Name this process's segments after ``listen`` and remove a dead predecessor's.
+
+    Returns the paths removed. One key per process: a second sender in the same process
+    renames the segments allocated after it (both live, so nothing of theirs is reclaimed).
+    """
+    global _owner_key
+    _owner_key = owner_key(listen)
+    try:
+        entries = os.listdir(SHM_DIR)
+    except OSError:
+        return []
+    removed = []
+    for entry in entries:
+        m = _SEGMENT.fullmatch(entry)
+        if m is None or m["key"] != _owner_key or _alive(int(m["pid"])):
+            continue
+        path = os.path.join(SHM_DIR, entry)
+        try:
+            os.unlink(path)  # receivers still mapping it keep their pages until they unmap
+        except OSError:
+            continue  # another user's (sticky /dev/shm) or already gone
+        removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, another user's
+    # A zombie (killed, not yet reaped) maps nothing any more: its segments are orphans.
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _reserve(fd: int, path: str, nbytes: int) -> None:
+    # ftruncate alone makes a sparse file: a too-small /dev/shm (Docker's 64 MiB) then shows up
+    # as SIGBUS in the middle of packing. fallocate takes the pages now, or fails here.
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EFBIG):
+            raise TransportError(f"shared memory {path}: cannot allocate ({e.strerror})") from e
+        st = os.statvfs(os.path.dirname(path))
+        raise TransportError(
+            f"shared memory {path}: cannot allocate {nbytes} bytes, "
+            f"{os.path.dirname(path)} has {st.f_bavail * st.f_frsize} bytes free; enlarge it "
+            "(docker run --shm-size=...) or stage in smaller buckets (--bucket-size-mb)"
+        ) from e
 
 
 def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
@@ -23,7 +102,12 @@ def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
         raise TransportError(f"shared memory {path}: cannot open ({e.strerror})") from e
     try:
         if create:
-            os.ftruncate(fd, nbytes)
+            try:
+                if nbytes:
+                    _reserve(fd, path, nbytes)
+            except BaseException:
+                os.unlink(path)  # a half-made segment would only leak
+                raise
         elif os.fstat(fd).st_size < nbytes:
             raise TransportError(
                 f"shared memory {path} holds {os.fstat(fd).st_size} bytes, announced {nbytes}"
@@ -45,7 +129,7 @@ class ShmTransport(Transport):
     def _allocate(self, nbytes: int, device: torch.device) -> StagingBuffer:
         if device.type != "cpu":
             raise TransportError(f"the shm transport stages on the CPU, not on {device}")
-        buffer_id = f"weightsync-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        buffer_id = f"{_PREFIX}{_owner_key}-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         path = os.path.join(SHM_DIR, buffer_id)
         tensor = _map_file(path, nbytes, create=True)
         handle = pb.BufferHandle(buffer_id=buffer_id, nbytes=nbytes, shm=pb.ShmHandle(path=path))

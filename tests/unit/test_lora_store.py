@@ -1,0 +1,110 @@
+"""The vLLM LoRA directory is the engine user's alone and nothing there follows a planted link;
+adapter names that cannot be one file name are refused at validation, before any write."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")
+
+from weightsync.errors import ConfigError, ManifestMismatchError  # noqa: E402
+from weightsync.manifest import LoraAdapterSpec  # noqa: E402
+from weightsync.receiver.vllm.lora_store import LoraStore, default_lora_dir  # noqa: E402
+
+_TENSOR = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+_CONFIG = json.dumps({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]})
+
+
+def _adapter(name: str = "policy") -> tuple[LoraAdapterSpec, dict[str, torch.Tensor]]:
+    return LoraAdapterSpec(name, _CONFIG, (_TENSOR,)), {_TENSOR: torch.zeros(8, 16)}
+
+
+@pytest.fixture
+def victim(tmp_path):
+    """A directory the engine must never delete or write into."""
+    d = tmp_path / "victim"
+    d.mkdir()
+    (d / "marker").write_text("keep")
+    return d
+
+
+@pytest.fixture
+def shared_tmp(tmp_path, monkeypatch):
+    """The shared temp dir the default LoRA directory lives in."""
+    monkeypatch.delenv("WEIGHTSYNC_LORA_DIR", raising=False)
+    d = tmp_path / "tmp"
+    d.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(d))
+    return d
+
+
+def test_the_default_directory_is_created_private_per_user(shared_tmp):
+    store = LoraStore(None, None)
+    assert store.lora_dir == str(shared_tmp / f"weightsync-lora-{os.getuid()}")
+    store.register(_adapter(), 1)
+    assert os.stat(store.lora_dir).st_mode & 0o777 == 0o700
+
+
+def test_a_symlink_planted_at_the_default_path_is_refused_and_not_followed(shared_tmp, victim):
+    os.symlink(victim, default_lora_dir())
+    store = LoraStore(None, None)
+    with pytest.raises(ManifestMismatchError, match="not a plain directory"):
+        store.validate(_adapter()[0])
+    with pytest.raises(ConfigError, match="not a plain directory"):
+        store.register(_adapter(), 1)
+    assert os.listdir(victim) == ["marker"]
+
+
+def test_a_directory_others_can_write_is_refused(shared_tmp):
+    os.mkdir(default_lora_dir())
+    os.chmod(default_lora_dir(), 0o777)
+    with pytest.raises(ManifestMismatchError, match="mode 777: others could swap"):
+        LoraStore(None, None).validate(_adapter()[0])
+
+
+def test_a_planted_adapter_link_is_replaced_and_its_target_left_alone(tmp_path, victim):
+    store = LoraStore(str(tmp_path / "adapters"), None)
+    store.register(_adapter(), 1)
+    stable = tmp_path / "adapters" / "policy"
+    os.unlink(stable)
+    os.symlink(victim, stable)  # what the engine used to rmtree as "the previous version"
+    store.register(_adapter(), 2)
+    assert os.listdir(victim) == ["marker"]
+    assert os.readlink(stable) == ".policy.v2"
+    assert sorted(os.listdir(tmp_path / "adapters")) == [".policy.v1", ".policy.v2", "policy"]
+    store.register(_adapter(), 3)  # a version of its own is still replaced and removed
+    assert sorted(os.listdir(tmp_path / "adapters")) == [".policy.v1", ".policy.v3", "policy"]
+
+
+@pytest.mark.parametrize(
+    ("name", "problem"),
+    [
+        ("po\0licy", "contains a NUL or a path separator"),
+        ("a/b", "contains a NUL or a path separator"),
+        ("a\\b", "contains a NUL or a path separator"),
+        ("..", "starts with '.' (., .. and hidden names are not adapter names)"),
+        (".", "starts with '.' (., .. and hidden names are not adapter names)"),
+        ("x" * 201, "is 201 bytes long, over 200"),
+        ("\udc80", "is not valid UTF-8"),
+    ],
+)
+def test_a_name_that_is_not_one_file_name_fails_validation_naming_it(tmp_path, name, problem):
+    store = LoraStore(str(tmp_path / "adapters"), None)
+    with pytest.raises(ManifestMismatchError) as info:
+        store.validate(_adapter(name)[0])
+    assert str(info.value) == (
+        f"LoRA adapter name {name!r} {problem}; it must be a plain file name"
+    )
+    assert not (tmp_path / "adapters").exists()  # refused before anything was written
+
+
+def test_the_longest_name_allowed_commits(tmp_path):
+    store = LoraStore(str(tmp_path / "adapters"), None)
+    spec, tensors = _adapter("x" * 200)
+    store.validate(spec)
+    store.register((spec, tensors), 2**63 - 1)
