@@ -126,6 +126,7 @@ class Coordinator:
         self, hello: pb.PublisherHello, begin: pb.BeginVersion, outbox: queue.Queue
     ) -> tuple[VersionRun | None, RankConn]:
         check_publisher_hello(hello)
+        check_manifest_not_empty(begin.manifest)
         manifest, manifest_key = self._manifests(begin.manifest)
         trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
@@ -360,6 +361,16 @@ def check_publisher_hello(hello: pb.PublisherHello) -> None:
                 f"PublisherHello.device {hello.device!r}: this sender sees {count} GPU(s); "
                 "send PublisherHello.device_uuid so it finds the GPU by UUID"
             )
+
+
+def check_manifest_not_empty(manifest: pb.Manifest) -> None:
+    """A version with no tensors would be started and reported applied while changing
+    nothing: refused (ConfigError naming the field) before it takes the version number."""
+    if not manifest.tensors:
+        raise ConfigError(
+            f"BeginVersion.manifest of version {manifest.version} has no tensors; "
+            "publish at least one"
+        )
 
 
 def check_receiver_hello(hello: pb.ReceiverHello) -> None:

@@ -91,6 +91,11 @@ class VersionDriver:
 
     def _start(self, run: VersionRun, device: torch.device) -> None:
         with self._cond:
+            if run.done:
+                # Abandoned while it queued behind another version (its publisher gave up
+                # or left): announcing it would leave receivers inside a version that never
+                # ends, failing the next one.
+                raise RunAborted()
             self._ensure_slots(run, device)
             start = pb.Announcement(
                 start=pb.VersionStart(

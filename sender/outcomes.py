@@ -215,7 +215,7 @@ class Outcomes:
         for rank in run.ranks.values():
             rank.outbox.put(WeightSyncError(f"version {run.version} abandoned: {detail.message}"))
         if not finished:
-            run.state = "failed"
+            run.state, run.abandoned = "failed", detail
             run.complete_s = time.monotonic() - run.started_mono
             self._metrics.version_done(run.state, run.complete_s)
             self.finished.append(_summary(run, abandoned=detail.message))

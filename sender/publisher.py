@@ -18,6 +18,7 @@ from weightsync import trace
 from weightsync.buckets import Bucket, TensorSpec, pack_entry
 from weightsync.control.client import connect
 from weightsync.errors import (
+    ConfigError,
     ReceiverFailedError,
     SyncTimeoutError,
     WeightSyncError,
@@ -116,6 +117,7 @@ class Publisher:
         or, with ``wait=True``, once every receiver applied the version.
 
         Raises:
+            ConfigError: ``named_tensors`` is empty (before any call to the sender).
             VersionError: ``version`` is not greater than the last published one.
             ReceiverFailedError: with ``wait=True``, a receiver failed; names each and why.
             SyncTimeoutError: the sender or receivers took longer than ``timeout_s``.
@@ -167,6 +169,12 @@ class Publisher:
         """
         what = f"publish version {manifest.version} to {self.address}"
         version = manifest.version
+        if not manifest.tensors:
+            # The sender refuses it too; failing here costs no stream.
+            raise ConfigError(
+                f"{what}: BeginVersion.manifest of version {version} has no tensors; "
+                "publish at least one"
+            )
         trace.mark("publish", version=version, rank=self.rank)
         begin = pb.BeginVersion(wait_applied=wait)
         begin.manifest.CopyFrom(self._manifest_pb(manifest))

@@ -130,6 +130,8 @@ class VersionRun:
     staged_s: float = 0.0
     complete_s: float = 0.0
     state: str = "packing"
+    abandoned: pb.ErrorDetail | None = None
+    """Why the version was abandoned, when it was (Status shows it)."""
 
     @property
     def version(self) -> int:
@@ -158,6 +160,7 @@ class VersionRun:
             staged_bytes=self.tensors.staged.total_bytes,
             sender_packed=self.regions is not None,
             route_bytes=self.route_bytes,
+            abandoned=self.abandoned,
             num_tensors=len(self.manifest.tensors),
             num_buckets=len(self.tensors.staged.buckets) + (1 if direct else 0),
             started_at_unix_s=self.started_at,

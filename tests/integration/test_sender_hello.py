@@ -19,6 +19,7 @@ import torch
 
 from tests.support import wait_until
 from weightsync.control.client import connect
+from weightsync.errors import ConfigError
 from weightsync.sender import Publisher
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -250,3 +251,32 @@ def test_the_sender_exits_on_sigterm_after_an_empty_device_hello(sock_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+EMPTY_MANIFEST = (
+    "ConfigError: BeginVersion.manifest of version 2 has no tensors; publish at least one"
+)
+
+
+def test_a_begin_with_an_empty_manifest_is_invalid_argument_and_takes_no_version(sender):
+    """An empty manifest used to be planned, started and reported applied by every receiver."""
+    Publisher(sender.address).publish({"w": torch.ones(4)}, 1)
+    raw = RawPublisher(sender.address)
+    raw.begin(2, tensors=[])
+    assert raw.outcome() == (["welcome"], grpc.StatusCode.INVALID_ARGUMENT, EMPTY_MANIFEST)
+    raw.close()
+    assert_nothing_left(sender, last_version=1)
+    assert [v.version for v in sender.coordinator.status().versions] == [1]
+
+
+def test_the_publisher_refuses_an_empty_manifest_before_any_rpc(sender):
+    publisher = Publisher(sender.address)
+    with pytest.raises(ConfigError) as refused:
+        publisher.publish({}, 2)
+    assert str(refused.value) == (
+        f"publish version 2 to {sender.address}: BeginVersion.manifest of version 2 has no "
+        "tensors; publish at least one"
+    )
+    assert publisher._stream is None  # no Publish stream was opened
+    assert sender.coordinator.last_version == 0
+    publisher.close()
