@@ -21,11 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.config import ALIGNMENT_BYTES, DEFAULT_BUCKET_SIZE_BYTES, check_bucket_size
 from weightsync.dtypes import dtype_from_name, dtype_name, itemsize
-from weightsync.errors import ConfigError, PlanError
-
-ALIGNMENT_BYTES = 256
-DEFAULT_BUCKET_SIZE_BYTES = 512 * 1024 * 1024
+from weightsync.errors import PlanError
 
 
 @dataclass(frozen=True)
@@ -116,16 +114,6 @@ class BucketPlan:
 
 def align_up(n: int, alignment: int = ALIGNMENT_BYTES) -> int:
     return (n + alignment - 1) // alignment * alignment
-
-
-def check_bucket_size(bucket_size_bytes: int) -> int:
-    """Validate a bucket cap; it must be a positive multiple of the alignment."""
-    if bucket_size_bytes < ALIGNMENT_BYTES or bucket_size_bytes % ALIGNMENT_BYTES:
-        raise ConfigError(
-            f"bucket_size_bytes={bucket_size_bytes} must be a positive multiple of "
-            f"{ALIGNMENT_BYTES} (e.g. {DEFAULT_BUCKET_SIZE_BYTES} for 512 MiB)"
-        )
-    return bucket_size_bytes
 
 
 def check_manifest(specs: Sequence[TensorSpec]) -> None:

@@ -16,10 +16,21 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from weightsync.errors import ConfigError
 
-# The values of weightsync.buckets (which imports torch): settings and the CLI stay light, so
-# `weightsync --version` or `status` start fast. tests/unit/test_config.py checks they agree.
+# The bucket format's sizes live here, not in weightsync.buckets (which imports torch), so that
+# settings and the CLI stay light: `weightsync --version` or `status` start fast.
 ALIGNMENT_BYTES = 256
 DEFAULT_BUCKET_SIZE_BYTES = 512 * 1024 * 1024
+
+
+def check_bucket_size(bucket_size_bytes: int) -> int:
+    """Validate a bucket cap; it must be a positive multiple of the alignment."""
+    if bucket_size_bytes < ALIGNMENT_BYTES or bucket_size_bytes % ALIGNMENT_BYTES:
+        raise ConfigError(
+            f"bucket_size_bytes={bucket_size_bytes} must be a positive multiple of "
+            f"{ALIGNMENT_BYTES} (e.g. {DEFAULT_BUCKET_SIZE_BYTES} for 512 MiB)"
+        )
+    return bucket_size_bytes
+
 
 DEFAULT_ADDRESS = "unix:/tmp/weightsync.sock"
 ENV_PREFIX = "WEIGHTSYNC_"
@@ -125,8 +136,6 @@ class SenderSettings(_Settings):
     @field_validator("bucket_size_bytes")
     @classmethod
     def _aligned(cls, v: int) -> int:
-        from weightsync.buckets import check_bucket_size
-
         try:
             return check_bucket_size(v)
         except ConfigError as e:  # pydantic reports only ValueErrors as validation errors

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
-import sys
 import time
 
 import grpc
@@ -21,6 +19,7 @@ from tests.support import (
     sync_in_thread,
     wait_until,
 )
+from tests.support.processes import sender_process
 from weightsync.errors import (
     ChecksumError,
     ConfigError,
@@ -272,26 +271,6 @@ def test_receiver_registers_again_after_the_sender_restarts(sock_dir):
     assert results == [1] and digests(model) == digests(trainer)
 
 
-def _sender_process(address: str) -> subprocess.Popen:
-    """A real `weightsync-sender` daemon, ready once its health check answers."""
-    proc = subprocess.Popen(
-        [
-            os.path.join(os.path.dirname(sys.executable), "weightsync-sender"),
-            "--listen",
-            address,
-            "--bucket-size-mb",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    from weightsync.control.client import connect
-
-    channel, _ = connect(address, timeout_s=30)
-    channel.close()
-    return proc
-
-
 def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir):
     address = f"unix:{sock_dir}/s.sock"
     model = TinyNet(seed=1)
@@ -300,7 +279,7 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
     # receiver acks, so the version cannot finish once the daemon is gone.
     trainer.embed = torch.nn.Parameter(torch.randn(60000, 16))
     model.embed = torch.nn.Parameter(torch.zeros(60000, 16))
-    daemon = _sender_process(address)
+    daemon = sender_process(address)
     pids = [daemon.pid]
     try:
         receiver = TorchReceiver(model, address, receiver_id="survivor")
@@ -320,7 +299,7 @@ def test_a_killed_sender_fails_the_version_in_flight_and_the_next_heals(sock_dir
         assert isinstance(results[0], TransportError), results
         assert "during a version" in str(results[0])
         assert receiver.dirty and receiver.applied_version == 0
-        daemon = _sender_process(address)
+        daemon = sender_process(address)
         pids.append(daemon.pid)
         t, results = sync_in_thread(receiver)
         publisher = Publisher(address)

@@ -10,29 +10,10 @@ import sys
 import textwrap
 
 from tests.support import TinyNet, digests, sync_in_thread
+from tests.support.processes import sender_process
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher
 from weightsync.transports.shm import owner_key
-
-
-def _sender_process(address: str) -> subprocess.Popen:
-    proc = subprocess.Popen(
-        [
-            os.path.join(os.path.dirname(sys.executable), "weightsync-sender"),
-            "--listen",
-            address,
-            "--bucket-size-mb",
-            "1",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    from weightsync.control.client import connect
-
-    channel, _ = connect(address, timeout_s=30)
-    channel.close()
-    return proc
-
 
 # Another live process whose segment carries the same key: it must survive the claim.
 _LIVE_OWNER = textwrap.dedent(
@@ -51,7 +32,7 @@ _LIVE_OWNER = textwrap.dedent(
 def test_a_restarted_sender_reclaims_a_killed_predecessors_staging(sock_dir):
     address = f"unix:{sock_dir}/s.sock"
     key = owner_key(address)
-    daemon = _sender_process(address)
+    daemon = sender_process(address)
     live = subprocess.Popen(
         [sys.executable, "-c", _LIVE_OWNER, address], stdout=subprocess.PIPE, text=True
     )
@@ -68,7 +49,7 @@ def test_a_restarted_sender_reclaims_a_killed_predecessors_staging(sock_dir):
         daemon.kill()
         daemon.wait(10)
         assert all(os.path.exists(p) for p in left)  # a killed sender cannot unlink them
-        daemon = _sender_process(address)
+        daemon = sender_process(address)
         assert [p for p in left if os.path.exists(p)] == []
         assert os.path.exists(live_segment)
     finally:

@@ -4,8 +4,11 @@ in their own processes (reporting ``Outcome``s on a queue) or in a thread of the
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -13,6 +16,7 @@ from contextlib import contextmanager
 from typing import NamedTuple
 
 from tests.support.models import TinyNet, digests, step
+from weightsync.control.client import connect
 
 
 @contextmanager
@@ -49,6 +53,24 @@ class Outcome(NamedTuple):
     digests: dict[str, str]
     """``digests`` of the receiver's model after the sync."""
     error: str
+
+
+def sender_process(address: str) -> subprocess.Popen:
+    """A real `weightsync-sender` daemon, ready once its health check answers."""
+    proc = subprocess.Popen(
+        [
+            os.path.join(os.path.dirname(sys.executable), "weightsync-sender"),
+            "--listen",
+            address,
+            "--bucket-size-mb",
+            "1",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    channel, _ = connect(address, timeout_s=30)
+    channel.close()
+    return proc
 
 
 def _receiver_main(address, rid, seed, syncs, die_on_version, ready, out, env):

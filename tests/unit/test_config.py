@@ -1,11 +1,8 @@
 import pytest
 
-from weightsync import buckets
 from weightsync.addresses import parse_address
 from weightsync.config import (
-    ALIGNMENT_BYTES,
     DEFAULT_ADDRESS,
-    DEFAULT_BUCKET_SIZE_BYTES,
     LogSettings,
     SenderSettings,
     client_address,
@@ -33,12 +30,6 @@ def test_settings_from_env(monkeypatch):
 
 def test_metrics_bind_this_machine_only_by_default():
     assert SenderSettings().metrics_host == "127.0.0.1"
-
-
-def test_constants_agree_with_the_bucket_format():
-    # config repeats them so that it (and the CLI) import no torch
-    assert ALIGNMENT_BYTES == buckets.ALIGNMENT_BYTES
-    assert DEFAULT_BUCKET_SIZE_BYTES == buckets.DEFAULT_BUCKET_SIZE_BYTES
 
 
 def _message(**kwargs) -> str:
