@@ -22,7 +22,6 @@ What the receiver keeps across versions (each keyed so that a hit is the same by
 
 from __future__ import annotations
 
-import atexit
 import time
 import weakref
 
@@ -36,14 +35,18 @@ from weightsync.receiver.target import WeightTarget
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import ManifestCache, describe, error_to_pb
 
+# Long enough for a loaded machine to deliver the last "applied" when a receiver is dropped
+# or its process exits unclosed: losing it makes the sender report a version this receiver
+# did apply as failed. Only paid while the sender is alive and slow; a gone sender ends the
+# stream at once.
+_LEAVE_FLUSH_S = 10.0
 
-def _close_at_exit(ref: weakref.ref[ReceiverCore]) -> None:
-    receiver = ref()
-    if receiver is not None:
-        # Long enough for a loaded machine to deliver the last "applied": losing it makes the
-        # sender report a version this receiver did apply as failed. Only paid while the
-        # sender is alive and slow; a gone sender ends the stream at once.
-        receiver.close(flush_timeout_s=10.0)
+
+def _leave(connection: Connection, broadcast: BroadcastReceiver, flush_timeout_s: float) -> None:
+    if connection.closed:
+        return
+    connection.close(flush_timeout_s)
+    broadcast.close()
 
 
 def as_weightsync_error(error: BaseException, where: str) -> WeightSyncError:
@@ -119,8 +122,11 @@ class ReceiverCore:
             connect_timeout_s=connect_timeout_s,
         )
         self.receiver_id = self._connection.receiver_id
-        # A process that exits right after sync() must still deliver its last "applied".
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # A receiver dropped right after sync() (a function's local, a process that exits)
+        # must still deliver its last "applied": the finalizer holds the parts, not self.
+        self._leave_finalizer = weakref.finalize(
+            self, _leave, self._connection, self._broadcast, _LEAVE_FLUSH_S
+        )
 
     def _send(self, **kind: object) -> None:
         self._connection.send(pb.ReceiverMessage(**kind))
@@ -231,10 +237,8 @@ class ReceiverCore:
 
     def close(self, flush_timeout_s: float = 5.0) -> None:
         """Deliver pending acks, then leave: ending our stream lets the sender end its side."""
-        if self._connection.closed:
-            return
-        self._connection.close(flush_timeout_s)
-        self._broadcast.close()
+        self._leave_finalizer.detach()
+        _leave(self._connection, self._broadcast, flush_timeout_s)
 
     def __enter__(self) -> ReceiverCore:
         return self

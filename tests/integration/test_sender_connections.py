@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import queue
 
@@ -62,6 +63,17 @@ def test_receivers_connected_gauge_follows_receivers(sender):
     wait_until(lambda: _gauge(sender, "weightsync_receivers_connected") == 1, 10, "1 receiver")
     r2.close()
     wait_until(lambda: _gauge(sender, "weightsync_receivers_connected") == 0, 10, "0 receivers")
+
+
+def test_a_receiver_dropped_unclosed_still_leaves(sender):
+    """A receiver that goes out of scope (a function's local, a process that exits) leaves
+    in order: a dropped one used to hold its stream open until the process died, losing the
+    last "applied" it had queued."""
+    receiver = TorchReceiver(TinyNet(seed=1), sender.address, receiver_id="dropped")
+    wait_until(lambda: _gauge(sender, "weightsync_receivers_connected") == 1, 10, "1 receiver")
+    del receiver
+    gc.collect()
+    wait_until(lambda: _gauge(sender, "weightsync_receivers_connected") == 0, 10, "it left")
 
 
 def test_one_log_line_per_connect_leave_and_finished_version(sender, caplog):

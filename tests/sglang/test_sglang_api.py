@@ -80,7 +80,8 @@ def test_lora_manager_api_signatures():
     params = inspect.signature(LoRAManager.load_lora_adapter_from_tensors).parameters
     assert list(params)[:4] == ["self", "lora_ref", "tensors", "config_dict"]
     assert list(inspect.signature(LoRAManager.unload_lora_adapter).parameters) == [
-        "self", "lora_ref"
+        "self",
+        "lora_ref",
     ]
     assert {"lora_id", "lora_name", "lora_path"} <= set(LoRARef.__struct_fields__)
 

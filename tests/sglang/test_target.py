@@ -60,7 +60,8 @@ def test_partial_update_changes_only_what_was_sent(arch):
     # One slice of a packed qkv, one of a packed gate_up or of a fused expert, a norm.
     wanted = [
         "model.layers.1.self_attn.k_proj.weight",
-        "model.layers.0.mlp.experts.2.up_proj.weight" if arch == "qwen3_moe"
+        "model.layers.0.mlp.experts.2.up_proj.weight"
+        if arch == "qwen3_moe"
         else "model.layers.0.mlp.gate_proj.weight",
         "model.norm.weight",
     ]
@@ -117,8 +118,10 @@ def test_unknown_name_rejected_before_any_write():
     target = _target(model)
     good = random_weights(checkpoint_specs(hf), seed=3)
     drive(target, manifest_of(1, good), good, BUCKET_BYTES)
-    bad = {**random_weights(checkpoint_specs(hf), seed=4),
-           "model.layers.0.self_attn.qkv_proj_typo.weight": torch.zeros(4)}
+    bad = {
+        **random_weights(checkpoint_specs(hf), seed=4),
+        "model.layers.0.self_attn.qkv_proj_typo.weight": torch.zeros(4),
+    }
     with pytest.raises(NameResolutionError, match="qkv_proj_typo"):
         target.validate(manifest_of(2, bad))
     assert_live_equals(model, good)

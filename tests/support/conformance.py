@@ -179,8 +179,6 @@ class SenderProcess:
         return next(self._versions)
 
 
-
-
 def connected_receivers(clients: Clients) -> set[str]:
     return {r["receiver_id"] for r in clients.status().get("receivers", []) if r.get("connected")}
 
@@ -259,8 +257,6 @@ def raw_bytes(tensor) -> bytes:
     import torch
 
     return tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
 
 
 def num(message: dict, field: str) -> int:
