@@ -11,7 +11,7 @@ Run on a GPU machine (prints the timing and the floor)::
 Settings (environment): ``WS_NODE_GPUS`` (default: every GPU), ``WS_NODE_MODEL`` (a
 ``weightsync bench`` model, default ``qwen2.5-7b``), ``WS_NODE_LAYERS`` (default: all),
 ``WS_NODE_VERSIONS`` (measured, default 3, after one warm-up), ``WS_NODE_FLOOR_REPS``
-(default 5).
+(default 5). The engines run TP=1 x N, then TP=2 x N/2 (each rank keeping vLLM's shard).
 """
 
 from __future__ import annotations
@@ -27,11 +27,14 @@ pytestmark = [
 ]
 
 
-def test_dp_sources_each_gpu_reads_its_own_copy_against_the_floor():
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_dp_sources_each_gpu_reads_its_own_copy_against_the_floor(engine_tp):
     from weightsync.app.bench.models import model_shape
     from weightsync.app.bench.node import measure_node, summary
 
     n = int(os.environ.get("WS_NODE_GPUS", "0")) or torch.cuda.device_count()
+    if n % engine_tp:
+        pytest.skip(f"engines TP={engine_tp} need a multiple of {engine_tp} GPUs, not {n}")
     shape = model_shape(
         os.environ.get("WS_NODE_MODEL", "qwen2.5-7b"),
         int(os.environ.get("WS_NODE_LAYERS", "0")) or None,
@@ -43,7 +46,9 @@ def test_dp_sources_each_gpu_reads_its_own_copy_against_the_floor():
         warmup=1,
         reps=int(os.environ.get("WS_NODE_FLOOR_REPS", "5")),
         timeout_s=300,
+        engine_tp=engine_tp,
     )
     print("\n" + summary(run))
     assert run.bit_exact
     assert run.route_bytes["local"] == n * run.nbytes and run.route_bytes["peer"] == 0
+    assert run.kept_nbytes < run.nbytes / engine_tp * 1.01

@@ -10,7 +10,7 @@ from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import hf_specs, model_shape
 from weightsync.app.bench.worker import verify
 from weightsync.buckets import TensorSpec
-from weightsync.errors import ManifestMismatchError, NameResolutionError
+from weightsync.errors import ConfigError, ManifestMismatchError, NameResolutionError
 from weightsync.manifest import VersionManifest
 
 CPU = torch.device("cpu")
@@ -88,3 +88,65 @@ def test_verify_finds_a_single_flipped_element(tp):
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     target.resolve(name)[7, 9].view(torch.int16).bitwise_xor_(1)
     assert verify(target, shards) == (45, (name,))
+
+
+def _kept(hf: dict[str, torch.Tensor], targets: list[EngineLikeTarget]) -> list[str]:
+    """HF names whose ranks' live slices, joined along the shard dim, differ from ``hf``."""
+    wrong = []
+    for name, full in hf.items():
+        shard = targets[0].shard(name, tuple(full.shape))
+        parts = [t.resolve(name) for t in targets]
+        joined = parts[0] if shard.dim is None else torch.cat(parts, dim=shard.dim)
+        replicas_equal = all(torch.equal(p, parts[0]) for p in parts) or shard.dim is not None
+        if not (torch.equal(joined, full) and replicas_equal):
+            wrong.append(name)
+    return wrong
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_engine_tp2_ranks_keep_vllm_shards_that_join_to_every_tensor(model):
+    hf = _hf(model)
+    shape = model_shape(model)
+    targets = [EngineLikeTarget(EngineLikeModel(shape, CPU, tp=2, rank=r)) for r in (0, 1)]
+    manifest = VersionManifest(1, tuple(TensorSpec.of(n, t) for n, t in hf.items()))
+    for t in targets:
+        t.validate(manifest)
+        t.load(list(hf.items()))
+    assert _kept(hf, targets) == []
+    p = "model.layers.0"
+    assert targets[1].shard(f"{p}.self_attn.o_proj.weight", (128, 128)).dim == 1
+    assert targets[1].shard(f"{p}.input_layernorm.weight", (128,)).dim is None
+    o_proj = targets[1].model.get_parameter(f"{p}.self_attn.o_proj.weight")
+    assert torch.equal(o_proj, hf[f"{p}.self_attn.o_proj.weight"][:, 64:])
+
+
+def test_engine_tp2_chunks_through_a_real_sender_land_in_each_ranks_shard(sender):
+    """Bucket cap 4 KiB: the embedding, lm_head and down_proj arrive in chunks of whole rows,
+    written in place into each rank's rows (dim 0) or columns (row-parallel)."""
+    from tests.support import sync_in_thread
+    from weightsync.receiver.core import ReceiverCore
+    from weightsync.sender import Publisher
+
+    hf = _hf("tiny")
+    shape = model_shape("tiny")
+    targets = [EngineLikeTarget(EngineLikeModel(shape, CPU, tp=2, rank=r)) for r in (0, 1)]
+    receivers = [
+        ReceiverCore(t, sender.address, receiver_id=f"tp{r}") for r, t in enumerate(targets)
+    ]
+    threads = [sync_in_thread(r)[0] for r in receivers]
+    with Publisher(sender.address) as publisher:
+        publisher.publish(hf, 1, wait=True, timeout_s=60)
+    for t in threads:
+        t.finish(60)
+    for r in receivers:
+        r.close()
+    assert _kept(hf, targets) == []
+
+
+def test_engine_tp_that_does_not_split_is_refused_naming_the_field():
+    with pytest.raises(ConfigError, match="kv_heads 2 does not split"):
+        EngineLikeModel(model_shape("tiny"), CPU, tp=4, rank=0)
+    target = EngineLikeTarget(EngineLikeModel(model_shape("tiny"), CPU, tp=2, rank=0))
+    odd = TensorSpec("model.layers.0.self_attn.q_proj.weight", "bfloat16", (127, 128))
+    with pytest.raises(ManifestMismatchError, match="q_proj.*does not split"):
+        target.validate(VersionManifest(1, (odd,)))

@@ -50,6 +50,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "process per GPU), engines TP=1 x N (a receiver process per GPU), direct, against every "
         "GPU copying its share at once (add --tp '' --no-baselines --no-floors for it alone)",
     )
+    p.add_argument(
+        "--engine-tp",
+        type=int,
+        default=1,
+        help="node case: engines TP=T x N/T; each engine rank keeps vLLM's shard of every "
+        "tensor and reads only those bytes (the floor copies that share)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
     p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
@@ -87,6 +94,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         timeout_s=args.timeout_s,
         gpus=args.gpus,
+        engine_tp=args.engine_tp,
     )
 
 

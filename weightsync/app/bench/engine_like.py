@@ -8,9 +8,13 @@ parameter and copying into that slice: the work an engine's ``load_weights`` doe
 The target resolves names by probing the live module (its ``packed_modules_mapping`` and each
 packed parameter's ``output_sizes``, as vLLM exposes them), never by a per-model table.
 
+With ``tp > 1`` the model is one engine TP rank and holds vLLM's shard of every parameter
+(:func:`engine_shard`: column-parallel rows, row-parallel columns, norms and the router
+replicated); loading narrows each received tensor to that shard before the copy, so a rank
+reads only the bytes it keeps.
+
 What differs from a real engine (vLLM / SGLang):
 
-- engine TP=1: no per-rank narrowing of the received tensor before the copy;
 - resolved slices are cached per name after the first version; vLLM calls each parameter's
   Python ``weight_loader`` per tensor per version (more CPU overhead per tensor);
 - no quantization, no repacking and no ``process_weights_after_loading`` after the last bucket;
@@ -21,15 +25,60 @@ What differs from a real engine (vLLM / SGLang):
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from weightsync.app.bench.models import ModelShape
-from weightsync.errors import NameResolutionError
+from weightsync.buckets import BucketEntry
+from weightsync.dtypes import dtype_name
+from weightsync.errors import ConfigError, ManifestMismatchError, NameResolutionError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.target import InPlaceTarget
+from weightsync.regions import CopyBatch, entry_rows
 
 _EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
+_ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+_REPLICATED = re.compile(r"(norm\.weight|\.mlp\.gate\.weight)$")
+
+
+@dataclass(frozen=True)
+class EngineShard:
+    """The part of an HF tensor one engine TP rank keeps: ``length`` indices of ``dim`` from
+    ``start``, or all of it when ``dim`` is None (replicated)."""
+
+    dim: int | None
+    start: int = 0
+    length: int = 0
+
+    def shape_of(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        if self.dim is None:
+            return shape
+        return shape[: self.dim] + (self.length,) + shape[self.dim + 1 :]
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.dim is None else tensor.narrow(self.dim, self.start, self.length)
+
+
+def engine_shard(name: str, shape: tuple[int, ...], tp: int, rank: int) -> EngineShard:
+    """What engine TP rank ``rank`` of ``tp`` keeps of HF tensor ``name``, as vLLM shards it:
+    row-parallel layers (``o_proj``, ``down_proj``) split their input columns, norms and the
+    MoE router are replicated, every other tensor (q/k/v, gate/up, embeddings, lm_head)
+    splits its rows.
+
+    Raises:
+        ConfigError: the split dimension is not a multiple of ``tp``.
+    """
+    if tp == 1 or _REPLICATED.search(name):
+        return EngineShard(None)
+    dim = len(shape) - 1 if name.endswith(_ROW_PARALLEL) else 0
+    if shape[dim] % tp:
+        raise ConfigError(
+            f"engine TP={tp}: {name!r} dim {dim} ({shape[dim]}) does not split into {tp} parts"
+        )
+    length = shape[dim] // tp
+    return EngineShard(dim, rank * length, length)
 
 
 class EngineLikeModel(torch.nn.Module):
@@ -40,14 +89,28 @@ class EngineLikeModel(torch.nn.Module):
         "gate_up_proj": ("gate_proj", "up_proj"),
     }
 
-    def __init__(self, shape: ModelShape, device: torch.device, fill: float = -1.5) -> None:
+    def __init__(
+        self,
+        shape: ModelShape,
+        device: torch.device,
+        fill: float = -1.5,
+        tp: int = 1,
+        rank: int = 0,
+    ) -> None:
         super().__init__()
+        if not 0 <= rank < tp:
+            raise ConfigError(f"engine TP rank {rank} is outside 0..{tp - 1}")
+        for what, n in (("kv_heads", shape.kv_heads), ("ffn width", shape.ffn_rows)):
+            if n % tp:
+                raise ConfigError(f"engine TP={tp}: {shape.name}'s {what} {n} does not split")
+        self.tp, self.rank = tp, rank
         self._output_sizes: dict[str, tuple[int, ...]] = {}
-        h, q, kv, ffn = shape.hidden, shape.q_rows, shape.kv_rows, shape.ffn_rows
+        h, vocab = shape.hidden, shape.vocab // tp
+        q, kv, ffn = shape.q_rows // tp, shape.kv_rows // tp, shape.ffn_rows // tp
         self._device = device  # allocate in place: a 15 GB model must not detour via host
 
         add = self._add
-        add("model.embed_tokens.weight", (shape.vocab, h))
+        add("model.embed_tokens.weight", (vocab, h))
         for i in range(shape.layers):
             p = f"model.layers.{i}"
             add(f"{p}.input_layernorm.weight", (h,))
@@ -67,7 +130,7 @@ class EngineLikeModel(torch.nn.Module):
                 add(f"{p}.mlp.gate_up_proj.weight", (2 * ffn, h), (ffn, ffn))
                 add(f"{p}.mlp.down_proj.weight", (h, ffn))
         add("model.norm.weight", (h,))
-        add("lm_head.weight", (shape.vocab, h))
+        add("lm_head.weight", (vocab, h))
         with torch.no_grad():
             for param in self.parameters():
                 param.fill_(fill)
@@ -99,6 +162,14 @@ class EngineLikeTarget(InPlaceTarget):
         self.device = next(iter(self.params.values())).device
         self._slices: dict[str, torch.Tensor] = {}
         """Resolved live slices by HF name; never dropped (the bench's parameters never move)."""
+        self._shards: dict[str, EngineShard] = {}
+
+    def shard(self, name: str, shape: tuple[int, ...]) -> EngineShard:
+        """What this engine rank keeps of HF tensor ``name`` of ``shape``."""
+        found = self._shards.get(name)
+        if found is None:
+            found = self._shards[name] = engine_shard(name, shape, self.model.tp, self.model.rank)
+        return found
 
     def resolve(self, name: str) -> torch.Tensor:
         """The live slice an HF checkpoint tensor ``name`` is loaded into (a view).
@@ -151,7 +222,43 @@ class EngineLikeTarget(InPlaceTarget):
         return rows.narrow(0, sum(sizes[:index]), sizes[index])
 
     def validate(self, manifest: VersionManifest) -> None:
-        self.check_shapes(manifest)
+        for spec in manifest.tensors:
+            live = self.resolve(spec.name)
+            try:
+                keeps = self.shard(spec.name, spec.shape).shape_of(spec.shape)
+            except ConfigError as e:
+                raise ManifestMismatchError(f"version {manifest.version}: {e}") from None
+            if tuple(live.shape) != keeps or live.dtype != spec.torch_dtype:
+                of = "" if keeps == spec.shape else f" (this TP rank keeps {keeps} of it)"
+                raise ManifestMismatchError(
+                    f"version {manifest.version}: tensor {spec.name!r} is {spec.shape} "
+                    f"{spec.dtype}{of} but the model holds {tuple(live.shape)} "
+                    f"{dtype_name(live.dtype)}"
+                )
 
     def live_tensor(self, name: str) -> torch.Tensor:
         return self.resolve(name)
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        if self.model.tp == 1:
+            return super().load(tensors)
+        CopyBatch.of(
+            (self.resolve(name), self.shard(name, tuple(t.shape)).of(t)) for name, t in tensors
+        ).run()
+
+    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
+        if self.model.tp == 1:
+            return super().load_chunk(entry, data)
+        spec, live = entry.spec, self.resolve(entry.name)
+        first, stop = entry_rows(entry)
+        rows = data.view(spec.torch_dtype).view((stop - first, *spec.shape[1:]))
+        shard = self.shard(entry.name, spec.shape)
+        with torch.no_grad():
+            if shard.dim != 0:  # every row of the chunk is kept, possibly some columns of it
+                live.narrow(0, first, stop - first).copy_(shard.of(rows), non_blocking=True)
+                return
+            lo, hi = max(first, shard.start), min(stop, shard.start + shard.length)
+            if lo < hi:
+                live.narrow(0, lo - shard.start, hi - lo).copy_(
+                    rows.narrow(0, lo - first, hi - lo), non_blocking=True
+                )

@@ -1,10 +1,12 @@
 """The node case of ``weightsync bench --gpus N`` (issue 11): every trainer rank a source.
 
 Trainer TP=1 x DP=N: one publisher rank process per GPU, each holding the whole model there
-(as one flat buffer, like Megatron's parameter buffers). Engines TP=1 x N: one receiver process
-per GPU. Direct path: each receiver should read every tensor from the copy on its own GPU.
-The floor, in the same run: every GPU copying its share (here the whole model) from its own
-memory at once, one process per GPU.
+(as one flat buffer, like Megatron's parameter buffers). Engines TP=T x N/T: one receiver
+process per GPU holding an engine-like model (vLLM's packing and, for T > 1, its TP shards:
+``engine_like.engine_shard``). Direct path: each receiver should read what it keeps from the
+copy on its own GPU, and with T > 1 only its shard's bytes. The floor, in the same run: every
+GPU copying its share (the bytes its engine rank keeps) from its own memory at once, one
+process per GPU.
 
 Timing: the sender's ``complete_s`` of each version (the last rank joined -> every receiver
 applied), median over the measured versions; the floor per repetition is its slowest GPU.
@@ -21,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import FLOOR, NODE_FLOOR, WEIGHTSYNC, Row
 from weightsync.errors import ConfigError
-from weightsync.receiver.target import InPlaceTarget
 
 
 @dataclass(frozen=True)
@@ -32,8 +34,11 @@ class NodeRun:
     """One node measurement."""
 
     gpus: int
+    engine_tp: int
     nbytes: int
-    """Bytes of the model, which every GPU holds and receives."""
+    """Bytes of the model, which every GPU's trainer rank holds."""
+    kept_nbytes: int
+    """Bytes one engine rank keeps (``nbytes`` / ``engine_tp``, replicated norms aside)."""
     applied_s: tuple[float, ...]
     """Each measured version's ``complete_s``."""
     floor_s: tuple[float, ...]
@@ -43,28 +48,32 @@ class NodeRun:
     bit_exact: bool
 
     def rows(self) -> list[Row]:
-        layout, placement = f"TP=1 x DP={self.gpus}", node_placement(self.gpus)
+        layout = f"TP=1 x DP={self.gpus}"
+        placement = node_placement(self.gpus, self.engine_tp)
+        # Route bytes count what the plan handed each receiver (whole tensors); a TP rank
+        # reads only its shard of them.
         routes = ", ".join(f"{k} {n / 1e9:.1f} GB" for k, n in self.route_bytes.items() if n)
         return [
-            Row(FLOOR, NODE_FLOOR, "-", layout, placement, self.nbytes, self.floor_s),
+            Row(FLOOR, NODE_FLOOR, "-", layout, placement, self.kept_nbytes, self.floor_s),
             Row(
                 WEIGHTSYNC,
                 "direct",
                 "cuda_ipc",
                 layout,
                 placement,
-                self.nbytes,
+                self.kept_nbytes,
                 self.applied_s,
                 bit_exact=self.bit_exact,
-                note=f"engines TP=1 x {self.gpus}; routes: {routes}",
+                note=f"engines TP={self.engine_tp} x {self.gpus // self.engine_tp}; "
+                f"routes: {routes}",
                 failed=not self.bit_exact,
             ),
         ]
 
 
-def node_placement(gpus: int) -> str:
+def node_placement(gpus: int, engine_tp: int = 1) -> str:
     """The receivers' placement in the report: one per GPU of ``gpus``."""
-    return f"node: {gpus} GPUs"
+    return f"node: {gpus} GPUs" + (f", engines TP={engine_tp}" if engine_tp > 1 else "")
 
 
 def _model(shape: ModelShape, device: torch.device):
@@ -83,31 +92,14 @@ def _fill(flat: torch.Tensor, version: int) -> None:
     flat.random_(0, 256, generator=torch.Generator(flat.device).manual_seed(version))
 
 
-class _ViewsTarget(InPlaceTarget):
-    """Loads by HF name into views of the receiver's flat buffer."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-        self.device = next(iter(tensors.values())).device
-
-    def validate(self, manifest) -> None:
-        self.check_shapes(manifest)
-
-    def live_tensor(self, name: str) -> torch.Tensor:
-        return self.tensors[name]
-
-
-def _mismatch(tensors: dict[str, torch.Tensor], flat, expected, version: int) -> str:
-    """Empty when ``flat`` holds version ``version``'s bytes, else which tensors differ."""
-    if torch.equal(flat, expected):
-        return ""
-    offset, wrong = 0, []
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if not torch.equal(flat[offset : offset + n], expected[offset : offset + n]):
+def _mismatch(target: EngineLikeTarget, expected: dict[str, torch.Tensor], version: int) -> str:
+    """Empty when every tensor's kept part equals version ``version``'s, else which differ."""
+    wrong = []
+    for name, full in expected.items():
+        kept = target.shard(name, tuple(full.shape)).of(full)
+        if not torch.equal(target.resolve(name).view(torch.int16), kept.view(torch.int16)):
             wrong.append(name)
-        offset += n
-    return f"version {version}: {len(wrong)} tensor(s) differ, first {wrong[:3]}"
+    return f"version {version}: {len(wrong)} tensor(s) differ, first {wrong[:3]}" if wrong else ""
 
 
 def _publisher(shape, rank: int, world: int, address: str, timeout_s: float, commands, out):
@@ -126,28 +118,33 @@ def _publisher(shape, rank: int, world: int, address: str, timeout_s: float, com
             out.put(("published", rank, result.status.SerializeToString()))
 
 
-def _receiver(shape, rank: int, address: str, versions: int, reps: int, timeout_s, barrier, out):
+def _receiver(
+    shape, rank: int, engine_tp: int, address: str, versions, reps, timeout_s, barrier, out
+):
     from weightsync.receiver.core import ReceiverCore
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    flat, tensors = _model(shape, device)
-    expected = torch.empty_like(flat)
-    receiver = ReceiverCore(_ViewsTarget(tensors), address, receiver_id=f"gpu{rank}")
+    model = EngineLikeModel(shape, device, tp=engine_tp, rank=rank % engine_tp)
+    target = EngineLikeTarget(model)
+    expected_flat, expected = _model(shape, device)
+    receiver = ReceiverCore(target, address, receiver_id=f"gpu{rank}")
     out.put(("ready", rank))
     for _ in range(versions):
         version = receiver.sync(timeout=timeout_s)
-        _fill(expected, version)
-        out.put(("applied", rank, _mismatch(tensors, flat, expected, version)))
+        _fill(expected_flat, version)
+        out.put(("applied", rank, _mismatch(target, expected, version)))
+    kept = sum(p.nbytes for p in model.parameters())
+    share = torch.empty(kept, dtype=torch.uint8, device=device)
     times = []
     for _ in range(reps + 1):  # the first is a warm-up
         barrier.wait()
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        flat.copy_(expected)
+        share.copy_(expected_flat[:kept])
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    out.put(("floor", rank, times[1:]))
+    out.put(("floor", rank, times[1:], kept))
     receiver.close()
 
 
@@ -163,19 +160,27 @@ def _collect(out, counts: dict[str, int], timeout_s: float) -> dict[str, list[tu
 
 
 def measure_node(
-    shape: ModelShape, gpus: int, versions: int, warmup: int, reps: int, timeout_s: float
+    shape: ModelShape,
+    gpus: int,
+    versions: int,
+    warmup: int,
+    reps: int,
+    timeout_s: float,
+    engine_tp: int = 1,
 ) -> NodeRun:
-    """Run the node case on GPUs 0..``gpus``-1: ``warmup`` + ``versions`` versions, then
-    ``reps`` floor repetitions.
+    """Run the node case on GPUs 0..``gpus``-1 with engines of TP ``engine_tp``: ``warmup`` +
+    ``versions`` versions, then ``reps`` floor repetitions.
 
     Raises:
-        ConfigError: fewer GPUs than ``gpus``.
+        ConfigError: fewer GPUs than ``gpus``, or ``gpus`` not a multiple of ``engine_tp``.
     """
     from weightsync.sender import Sender
     from weightsync.v1 import weightsync_pb2 as pb
 
     if not 1 <= gpus <= torch.cuda.device_count():
         raise ConfigError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if engine_tp < 1 or gpus % engine_tp:
+        raise ConfigError(f"--engine-tp {engine_tp}: --gpus {gpus} must be a multiple of it")
     total = warmup + versions
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(gpus)
@@ -185,7 +190,7 @@ def measure_node(
     try:
         with Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s) as sender:
             for r in range(gpus):
-                args = (shape, r, sender.address, total, reps, timeout_s, barrier, out)
+                args = (shape, r, engine_tp, sender.address, total, reps, timeout_s, barrier, out)
                 procs.append(ctx.Process(target=_receiver, args=args, daemon=True))
                 procs[-1].start()
             _collect(out, {"ready": gpus}, timeout_s)
@@ -216,7 +221,9 @@ def measure_node(
     measured = statuses[warmup:]
     return NodeRun(
         gpus,
+        engine_tp,
         sum(s.nbytes for s in hf_specs(shape)),
+        max(f[3] for f in floors),
         tuple(s.complete_s for s in measured),
         tuple(max(f[2][i] for f in floors) for i in range(reps)),
         dict(measured[-1].route_bytes),
@@ -229,9 +236,12 @@ def summary(run: NodeRun) -> str:
     applied = statistics.median(run.applied_s)
     floor = statistics.median(run.floor_s)
     return (
-        f"node: trainer TP=1 x DP={run.gpus}, engines TP=1 x {run.gpus}, "
-        f"{run.nbytes / 1e9:.2f} GB per GPU, direct: applied {applied * 1e3:.1f} ms (median of "
-        f"{len(run.applied_s)}), bit-exact {run.bit_exact}, route bytes {run.route_bytes}\n"
-        f"floor: every GPU copying its {run.nbytes / 1e9:.2f} GB from its own memory at once "
-        f"({run.gpus} processes): {floor * 1e3:.2f} ms; applied / floor = {applied / floor:.2f}x"
+        f"node: trainer TP=1 x DP={run.gpus}, engines TP={run.engine_tp} x "
+        f"{run.gpus // run.engine_tp}, {run.nbytes / 1e9:.2f} GB per trainer GPU, "
+        f"{run.kept_nbytes / 1e9:.2f} GB kept per engine GPU, direct: applied "
+        f"{applied * 1e3:.1f} ms (median of {len(run.applied_s)}), bit-exact {run.bit_exact}, "
+        f"route bytes {run.route_bytes}\n"
+        f"floor: every GPU copying its {run.kept_nbytes / 1e9:.2f} GB from its own memory at "
+        f"once ({run.gpus} processes): {floor * 1e3:.2f} ms; applied / floor = "
+        f"{applied / floor:.2f}x"
     )

@@ -73,6 +73,8 @@ class BenchConfig:
     timeout_s: float = 300.0
     gpus: int = 0
     """With N >= 1: also the node case on GPUs 0..N-1 (``node.py``)."""
+    engine_tp: int = 1
+    """The node case's engine TP size (``gpus`` a multiple of it)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.cases) - set(CASES)
@@ -84,6 +86,10 @@ class BenchConfig:
             raise ConfigError(f"--device {self.device!r}: pick auto, cuda or cpu")
         if self.gpus < 0:
             raise ConfigError(f"--gpus {self.gpus}: give a number of GPUs, or 0 for no node case")
+        if self.engine_tp < 1 or (self.gpus and self.gpus % self.engine_tp):
+            raise ConfigError(
+                f"--engine-tp {self.engine_tp}: give a TP size that divides --gpus {self.gpus}"
+            )
 
 
 class _Workers:
@@ -193,9 +199,10 @@ def _run(cfg: BenchConfig, console) -> Report:
         workers.close()
         shutil.rmtree(sock_dir, ignore_errors=True)
     if cfg.gpus:  # after the single-GPU cases: their workers have given back their memory
-        console.print(f"node: trainer TP=1 x DP={cfg.gpus}, engines TP=1 x {cfg.gpus}")
+        engines = f"TP={cfg.engine_tp} x {cfg.gpus // cfg.engine_tp}"
+        console.print(f"node: trainer TP=1 x DP={cfg.gpus}, engines {engines}")
         node_run = node.measure_node(
-            shape, cfg.gpus, cfg.versions, cfg.warmup, cfg.versions, cfg.timeout_s
+            shape, cfg.gpus, cfg.versions, cfg.warmup, cfg.versions, cfg.timeout_s, cfg.engine_tp
         )
         report.rows.extend(node_run.rows())
     if not cuda:
