@@ -52,6 +52,20 @@ class Inbox:
     def put(self, item: pb.Announcement | SenderLost) -> None:
         self._queue.put(item)
 
+    def sender_lost(self, reason: str) -> None:
+        """The stream broke: what it still queued is dropped, then :class:`SenderLost`.
+
+        Those announcements belong to versions that can no longer finish; read later (a
+        ``sync()`` long after), they would write weights behind the back of the hello that
+        registered again meanwhile.
+        """
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self._queue.put(SenderLost(reason))
+
     def next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
         """The next announcement, by ``deadline`` (monotonic; None: wait forever).
 
@@ -97,6 +111,18 @@ class Connection(Protocol):
     def close(self, flush_timeout_s: float) -> None: ...
 
 
+@dataclass
+class WeightsState:
+    """What a receiver's weights are, told to the sender in every hello: the sender's Status
+    takes it from the receiver, never from an earlier registration of the same id."""
+
+    applied_version: int = 0
+    dirty: bool = False
+    """A version failed after writing some weights: they match no version until the next."""
+    applying: bool = False
+    """A version is being written: how it ends (applied or dirty) is not known yet."""
+
+
 def receiver_hello(
     device: torch.device,
     *,
@@ -105,7 +131,8 @@ def receiver_hello(
     receiver_id: str | None,
     transports: tuple[str, ...],
 ) -> pb.ReceiverHello:
-    """How a receiver on ``device`` introduces itself (default id: engine, pid, random)."""
+    """How a receiver on ``device`` introduces itself (default id: engine, pid, random); the
+    connection fills in its :class:`WeightsState` at each registration."""
     return pb.ReceiverHello(
         receiver_id=receiver_id or f"{engine}-{os.getpid()}-{uuid.uuid4().hex[:6]}",
         engine=engine,
@@ -122,7 +149,8 @@ class GrpcConnection:
 
     A pump thread moves announcements to the inbox and hands broadcast group joins to
     ``on_join`` at once (the sender waits for the join, not for ``sync()``). When the sender
-    goes away it queues :class:`SenderLost` and registers again by the same id, backing off.
+    goes away it queues :class:`SenderLost` and registers again by the same id, backing off,
+    once no version is being written: every hello says what ``weights`` are.
 
     Raises:
         TransportError: no sender answers at ``address``, or it refused the registration.
@@ -134,10 +162,12 @@ class GrpcConnection:
         hello: pb.ReceiverHello,
         *,
         on_join: Callable[[pb.GroupJoin], None],
+        weights: WeightsState | None = None,
         connect_timeout_s: float = 10.0,
     ) -> None:
         self.address = address
         self._hello = hello
+        self._weights = weights or WeightsState()
         self._on_join = on_join
         self._connect_timeout_s = connect_timeout_s
         self._closed = threading.Event()
@@ -160,6 +190,8 @@ class GrpcConnection:
         """Open a Receive stream and register (again, after a sender restart, by the same id)."""
         channel, stub = connect(self.address, timeout_s)
         requests: queue.Queue[pb.ReceiverMessage | None] = queue.Queue()
+        self._hello.applied_version = self._weights.applied_version
+        self._hello.dirty = self._weights.dirty
         requests.put(pb.ReceiverMessage(hello=self._hello))
         stream = stub.Receive(iter(requests.get, None))
         try:
@@ -190,7 +222,7 @@ class GrpcConnection:
                 reason = e.details() or str(e.code())
             if self._closed.is_set():
                 return
-            self._inbox.put(SenderLost(reason))
+            self._inbox.sender_lost(reason)
             log.warning(
                 "receiver %s lost the sender at %s (%s); registering again",
                 self.receiver_id,
@@ -198,6 +230,10 @@ class GrpcConnection:
                 reason,
             )
             while not self._closed.wait(backoff_s):
+                if self._weights.applying:
+                    # The version in flight fails on the SenderLost queued above; register
+                    # after that, so the hello says whether it left the weights dirty.
+                    continue
                 try:
                     # Short tries: close() must find this thread between them, not inside
                     # a channel being set up (left there at exit, gRPC aborts the process).

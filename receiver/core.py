@@ -26,10 +26,15 @@ import time
 import weakref
 
 from weightsync import trace
-from weightsync.errors import ProtocolError, ReceiverFailedError, WeightSyncError
+from weightsync.errors import ProtocolError, ReceiverFailedError, VersionError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.broadcast import BroadcastReceiver
-from weightsync.receiver.connection import Connection, GrpcConnection, receiver_hello
+from weightsync.receiver.connection import (
+    Connection,
+    GrpcConnection,
+    WeightsState,
+    receiver_hello,
+)
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import WeightTarget
 from weightsync.v1 import weightsync_pb2 as pb
@@ -92,9 +97,9 @@ class ReceiverCore:
         self.target = target
         self.address = address
         self.verify_checksums = verify_checksums
-        self.applied_version = 0
-        self.dirty = False
-        """True when a failed version wrote some weights: they match no version until the next."""
+        self._weights = WeightsState()
+        """Shared with the connection, which tells the sender in every hello (not ``self``:
+        the connection must not keep this object alive, see ``_leave_finalizer``)."""
         self.last_error: WeightSyncError | None = None
         self._reader = BucketReader(
             target.device,
@@ -119,6 +124,7 @@ class ReceiverCore:
             # Joined from the connection's thread: the sender waits for every member before
             # a version's first broadcast, and must not wait for sync() to be called.
             on_join=self._broadcast.join,
+            weights=self._weights,
             connect_timeout_s=connect_timeout_s,
         )
         self.receiver_id = self._connection.receiver_id
@@ -128,13 +134,25 @@ class ReceiverCore:
             self, _leave, self._connection, self._broadcast, _LEAVE_FLUSH_S
         )
 
+    @property
+    def applied_version(self) -> int:
+        """The last version applied; 0: none since this receiver started."""
+        return self._weights.applied_version
+
+    @property
+    def dirty(self) -> bool:
+        """True when a failed version wrote some weights: they match no version until the next."""
+        return self._weights.dirty
+
     def _send(self, **kind: object) -> None:
         self._connection.send(pb.ReceiverMessage(**kind))
 
-    def sync(self, timeout: float | None = None) -> int:
+    def sync(self, timeout: float | None = None, version: int | None = None) -> int:
         """Apply the next version announced to this receiver and return it.
 
-        Waits up to ``timeout`` seconds (None: forever) for a version to start.
+        Waits up to ``timeout`` seconds (None: forever) for a version to start. With
+        ``version``, an earlier one still announced (its caller gave up waiting for it) is
+        declined unapplied and the wait goes on.
 
         Raises:
             NameResolutionError, ManifestMismatchError: the manifest does not fit the model;
@@ -145,18 +163,23 @@ class ReceiverCore:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         msg = self._connection.next(deadline, "version", in_version=False)
-        while msg.WhichOneof("kind") != "start":
-            # Leftovers of a version already left.
+        while msg.WhichOneof("kind") != "start" or msg.start.manifest.version < (version or 0):
+            if msg.WhichOneof("kind") == "start":
+                self._decline(msg.start.manifest.version, version)
+            # Else leftovers of a version already left.
             msg = self._connection.next(deadline, "version", in_version=False)
         trace.mark("receiver.start")
-        manifest, key = self._manifests(msg.start.manifest)
+        version = msg.start.manifest.version
         try:
+            # Parsing bounds every field too: a manifest past a bound is rejected like one
+            # that does not fit the model, before any write.
+            manifest, key = self._manifests(msg.start.manifest)
             self._validate(manifest, key)
         except Exception as e:
-            error = as_weightsync_error(e, f"validating version {manifest.version}")
+            error = as_weightsync_error(e, f"validating version {version}")
             self._send(
                 verdict=pb.ManifestVerdict(
-                    version=manifest.version, accepted=False, error=error_to_pb(error)
+                    version=version, accepted=False, error=error_to_pb(error)
                 )
             )
             self.last_error = error
@@ -165,6 +188,17 @@ class ReceiverCore:
             raise error from e
         self._send(verdict=pb.ManifestVerdict(version=manifest.version, accepted=True))
         return self._apply(manifest)
+
+    def _decline(self, stale: int, wanted: int | None) -> None:
+        """Reject ``stale`` before any write: the sender ends it for us at once instead of
+        waiting out its ack timeout."""
+        error = VersionError(
+            f"receiver {self.receiver_id} skipped version {stale}: its engine asked for "
+            f"version {wanted} (version {stale} was given up on)"
+        )
+        self._send(
+            verdict=pb.ManifestVerdict(version=stale, accepted=False, error=error_to_pb(error))
+        )
 
     def _validate(self, manifest: VersionManifest, key: bytes) -> None:
         validated = (key, self.target.generation)
@@ -177,6 +211,7 @@ class ReceiverCore:
         reads = VersionReads(version)
         touched = False  # did any write reach the model? (decides `dirty` on failure)
         index = -1
+        self._weights.applying = True
         try:
             self.target.begin(manifest)
             while True:
@@ -205,7 +240,8 @@ class ReceiverCore:
                     self.target.commit(manifest)
                     trace.mark("receiver.committed", version=version)
                     self._send(applied=pb.VersionApplied(version=version, ok=True))
-                    self.applied_version, self.dirty, self.last_error = version, False, None
+                    self._weights.applied_version, self._weights.dirty = version, False
+                    self.last_error = None
                     return version
                 elif kind == "abort":
                     raise ReceiverFailedError(
@@ -220,7 +256,7 @@ class ReceiverCore:
             # at once instead of waiting out its ack timeout.
             where = f"version {version}" + (f", bucket {index}" if index >= 0 else "")
             error = as_weightsync_error(e, where)
-            self.dirty = self.dirty or touched
+            self._weights.dirty = self._weights.dirty or touched
             self.last_error = error
             try:
                 self.target.abort(manifest, error)
@@ -234,6 +270,8 @@ class ReceiverCore:
             if error is e:
                 raise
             raise error from e
+        finally:
+            self._weights.applying = False
 
     def close(self, flush_timeout_s: float = 5.0) -> None:
         """Deliver pending acks, then leave: ending our stream lets the sender end its side."""

@@ -18,11 +18,13 @@ Resolution only names things; :func:`check_specs` then dry-runs each parameter's
 
 from __future__ import annotations
 
+import gc
 import inspect
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError, NameResolutionError
@@ -47,6 +49,9 @@ class ResolvedName:
     """The expert index inside a fused expert parameter."""
     expert_weight_name: str | None = None
     """The checkpoint fragment the expert mapping matched (the expert loader wants it)."""
+    loaded_with: frozenset[str] = frozenset()
+    """Other checkpoint names the model loads in the same call (SGLang's DeepSeek concatenates
+    ``q_a_proj`` and ``kv_a_proj_with_mqa``): they must reach ``load_weights`` together."""
 
     @property
     def module_name(self) -> str:
@@ -255,7 +260,7 @@ def _fields_after_name(r: ResolvedName) -> tuple[str, ShardId | None, int | None
     return r.live_name, r.shard_id, r.expert_id, r.expert_weight_name
 
 
-def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+def meta_like(tensor: torch.Tensor) -> torch.Tensor:
     """A meta copy that keeps the tensor's class and attributes (``weight_loader``...)."""
     meta = tensor.data.to("meta")
     meta.__class__ = tensor.__class__
@@ -276,7 +281,7 @@ def _dry_run(resolved: ResolvedName, live: torch.Tensor, spec: TensorSpec) -> No
         loader, "__wrapped__"
     ):
         loader = loader.__wrapped__
-    param = _meta_like(live)
+    param = meta_like(live)
     loaded = torch.empty(spec.shape, dtype=spec.torch_dtype, device="meta")
     if resolved.expert_id is not None:
         loader(
@@ -341,3 +346,299 @@ def check_specs(resolver: NameResolver, specs: Sequence[TensorSpec]) -> dict[str
                 f"{e or type(e).__name__}. Check the model config the sender planned with."
             ) from e
     return resolved
+
+
+# --- Resolution by a dry run of the model's own ``load_weights`` -------------------------------
+
+_SHARD_ARGS = ("shard_id", "loaded_shard_id")
+# What engine code raises for a tensor it cannot take (shape asserts, narrow, copy, lookups).
+_LOADER_ERRORS = (
+    AssertionError,
+    RuntimeError,
+    ValueError,
+    IndexError,
+    TypeError,
+    KeyError,
+    NotImplementedError,
+)
+_LISTED = 8
+
+
+def _engine_default_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """The engines' ``default_weight_loader`` on meta: a whole copy (or a scalar fill)."""
+    if param.numel() == 1 and loaded_weight.numel() == 1:
+        return
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"shape {tuple(loaded_weight.shape)} != {tuple(param.shape)}")
+
+
+def _unwrapped(loader: Callable) -> Callable:
+    """vLLM's layerwise-reload wrapper off: a dry run must not count as a load."""
+    while getattr(loader, "__name__", "") == "online_process_loader" and hasattr(
+        loader, "__wrapped__"
+    ):
+        loader = loader.__wrapped__
+    return loader
+
+
+def _positional_names(loader: Callable) -> tuple[str, ...]:
+    """The names of the loader's arguments after ``(param, loaded_weight)``."""
+    try:
+        params = list(inspect.signature(loader).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return tuple(p.name for p in params if p.kind in kinds)[2:]
+
+
+class _Param:
+    """One live parameter during the dry run: its loader swapped for a recorder, and the
+    real loader with a meta stand-in to check against."""
+
+    def __init__(self, name: str, param: torch.Tensor, loading: torch.Tensor) -> None:
+        self.name = name
+        self.param = param
+        # SGLang's and vLLM's parameter classes expose the loader as a read-only property.
+        self._via_property = isinstance(getattr(type(param), "weight_loader", None), property)
+        self._had_own = "weight_loader" in param.__dict__
+        self._original = getattr(param, "weight_loader", None)
+        self.loader = _unwrapped(getattr(loading, "weight_loader", None) or _engine_default_loader)
+        self.meta = meta_like(loading)
+        self._positional = _positional_names(self.loader)
+
+    def install(self, recorder: Callable) -> None:
+        if self._via_property:
+            self.param._weight_loader = recorder
+        else:
+            self.param.weight_loader = recorder
+        if self.param.weight_loader is not recorder:
+            raise RuntimeError(f"cannot intercept the weight loader of {self.name!r}")
+
+    def restore(self) -> None:
+        if self._via_property:
+            self.param._weight_loader = self._original
+        elif self._had_own:
+            self.param.weight_loader = self._original
+        else:
+            del self.param.weight_loader
+
+    def arguments(self, args: tuple, kwargs: dict) -> dict[str, object]:
+        """The loader's arguments by name (models pass shard and expert ids either way)."""
+        return {**dict(zip(self._positional, args, strict=False)), **kwargs}
+
+
+class _Traced(torch.Tensor):
+    """A meta input that remembers the checkpoint names it was computed from, through any
+    torch op: a model may transpose, cast or concatenate inputs before loading them (SGLang's
+    DeepSeek fuses ``q_a_proj`` and ``kv_a_proj_with_mqa`` into one parameter)."""
+
+    sources: frozenset[str] = frozenset()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN206
+        kwargs = kwargs or {}
+        sources = frozenset().union(
+            *(leaf.sources for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, _Traced))
+        )
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+        return tree_map_only(torch.Tensor, lambda t: _traced(t, sources), out)
+
+
+def _traced(tensor: torch.Tensor, sources: frozenset[str]) -> _Traced:
+    traced = tensor.as_subclass(_Traced)
+    traced.sources = sources
+    return traced
+
+
+class _DryRun:
+    """Records where each checkpoint name lands; see :func:`resolve_by_loading`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        specs: Sequence[TensorSpec],
+        loading: Mapping[str, torch.Tensor] | None,
+    ) -> None:
+        self.model = model
+        self.specs = list(specs)
+        self.inputs = [
+            _traced(torch.empty(s.shape, dtype=s.torch_dtype, device="meta"), frozenset([s.name]))
+            for s in specs
+        ]
+        self.calls = 0
+        self.call_of: dict[tuple[str, int], int] = {}  # (name, hit index) -> loader call
+        self.current: str | None = None
+        self.position = 0
+        self.hits: dict[str, list[ResolvedName]] = {}
+        self.misfits: dict[str, str] = {}  # the real loader refused the tensor
+        self.refused: dict[str, str] = {}  # the model's own code refused the name
+        self.params = [_Param(n, p, (loading or {}).get(n, p)) for n, p in model.named_parameters()]
+        # Experts of one fused parameter differ only in their index: one real loader run per
+        # (parameter, shard, shape, dtype) checks them all (18k names in a 48x128 MoE).
+        self.checked: dict[tuple[object, ...], tuple[str | None, object]] = {}
+
+    def _recorder(self, entry: _Param) -> Callable:
+        def record(param: torch.Tensor, loaded_weight: torch.Tensor, *args, **kwargs) -> object:
+            # What the tensor was computed from, not what is being fed: a model may read ahead,
+            # cache one input until another arrives, or load from worker threads.
+            names = getattr(loaded_weight, "sources", None) or (
+                [self.current] if self.current is not None else []
+            )
+            self.calls += 1
+            bound = entry.arguments(args, kwargs)
+            shard = next((bound[k] for k in _SHARD_ARGS if bound.get(k) is not None), None)
+            expert = bound.get("expert_id")
+            with torch._C.DisableTorchFunctionSubclass():  # no tracing: 18k names
+                key = (entry.name, shard, loaded_weight.shape, loaded_weight.dtype)
+            if expert is None or key not in self.checked:
+                self.checked[key] = self._check(entry, loaded_weight, args, kwargs)
+            error, result = self.checked[key]
+            for name in names:
+                self.hits.setdefault(name, []).append(
+                    ResolvedName(name, entry.name, shard, expert, bound.get("weight_name"))
+                )
+                self.call_of[(name, len(self.hits[name]) - 1)] = self.calls
+                if error is not None:
+                    self.misfits.setdefault(
+                        name,
+                        f"does not fit live {entry.name!r} (shape {list(entry.meta.shape)}, "
+                        f"shard {shard!r}): {error}",
+                    )
+            return result  # vLLM's expert loaders answer whether the expert was theirs
+
+        return record
+
+    @staticmethod
+    def _check(
+        entry: _Param, loaded: torch.Tensor, args: tuple, kwargs: dict
+    ) -> tuple[str | None, object]:
+        """The real loader on the meta parameter: (why it refused or None, what it returned)."""
+        try:
+            return None, entry.loader(entry.meta, loaded, *args, **kwargs)
+        except _LOADER_ERRORS as e:
+            return str(e) or type(e).__name__, False
+
+    def _feed(self, start: int) -> Iterator[tuple[str, torch.Tensor]]:
+        for i in range(start, len(self.specs)):
+            self.current, self.position = self.specs[i].name, i
+            yield self.specs[i].name, self.inputs[i]
+        self.current = None
+
+    def run(self) -> None:
+        for entry in self.params:
+            entry.install(self._recorder(entry))
+        try:
+            start = 0
+            while start < len(self.specs):
+                self.position = start
+                try:
+                    with torch.no_grad():
+                        self.model.load_weights(self._feed(start))
+                    break
+                except _LOADER_ERRORS as e:
+                    # The model's own code (a ``params_dict[name]`` lookup, a "no module
+                    # named" check) refused this name: note it, go on with the rest.
+                    name = self.specs[self.position].name
+                    self.refused.setdefault(name, f"{type(e).__name__}: {e}")
+                    start = self.position + 1
+        finally:
+            self.current = None
+            for entry in self.params:
+                entry.restore()
+
+
+def resolve_by_loading(
+    model: torch.nn.Module,
+    specs: Sequence[TensorSpec],
+    loading: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, ResolvedName]:
+    """Where each spec's tensor lands in ``model``, learned from its own ``load_weights``.
+
+    Every live parameter's ``weight_loader`` is swapped for a recorder and ``load_weights``
+    runs once over META tensors of the specs' names, shapes and dtypes: each loader call the
+    model makes says which checkpoint name lands in which live parameter, with which shard
+    and expert arguments; the parameter's REAL loader then runs with the same arguments on a
+    meta copy, so the engine's own slicing (TP, packed offsets, experts, a transposed Conv1D)
+    checks the shape. Nothing is written: the inputs are meta tensors, real loaders see meta
+    parameters only, and code that bypasses ``weight_loader`` cannot copy out of a meta tensor.
+    A name the model takes nowhere (unknown, or a tied ``lm_head``) is unresolved. Cost: one
+    pass of the model's own loader, linear in names.
+
+    Args:
+        model: the live engine model (vLLM / SGLang), with ``load_weights``.
+        specs: the checkpoint tensors to resolve.
+        loading: per live name, the tensor in loading format to check against (vLLM's
+            recorded metadata, when post-processing repacked the live weights); default the
+            live parameters.
+
+    Raises:
+        NameResolutionError: names the model loads nowhere (all of them, in one message).
+        ManifestMismatchError: the first tensor whose dtype or shape the live model rejects,
+            or two names loading into the same live slice.
+    """
+    # Tens of thousands of short-lived objects (one meta tensor per name): without the cyclic
+    # collector's passes over them the dry run takes a third less time.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        run = _DryRun(model, specs, loading)
+        run.run()
+    finally:
+        if collecting:
+            gc.enable()
+    unresolved = [s.name for s in run.specs if s.name not in run.hits]
+    if unresolved:
+        shown = ", ".join(
+            repr(n) + (f" ({run.refused[n]})" if n in run.refused else "")
+            for n in unresolved[:_LISTED]
+        )
+        more = f" (and {len(unresolved) - _LISTED} more)" if len(unresolved) > _LISTED else ""
+        raise NameResolutionError(
+            f"the live {type(model).__name__} has no tensor for {shown}{more}: its "
+            "load_weights loads them nowhere (unknown names, or a tied lm_head that loads "
+            "through the embedding). Check the sender's name templates for this "
+            "architecture, or drop these tensors from the version."
+        )
+    dtypes = {entry.name: entry.meta.dtype for entry in run.params}
+    seen: dict[tuple[str, ShardId | None, int | None], tuple[str, int]] = {}
+    for spec in run.specs:
+        if spec.name in run.misfits:
+            raise ManifestMismatchError(
+                f"{spec.name!r} with shape {list(spec.shape)} {run.misfits[spec.name]}. Check "
+                "the model config the sender planned with."
+            )
+        for index, hit in enumerate(run.hits[spec.name]):
+            if spec.torch_dtype != dtypes[hit.live_name]:
+                raise ManifestMismatchError(
+                    f"{spec.name!r} is {spec.dtype} but live {hit.live_name!r} is "
+                    f"{dtypes[hit.live_name]}; publish it in the engine's dtype."
+                )
+            # Inputs the model concatenated into one call share it; two calls may not.
+            key = (hit.live_name, hit.shard_id, hit.expert_id)
+            call = run.call_of[(spec.name, index)]
+            first, first_call = seen.setdefault(key, (spec.name, call))
+            if first != spec.name and first_call != call:
+                raise ManifestMismatchError(
+                    f"{spec.name!r} and {first!r} both load into live {hit.live_name!r} "
+                    f"(shard {hit.shard_id!r}); send only one of them."
+                )
+    by_call: dict[int, set[str]] = {}
+    for (name, _), call in run.call_of.items():
+        by_call.setdefault(call, set()).add(name)
+    partners: dict[str, frozenset[str]] = {}
+    for names in by_call.values():
+        for name in names if len(names) > 1 else ():
+            partners[name] = partners.get(name, frozenset()) | (names - {name})
+    return {
+        name: _summary(hits, partners.get(name, frozenset())) for name, hits in run.hits.items()
+    }
+
+
+def _summary(hits: list[ResolvedName], loaded_with: frozenset[str]) -> ResolvedName:
+    """One name's landing place: its first loader call, without an expert id when the model
+    spread one checkpoint tensor over several experts (GraniteMoE's stacked experts)."""
+    first = replace(hits[0], loaded_with=loaded_with) if loaded_with else hits[0]
+    if len(hits) > 1 and len({hit.expert_id for hit in hits}) > 1:
+        return replace(first, expert_id=None, expert_weight_name=None)
+    return first

@@ -10,6 +10,9 @@ both sides of vLLM's weight transfer.
   ``weightsync.drivers.vllm_trainer`` registers it too, for trainer processes where vLLM never
   loads its plugins.
 
+- Staleness (``weightsync.receiver.vllm.staleness``): engines with the ``weightsync`` backend
+  report ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions`` in their outputs.
+
 Both registrations are idempotent: vLLM loads plugins more than once per process and its
 registries raise on a duplicate name.
 """
@@ -27,8 +30,11 @@ def register() -> None:
         from weightsync.receiver.vllm.engine import register_engine
     except ImportError:
         return
+    from weightsync.receiver.vllm.staleness import install as install_staleness_hooks
+
     register_engine()
     register_trainer_engine()
+    install_staleness_hooks()
 
 
 def register_trainer_engine() -> None:

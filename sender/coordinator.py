@@ -21,12 +21,13 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 
-from weightsync import trace
+from weightsync import limits, trace
 from weightsync.config import SenderSettings
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.manifest import VersionManifest
@@ -35,7 +36,7 @@ from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.history import VersionHistory
-from weightsync.sender.offer import offer_key
+from weightsync.sender.offer import OfferKey, offer_key
 from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.packing import MappedOffers
 from weightsync.sender.planner import Staging, TensorPlans, plan_version
@@ -87,6 +88,9 @@ class Coordinator:
         """Each receiver's direct bucket by (tensor plan, receivers' GPUs); the last 4."""
         self._mapped_offers = MappedOffers()
         """Offered memory mapped here, by offer; the last 4 are kept (cleared at close)."""
+        self._bounded: OrderedDict[tuple[bytes, OfferKey], None] = OrderedDict()
+        """(Manifest, offer) pairs checked against ``limits`` (bucket entries, offered
+        fields), by manifest key and offer; the last 16."""
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
         self._monitor.start()
@@ -127,7 +131,7 @@ class Coordinator:
     ) -> tuple[VersionRun | None, RankConn]:
         check_publisher_hello(hello)
         check_manifest_not_empty(begin.manifest)
-        manifest, manifest_key = self._manifests(begin.manifest)
+        manifest, manifest_key = self._manifests(begin.manifest)  # bounds every field
         trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
         with self._cond:
@@ -184,9 +188,13 @@ class Coordinator:
                 )
 
     def rank_left(self, hello: pb.PublisherHello, version: int, conn: RankConn | None) -> None:
-        """A rank's stream ended: if it was still waiting for the other ranks of ``version``,
-        it no longer counts as joined (a rank that comes back joins again)."""
+        """A rank's stream ended: it packs nothing more, and if it was still waiting for the
+        other ranks of ``version``, it no longer counts as joined (a rank that comes back
+        joins again)."""
         with self._cond:
+            if conn is not None:
+                conn.left = True
+                self._cond.notify_all()
             entry = self._joining.get((hello.publisher_id, version))
             if conn is None or entry is None or entry[2].get(conn.rank) is not conn:
                 return
@@ -208,6 +216,16 @@ class Coordinator:
         begins = {rank: conn.begin for rank, conn in ranks.items()}
         gpus = {rank: conn.device_uuid for rank, conn in ranks.items()}
         offered = offer_key(begins, gpus)
+        if (manifest_key, offered) not in self._bounded:
+            # Before anything is planned from or mapped for them.
+            limits.check_entries(
+                len(manifest.tensors), manifest.total_bytes, self.settings.bucket_size_bytes
+            )
+            for begin in begins.values():
+                limits.check_offer(begin)
+            self._bounded[manifest_key, offered] = None
+            while len(self._bounded) > 16:
+                self._bounded.popitem(last=False)
         plan = plan_version(
             manifest,
             begins,
@@ -236,11 +254,24 @@ class Coordinator:
             route_bytes=plan.route_bytes,
         )
 
-    def on_packed(self, run: VersionRun, rank: RankConn, index: int) -> None:
-        """A publisher rank packed its part of bucket ``index``."""
-        trace.mark("sender.publisher_packed", index=index, rank=rank.rank)
+    def on_packed(self, run: VersionRun, rank: RankConn, packed: pb.BucketPacked) -> None:
+        """A publisher rank packed its part of a bucket of ``run`` (one of an earlier version:
+        ignored).
+
+        Raises:
+            ConfigError: the index is no staged bucket of the version.
+        """
+        if packed.version != run.version:
+            return
+        staged = len(run.tensors.staged.buckets)
+        if packed.index >= staged:
+            raise ConfigError(
+                f"BucketPacked.index {packed.index} is not a staged bucket of version "
+                f"{run.version}, which has {staged}"
+            )
+        trace.mark("sender.publisher_packed", index=packed.index, rank=rank.rank)
         with self._cond:
-            rank.packed.add(index)
+            rank.packed.add(packed.index)
             self._cond.notify_all()
 
     def publisher_failed(self, run: VersionRun, error: WeightSyncError | pb.ErrorDetail) -> None:
@@ -271,7 +302,13 @@ class Coordinator:
         self.outcomes.on_receiver_message(conn, msg)
 
     def status(self) -> pb.StatusReply:
-        return self.registry.status()
+        """The registry's Status, its oldest versions dropped while it is over
+        ``limits.STATUS_REPLY_BUDGET_BYTES`` (every string in it is bounded, this bounds
+        their count)."""
+        reply = self.registry.status()
+        while reply.versions and reply.ByteSize() > limits.STATUS_REPLY_BUDGET_BYTES:
+            del reply.versions[: max(1, len(reply.versions) // 4)]
+        return reply
 
     def wait_applied(
         self, version: int, timeout_s: float, alive: Callable[[], bool] = lambda: True
@@ -336,6 +373,7 @@ _PUBLISHER_DEVICES = "'cpu' or 'cuda:N' (where this rank's tensors live)"
 
 def check_publisher_hello(hello: pb.PublisherHello) -> None:
     """ConfigError naming the field of a hello this sender cannot serve."""
+    limits.check_publisher_hello(hello)
     world = max(hello.world_size, 1)
     if hello.rank >= world:
         raise ConfigError(
@@ -376,6 +414,7 @@ def check_manifest_not_empty(manifest: pb.Manifest) -> None:
 def check_receiver_hello(hello: pb.ReceiverHello) -> None:
     """ConfigError naming the field of a receiver hello that cannot be right. The device is
     the receiver's own (its numbering, maybe another host): only its form is checked."""
+    limits.check_receiver_hello(hello)
     if hello.device:
         _parse_device(hello.device, "ReceiverHello.device", "'cpu', 'cuda:N', or empty")
 

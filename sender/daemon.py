@@ -5,7 +5,9 @@ from __future__ import annotations
 import signal
 import threading
 
+from weightsync.addresses import parse_address, remove_unix_socket, unix_socket_identity
 from weightsync.config import SenderSettings
+from weightsync.control.auth import server_security
 from weightsync.control.server import create_server
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.coordinator import Coordinator
@@ -23,8 +25,12 @@ class Sender:
             num_buffers, transport, ack_timeout_s, ...); unset fields come from
             ``WEIGHTSYNC_*`` env vars, then defaults.
 
+    A TCP ``listen`` needs a token (``WEIGHTSYNC_TOKEN`` / ``token_file``) or TLS
+    (``tls_cert``, ``tls_key``, ``tls_ca``), or ``insecure=True``; see ``docs/security.md``.
+
     Raises:
-        ConfigError: a malformed address or one already in use, or an invalid setting.
+        ConfigError: a malformed address or one already in use, an invalid setting, or TCP
+            with neither token nor TLS (and not ``insecure``).
 
     Use as a context manager, or call ``close()``.
     """
@@ -33,6 +39,8 @@ class Sender:
         if listen is not None:
             settings["listen"] = listen
         self.settings = SenderSettings(**settings)
+        # Before anything listens: TCP open to anyone is refused unless asked for.
+        security = server_security(self.settings, parse_address(self.settings.listen))
         self.metrics = SenderMetrics()
         if self.settings.metrics_port:  # first: a busy port fails before anything else is up
             self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
@@ -45,11 +53,16 @@ class Sender:
             self._server, bound, self._health = create_server(
                 self.settings.listen,
                 lambda s: pb_grpc.add_WeightSyncServicer_to_server(servicer, s),
+                max_streams=self.settings.max_streams,
+                security=security,
             )
         except BaseException:
             self.metrics.close()
             raise
         self.address = bound.text
+        self.protection = security.describe(bound)
+        """How clients must prove themselves, in words (for the startup log line)."""
+        self._socket = unix_socket_identity(bound)
         self._server.start()
         self._closed = threading.Event()
 
@@ -66,6 +79,7 @@ class Sender:
         self._health.enter_graceful_shutdown()
         self.coordinator.close()
         self._server.stop(grace_s).wait()
+        remove_unix_socket(self._socket)
         self.metrics.close()
         self._closed.set()
 

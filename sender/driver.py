@@ -58,20 +58,21 @@ class VersionDriver:
 
     def drive(self, run: VersionRun, device: torch.device) -> None:
         with self._one_at_a_time:
+            clock = _PublisherClock(self._settings)
+            issued: deque[tuple[Bucket, Slot]] = deque()
             try:
                 self._start(run, device)
                 self._broadcast.connect(run)
-                issued: deque[tuple[Bucket, Slot]] = deque()
                 todo = deque(run.tensors.staged.buckets)
                 while issued or todo:
                     # Every free slot gets the next bucket at once, so packing never waits for
                     # an announcement round trip between buckets.
-                    self._issue_packs(run, issued, todo)
+                    self._issue_packs(run, issued, todo, clock)
                     bucket, slot = issued[0]
                     if run.regions is not None:
                         self._before_reuse(run, slot, device, on_stream=device.type == "cuda")
                         pack_bucket(run, bucket, slot)
-                    elif not self._wait_packed_or_slot(run, bucket, todo):
+                    elif not self._wait_packed_or_slot(run, bucket, todo, clock):
                         continue
                     issued.popleft()
                     self._packed(run, bucket, slot, device)
@@ -80,7 +81,8 @@ class VersionDriver:
                 self._end(run, device)
                 self._staged(run)
             except RunAborted:
-                pass
+                if run.abandoned is None:
+                    self._release_publishers(run, issued, device)
             except WeightSyncError as e:
                 with self._cond:
                     self._outcomes.abort(run, error_to_pb(e))
@@ -164,10 +166,14 @@ class VersionDriver:
         if (broadcast or events) and not on_stream and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 
-    def _issue_packs(self, run: VersionRun, issued: deque, todo: deque) -> None:
+    def _issue_packs(
+        self, run: VersionRun, issued: deque, todo: deque, clock: _PublisherClock
+    ) -> None:
         """Give each free slot the next bucket (waits if none is in flight); ask the publishers
         to pack them unless the sender packs from their offered memory itself."""
         with self._cond:
+            if run.done:
+                raise RunAborted()
             if not issued:
                 self._wait(
                     run,
@@ -183,6 +189,8 @@ class VersionDriver:
                 trace.mark("sender.issue", index=bucket.index)
         if run.regions is not None:
             return  # the driver packs each itself when its turn comes
+        if fresh:
+            clock.asked()
         for bucket, slot in fresh:
             self._before_reuse(run, slot, torch.device(slot.device), on_stream=False)
             pack = pb.SenderReply(
@@ -195,20 +203,54 @@ class VersionDriver:
             for rank in run.ranks.values():
                 rank.outbox.put(pack)
 
-    def _wait_packed_or_slot(self, run: VersionRun, bucket: Bucket, todo: deque) -> bool:
-        """Wait until ``bucket`` is packed (True) or a slot frees for the next one (False)."""
+    def _wait_packed_or_slot(
+        self, run: VersionRun, bucket: Bucket, todo: deque, clock: _PublisherClock
+    ) -> bool:
+        """Wait until ``bucket`` is packed (True) or a slot frees for the next one (False);
+        SyncTimeoutError once the publishers stall or use up their packing time."""
 
         def packed() -> bool:
             return all(bucket.index in r.packed for r in run.ranks.values())
 
         with self._cond:
-            self._wait(
-                run,
-                lambda: packed() or (todo and self._slots.any_free()),
-                self._settings.pack_timeout_s,
-                f"publisher to pack bucket {bucket.index}",
-            )
+            while not (packed() or (todo and self._slots.any_free())):
+                if run.done:
+                    raise RunAborted()
+                left = clock.left(run, bucket.index)
+                began = time.monotonic()
+                self._cond.wait(min(left, 1.0))
+                clock.waited(time.monotonic() - began)
+            if run.done:
+                raise RunAborted()
             return packed()
+
+    def _release_publishers(
+        self, run: VersionRun, issued: deque[tuple[Bucket, Slot]], device: torch.device
+    ) -> None:
+        """``run`` ended early, every receiver having failed: the publishers are told at once
+        (``staged``, and ``done`` when they wait for it) instead of packing buckets nobody
+        reads, once nothing of theirs is being read or written: the sender's copies from
+        their memory are finished and the buckets they were asked to pack are packed (by
+        ranks still there, at most ``stall_timeout_s``: a stalled one is not waited for)."""
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+        deadline = time.monotonic() + self._settings.stall_timeout_s
+        with self._cond:
+            if run.regions is None:
+                asked = {bucket.index for bucket, _ in issued}
+                while any(not (r.left or asked <= r.packed) for r in run.ranks.values()):
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(min(left, 1.0))
+            staged = pb.SenderReply(
+                staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
+            )
+            done = pb.SenderReply(done=run.to_pb()) if run.notify_done else None
+            for rank in run.ranks.values():
+                rank.outbox.put(staged)
+                if done is not None:
+                    rank.outbox.put(done)
 
     def _packed(self, run: VersionRun, bucket: Bucket, slot: Slot, device: torch.device) -> None:
         """Queue the bucket's checksum and, on CUDA, the event receivers' reads wait for."""
@@ -300,3 +342,45 @@ class VersionDriver:
             self._cond.wait(min(left, 1.0))
         if run.done:
             raise RunAborted()
+
+
+class _PublisherClock:
+    """How long one version's driver waited for its publishers' packing: at most
+    ``stall_timeout_s`` since they last packed a bucket or were asked for one, and at most
+    ``pack_timeout_s`` in all."""
+
+    def __init__(self, settings: SenderSettings) -> None:
+        self._stall_s, self._total_s = settings.stall_timeout_s, settings.pack_timeout_s
+        self._since = time.monotonic()
+        self._waited = 0.0
+        self._packed = 0
+
+    def asked(self) -> None:
+        """New buckets were asked for: the stall clock restarts."""
+        self._since = time.monotonic()
+
+    def waited(self, seconds: float) -> None:
+        self._waited += seconds
+
+    def left(self, run: VersionRun, index: int) -> float:
+        """Seconds the driver may still wait (lock held); raises SyncTimeoutError when none."""
+        now = time.monotonic()
+        packed = sum(len(r.packed) for r in run.ranks.values())
+        if packed != self._packed:
+            self._packed, self._since = packed, now
+        stall_left = self._since + self._stall_s - now
+        total_left = self._total_s - self._waited
+        if total_left <= 0:
+            raise SyncTimeoutError(
+                f"version {run.version}: the publishers kept the sender waiting "
+                f"{self._total_s:g} s in all (pack_timeout_s, WEIGHTSYNC_PACK_TIMEOUT_S); "
+                f"last waited for bucket {index}"
+            )
+        if stall_left <= 0:
+            missing = [r.rank for r in run.ranks.values() if index not in r.packed]
+            raise SyncTimeoutError(
+                f"version {run.version}: the publishers packed nothing for {self._stall_s:g} s "
+                f"(stall_timeout_s, WEIGHTSYNC_STALL_TIMEOUT_S) while the sender waited for "
+                f"bucket {index} from rank(s) {missing}"
+            )
+        return min(stall_left, total_left)

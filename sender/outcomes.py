@@ -136,7 +136,9 @@ class Outcomes:
         """Send every receiver still in ``run`` its ``message``; each owes ``expect`` back."""
         conns = [self._registry.receiver(rid) for rid in run.active()]
         for conn in conns:
-            run.outcomes[conn.receiver_id].expect(expect, self._settings.ack_timeout_s)
+            outcome = run.outcomes[conn.receiver_id]
+            outcome.expect(expect, self._settings.ack_timeout_s)
+            outcome.wrote = outcome.wrote or expect.startswith("bucket:")
             conn.send(message(conn))
         return conns
 
@@ -162,20 +164,24 @@ class Outcomes:
             conn.send(start)
 
     def expire(self, now: float) -> None:
-        """Fail every receiver that owes a reply past its deadline (lock held)."""
+        """Fail every receiver that owes a reply past its deadline, and close its stream
+        (lock held): a deaf receiver would cost every later version the same wait, one that
+        still listens registers again."""
         for run in self._history.runs():
             for rid, outcome in list(run.outcomes.items()):
                 if outcome.state == PENDING and outcome.deadline and outcome.deadline < now:
                     owed = ", ".join(sorted(outcome.awaiting))
-                    self.fail(
-                        run,
-                        rid,
-                        SyncTimeoutError(
-                            f"receiver {rid} sent nothing for "
-                            f"{self._settings.ack_timeout_s:.0f} s "
-                            f"during version {run.version} (owed: {owed})"
-                        ),
+                    error = SyncTimeoutError(
+                        f"receiver {rid} sent nothing for {self._settings.ack_timeout_s:.0f} s "
+                        f"during version {run.version} (owed: {owed})"
                     )
+                    self.fail(run, rid, error)
+                    conn = self._registry.receiver(rid)
+                    if conn.connected:
+                        conn.outbox.put(
+                            SyncTimeoutError(f"{error}; its stream is closed: register again")
+                        )
+                        self.receiver_left(conn, "timed out")
 
     # ---- failure bookkeeping (lock held) ----
 
@@ -189,7 +195,10 @@ class Outcomes:
         outcome.awaiting, outcome.deadline = set(), None
         conn = self._registry.receiver(rid)
         if conn.state == "applying":
-            conn.state = "failed"
+            # Told to abort after a bucket (its publisher died, a timeout): it may have
+            # written some; its next hello says for sure.
+            conn.dirty = conn.dirty or outcome.wrote
+            conn.state = "dirty" if conn.dirty else "failed"
         conn.last_error = conn.last_error or detail.message
         self._slots.forget_reader(rid)
         run.direct_readers.discard(rid)
@@ -208,22 +217,30 @@ class Outcomes:
         """Abandon ``run``: every receiver still in it fails, its publishers get the error."""
         if run.done:
             return
+        staged = run.state == "staged"  # then failing its last receivers finishes it
+        if not staged:
+            run.abandoned = detail  # first: it is abandoned, not ended by its receivers failing
         for rid in run.active():
             self.fail(run, rid, detail)
-        finished = run.done  # it was staged: failing its last receivers finished it
         self._slots.release_version(run.version)
         for rank in run.ranks.values():
             rank.outbox.put(WeightSyncError(f"version {run.version} abandoned: {detail.message}"))
-        if not finished:
-            run.state, run.abandoned = "failed", detail
+        if not staged:
+            run.state = "failed"
             run.complete_s = time.monotonic() - run.started_mono
             self._metrics.version_done(run.state, run.complete_s)
             self.finished.append(_summary(run, abandoned=detail.message))
         self._cond.notify_all()
 
     def maybe_complete(self, run: VersionRun) -> None:
-        """Once staged and no receiver is left owing anything, the version is over."""
-        if run.state != "staged" or run.active():
+        """Once staged and no receiver is left owing anything, the version is over; once
+        every receiver it was addressed to failed, at once (its driver stops packing and
+        tells the publishers)."""
+        if run.active() or run.done:
+            return
+        if run.state != "staged":
+            if run.outcomes and run.abandoned is None:
+                self._every_receiver_failed(run)
             return
         run.complete_s = time.monotonic() - run.started_mono
         run.state = (
@@ -236,6 +253,16 @@ class Outcomes:
             for rank in run.ranks.values():
                 rank.outbox.put(done)
         self.finished.append(_summary(run))
+
+    def _every_receiver_failed(self, run: VersionRun) -> None:
+        """``run`` failed before it was staged: nobody is left to read the rest."""
+        run.state = "failed"
+        run.complete_s = time.monotonic() - run.started_mono
+        self._slots.release_version(run.version)
+        self._metrics.version_done(run.state, run.complete_s)
+        trace.mark("sender.complete", version=run.version)
+        self.finished.append(_summary(run))
+        self._cond.notify_all()
 
     def close(self) -> None:
         """Abandon unfinished versions (the sender shuts down)."""

@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 from weightsync.buckets import Bucket
+from weightsync.checksum import verify_copies
 from weightsync.errors import ProtocolError, TransportError, WeightSyncError
 from weightsync.regions import CopyBatch, Region, region_copies
 from weightsync.sender.offer import OfferKey
@@ -68,6 +69,8 @@ def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> None:
 
     Raises:
         TransportError: a copy failed.
+        ChecksumError: a shared-memory slot does not hold what was copied into it (names the
+            tensor).
     """
     # The copies' views are worked out once per (plan, regions, slot, bucket): with thousands
     # of small tensors (MoE experts) building them cost more than launching the copies.
@@ -88,3 +91,8 @@ def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> None:
             f"version {run.version}: packing bucket {bucket.index} from the publishers' "
             f"memory failed: {e}"
         ) from e
+    if not slot.buffer.tensor.is_cuda:
+        what = f"version {run.version}, bucket {bucket.index} (packed by the sender)"
+        for entry in bucket.entries:
+            copies = region_copies(slot.buffer.tensor, entry, run.regions[entry.name])
+            verify_copies(what, entry.name, copies)

@@ -16,6 +16,7 @@ import torch
 
 from weightsync import trace
 from weightsync.buckets import Bucket, TensorSpec, pack_entry
+from weightsync.checksum import verify_entry
 from weightsync.control.client import connect
 from weightsync.errors import (
     ConfigError,
@@ -136,6 +137,9 @@ class Publisher:
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             for entry in bucket.entries:
                 pack_entry(buffer, entry, tensors[entry.name])
+                verify_entry(
+                    f"version {version}, bucket {bucket.index}", buffer, entry, tensors[entry.name]
+                )
 
         return self.publish_packed(
             manifest,

@@ -79,6 +79,8 @@ class RankConn:
     outbox: queue.Queue = field(default_factory=queue.Queue)
     packed: set[int] = field(default_factory=set)
     """Buckets this rank reported packed (when the publishers pack)."""
+    left: bool = False
+    """Its stream ended: it packs nothing more."""
 
 
 @dataclass
@@ -91,6 +93,8 @@ class Outcome:
     awaiting: set[str] = field(default_factory=set)
     """What the sender waits for from it: "verdict", "bucket:<i>", "applied"."""
     deadline: float | None = None
+    wrote: bool = False
+    """A bucket was announced to it: failing now may leave its weights a mix."""
 
     def expect(self, what: str, timeout_s: float) -> None:
         if not self.awaiting:

@@ -1,6 +1,10 @@
-"""The sender's registry: who is connected. Receivers by id (connected or not: a receiver
-that registers again keeps its applied version), publisher ranks with an open stream, and
-the ``Status`` reply built from them and the version history.
+"""The sender's registry: who is connected. Receivers by id (disconnected ones until
+``receiver_ttl_s`` passes or more than ``max_disconnected_receivers`` are gone), publisher
+ranks with an open stream, and the ``Status`` reply built from them and the version history.
+
+A receiver's applied version and dirty flag come from its hello, every time it registers:
+only the receiver knows what its weights are (an engine restarted under its old id holds its
+initial weights; one that lost the sender mid-version may hold a mix).
 
 Every mutating method runs with ``cond`` held, the sender's one lock (see ``coordinator.py``).
 """
@@ -9,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Mapping
 
@@ -18,7 +23,7 @@ from weightsync.errors import ConfigError
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.planner import BROADCAST, data_paths
-from weightsync.sender.records import PublisherConn, ReceiverConn, VersionRun
+from weightsync.sender.records import PENDING, PublisherConn, ReceiverConn, VersionRun
 from weightsync.v1 import weightsync_pb2 as pb
 
 log = logging.getLogger("weightsync.sender")
@@ -41,6 +46,8 @@ class Registry:
         self._host_id = host_id
         """This host's id: a receiver that registers with another is remote."""
         self._receivers: dict[str, ReceiverConn] = {}
+        self._gone: dict[str, float] = {}
+        """Disconnected receivers by id: when they left (monotonic), oldest first."""
         self._publishers: list[PublisherConn] = []
         """Every publisher rank stream now open (hello received, stream not ended)."""
         self.staging_uuid = ""
@@ -50,10 +57,12 @@ class Registry:
 
     def add_receiver(self, hello: pb.ReceiverHello) -> ReceiverConn:
         with self._cond:
+            self._prune()
             rid = hello.receiver_id or f"{hello.engine or 'receiver'}-{uuid.uuid4().hex[:8]}"
             old = self._receivers.get(rid)
             if old is not None and old.connected:
                 raise ConfigError(f"receiver id {rid!r} is already connected; ids must be unique")
+            self._gone.pop(rid, None)
             conn = ReceiverConn(
                 rid,
                 hello.engine,
@@ -63,21 +72,27 @@ class Registry:
                 remote=bool(hello.host_id) and hello.host_id != self._host_id,
                 device_uuid=hello.device_uuid,
             )
-            if old is not None:
-                conn.applied_version, conn.dirty = old.applied_version, old.dirty
+            conn.applied_version, conn.dirty = hello.applied_version, hello.dirty
+            conn.state = "dirty" if hello.dirty else "idle"
             conn.data_path = data_paths([conn], self._settings.transport, self.staging_uuid)[rid]
             self._receivers[rid] = conn
             self._metrics.set_receivers_connected(self._count_connected())
             host = hello.host_id if conn.remote else f"{self._host_id} (this host)"
-            again = f", applied version {conn.applied_version} (registered again)" if old else ""
+            holds = (
+                f", applied version {conn.applied_version}" + (" (dirty)" if conn.dirty else "")
+                if conn.applied_version or conn.dirty
+                else ""
+            )
+            again = " (registered again)" if old else ""
         log.info(
-            "receiver %s connected: engine %s, rank %d, device %s, host %s, data path %s%s",
+            "receiver %s connected: engine %s, rank %d, device %s, host %s, data path %s%s%s",
             rid,
             conn.engine or "?",
             conn.rank,
             conn.device or "?",
             host,
             conn.data_path,
+            holds,
             again,
             extra={
                 "event": "receiver_connected",
@@ -89,6 +104,7 @@ class Registry:
                 "data_path": conn.data_path,
                 "transports": list(conn.transports),
                 "applied_version": conn.applied_version,
+                "dirty": conn.dirty,
             },
         )
         return conn
@@ -100,9 +116,31 @@ class Registry:
             return None
         conn.connected = False
         was, conn.state = conn.state, "disconnected"
+        self._gone[conn.receiver_id] = time.monotonic()
         conn.outbox.put(None)
         self._metrics.set_receivers_connected(self._count_connected())
         return was
+
+    def _prune(self) -> None:
+        """Forget disconnected receivers past the TTL, and the oldest past the cap (lock
+        held). Versions keep their outcomes: history and WaitApplied do not need the
+        receiver; one still owing a version stays until that version fails it."""
+        s = self._settings
+        expired = time.monotonic() - s.receiver_ttl_s
+        excess = len(self._gone) - s.max_disconnected_receivers
+        for rid, left_at in list(self._gone.items()):
+            if left_at > expired and excess <= 0:
+                break  # oldest first: the rest are newer and within the cap
+            if self._owes_a_version(rid):
+                continue
+            del self._gone[rid], self._receivers[rid]
+            excess -= 1
+
+    def _owes_a_version(self, rid: str) -> bool:
+        return any(
+            o is not None and o.state == PENDING
+            for o in (run.outcomes.get(rid) for run in self._history.runs())
+        )
 
     def _count_connected(self) -> int:
         return sum(c.connected for c in self._receivers.values())
@@ -176,6 +214,7 @@ class Registry:
 
     def status(self) -> pb.StatusReply:
         with self._cond:
+            self._prune()
             s = self._settings
             return pb.StatusReply(
                 sender_version=__version__,

@@ -16,8 +16,13 @@ from weightsync.errors import (
     grpc_code_for,
     rpc_details,
 )
+from weightsync.limits import (
+    MAX_VERSION,
+    check_publisher_message,
+    check_receiver_message,
+)
 from weightsync.sender.coordinator import Coordinator
-from weightsync.sender.records import PublisherConn, ReceiverConn
+from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
@@ -82,30 +87,32 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
     ) -> None:
         """Read a publisher rank's stream: each ``begin`` joins a version, ``packed`` and
         ``error`` belong to the latest one. Whatever happens, the stream gets an answer and
-        the rank is left nowhere once it ends."""
+        the rank is left nowhere once it ends; a message refused ends the stream with its
+        error and abandons the version it was packing."""
         version, run, rank = 0, None, None
         why = "closed its stream"
+        left: WeightSyncError = ProtocolError(f"publisher rank {hello.rank} closed its stream")
         try:
             for msg in requests:
-                kind = msg.WhichOneof("kind")
+                kind = check_publisher_message(msg)
                 if kind == "begin":
+                    self._check_previous_over(hello, version, run, rank, msg.begin)
                     version = msg.begin.manifest.version
                     run, rank = None, None
-                    try:
-                        run, rank = self._co.join(hello, msg.begin, outbox)
-                    except WeightSyncError as e:
-                        why = f"begin of version {version} refused: {e}"
-                        outbox.put(e)
-                        return
+                    run, rank = self._co.join(hello, msg.begin, outbox)
                     continue
                 # Ranks that joined before the last one got no run; it exists by their packing.
                 current = run or self._co.run_of(version)
                 if current is None or rank is None:
                     continue
                 if kind == "packed":
-                    self._co.on_packed(current, rank, msg.packed.index)
+                    self._co.on_packed(current, rank, msg.packed)
                 elif kind == "error":
                     self._co.publisher_failed(current, msg.error)
+        except WeightSyncError as e:
+            why = f"refused: {e}"
+            left = e
+            outbox.put(e)
         except grpc.RpcError:
             why = "its stream broke"
         except Exception as e:  # a bug: answer the stream rather than leave it hanging
@@ -117,12 +124,32 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 self._co.rank_left(hello, version, rank)
                 current = run or (self._co.run_of(version) if rank is not None else None)
                 if current is not None:
-                    self._co.publisher_failed(
-                        current, ProtocolError(f"publisher rank {hello.rank} closed its stream")
-                    )
+                    self._co.publisher_failed(current, left)
             finally:
                 self._co.publisher_left(pconn, why)
                 outbox.put(None)
+
+    def _check_previous_over(
+        self,
+        hello: pb.PublisherHello,
+        version: int,
+        run: VersionRun | None,
+        rank: RankConn | None,
+        begin: pb.BeginVersion,
+    ) -> None:
+        """A rank begins its next version only once its last is staged or over: a second
+        ``begin`` mid-version would leave the first waiting for packing that never comes."""
+        if rank is None:
+            return  # it took part in no version on this stream (or its begin was refused)
+        current = run or self._co.run_of(version)
+        if current is not None and (current.staged_s or current.done):
+            return
+        raise ProtocolError(
+            f"BeginVersion of version {begin.manifest.version} arrived on publisher rank "
+            f"{hello.rank}'s stream while its version {version} is still "
+            f"{'joining' if current is None else 'packing'}; send the next begin after "
+            "`staged` (version abandoned)"
+        )
 
     def Receive(self, request_iterator, context):
         hello = _next(request_iterator, "hello", context)
@@ -139,13 +166,21 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             item = conn.outbox.get()
             if item is None:
                 return
+            if isinstance(item, WeightSyncError):
+                _abort(context, item)
             yield item
 
     def _consume_receiver(self, conn: ReceiverConn, requests) -> None:
+        """Read a receiver's stream; a message refused ends it with the error (the receiver
+        fails in its versions at once rather than at the ack timeout of each)."""
         why = "closed its stream"
         try:
             for msg in requests:
+                check_receiver_message(msg)
                 self._co.on_receiver_message(conn, msg)
+        except WeightSyncError as e:
+            why = f"refused: {e}"
+            conn.outbox.put(e)
         except grpc.RpcError:
             why = "its stream broke"
         except Exception as e:
@@ -158,6 +193,19 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         return self._co.status()
 
     def WaitApplied(self, request, context):
+        try:
+            if request.version > MAX_VERSION:
+                raise ConfigError(
+                    f"WaitAppliedRequest.version {request.version} is out of range; versions "
+                    f"are 1..{MAX_VERSION}"
+                )
+            if not request.timeout_s >= 0:  # NaN too
+                raise ConfigError(
+                    f"WaitAppliedRequest.timeout_s {request.timeout_s} must be >= 0 "
+                    "(0: until the call's deadline)"
+                )
+        except WeightSyncError as e:
+            _abort(context, e)
         timeout = request.timeout_s
         if context.time_remaining() is not None:
             timeout = min(timeout or context.time_remaining(), context.time_remaining())

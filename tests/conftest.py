@@ -1,8 +1,13 @@
 import os
+import secrets
 
 import pytest
 
 from tests.support import socket_dir
+
+# The whole suite runs authenticated: every sender (in-process, the CLI, engines' own) requires
+# this token and every client sends it; subprocesses inherit it (docs/security.md).
+os.environ.setdefault("WEIGHTSYNC_TOKEN", secrets.token_hex(16))
 
 
 @pytest.fixture

@@ -60,3 +60,29 @@ def claim_unix_socket(address: Address) -> None:
     raise ConfigError(
         f"another process already listens on {address.text}; stop it or pick another --listen"
     )
+
+
+SocketIdentity = tuple[str, int, int]
+"""A unix socket file: (path, st_dev, st_ino)."""
+
+
+def unix_socket_identity(address: Address) -> SocketIdentity | None:
+    """The socket file ``address`` names, as bound now; None for TCP."""
+    if address.unix_path is None:
+        return None
+    st = os.stat(address.unix_path)
+    return address.unix_path, st.st_dev, st.st_ino
+
+
+def remove_unix_socket(identity: SocketIdentity | None) -> None:
+    """Remove our socket file at shutdown (gRPC removes only the name it bound, which the
+    server moved; see ``weightsync.control.server``), unless another file took the name."""
+    if identity is None:
+        return
+    path, dev, ino = identity
+    try:
+        st = os.stat(path)
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -9,14 +9,23 @@ data and words moved between rows; it does not see two words swapped inside one 
 trade for reading every byte once at full bandwidth (on H200, sums over 256-byte rows ran at
 under half the speed of a copy; over 64 KiB rows, at the speed of a full reduction). It is
 not cryptographic.
+
+The bucket checksum is taken from the staging buffer after packing, so it proves the transport
+only. What a pack wrote is checked against its source by :func:`verify_copies` /
+:func:`verify_entry`, run by every packer right after its copies, on CPU (shared memory)
+buffers: a packing bug fails the version naming the tensor, before any receiver commits it. On
+CUDA buffers they compare nothing: that would be a second read of every byte on the GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
-from weightsync.buckets import ALIGNMENT_BYTES
+from weightsync.buckets import ALIGNMENT_BYTES, BucketEntry, byte_view
 from weightsync.errors import ChecksumError
+from weightsync.regions import _BITS  # the packer's integer dtype of each element size
 
 ALGORITHM = "ws-rows64k-v3"
 _ROW_WORDS = 8192
@@ -63,3 +72,47 @@ def finish_all(sums: list[torch.Tensor], sizes: list[int]) -> list[int]:
     else:
         values = torch.stack([s.cpu() for s in sums])
     return [finish(v, n) for v, n in zip(values, sizes, strict=True)]
+
+
+@torch.no_grad()
+def verify_copies(
+    what: str, name: str, copies: Iterable[tuple[torch.Tensor, torch.Tensor]]
+) -> None:
+    """Check that each packed ``(destination, source)`` copy of tensor ``name`` holds its
+    source's bits (a cast copy: the source cast the same way). CPU destinations only.
+
+    Raises:
+        ChecksumError: naming ``what`` (the version and bucket) and the tensor.
+    """
+    for dst, src in copies:
+        if dst.is_cuda:
+            return
+        if src.dtype != dst.dtype or src.device != dst.device:
+            src = src.to(dst.device, dst.dtype)
+        if not torch.equal(*_as_bits(dst, src)):
+            raise ChecksumError(
+                f"{what}: tensor {name!r} was packed wrong: right after the copy, its "
+                f"{dst.nbytes} bytes in the staging buffer are not its source's (a packing "
+                "bug); the version fails and no receiver commits it"
+            )
+
+
+def _as_bits(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both as integers (NaN payloads compare equal): 64-bit words where both are contiguous
+    and aligned (comparing costs about what the copy did; 16-bit elements took twice that),
+    else integers of the element size."""
+    if dst.is_contiguous() and src.is_contiguous() and dst.nbytes % 8 == 0:
+        raw = dst.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)
+        if all(t.data_ptr() % 8 == 0 for t in raw):
+            return raw[0].view(torch.int64), raw[1].view(torch.int64)
+    bits = _BITS.get(dst.element_size())
+    return (dst.view(bits), src.view(bits)) if bits else (dst, src)
+
+
+def verify_entry(what: str, buffer: torch.Tensor, entry: BucketEntry, tensor: torch.Tensor) -> None:
+    """:func:`verify_copies` for an entry ``pack_entry`` packed from the whole ``tensor``."""
+    if buffer.is_cuda or entry.nbytes == 0:
+        return
+    dst = buffer[entry.offset : entry.offset + entry.nbytes]
+    src = byte_view(tensor.contiguous())[entry.tensor_offset : entry.tensor_offset + entry.nbytes]
+    verify_copies(what, entry.name, [(dst, src)])

@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from weightsync.errors import ConfigError
@@ -90,6 +90,34 @@ def describe_validation_error(
     return "; ".join(parts)
 
 
+_SECURITY_ACCEPTED = {
+    "token": "a shared secret of printable ASCII without spaces (e.g. `openssl rand -hex 32`)",
+    "token_file": "a readable file holding the token (one line)",
+    "tls_cert": "a readable PEM certificate chain file, with tls_key",
+    "tls_key": "a readable PEM private key file, with tls_cert",
+}
+
+
+class ClientSettings(_Settings):
+    """How every client (publishers, receivers, ``weightsync status`` / ``wait``) proves itself
+    to the sender: ``WEIGHTSYNC_TOKEN`` or ``WEIGHTSYNC_TOKEN_FILE``, and for TLS
+    ``WEIGHTSYNC_TLS_CA`` (the CA that signed the sender's certificate) with
+    ``WEIGHTSYNC_TLS_CERT`` / ``WEIGHTSYNC_TLS_KEY`` (this client's, when the sender asks)."""
+
+    # Other WEIGHTSYNC_* variables (the sender's) share the environment: ignored here.
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    ACCEPTED: ClassVar[dict[str, str]] = {
+        **_SECURITY_ACCEPTED,
+        "tls_ca": "a readable PEM file of the CA that signed the sender's certificate",
+    }
+
+    token: SecretStr | None = None
+    token_file: str | None = None
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+
+
 class SenderSettings(_Settings):
     """Settings of the sender daemon (``weightsync-sender``)."""
 
@@ -103,10 +131,19 @@ class SenderSettings(_Settings):
         "broadcast_host": "a host name or IP address of this machine (default 127.0.0.1)",
         "ack_timeout_s": "a number of seconds > 0 (default 120)",
         "pack_timeout_s": "a number of seconds > 0 (default 600)",
+        "stall_timeout_s": "a number of seconds > 0 (default 60)",
         "metrics_port": "a TCP port 0-65535 (0, the default: no metrics endpoint)",
         "metrics_host": "an address to bind the metrics endpoint to (default 127.0.0.1; "
         "0.0.0.0 for every interface)",
         "history": "an integer >= 1 (default 64)",
+        "receiver_ttl_s": "a number of seconds >= 0 (default 300)",
+        "max_disconnected_receivers": "an integer >= 0 (default 256)",
+        "max_streams": "an integer >= 1 (default 1024)",
+        **_SECURITY_ACCEPTED,
+        "tls_ca": "a readable PEM file of the CA that signs client certificates (then every "
+        "client must present one)",
+        "insecure": "true or false (default false)",
+        "socket_group": "a group name or id of this machine (default: none, the socket is 0600)",
     }
 
     listen: str = Field(DEFAULT_ADDRESS, description="unix:/path or host:port (port 0: any)")
@@ -125,13 +162,49 @@ class SenderSettings(_Settings):
         120.0, gt=0, description="a receiver silent this long during a version is failed for it"
     )
     pack_timeout_s: float = Field(
-        600.0, gt=0, description="a publisher silent this long while packing abandons the version"
+        600.0, gt=0, description="a version's publishers packing longer than this abandon it"
+    )
+    stall_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="a version's publishers packing nothing this long abandon it (versions "
+        "queued behind a stalled one wait no longer)",
     )
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus metrics port; 0 = off")
     metrics_host: str = Field(
         "127.0.0.1", min_length=1, description="address the metrics endpoint binds to"
     )
     history: int = Field(64, ge=1, description="how many versions Status keeps")
+    receiver_ttl_s: float = Field(
+        300.0,
+        ge=0,
+        description="a disconnected receiver is dropped from Status after this long (one "
+        "that registers again reports its own applied version)",
+    )
+    max_disconnected_receivers: int = Field(
+        256, ge=0, description="Status keeps at most this many disconnected receivers (oldest go)"
+    )
+    max_streams: int = Field(
+        1024,
+        ge=1,
+        description="open Publish/Receive streams (publisher ranks plus receivers) one sender "
+        "serves; each holds a thread; past it a new stream is refused, saying so",
+    )
+    token: SecretStr | None = Field(
+        None, description="shared secret every client must send (authorization: Bearer)"
+    )
+    token_file: str | None = Field(None, description="a file holding the token")
+    tls_cert: str | None = Field(None, description="PEM certificate chain of the sender")
+    tls_key: str | None = Field(None, description="PEM private key of the sender")
+    tls_ca: str | None = Field(
+        None, description="PEM CA bundle; given, every client must present a certificate it signs"
+    )
+    insecure: bool = Field(
+        False, description="allow TCP with neither token nor TLS (a trusted network only)"
+    )
+    socket_group: str | None = Field(
+        None, description="a unix socket's group: the socket is then 0660 instead of 0600"
+    )
 
     @field_validator("bucket_size_bytes")
     @classmethod

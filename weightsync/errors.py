@@ -93,6 +93,8 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[WeightSyncError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: SyncTimeoutError,
     grpc.StatusCode.ABORTED: ReceiverFailedError,
     grpc.StatusCode.UNAVAILABLE: TransportError,
+    # A token or certificate that does not match is a setting to fix, not a protocol bug.
+    grpc.StatusCode.UNAUTHENTICATED: ConfigError,
 }
 
 

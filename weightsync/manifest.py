@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from weightsync.buckets import TensorSpec, check_manifest
 from weightsync.errors import PlanError
+from weightsync.limits import MAX_VERSION, check_json, quoted
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,8 @@ class LoraAdapterSpec:
     def __post_init__(self) -> None:
         if not self.name:
             raise PlanError("a LoRA adapter needs a non-empty name")
+        # Bounded before parsing: deep nesting would be a RecursionError, not an error.
+        check_json(self.config_json, f"LoRA adapter {quoted(self.name)}: config_json")
         try:
             json.loads(self.config_json)
         except json.JSONDecodeError as e:
@@ -42,8 +45,10 @@ class VersionManifest:
     lora: LoraAdapterSpec | None = None
 
     def __post_init__(self) -> None:
-        if self.version < 1:
-            raise PlanError(f"version must be >= 1, got {self.version}")
+        if not 1 <= self.version <= MAX_VERSION:
+            raise PlanError(
+                f"Manifest.version {self.version} is out of range; versions are 1..{MAX_VERSION}"
+            )
         check_manifest(self.tensors)
         if self.lora is not None:
             names = {t.name for t in self.tensors}

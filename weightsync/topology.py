@@ -14,6 +14,12 @@ so the senders, ``weightsync plan`` and the tests all run the same code.
   whose links would finish earliest (ties by GPU uuid, then rank). A cell of at least
   ``split_min_bytes`` with several equally near copies is cut into dim-0 row ranges first, so one
   large tensor can come from several GPUs at once.
+- **Hosts and broadcast.** Cross-host bytes go over the GPUs' NICs. Point-to-point, every
+  receiver's read loads its source's NIC; with ``broadcast``, the receivers (on other hosts than
+  every copy) that need the same cell form one chain: the chosen source sends it once to the
+  first, each relays it to the next, host by host, so each host is entered once (at its least
+  loaded receiver) and the rest is relayed over NVLink. Each trainer host is thus the source of
+  the cells its ranks hold, and the cells are balanced over every holder's links.
 
 See :mod:`weightsync.topology_model` for the link model, the predicted time and the floor.
 """
@@ -23,9 +29,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter, defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple, NoReturn, Protocol
 
 from weightsync.errors import ConfigError, PlanError
 from weightsync.topology_model import (
@@ -33,7 +40,10 @@ from weightsync.topology_model import (
     ROUTES,
     Box,
     Demand,
+    Fanout,
+    Floor,
     Link,
+    LinkKind,
     LinkRates,
     Route,
     busiest,
@@ -104,20 +114,23 @@ class Transfer:
     source: int
     route: Route
     nbytes: int
+    via: str | None = None
+    """None: straight from the source; else relayed by this receiver (a broadcast chain's
+    previous hop), ``route`` then being the hop's own."""
 
 
 @dataclass(frozen=True)
 class TopologyPlan:
-    transfers: tuple[Transfer, ...]
-    """Ordered by receiver id, manifest order, box, source rank."""
+    _chosen: tuple[tuple[_Item, _Holder, list[_Hop]], ...] = field(repr=False)
+    """Each cell (or row range), its source and its hops: the transfers, before joining."""
     route_bytes: dict[Route, int]
-    """Bytes per route, every route listed."""
+    """Bytes receivers take by route, every route listed (a relayed copy: its hop's route)."""
     link_bytes: dict[Link, int]
     """Bytes per link (see :mod:`weightsync.topology_model`), in link order."""
     receiver_bytes: dict[str, int]
     """Bytes each receiver takes (every receiver listed)."""
     source_bytes: dict[int, int]
-    """Bytes each source rank gives (every source listed)."""
+    """Bytes each source rank sends itself (every source listed; relays not counted)."""
     predicted_s: float
     """The busiest link's bytes over its rate."""
     bottleneck: Link | None
@@ -126,6 +139,30 @@ class TopologyPlan:
     floor_bound: str
     """What bounds the floor, in words."""
     rates: LinkRates
+
+    @cached_property
+    def transfers(self) -> tuple[Transfer, ...]:
+        """Ordered by receiver id, manifest order, box, source rank. Built on first use: a plan
+        asked only for its times (``weightsync plan`` of a 1T model) need not list millions."""
+        # Rejoin what the cutting and splitting left adjacent, per (receiver, tensor, source, via).
+        groups: dict[tuple[str, int, str, int, Route, str | None, int], list[tuple[Box, int]]]
+        groups = defaultdict(list)
+        for it, h, hops in self._chosen:
+            via: str | None = None
+            for hop_route, _, rid in hops:
+                groups[(rid, it.order, it.tensor, h.rank, hop_route, via, it.itemsize)].append(
+                    (it.box, 0)
+                )
+                via = rid
+        transfers = []
+        for (rid, order, tensor, rank, route, via, itemsize), boxes in groups.items():
+            for box, _ in merge_boxes(boxes):
+                n = box.numel * itemsize
+                transfers.append(
+                    (rid, order, box, rank, Transfer(rid, tensor, box, rank, route, n, via))
+                )
+        transfers.sort(key=lambda t: t[:4])
+        return tuple(t[-1] for t in transfers)
 
     def link_seconds(self) -> dict[Link, float]:
         """Each link's bytes over its rate: the plan's time if that link alone were loaded."""
@@ -154,7 +191,8 @@ class _Nearest(NamedTuple):
 
 class _Item(NamedTuple):
     nbytes: int
-    receiver: Receiver
+    receivers: tuple[Receiver, ...]
+    """One, or (a broadcast) every receiver that needs these same bytes from another host."""
     order: int
     tensor: str
     box: Box
@@ -199,10 +237,17 @@ def _validate(
                 f"GPU {who.gpu!r} is said to be on hosts {host_of[who.gpu]!r} and "
                 f"{who.host!r}; give each host a distinct id and each GPU its uuid"
             )
+    checked: set[int] = set()  # DP copies share piece objects: check each once (by identity)
     for s in sources:
         for p in s.pieces:
-            _check_box(f"source rank {s.rank}", p.tensor, p.box, specs)
+            if id(p) not in checked:
+                _check_box(f"source rank {s.rank}", p.tensor, p.box, specs)
+                checked.add(id(p))
+    needs_checked: set[int] = set()
     for r in receivers:
+        if id(r.needs) in needs_checked:
+            continue
+        needs_checked.add(id(r.needs))
         by_tensor: dict[str, list[Piece]] = defaultdict(list)
         for p in r.needs:
             _check_box(f"receiver {r.id!r}", p.tensor, p.box, specs)
@@ -221,6 +266,8 @@ def _cells(need: Box, held: _Held) -> _Cells:
     """``need`` cut where the held boxes begin and end, each cell with every holder of all of
     it (none where nothing covers it), cells of equal holders joined."""
     near = [(b, hs) for b, hs in held.items() if b.overlaps(need)]
+    if len(near) == 1 and near[0][0].contains(need):  # the common case: one box holds it all
+        return [(need, near[0][1])]
     cuts = []
     for d, (lo, hi) in enumerate(zip(need.start, need.stop, strict=True)):
         points = {lo, hi} | {min(max(p, lo), hi) for b, _ in near for p in (b.start[d], b.stop[d])}
@@ -265,8 +312,12 @@ def plan_topology(
     rates: LinkRates = DEFAULT_RATES,
     *,
     split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
+    broadcast: bool = False,
 ) -> TopologyPlan:
     """Plan every receiver's needs from the nearest sources (see the module docstring).
+
+    ``broadcast``: receivers that need the same cell from another host get it by one broadcast
+    (a relay chain: the source sends once), else each reads it point-to-point.
 
     Guarantees: the transfers of each receiver cover exactly the boxes it needs, each element
     once; each comes from a nearest source holding all of it; the same inputs in any order give
@@ -280,56 +331,127 @@ def plan_topology(
     if split_min_bytes < 1:
         raise ConfigError(f"split_min_bytes={split_min_bytes} must be >= 1")
     specs = _validate(manifest, sources, receivers)
-    holders_of: dict[str, dict[Box, list[_Holder]]] = defaultdict(lambda: defaultdict(list))
+    # Holders per piece object first (DP copies share them, and hashing boxes is the cost).
+    by_piece: dict[int, tuple[Piece, dict[_Holder, None]]] = {}
     for s in sorted(sources, key=lambda s: s.rank):
+        holder = _Holder(s.rank, s.gpu, s.host)
         for p in s.pieces:
-            if p.box.numel and _Holder(s.rank, s.gpu, s.host) not in holders_of[p.tensor][p.box]:
-                holders_of[p.tensor][p.box].append(_Holder(s.rank, s.gpu, s.host))
+            if p.box.numel:
+                by_piece.setdefault(id(p), (p, {}))[1][holder] = None
+    holders_of: dict[str, dict[Box, dict[_Holder, None]]] = defaultdict(lambda: defaultdict(dict))
+    for p, hs in by_piece.values():
+        holders_of[p.tensor][p.box].update(hs)
     held: dict[str, _Held] = {
-        n: {b: tuple(hs) for b, hs in by.items()} for n, by in holders_of.items()
+        n: {b: tuple(sorted(hs)) for b, hs in by.items()} for n, by in holders_of.items()
     }
     everything = tuple(Piece(name, whole_box(s.shape)) for name, s in specs.items())
-    cells_of: dict[tuple[str, Box], _Cells] = {}  # engine ranks of one TP rank need equal boxes
+    # Engine ranks of one TP/EP rank in every replica share one needs tuple: walk it once (by
+    # identity: hashing thousands of pieces per receiver would cost more than the walk).
+    alike: dict[int, tuple[tuple[Piece, ...], list[Receiver]]] = {}
+    for r in sorted(receivers, key=lambda r: r.id):
+        alike.setdefault(id(r.needs), (r.needs, []))[1].append(r)
     nearest: dict[tuple[str, str, tuple[_Holder, ...]], _Nearest] = {}
     demand: dict[tuple[Route, tuple[str, str], frozenset[tuple[str, str]]], int] = defaultdict(int)
+    chains: dict[tuple[str, Box, tuple[_Holder, ...]], list[Receiver]] = defaultdict(list)
     items: list[_Item] = []
-    for r in sorted(receivers, key=lambda r: r.id):
-        for need in r.needs or everything:
+    for needs, members in alike.values():
+        for need in needs or everything:
             if not need.box.numel:
                 continue
             spec = specs[need.tensor]
-            key = (need.tensor, need.box)
-            if key not in cells_of:
-                cells_of[key] = _cells(need.box, held.get(need.tensor, {}))
-            for cell, holders in cells_of[key]:
+            for cell, holders in _cells(need.box, held.get(need.tensor, {})):
                 if not holders:
-                    missing = ", ".join(str(c) for c, h in cells_of[key] if not h)
-                    offered = sorted(str(b) for b in held.get(need.tensor, {}))
-                    raise PlanError(
-                        f"tensor {need.tensor!r}: box {missing} needed by receiver {r.id!r} is "
-                        f"held by no source (sources offer {offered[:8] or 'none of it'}"
-                        f"{' ...' if len(offered) > 8 else ''}); check the publisher's pieces"
-                    )
-                nk = (r.gpu, r.host, holders)
-                near = nearest.get(nk) or nearest.setdefault(nk, _nearest(r, holders))
+                    _uncovered(need, members[0], _cells(need.box, held.get(need.tensor, {})), held)
                 nbytes = cell.numel * spec.itemsize
-                demand[(near.route, (r.gpu, r.host), near.where)] += nbytes
-                parts = len(near.candidates) if nbytes >= split_min_bytes else 1
-                for box in _split(cell, parts):
-                    n = box.numel * spec.itemsize
-                    items.append(_Item(n, r, spec.order, need.tensor, box, spec.itemsize, near))
+                local_to: list[Receiver] = members
+                if broadcast:
+                    hosts = {h.host for h in holders}
+                    local_to = [r for r in members if r.host in hosts]
+                    if len(local_to) < len(members):
+                        chains[(need.tensor, cell, holders)] += (
+                            [r for r in members if r.host not in hosts] if local_to else members
+                        )
+                for r in local_to:
+                    nk = (r.gpu, r.host, holders)
+                    near = nearest.get(nk) or nearest.setdefault(nk, _nearest(r, holders))
+                    demand[(near.route, (r.gpu, r.host), near.where)] += nbytes
+                    parts = len(near.candidates) if nbytes >= split_min_bytes else 1
+                    for box in _split(cell, parts):
+                        n = box.numel * spec.itemsize
+                        items.append(
+                            _Item(n, (r,), spec.order, need.tensor, box, spec.itemsize, near)
+                        )
+    fanout: dict[tuple[int, frozenset[tuple[str, str]]], int] = defaultdict(int)
+    interned: dict[tuple[str, ...], tuple[Receiver, ...]] = {}  # equal chains: one tuple
+    remote_near: dict[tuple[_Holder, ...], _Nearest] = {}
+    for (tensor, cell, holders), rs in chains.items():
+        spec = specs[tensor]
+        if holders not in remote_near:  # remote: every holder, whoever receives
+            remote_near[holders] = _nearest(rs[0], holders)
+        near = remote_near[holders]
+        nbytes = cell.numel * spec.itemsize
+        chain = interned.setdefault(tuple(r.id for r in rs), tuple(rs))
+        if len(rs) == 1:
+            demand[("remote", (rs[0].gpu, rs[0].host), near.where)] += nbytes
+        else:
+            fanout[(id(chain), near.where)] += nbytes
+        parts = len(near.candidates) if nbytes >= split_min_bytes else 1
+        for box in _split(cell, parts):
+            n = box.numel * spec.itemsize
+            items.append(_Item(n, chain, spec.order, tensor, box, spec.itemsize, near))
     demands = [Demand(route, dst, where, n) for (route, dst, where), n in demand.items()]
-    return _assign(items, demands, sources, receivers, rates)
+    by_chain = {id(c): c for c in interned.values()}
+    fanouts = [
+        Fanout(frozenset((r.gpu, r.host) for r in by_chain[c]), where, n)
+        for (c, where), n in fanout.items()
+    ]
+    gpus_per_host = Counter(host for host, _ in {(r.host, r.gpu) for r in receivers})
+    bound = floor(demands, rates, fanouts, dict(gpus_per_host))
+    return _assign(items, bound, sources, receivers, rates)
+
+
+def _uncovered(need: Piece, r: Receiver, cells: _Cells, held: dict[str, _Held]) -> NoReturn:
+    missing = ", ".join(str(c) for c, h in cells if not h)
+    offered = sorted(str(b) for b in held.get(need.tensor, {}))
+    raise PlanError(
+        f"tensor {need.tensor!r}: box {missing} needed by receiver {r.id!r} is "
+        f"held by no source (sources offer {offered[:8] or 'none of it'}"
+        f"{' ...' if len(offered) > 8 else ''}); check the publisher's pieces"
+    )
+
+
+_Hop = tuple[Route, str, str]
+"""A copy of a broadcast chain: (route, from GPU, to receiver id)."""
+
+
+def _fixed_chain(receivers: tuple[Receiver, ...]) -> tuple[Receiver, ...]:
+    """The relay order of receivers on distinct hosts (by host), else ()."""
+    if len(receivers) == 1:
+        return receivers
+    hosts = [r.host for r in receivers]
+    if len(set(hosts)) < len(hosts):
+        return ()
+    return tuple(sorted(receivers, key=lambda r: r.host))
+
+
+def _hops(route: Route, src: _Holder, chain: Sequence[Receiver]) -> list[_Hop]:
+    """``(route, from gpu, to receiver)`` of each hop: source -> chain[0] -> chain[1] ..."""
+    hops: list[_Hop] = [(route, src.gpu, chain[0].id)]
+    for a, b in itertools.pairwise(chain):
+        hop: Route = "local" if a.gpu == b.gpu else "peer" if a.host == b.host else "remote"
+        hops.append((hop, a.gpu, b.id))
+    return hops
 
 
 def _assign(
     items: list[_Item],
-    demands: list[Demand],
+    bound: Floor,
     sources: Sequence[Source],
     receivers: Sequence[Receiver],
     rates: LinkRates,
 ) -> TopologyPlan:
-    """Greedy balance: largest items first, each to the candidate that finishes earliest."""
+    """Greedy balance: largest items first, each to the candidate that finishes earliest; a
+    broadcast chain enters each host at its receiver whose inbound link is least loaded."""
     # Links by index and source choices cached: this loop runs once per cell and receiver.
     index: dict[Link, int] = {}
     load: list[int] = []
@@ -343,12 +465,33 @@ def _assign(
                 rate.append(rates.rate(link.kind))
         return tuple(index[link] for link in links)
 
+    gpu_host = {s.gpu: s.host for s in sources} | {r.gpu: r.host for r in receivers}
+    by_id = {r.id: r for r in receivers}
     src_links: dict[tuple[Route, _Holder], tuple[int, ...]] = {}
-    all_links: dict[tuple[Route, _Holder, str, str], tuple[int, ...]] = {}
-    chosen: list[tuple[_Item, _Holder]] = []
-    items.sort(key=lambda it: (-it.nbytes, it.receiver.id, it.order, it.box))
+    hop_links: dict[tuple[Route, str, str], tuple[int, ...]] = {}
+    fixed_order: dict[int, tuple[Receiver, ...]] = {}  # by id: items share interned chains
+    chain_links: dict[tuple[int, Route, _Holder], tuple[list[_Hop], tuple[int, ...]]] = {}
+
+    def links_of(hop: _Hop) -> tuple[int, ...]:
+        links = hop_links.get(hop)
+        if links is None:
+            r = by_id[hop[2]]
+            src = (hop[1], gpu_host[hop[1]])
+            links = hop_links[hop] = ids(route_links(hop[0], src, (r.gpu, r.host)))
+        return links
+
+    nics: dict[tuple[LinkKind, str], int] = {}
+
+    def nic_of(kind: LinkKind, r: Receiver) -> int:
+        i = nics.get((kind, r.gpu))
+        if i is None:
+            i = nics[(kind, r.gpu)] = ids((Link(kind, r.gpu),))[0]
+        return i
+
+    chosen: list[tuple[_Item, _Holder, list[tuple[Route, str, str]]]] = []
+    items.sort(key=lambda it: (-it.nbytes, it.receivers[0].id, it.order, it.box))
     for it in items:
-        route, cands, r, n = it.near.route, it.near.candidates, it.receiver, it.nbytes
+        route, cands, n = it.near.route, it.near.candidates, it.nbytes
         best = cands[0]
         if len(cands) > 1:
             finish = []
@@ -358,35 +501,37 @@ def _assign(
                 busy = max(((load[i] + n) / rate[i] for i in src_links[(route, h)]), default=0)
                 finish.append((busy, h.gpu, h))
             best = min(finish)[2]
-        key = (route, best, r.gpu, r.host)
-        if key not in all_links:
-            all_links[key] = ids(route_links(route, (best.gpu, best.host), (r.gpu, r.host)))
-        for i in all_links[key]:
+        fixed = fixed_order.get(id(it.receivers))
+        if fixed is None:
+            fixed = fixed_order[id(it.receivers)] = _fixed_chain(it.receivers)
+        if fixed:  # no host takes two: the order does not depend on the loads
+            key = (id(it.receivers), route, best)
+            if key not in chain_links:
+                hops = _hops(route, best, fixed)
+                chain_links[key] = (hops, tuple(i for hop in hops for i in links_of(hop)))
+            hops, links = chain_links[key]
+        else:
+            chain = _chain(
+                it.receivers,
+                lambda r: load[nic_of("nic_in", r)],
+                lambda r: load[nic_of("nic_out", r)],
+            )
+            hops = _hops(route, best, chain)
+            links = tuple(i for hop in hops for i in links_of(hop))
+        for i in links:
             load[i] += n
-        chosen.append((it, best))
-    # Rejoin what the cutting and splitting left adjacent, per (receiver, tensor, source).
-    groups: dict[tuple[str, int, str, int, Route, int], list[tuple[Box, int]]]
-    groups = defaultdict(list)
-    for it, h in chosen:
-        key2 = (it.receiver.id, it.order, it.tensor, h.rank, it.near.route, it.itemsize)
-        groups[key2].append((it.box, 0))
-    transfers = []
-    for (rid, _, tensor, rank, route, itemsize), boxes in groups.items():
-        for box, _ in merge_boxes(boxes):
-            transfers.append(Transfer(rid, tensor, box, rank, route, box.numel * itemsize))
-    order = {it.tensor: it.order for it in items}
-    transfers.sort(key=lambda t: (t.receiver, order[t.tensor], t.box, t.source))
+        chosen.append((it, best, hops))
     route_bytes = dict.fromkeys(ROUTES, 0)
     receiver_bytes = dict.fromkeys(sorted(r.id for r in receivers), 0)
     source_bytes = dict.fromkeys(sorted(s.rank for s in sources), 0)
-    for t in transfers:
-        route_bytes[t.route] += t.nbytes
-        receiver_bytes[t.receiver] += t.nbytes
-        source_bytes[t.source] += t.nbytes
+    for it, h, hops in chosen:
+        source_bytes[h.rank] += it.nbytes
+        for hop_route, _, rid in hops:
+            route_bytes[hop_route] += it.nbytes
+            receiver_bytes[rid] += it.nbytes
     predicted, bottleneck = busiest({link: load[i] for link, i in index.items()}, rates)
-    bound = floor(demands, rates)
     return TopologyPlan(
-        transfers=tuple(transfers),
+        _chosen=tuple(chosen),
         route_bytes=route_bytes,
         link_bytes={link: load[index[link]] for link in sorted(index) if load[index[link]]},
         receiver_bytes=receiver_bytes,
@@ -397,3 +542,26 @@ def _assign(
         floor_bound=bound.bound,
         rates=rates,
     )
+
+
+def _chain(
+    receivers: Sequence[Receiver],
+    inbound: Callable[[Receiver], int],
+    outbound: Callable[[Receiver], int],
+) -> list[Receiver]:
+    """A broadcast's relay order: host by host (so each host is entered once and the rest is
+    relayed over NVLink), entering each host at its receiver with the least inbound load and
+    leaving it from the other one with the least outbound load."""
+    by_host: dict[str, list[Receiver]] = defaultdict(list)
+    for r in receivers:
+        by_host[r.host].append(r)
+    chain: list[Receiver] = []
+    for host in sorted(by_host):
+        rs = by_host[host]
+        entry = min(rs, key=lambda r: (inbound(r), r.id))
+        rest = [r for r in rs if r is not entry]
+        if rest:
+            exit_ = min(rest, key=lambda r: (outbound(r), r.id))
+            rest = [r for r in rest if r is not exit_] + [exit_]
+        chain += [entry, *rest]
+    return chain

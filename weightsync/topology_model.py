@@ -18,8 +18,13 @@ as long as its busiest link (its bytes over its rate). The links:
 - ``host_out:<host>`` / ``host_in:<host>``: all of a host's cross-host bytes together; unbounded
   unless a per-host NIC rate is given (bytes are reported either way).
 
-Not modelled: HBM traffic that peer and remote copies also cause, PCIe, fan-out (a broadcast that
-serves several receivers with one send): every receiver's read counts on its source's links.
+Fan-out. Point-to-point, every receiver's read counts on its source's links. A broadcast serves
+several receivers needing the same bytes with one send: the planner chains them (source -> first
+receiver -> next ...), each hop loading its own links, as NCCL's pipelined ring broadcast does, so
+the source sends once and receivers relay (see :class:`Fanout` for its floor).
+
+Not modelled: HBM traffic that peer and remote copies also cause, PCIe, latency (a pipelined
+chain is taken to run at its slowest link's rate).
 """
 
 from __future__ import annotations
@@ -214,13 +219,28 @@ class Demand:
 
 
 @dataclass(frozen=True)
+class Fanout:
+    """Bytes that every receiver in ``receivers`` (each ``(gpu, host)``) needs, the same bytes,
+    from any one of ``candidates`` on other hosts: one broadcast can serve them all."""
+
+    receivers: frozenset[tuple[str, str]]
+    candidates: frozenset[tuple[str, str]]
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class Floor:
     seconds: float
     bound: str
     """What bounds it, e.g. ``"nvlink_out of [GPU-0]: 4096 bytes only they send"``."""
 
 
-def floor(demands: Iterable[Demand], rates: LinkRates) -> Floor:
+def floor(
+    demands: Iterable[Demand],
+    rates: LinkRates,
+    fanouts: Iterable[Fanout] = (),
+    receiver_gpus: dict[str, int] | None = None,
+) -> Floor:
     """The least time any plan that reads every byte from its nearest copy can take, in this
     link model, even if boxes could be split freely among equally near sources.
 
@@ -239,6 +259,11 @@ def floor(demands: Iterable[Demand], rates: LinkRates) -> Floor:
     rounding); the gap is what whole boxes and greedy balance cost. Local bytes count only on
     the receiver's ``hbm`` (the same GPU's), so DP copies on every GPU give the "every GPU
     copies its own share at once" floor of the node issue.
+
+    ``fanouts`` (broadcast bytes) may be relayed between receivers, so they count once: per
+    receiver host, the fanned-out bytes any of its receivers needs must enter the host once,
+    over its ``receiver_gpus[host]`` NICs (or ``host_in``); per candidate set, they must leave
+    it once (the source-side bounds above, counting each fan-out once).
     """
     receiver_side: dict[Link, int] = defaultdict(int)
     # kind -> candidate set -> bytes that only that set can send.
@@ -255,10 +280,21 @@ def floor(demands: Iterable[Demand], rates: LinkRates) -> Floor:
         elif d.route == "remote":
             sets["nic_out"][frozenset(gpu for gpu, _ in d.candidates)] += d.nbytes
             sets["host_out"][frozenset(host for _, host in d.candidates)] += d.nbytes
+    host_once: dict[str, int] = defaultdict(int)
+    for f in fanouts:
+        for host in {h for _, h in f.receivers}:
+            host_once[host] += f.nbytes
+        sets["nic_out"][frozenset(gpu for gpu, _ in f.candidates)] += f.nbytes
+        sets["host_out"][frozenset(host for _, host in f.candidates)] += f.nbytes
     terms: list[tuple[float, str]] = [(0.0, "nothing to move")]
     for link in sorted(receiver_side):
         n = receiver_side[link]
         terms.append((n / rates.rate(link.kind), f"{link} must carry {n} bytes"))
+    gpus = receiver_gpus or {}
+    for host in sorted(host_once):
+        n = host_once[host]
+        rate = min(gpus.get(host, 1) * rates.nic_in, rates.rate("host_in"))
+        terms.append((n / rate, f"host {host} must take in {n} bytes over its NICs"))
     for kind, by_set in sets.items():
         if not by_set:
             continue

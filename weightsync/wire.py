@@ -10,6 +10,7 @@ import torch
 from weightsync.buckets import Bucket, BucketEntry, TensorSpec
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import ProtocolError
+from weightsync.limits import check_manifest
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.regions import Region
 from weightsync.v1 import weightsync_pb2 as pb
@@ -37,6 +38,13 @@ def manifest_to_pb(manifest: VersionManifest) -> pb.Manifest:
 
 
 def manifest_from_pb(msg: pb.Manifest) -> VersionManifest:
+    """Parse a wire manifest, its fields bounded first (``limits.check_manifest``).
+
+    Raises:
+        ConfigError: a field past its bound, naming it.
+        PlanError: a manifest that cannot be right (duplicate name, bad version...).
+    """
+    check_manifest(msg)
     lora = None
     if msg.HasField("lora"):
         lora = LoraAdapterSpec(msg.lora.name, msg.lora.config_json, tuple(msg.lora.tensor_names))

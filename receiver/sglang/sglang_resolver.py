@@ -1,76 +1,21 @@
-"""SGLang's side of name resolution: what the live SGLang model exposes, fed to the generic
-:class:`~weightsync.receiver.name_resolver.NameResolver`.
+"""SGLang's side of name resolution: what the engine's own ``load_weights`` accepts (see
+:func:`~weightsync.receiver.name_resolver.resolve_by_loading`), plus the one check its loader
+cannot make (fused-expert tensors smaller than the expert).
 
-The generic resolver probes ``packed_modules_mapping`` and modules' ``get_expert_mapping()``
-(vLLM's spellings). SGLang 0.5 models expose the same facts differently, so this module
-translates, still without per-model tables:
-
-- packed modules: ``packed_modules_mapping`` where the model has it (Qwen3-MoE), otherwise
-  ``bitsandbytes_stacked_params_mapping`` (``{"q_proj": ("qkv_proj", 0), ...}``: Qwen2, Llama,
-  Qwen3), which every SGLang model with packed layers declares for its quantized loader;
-- fused experts: every module with ``make_expert_params_mapping`` and ``num_experts``
-  (SGLang's ``FusedMoE``), asked for its mapping under each per-expert checkpoint naming HF
-  uses (``gate_proj/down_proj/up_proj`` and Mixtral's ``w1/w2/w3``).
+SGLang models learn their checkpoint names inside ``load_weights`` (a local stacked-params
+list, the fused-MoE expert mapping, per-parameter weight loaders); many declare nothing else
+(no ``packed_modules_mapping``), so resolution asks the loader itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError
-from weightsync.receiver.name_resolver import ExpertMapping, NameResolver, ResolvedName
-
-# Per-expert checkpoint names as (gate, down, up): HF's two conventions, not per-model data.
-EXPERT_CHECKPOINT_NAMES: tuple[tuple[str, str, str], ...] = (
-    ("gate_proj", "down_proj", "up_proj"),
-    ("w1", "w2", "w3"),
-)
-
-
-def packed_modules(model: torch.nn.Module) -> dict[str, list[str]]:
-    """``{"qkv_proj": ["q_proj", "k_proj", "v_proj"], ...}`` from what the SGLang model declares."""
-    declared = getattr(model, "packed_modules_mapping", None)
-    if declared:
-        return {packed: list(members) for packed, members in declared.items()}
-    stacked: Mapping[str, tuple[str, int]] = (
-        getattr(model, "bitsandbytes_stacked_params_mapping", None) or {}
-    )
-    by_packed: dict[str, list[tuple[int, str]]] = {}
-    for member, (packed, index) in stacked.items():
-        # Llama spells them as name fragments (".q_proj": (".qkv_proj", 0)).
-        by_packed.setdefault(packed.strip("."), []).append((index, member.strip(".")))
-    return {packed: [m for _, m in sorted(members)] for packed, members in by_packed.items()}
-
-
-def expert_mapping(module: torch.nn.Module) -> ExpertMapping:
-    """Every per-expert checkpoint fragment a fused-MoE module loads, for both conventions."""
-    make = getattr(module, "make_expert_params_mapping", None)
-    num_experts = getattr(module, "num_experts", None)
-    if not callable(make) or not isinstance(num_experts, int):
-        return []
-    mapping: ExpertMapping = []
-    for gate, down, up in EXPERT_CHECKPOINT_NAMES:
-        mapping.extend(
-            make(
-                ckpt_gate_proj_name=gate,
-                ckpt_down_proj_name=down,
-                ckpt_up_proj_name=up,
-                num_experts=num_experts,
-            )
-        )
-    return mapping
-
-
-def sglang_resolver(
-    model: torch.nn.Module, tensors: Mapping[str, torch.Tensor] | None = None
-) -> NameResolver:
-    """The generic resolver, fed with SGLang's packed-module and fused-expert metadata."""
-    return NameResolver(
-        model, tensors, packed_modules=packed_modules(model), expert_mapping=expert_mapping
-    )
+from weightsync.receiver.name_resolver import ResolvedName
 
 
 def expert_checkpoint_shape(module: torch.nn.Module, shard_id: str) -> tuple[int, int] | None:
@@ -91,7 +36,7 @@ def expert_checkpoint_shape(module: torch.nn.Module, shard_id: str) -> tuple[int
 
 
 def check_expert_shapes(
-    resolver: NameResolver, specs: list[TensorSpec], resolved: Mapping[str, ResolvedName]
+    model: torch.nn.Module, specs: Sequence[TensorSpec], resolved: Mapping[str, ResolvedName]
 ) -> None:
     """Fused-expert tensors must have exactly the expert's checkpoint shape.
 
@@ -105,7 +50,7 @@ def check_expert_shapes(
         hit = resolved[spec.name]
         if hit.expert_id is None:
             continue
-        module = resolver.model.get_submodule(hit.module_name)
+        module = model.get_submodule(hit.module_name)
         expected = expert_checkpoint_shape(module, str(hit.shard_id))
         if expected is not None and spec.shape != expected:
             raise ManifestMismatchError(

@@ -1,7 +1,8 @@
 """``SglangWeightTarget``: load received tensors into an SGLang model (one TP worker's).
 
-Per version: ``validate`` resolves every name against the live model and dry-runs each
-parameter's own weight loader on meta tensors (nothing written); ``begin`` undoes in-place
+Per version: ``validate`` dry-runs the model's own ``load_weights`` on meta tensors, which
+tells where every name lands and checks it with each parameter's own loader (nothing
+written); ``begin`` undoes in-place
 quantization packing; ``load`` hands each bucket to the model's own ``load_weights`` (its
 name mapping, packed qkv/gate_up slices, fused experts, TP slicing); ``commit`` runs the
 model's post-load fix-ups and quantization processing once, then loads the LoRA adapter
@@ -23,8 +24,8 @@ import torch
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.receiver.lora_accumulator import LoraAccumulator, check_adapter
-from weightsync.receiver.name_resolver import ResolvedName, check_specs
-from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes, sglang_resolver
+from weightsync.receiver.name_resolver import ResolvedName, resolve_by_loading
+from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes
 from weightsync.receiver.target import WeightTarget
 
 
@@ -67,6 +68,7 @@ class SglangWeightTarget(WeightTarget):
         # tensor list).
         self._resolved: dict[str, ResolvedName] = {}
         self._lora: LoraAccumulator | None = None
+        self._held: dict[str, torch.Tensor] = {}
         self._restored = False
 
     # -- WeightTarget -------------------------------------------------------------------
@@ -76,9 +78,8 @@ class SglangWeightTarget(WeightTarget):
             self._validate_lora(manifest.lora, manifest.version)
         lora_names = manifest.lora_names
         base = [spec for spec in manifest.tensors if spec.name not in lora_names]
-        resolver = sglang_resolver(self.model)
-        resolved = check_specs(resolver, base)
-        check_expert_shapes(resolver, base, resolved)
+        resolved = resolve_by_loading(self.model, base)
+        check_expert_shapes(self.model, base, resolved)
         self._resolved = resolved
 
     def _validate_lora(self, spec: LoraAdapterSpec, version: int) -> None:
@@ -93,6 +94,7 @@ class SglangWeightTarget(WeightTarget):
 
     def begin(self, manifest: VersionManifest) -> None:
         self._lora = LoraAccumulator(manifest.lora) if manifest.lora is not None else None
+        self._held = {}
         if self.process_quantized and self._resolved:
             from sglang.srt.model_loader.loader import DefaultModelLoader
 
@@ -104,16 +106,27 @@ class SglangWeightTarget(WeightTarget):
         for name, tensor in tensors:
             if self._lora is not None and self._lora.wants(name):
                 self._lora.add(name, tensor)  # copied out: the bucket buffer is reused
-            elif name in self._resolved:
-                base.append((name, tensor))
-            else:
+            elif name not in self._resolved:
                 raise ManifestMismatchError(
                     f"{name!r} arrived in a bucket but the validated manifest does not list it"
                 )
+            elif self._resolved[name].loaded_with:
+                base.extend(self._with_partners(name, tensor))
+            else:
+                base.append((name, tensor))
         if base:
             # Weight loaders copy into the live parameters, so bucket views need no copy.
             with torch.no_grad():
                 self.model.load_weights(iter(base))
+
+    def _with_partners(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """Names the model loads in one call reach one ``load_weights`` together (its cache
+        of the first lives only for that call); kept until the last of them arrives."""
+        self._held[name] = tensor.clone()  # the bucket buffer is reused
+        group = self._resolved[name].loaded_with | {name}
+        if not group <= self._held.keys():
+            return []
+        return [(n, self._held.pop(n)) for n in sorted(group)]
 
     def commit(self, manifest: VersionManifest) -> None:
         # Derived weights (e.g. DeepSeek's absorbed MLA matrices) need every input in place.

@@ -11,6 +11,13 @@ updates through vLLM's own routes::
 ``init`` subscribes every worker to the sender (one receiver per worker); ``update_weights``
 applies the next version the sender announces (validate, load every bucket, post-process
 once, register the LoRA adapter) and fails when it is not the version asked for.
+
+With several workers (TP, PP), vLLM's multiprocess executor reads their replies in rank order
+and raises at the first error, leaving the later ranks' replies to be read by its next call
+(which then fails with this one's error). So ``update_weights`` never raises on one rank
+alone: the ranks gather their outcomes and only the last rank, whose reply is read last,
+raises, naming every rank's error. The other ranks are then still in vLLM's update session:
+whoever drives the update ends it with ``/finish_weight_update`` (``VllmServerClient`` does).
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import os
 import socket
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -28,7 +35,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from weightsync.errors import ConfigError, ProtocolError, VersionError
+from weightsync.errors import ConfigError, ProtocolError, ReceiverFailedError, VersionError
 from weightsync.receiver.vllm.lora_store import LoraStore
 from weightsync.receiver.vllm.target import VllmWeightTarget
 
@@ -136,13 +143,38 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if self.target is not None:
             self.target.retarget(self.model, self.model_config)
 
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        """Apply the version on every rank; raises only on the last rank, with every rank's
+        error (see the module docstring)."""
+        from vllm.distributed.parallel_state import get_world_group
+
+        group = get_world_group()
+        try:
+            super().update_weights(update_info)
+            outcome = None
+        except Exception as e:
+            if group.world_size == 1:
+                raise
+            outcome = f"{type(e).__name__}: {e}"
+        if group.world_size == 1:
+            return
+        outcomes: list[str | None] = [None] * group.world_size
+        torch.distributed.all_gather_object(outcomes, outcome, group=group.cpu_group)
+        failures = [(rank, error) for rank, error in enumerate(outcomes) if error is not None]
+        if failures and group.rank_in_group == group.world_size - 1:
+            raise ReceiverFailedError(
+                f"weightsync: the update failed on {len(failures)} of {group.world_size} "
+                "ranks: " + "; ".join(f"rank {rank}: {error}" for rank, error in failures)
+            )
+
     def receive_weights(self, update_info: WeightsyncUpdateInfo) -> None:
         if self.core is None:
             raise ProtocolError(
                 "weightsync: update_weights before init_weight_transfer_engine; call "
                 "/init_weight_transfer_engine with the sender's address first"
             )
-        applied = self.core.sync(update_info.timeout_s)
+        # A version asked for earlier and given up on may still be announced: skipped.
+        applied = self.core.sync(update_info.timeout_s, update_info.version)
         self.applied_version = applied
         if update_info.version is not None and applied != update_info.version:
             raise VersionError(

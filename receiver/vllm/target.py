@@ -19,7 +19,12 @@ import torch
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.lora_accumulator import LoraAccumulator
-from weightsync.receiver.name_resolver import NameResolver, ResolvedName, check_specs, live_tensors
+from weightsync.receiver.name_resolver import (
+    NameResolver,
+    ResolvedName,
+    live_tensors,
+    resolve_by_loading,
+)
 from weightsync.receiver.target import WeightTarget
 from weightsync.receiver.vllm.lora_store import LoraStore
 
@@ -178,15 +183,22 @@ class VllmWeightTarget(WeightTarget):
             self.lora_store.validate(manifest.lora)
         base = [spec for spec in manifest.tensors if spec.name not in lora_names]
         view = loading_view(self.model)
+        with _no_mtp_check():
+            resolved = resolve_by_loading(self.model, base, view)
         resolver = NameResolver(self.model, view)
-        resolved = check_specs(resolver, base)
         if _layerwise() is not None:
             _check_whole_layers(resolved, view, self.model)
         self._resolved = resolved
+        # Only whole tensors: a packed slice or a reshaped tensor (a shared expert or a
+        # routing bias that the MoE layer holds too) cannot go through the alias's loader.
+        shapes = {spec.name: spec.shape for spec in base}
         self._tied = {
             name: aliases
             for name, hit in resolved.items()
-            if (aliases := resolver.aliases(hit.live_name))
+            if hit.shard_id is None
+            and hit.expert_id is None
+            and tuple(view[hit.live_name].shape) == shapes[name]
+            and (aliases := resolver.aliases(hit.live_name))
         }
 
     def begin(self, manifest: VersionManifest) -> None:

@@ -20,8 +20,9 @@ import torch
 
 from weightsync.buckets import ChunkAssembler, align_up, plan_buckets, unpack_bucket
 from weightsync.dtypes import dtype_name
-from weightsync.errors import PlanError
+from weightsync.errors import PlanError, WeightSyncError
 
+from .agree import run_agreed
 from .lora_export import LoraExport
 from .pieces import pack_pieces
 from .plan import RankPlan, check_coverage, plan_rank
@@ -122,11 +123,23 @@ def gather_local_shards(
 
     A collective over ``group`` (default: the world): call it on every rank, outside any
     other collective. Meant for offline checks of small models, not for the service path.
+
+    Raises:
+        WeightSyncError: on every rank, when the copy failed on any (naming it).
     """
     import torch.distributed as dist
 
-    cpu = {k: t.detach().to("cpu", copy=True) for k, t in local.tensors.items()}
-    mine = LocalShards(local.topology, local.shards, cpu, local.tied_embeddings)
+    def copy_to_cpu() -> LocalShards:
+        cpu = {k: t.detach().to("cpu", copy=True) for k, t in local.tensors.items()}
+        return LocalShards(local.topology, local.shards, cpu, local.tied_embeddings)
+
+    mine = run_agreed(
+        "copying the shards to the CPU",
+        copy_to_cpu,
+        local.topology.describe,
+        WeightSyncError,
+        group,
+    )
     rank = dist.get_rank(group)
     gathered: list[LocalShards | None] | None = (
         [None] * dist.get_world_size(group) if rank == dst else None

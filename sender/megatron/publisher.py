@@ -15,14 +15,16 @@ from types import MappingProxyType
 import torch
 
 from weightsync.buckets import Bucket
-from weightsync.errors import ConfigError
+from weightsync.checksum import verify_copies
+from weightsync.errors import ConfigError, PlanError, TransportError
 from weightsync.manifest import VersionManifest
-from weightsync.regions import Region, pack_regions
+from weightsync.regions import Region, pack_regions, region_copies
+from weightsync.sender.megatron.agree import run_agreed
 from weightsync.sender.megatron.convert import check_shard_tensors
 from weightsync.sender.megatron.lora_export import LoraExport
 from weightsync.sender.megatron.pieces import piece_regions
 from weightsync.sender.megatron.plan import RankPlan, check_coverage, plan_rank
-from weightsync.sender.megatron.shards import collect_shards
+from weightsync.sender.megatron.shards import collect_shards, topology_from_parallel_state
 from weightsync.sender.publisher import Publisher, PublishResult
 
 
@@ -47,7 +49,10 @@ class MegatronPublisher:
 
     Raises:
         PlanError: a parameter without a rule, a shape the config contradicts, missing ranks
-            or two ranks claiming the same bytes; raised on every rank, before any publish.
+            or two ranks claiming the same bytes; raised on every rank at once, before any
+            publish, naming each failed rank's coordinates (a rank that failed alone never
+            leaves the others in a collective).
+        TransportError: the sender did not answer on some rank (every rank raises it).
     """
 
     def __init__(
@@ -66,36 +71,49 @@ class MegatronPublisher:
     ) -> None:
         import torch.distributed as dist
 
-        local = collect_shards(model_chunks)
-        self._tensors = local.tensors
-        self.plan = plan_rank(
-            local.shards,
-            local.topology,
-            hf_config,
-            dtype=dtype,
-            tied_embeddings=local.tied_embeddings,
-            export_mtp=export_mtp,
-            lora=lora,
-        )
-        check_shard_tensors(self.plan, local.tensors)
+        def plan() -> RankPlan:
+            local = collect_shards(model_chunks)
+            self._tensors = local.tensors
+            self.plan = plan_rank(
+                local.shards,
+                local.topology,
+                hf_config,
+                dtype=dtype,
+                tied_embeddings=local.tied_embeddings,
+                export_mtp=export_mtp,
+                lora=lora,
+            )
+            check_shard_tensors(self.plan, local.tensors)
+            self._current_regions()  # a piece that does not fit its shard fails here
+            return self.plan
+
+        def where() -> str:
+            return topology_from_parallel_state().describe()
+
+        self._regions: tuple[tuple[int, ...], dict[str, list[Region]]] | None = None
+        """(every local tensor's ``data_ptr``, the regions): taken again when any pointer moved."""
+        run_agreed("planning the Megatron -> HF conversion", plan, where, PlanError, group)
         rank, world = 0, 1
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(group), dist.get_world_size(group)
             _check_coverage_together(self.plan, world, group)
         else:
             check_coverage([self.plan])
-        self.device = next(iter(local.tensors.values())).device
+        self.device = next(iter(self._tensors.values())).device
         self._direct = direct
-        self._regions: tuple[tuple[int, ...], dict[str, list[Region]]] | None = None
-        """(every local tensor's ``data_ptr``, the regions): taken again when any pointer moved."""
-        self._current_regions()  # a piece that does not fit its shard fails here
         model_type = getattr(hf_config, "model_type", "model")
-        self.publisher = Publisher(
-            address,
-            publisher_id=publisher_id or f"megatron-{model_type}-{world}",
-            rank=rank,
-            world_size=world,
-            connect_timeout_s=connect_timeout_s,
+        self.publisher = run_agreed(
+            f"connecting to the weightsync sender at {address}",
+            lambda: Publisher(
+                address,
+                publisher_id=publisher_id or f"megatron-{model_type}-{world}",
+                rank=rank,
+                world_size=world,
+                connect_timeout_s=connect_timeout_s,
+            ),
+            where,
+            TransportError,
+            group,
         )
 
     def publish(
@@ -111,10 +129,15 @@ class MegatronPublisher:
         manifest = VersionManifest(version, self.plan.manifest, self.plan.lora)
         regions = self._current_regions()
 
+        what = f"version {version}, rank {self.publisher.rank}"
+
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             for entry in bucket.entries:
                 if pieces := regions.get(entry.name):
                     pack_regions(buffer, entry, pieces)
+                    if not buffer.is_cuda:
+                        copies = region_copies(buffer, entry, pieces)
+                        verify_copies(f"{what}, bucket {bucket.index}", entry.name, copies)
 
         return self.publisher.publish_packed(
             manifest,

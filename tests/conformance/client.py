@@ -97,11 +97,33 @@ def to_dict(msg) -> dict:
     return json_format.MessageToDict(msg, preserving_proto_field_name=True)
 
 
+class _Token(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """``authorization: Bearer <token>`` on every call (docs/protocol.md, "Authentication")."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = ("authorization", f"Bearer {token}")
+
+    def _add(self, continuation, details, request):
+        # grpc's call details are a namedtuple
+        details = details._replace(metadata=[*(details.metadata or ()), self._entry])
+        return continuation(details, request)
+
+    intercept_unary_unary = intercept_unary_stream = _add
+    intercept_stream_unary = intercept_stream_stream = _add
+
+
 def channel_to(address: str, timeout_s: float = 15.0) -> grpc.Channel:
-    """``unix:/path`` and ``host:port`` are both gRPC targets as they are."""
+    """``unix:/path`` and ``host:port`` are both gRPC targets as they are; the sender's token,
+    when ``WEIGHTSYNC_TOKEN`` is set, goes with every call."""
     ch = grpc.insecure_channel(address)
     grpc.channel_ready_future(ch).result(timeout=timeout_s)
-    return ch
+    token = os.environ.get("WEIGHTSYNC_TOKEN")
+    return grpc.intercept_channel(ch, _Token(token)) if token else ch
 
 
 # ---- receiver ---------------------------------------------------------------------------------

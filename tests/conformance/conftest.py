@@ -26,6 +26,7 @@ from tests.support.conformance import (
     NodeClients,
     SenderProcess,
     clean_env,
+    token_env,
 )
 from tests.support.waiting import wait_until
 
@@ -66,6 +67,7 @@ def sender() -> Iterator[SenderProcess]:
     address = f"unix:{d}/s.sock"
     log = d / "sender.log"
     env = clean_env() | {
+        **token_env(),  # the clients send it too
         "WEIGHTSYNC_BUCKET_SIZE_BYTES": str(BUCKET_SIZE_BYTES),
         "WEIGHTSYNC_ACK_TIMEOUT_S": "20",
         "PYTHONUNBUFFERED": "1",

@@ -141,7 +141,8 @@ def test_receiver_dying_mid_version_fails_alone_and_others_complete(sender):
 
 def test_stalled_receiver_times_out_and_others_complete(sock_dir):
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=4096, ack_timeout_s=1.0) as s:
-        TorchReceiver(TinyNet(seed=3), s.address, receiver_id="stalled")  # never syncs
+        # Held, never syncs (a dropped receiver would leave instead of stalling).
+        stalled = TorchReceiver(TinyNet(seed=3), s.address, receiver_id="stalled")
         live = TinyNet(seed=4)
         receiver = TorchReceiver(live, s.address, receiver_id="live")
         t, results = sync_in_thread(receiver)
@@ -155,6 +156,7 @@ def test_stalled_receiver_times_out_and_others_complete(sock_dir):
         assert time.monotonic() - start < 10
         t.finish(30)
         assert results == [1] and digests(live) == digests(trainer)
+        stalled.close()
 
 
 def test_version_must_increase(sender):

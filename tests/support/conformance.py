@@ -41,6 +41,11 @@ def clean_env() -> dict[str, str]:
     }
 
 
+def token_env() -> dict[str, str]:
+    """The session's sender token (tests/conftest.py), which every client must send."""
+    return {"WEIGHTSYNC_TOKEN": os.environ["WEIGHTSYNC_TOKEN"]}
+
+
 # ---- processes --------------------------------------------------------------------------------
 
 
@@ -116,11 +121,15 @@ class Clients:
 
     def __init__(self, stubs: Path, address: str) -> None:
         self.stubs, self.address = stubs, address
-        self.env = clean_env() | {
-            "PYTHONPATH": str(stubs),
-            "PYTHONNOUSERSITE": "1",
-            "PYTHONSAFEPATH": "1",  # the script's folder is not on the path either
-        }
+        self.env = (
+            clean_env()
+            | token_env()
+            | {
+                "PYTHONPATH": str(stubs),
+                "PYTHONNOUSERSITE": "1",
+                "PYTHONSAFEPATH": "1",  # the script's folder is not on the path either
+            }
+        )
         self._started: list[LineProcess] = []
         self._status_channel = None
 
@@ -159,7 +168,8 @@ class Clients:
         if self._status_channel is None:
             self._status_channel = grpc.insecure_channel(self.address)
         stub = weightsync_pb2_grpc.WeightSyncStub(self._status_channel)
-        reply = stub.Status(weightsync_pb2.StatusRequest(), timeout=10)
+        auth = [("authorization", f"Bearer {token_env()['WEIGHTSYNC_TOKEN']}")]
+        reply = stub.Status(weightsync_pb2.StatusRequest(), timeout=10, metadata=auth)
         return json_format.MessageToDict(reply, preserving_proto_field_name=True)
 
     def kill_all(self) -> None:
@@ -186,7 +196,7 @@ def connected_receivers(clients: Clients) -> set[str]:
 class NodeClients:
     def __init__(self, node_modules: Path, address: str) -> None:
         self.address = address
-        self.env = clean_env() | {"NODE_PATH": str(node_modules)}
+        self.env = clean_env() | token_env() | {"NODE_PATH": str(node_modules)}
         self.script = NODE_DIR / "client.js"
         self._started: list[LineProcess] = []
 

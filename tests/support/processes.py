@@ -225,3 +225,135 @@ def sync_in_thread(receiver, n: int = 1) -> tuple[SyncThread, list]:
     thread = SyncThread(receiver, n)
     thread.start()
     return thread, thread.results
+
+
+# --- the fault suite: processes to kill and stop -----------------------------------------------
+
+FAULT_EMBED_ROWS = 60000
+"""``fault_model``'s embedding rows: 3.84 MB of fp32, four buckets at the CLI's 1 MiB cap, so
+a version lasts as long as four of a slow receiver's loads."""
+PUBLISHED_SEED = 1000
+"""Version ``v``'s weights are ``fault_model(PUBLISHED_SEED + v)``."""
+
+
+def fault_model(seed: int) -> TinyNet:
+    """A ``TinyNet`` with a ``FAULT_EMBED_ROWS``-row embedding (several buckets a version)."""
+    import torch
+
+    model = TinyNet(seed)
+    g = torch.Generator().manual_seed(seed)
+    model.embed = torch.nn.Parameter(torch.randn(FAULT_EMBED_ROWS, 16, generator=g))
+    return model
+
+
+def fault_queue():
+    """The queue ``start_slow_receiver`` and ``start_publisher_process`` report on."""
+    return mp.get_context("spawn").Queue()
+
+
+class Inbox:
+    """Everything a ``fault_queue`` brought, with when it came (``time.monotonic()``)."""
+
+    def __init__(self, out) -> None:
+        self.out = out
+        self.seen: list[tuple[float, Outcome]] = []
+
+    def wait(self, condition, timeout: float, message: str):
+        """Read the queue until ``condition(self.seen)`` is truthy; returns it.
+
+        Raises:
+            AssertionError: ``message`` and the last reports, when it was not within
+                ``timeout`` seconds.
+        """
+        import time
+
+        deadline = time.monotonic() + timeout
+        while not (hit := condition(self.seen)):
+            if time.monotonic() > deadline:
+                last = [(o.receiver_id, o.state, o.version) for _, o in self.seen[-12:]]
+                raise AssertionError(f"{message} (not within {timeout:g} s; last: {last})")
+            try:
+                self.seen.append((time.monotonic(), self.out.get(timeout=0.2)))
+            except queue.Empty:
+                pass
+        return hit
+
+    def find(self, rid: str, state: str, version: int) -> list[tuple[float, Outcome]]:
+        return [
+            (t, o)
+            for t, o in self.seen
+            if (o.receiver_id, o.state, o.version) == (rid, state, version)
+        ]
+
+
+def _slow_receiver_main(address, rid, seed, load_delay_s, out):
+    import time
+
+    from weightsync.errors import WeightSyncError
+    from weightsync.receiver import TorchReceiver
+
+    model = fault_model(seed)
+    receiver = TorchReceiver(model, address, receiver_id=rid)
+    begin, load = receiver.target.begin, receiver.target.load
+    version = [0, False]  # the version being loaded, and whether it was reported
+
+    def begin_version(manifest):
+        version[:] = [manifest.version, False]
+        begin(manifest)
+
+    def slow_load(tensors):
+        if not version[1]:
+            version[1] = True
+            out.put(Outcome(rid, "loading", version[0], {}, ""))
+        time.sleep(load_delay_s)
+        load(tensors)
+
+    receiver.target.begin, receiver.target.load = begin_version, slow_load
+    out.put(Outcome(rid, "ready", 0, {}, ""))
+    while True:
+        try:
+            v = receiver.sync(timeout=60)
+            out.put(Outcome(rid, "applied", v, digests(model), ""))
+        except WeightSyncError as e:
+            out.put(Outcome(rid, type(e).__name__, version[0], digests(model), str(e)))
+
+
+def start_slow_receiver(address: str, rid: str, seed: int, out, load_delay_s: float):
+    """A receiver process holding ``fault_model(seed)`` that syncs until it is ended, each
+    bucket's load ``load_delay_s`` late. On ``out``: ``ready`` once registered, ``loading``
+    (the version) when a version's first bucket arrived, then ``applied`` or the error's type
+    name (with the version it was loading) after each sync."""
+    p = mp.get_context("spawn").Process(
+        target=_slow_receiver_main, daemon=True, args=(address, rid, seed, load_delay_s, out)
+    )
+    p.start()
+    return p
+
+
+def _fault_publisher_main(address, versions, out):
+    from weightsync.errors import WeightSyncError
+    from weightsync.sender import Publisher
+
+    publisher = Publisher(address, connect_timeout_s=30)
+    try:
+        for v in versions:
+            state = fault_model(PUBLISHED_SEED + v).state_dict()
+            try:
+                publisher.publish(state, v, wait=True, timeout_s=120)
+                out.put(Outcome("publisher", "published", v, {}, ""))
+            except WeightSyncError as e:
+                out.put(Outcome("publisher", type(e).__name__, v, {}, str(e)))
+                return
+    finally:
+        publisher.close()
+
+
+def start_publisher_process(address: str, versions: list[int], out):
+    """A publisher process publishing ``fault_model(PUBLISHED_SEED + v)`` as each of
+    ``versions`` (``wait=True``); reports ``published`` or the error's type name per version on
+    ``out`` and stops at its first error."""
+    p = mp.get_context("spawn").Process(
+        target=_fault_publisher_main, daemon=True, args=(address, versions, out)
+    )
+    p.start()
+    return p

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
+from tests.support.raw_streams import MemoryConnection
 from weightsync.buckets import (
     BucketEntry,
     BucketPlan,
@@ -27,7 +28,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.manifest import VersionManifest
-from weightsync.receiver.connection import Inbox, SenderLost
+from weightsync.receiver.connection import SenderLost
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import WeightTarget
@@ -250,33 +251,6 @@ def test_a_checksum_mismatch_names_the_bucket_and_its_first_tensor(stage):
 
 
 # -- the version state machine ----------------------------------------------------------------
-
-
-class MemoryConnection:
-    """A connection whose announcements are queued by the test and whose sends are kept."""
-
-    receiver_id = "memory"
-
-    def __init__(self) -> None:
-        self.inbox = Inbox(self.receiver_id, "memory:")
-        self.sent: list[pb.ReceiverMessage] = []
-        self.closed = False
-
-    def announce(self, *items: pb.Announcement | SenderLost) -> None:
-        for item in items:
-            self.inbox.put(item)
-
-    def next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
-        return self.inbox.next(deadline, waiting_for, in_version)
-
-    def send(self, message: pb.ReceiverMessage) -> None:
-        self.sent.append(message)
-
-    def close(self, flush_timeout_s: float) -> None:
-        self.closed = True
-
-    def kinds(self) -> list[str]:
-        return [m.WhichOneof("kind") for m in self.sent]
 
 
 def core_for(target: Recorder) -> tuple[ReceiverCore, MemoryConnection]:

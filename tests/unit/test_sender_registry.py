@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support.sender_parts import SETTINGS, published, sender_parts
-from weightsync.errors import ConfigError, VersionError
+from weightsync.errors import ConfigError, SyncTimeoutError, VersionError
 from weightsync.sender.slots import ReadEvent, SlotPool
 from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
@@ -62,7 +62,12 @@ def test_a_receiver_that_stays_silent_fails_alone(parts):
         parts.outcomes.expire(time.monotonic() + SETTINGS.ack_timeout_s + 1)
     assert run.outcomes["silent"].state == "failed"
     assert "owed: verdict" in run.outcomes["silent"].error.message
-    assert drained(silent) == ["abort"] and silent.state == "failed"
+    # Told to abort, then its stream ends with the timeout: a deaf receiver must not cost
+    # every later version an ack timeout (one that still listens registers again).
+    abort, closed, end = (silent.outbox.get_nowait() for _ in range(3))
+    assert abort.WhichOneof("kind") == "abort" and end is None and silent.outbox.empty()
+    assert isinstance(closed, SyncTimeoutError) and "its stream is closed" in str(closed)
+    assert (silent.connected, silent.state) == (False, "disconnected")
     assert run.outcomes["talker"].state == "pending" and drained(talker) == []
     assert run.active() == ["talker"]
 

@@ -86,7 +86,9 @@ def add_address_arg(p: argparse.ArgumentParser) -> None:
         type=address,
         default=None,
         help=f"the sender's address (default: ${ADDRESS_ENV}, else $WEIGHTSYNC_LISTEN, "
-        f"else {DEFAULT_ADDRESS})",
+        f"else {DEFAULT_ADDRESS}); a sender's token and TLS files come from $WEIGHTSYNC_TOKEN "
+        "(or $WEIGHTSYNC_TOKEN_FILE) and $WEIGHTSYNC_TLS_CA, $WEIGHTSYNC_TLS_CERT, "
+        "$WEIGHTSYNC_TLS_KEY",
     )
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from weightsync.app import output
 from weightsync.app.arguments import Parser, one_line, positive_int, version_arg
+from weightsync.app.plan_cli import add_plan_args, run_plan
 from weightsync.app.sender_cli import add_sender_args, run_sender
 from weightsync.app.status_cli import add_status_args, run_status
 from weightsync.app.wait_cli import add_wait_args, run_wait
@@ -121,6 +122,16 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     )
     add_wait_args(p)
     p.set_defaults(func=run_wait)
+
+    p = sub.add_parser(
+        "plan",
+        help="plan a described cluster offline: bytes per link, predicted time, floor",
+        description="Plan a weight sync on a described cluster (model, Megatron trainer, "
+        "engines, link rates) with the planner the senders run; print the bytes per link "
+        "class, the busiest NIC, the predicted time, the floor and what bounds them.",
+    )
+    add_plan_args(p)
+    p.set_defaults(func=run_plan)
 
     p = sub.add_parser("demo", help="sender + trainer + receivers on this machine, bit-exact check")
     p.add_argument("--versions", type=positive_int, default=3)

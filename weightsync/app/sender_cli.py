@@ -68,6 +68,39 @@ def add_sender_args(p: argparse.ArgumentParser) -> None:
         help="address the metrics endpoint binds to (default 127.0.0.1, this machine only; "
         "0.0.0.0 for every interface; WEIGHTSYNC_METRICS_HOST)",
     )
+    p.add_argument(
+        "--token-file",
+        default=None,
+        help="a file holding the shared token every client must send (WEIGHTSYNC_TOKEN_FILE; "
+        "or the token itself in WEIGHTSYNC_TOKEN, never on the command line)",
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        help="PEM certificate chain: serve TLS, with --tls-key (WEIGHTSYNC_TLS_CERT)",
+    )
+    p.add_argument(
+        "--tls-key", default=None, help="PEM private key of --tls-cert (WEIGHTSYNC_TLS_KEY)"
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA bundle: every client must present a certificate it signed (mutual TLS; "
+        "WEIGHTSYNC_TLS_CA)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="listen on TCP with neither token nor TLS: anyone who reaches the port may publish "
+        "and receive (a trusted network only; WEIGHTSYNC_INSECURE=1)",
+    )
+    p.add_argument(
+        "--socket-group",
+        default=None,
+        help="a unix socket's group, which may then connect (0660; default: owner only, 0600; "
+        "WEIGHTSYNC_SOCKET_GROUP)",
+    )
     arguments.add_log_args(p)
 
 
@@ -81,6 +114,12 @@ def _sender_settings(args: argparse.Namespace) -> dict:
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "broadcast_host": args.broadcast_host,
+        "token_file": args.token_file,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_ca": args.tls_ca,
+        "insecure": args.insecure,
+        "socket_group": args.socket_group,
     }
     return {k: v for k, v in given.items() if v is not None}
 
@@ -92,9 +131,11 @@ def run_sender(args: argparse.Namespace) -> int:
     s = sender.settings
     metrics = sender.metrics.address
     log.info(
-        "weightsync-sender %s listening on %s (transport %s, %d x %d MiB buckets%s); Ctrl-C stops",
+        "weightsync-sender %s listening on %s (%s; transport %s, %d x %d MiB buckets%s); "
+        "Ctrl-C stops",
         __version__,
         sender.address,
+        sender.protection,
         s.transport,
         s.num_buffers,
         s.bucket_size_bytes // MIB,

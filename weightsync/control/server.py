@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import socket
 from concurrent import futures
 
@@ -12,6 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from weightsync.addresses import Address, claim_unix_socket, parse_address
+from weightsync.control.auth import ServerSecurity, TokenInterceptor
+from weightsync.control.streams import SPARE_CALLS, StreamLimit
 from weightsync.errors import ConfigError
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -37,23 +40,33 @@ MAX_STREAMS = 1024
 
 
 def create_server(
-    listen: str, add_servicers, max_workers: int = MAX_STREAMS
+    listen: str,
+    add_servicers,
+    max_streams: int = MAX_STREAMS,
+    security: ServerSecurity | None = None,
 ) -> tuple[grpc.Server, Address, health.HealthServicer]:
     """Create (not start) a server on ``listen``; returns it with the address actually bound.
 
-    ``host:0`` binds a free port, which the returned address carries.
+    ``host:0`` binds a free port, which the returned address carries. ``security``: the token
+    every call must carry and the TLS credentials (default: neither); a unix socket is 0600, or
+    0660 with ``security.socket_group``, whatever the umask.
 
     Raises:
         ConfigError: a malformed address, or one another process already listens on.
     """
+    security = security or ServerSecurity()
     address = parse_address(listen)
     claim_unix_socket(address)
     check_bindable(address)
-    # Past the cap a call is refused (RESOURCE_EXHAUSTED) rather than queued forever.
+    # Past the cap a call is refused (RESOURCE_EXHAUSTED) rather than queued forever; streams
+    # are refused first, in words, so that a full sender still answers health and Status.
+    calls = max_streams + SPARE_CALLS
+    interceptors = [TokenInterceptor(security.token)] if security.token else []
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
+        futures.ThreadPoolExecutor(max_workers=calls),
         options=SERVER_OPTIONS,
-        maximum_concurrent_rpcs=max_workers,
+        maximum_concurrent_rpcs=calls,
+        interceptors=[*interceptors, StreamLimit(SERVICE_NAME, max_streams)],
     )
     add_servicers(server)
     health_servicer = health.HealthServicer()
@@ -61,18 +74,66 @@ def create_server(
     reflection.enable_server_reflection(
         (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
+    if address.unix_path is not None:
+        _bind_unix(server, address, security)
+        return server, address, _serving(health_servicer)
+    port = _add_port(server, address.grpc_target, listen, security)
+    if port == 0:
+        raise ConfigError(f"cannot listen on {listen}: address in use or not local")
+    return server, address.with_port(port), _serving(health_servicer)
+
+
+def _add_port(server: grpc.Server, target: str, listen: str, security: ServerSecurity) -> int:
     try:
-        port = server.add_insecure_port(address.grpc_target)
+        if security.credentials is not None:
+            return server.add_secure_port(target, security.credentials)
+        return server.add_insecure_port(target)
     except RuntimeError as e:  # what check_bindable could not foresee
         why = str(e).split(";")[0].strip()
         raise ConfigError(f"cannot listen on {listen}: {why}") from None
-    if address.unix_path is None:
-        if port == 0:
-            raise ConfigError(f"cannot listen on {listen}: address in use or not local")
-        address = address.with_port(port)
+
+
+def _bind_unix(server: grpc.Server, address: Address, security: ServerSecurity) -> None:
+    """Bind the socket where only we can reach it, set its mode, then move it into place.
+
+    gRPC binds (and listens) in ``add_*_port``, with the mode the umask leaves (0777 under
+    umask 000): bound at ``address`` itself, it would be open to every local user until a
+    chmod. Bound inside a fresh 0700 directory beside it, nobody else can reach it before
+    the rename makes it visible with its final mode.
+    """
+    path = address.unix_path
+    assert path is not None
+    private = _private_dir(os.path.dirname(path))
+    staged = os.path.join(private, "s")
+    try:
+        _add_port(server, f"unix:{staged}", address.text, security)
+        if security.socket_group is not None:
+            os.chown(staged, -1, security.socket_group)
+        os.chmod(staged, 0o660 if security.socket_group is not None else 0o600)
+        os.rename(staged, path)  # the listening socket is the inode: it moves with the name
+    finally:
+        if os.path.exists(staged):
+            os.unlink(staged)
+        os.rmdir(private)
+
+
+def _private_dir(parent: str) -> str:
+    """A new 0700 directory in ``parent`` with a short name: a socket path is limited to 107
+    bytes, and ``<parent>/.xxxx/s`` is no longer than the final path unless its name is 1-5
+    characters long."""
+    while True:
+        private = os.path.join(parent, f".{secrets.token_hex(2)}")
+        try:
+            os.mkdir(private, 0o700)  # the umask can only narrow it
+            return private
+        except FileExistsError:
+            continue
+
+
+def _serving(health_servicer: health.HealthServicer) -> health.HealthServicer:
     for name in ("", SERVICE_NAME):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, address, health_servicer
+    return health_servicer
 
 
 _HINT = "pick another address (--listen, WEIGHTSYNC_LISTEN)"

@@ -31,16 +31,31 @@ class VllmServerClient:
         base_url: the server's root URL.
         timeout_s: HTTP timeout for quick calls; ``apply`` waits up to its own timeout.
         pause_mode: vLLM's ``/pause`` mode during an update: ``"wait"`` lets in-flight
-            requests finish on the old weights, ``"abort"`` aborts them. (``"keep"`` is not
-            offered: it keeps the prefix cache, which holds KV of the old weights.)
+            requests finish on the old weights, ``"abort"`` aborts them, ``"keep"`` freezes
+            them and they go on under the new weights (asynchronous RL: their tokens then span
+            versions, which ``policy_epoch`` reports; see docs/staleness.md).
+        keep_kv: with ``"keep"`` only: keep the KV cache (in-flight requests go on from KV
+            computed by the old weights, reported in ``kv_cache_epoch``) instead of clearing
+            it (every in-flight request is then evicted and recomputed under the new weights).
+            Kept KV includes the prefix cache, so new requests may reuse old-weight prefixes:
+            serve with ``--no-enable-prefix-caching`` when that matters.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = 300.0, pause_mode: str = "wait") -> None:
-        if pause_mode not in ("wait", "abort"):
-            raise ConfigError(f"pause_mode must be 'wait' or 'abort', got {pause_mode!r}")
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 300.0,
+        pause_mode: str = "wait",
+        keep_kv: bool = False,
+    ) -> None:
+        if pause_mode not in ("wait", "abort", "keep"):
+            raise ConfigError(f"pause_mode must be 'wait', 'abort' or 'keep', got {pause_mode!r}")
+        if keep_kv and pause_mode != "keep":
+            raise ConfigError(f"keep_kv needs pause_mode='keep', got pause_mode={pause_mode!r}")
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self.pause_mode = pause_mode
+        self.keep_kv = keep_kv
 
     def _post(self, route: str, timeout_s: float | None = None, **kwargs: Any) -> Any:
         # A fresh connection per call: after a failed route vLLM may drop the connection,
@@ -68,24 +83,47 @@ class VllmServerClient:
     def apply(self, version: int, timeout_s: float = 600.0) -> None:
         """Pause, apply ``version`` (blocks until it is loaded), set the weight version, resume.
 
+        ``/resume`` is always sent, whatever failed (``/pause`` included).
+
         Raises:
             ReceiverFailedError: a route failed (the message carries vLLM's answer, e.g. a
-                name the model lacks); generation is resumed on the previous weights.
+                name the model lacks, from every rank); generation is resumed on the previous
+                weights.
         """
-        # clear_cache: cached prefixes hold KV computed with the old weights.
-        self._post("pause", params={"mode": self.pause_mode, "clear_cache": "true"})
         try:
+            # clear_cache: cached prefixes hold KV computed with the old weights.
+            clear_cache = "false" if self.keep_kv else "true"
+            self._post("pause", params={"mode": self.pause_mode, "clear_cache": clear_cache})
             self._post("start_weight_update")
-            # A failed update_weights ends vLLM's update session itself (and the version
-            # number stays the previous one), so finish only runs on success.
-            self._post(
-                "update_weights",
-                timeout_s=timeout_s + self.timeout_s,
-                json={"update_info": {"version": version, "timeout_s": timeout_s}},
-            )
+            try:
+                self._post(
+                    "update_weights",
+                    timeout_s=timeout_s + self.timeout_s,
+                    json={"update_info": {"version": version, "timeout_s": timeout_s}},
+                )
+            except ReceiverFailedError:
+                self._end_failed_session()
+                raise
             self._post("finish_weight_update", json={"weight_version": str(version)})
-        finally:
-            self._post("resume")
+        except BaseException as e:
+            try:
+                self._post("resume")
+            except (ReceiverFailedError, requests.RequestException) as resume_error:
+                e.add_note(f"/resume failed too: {resume_error}")
+            raise
+        self._post("resume")
+
+    def _end_failed_session(self) -> None:
+        """End vLLM's update session on the ranks still in it, keeping the weight version.
+
+        With several workers only the last rank raised (see ``receiver.vllm.engine``); the
+        others' session is still open and the next ``/start_weight_update`` would fail on
+        them. The ranks whose session the failure ended answer that none is open: expected.
+        """
+        try:
+            self._post("finish_weight_update")
+        except (ReceiverFailedError, requests.RequestException):
+            pass
 
     def weight_version(self) -> str:
         response = requests.get(f"{self.base_url}/weight_info", timeout=self.timeout_s)

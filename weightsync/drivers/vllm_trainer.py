@@ -35,6 +35,7 @@ with that label: labels need not be unique or ordered).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -293,6 +294,11 @@ class WeightsyncTrainerEngine(TrainerWeightTransferEngine[WeightsyncTrainerInitI
         update_error, publish_error = applying.exception(), publishing.exception()
         if update_error is None and publish_error is None:
             return
+        if update_error is not None:
+            # With several workers only the last rank raised (receiver.vllm.engine): the others
+            # are still in vLLM's update session. Ranks the failure ended say none is open.
+            with contextlib.suppress(Exception):
+                self.client.finish_weight_update()
         if update_error is None:
             raise publish_error  # type: ignore[misc]
         if publish_error is None or publisher is not self.publisher:

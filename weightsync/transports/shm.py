@@ -13,6 +13,7 @@ import hashlib
 import mmap
 import os
 import re
+import stat
 import uuid
 
 import torch
@@ -95,12 +96,19 @@ def _reserve(fd: int, path: str, nbytes: int) -> None:
 
 
 def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    if not create:
+        _check_segment_path(path)
+    # O_NOFOLLOW: a planted symlink would point the mapping at a file of the client's choice.
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_CREAT | os.O_EXCL if create else 0)
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TransportError(f"shared memory {path}: refused, it is a symbolic link") from e
         raise TransportError(f"shared memory {path}: cannot open ({e.strerror})") from e
     try:
+        if not create:
+            _check_segment_file(fd, path)
         if create:
             try:
                 if nbytes:
@@ -121,6 +129,29 @@ def _map_file(path: str, nbytes: int, create: bool) -> torch.Tensor:
         if nbytes
         else torch.empty(0, dtype=torch.uint8)
     )
+
+
+def _check_segment_path(path: str) -> None:
+    """A handle names a path that a peer chose: only a file directly in :data:`SHM_DIR`."""
+    parent, name = os.path.split(path)
+    if parent != os.path.normpath(SHM_DIR) or name in ("", ".", ".."):
+        raise TransportError(
+            f"shared memory {path}: refused, not a segment directly in {SHM_DIR} (a peer may "
+            "name only segments it created there)"
+        )
+
+
+def _check_segment_file(fd: int, path: str) -> None:
+    """Only a regular file of this user (a root sender could otherwise be made to read any
+    user's segment, a device or a FIFO)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise TransportError(f"shared memory {path}: refused, not a regular file")
+    if st.st_uid != os.geteuid():
+        raise TransportError(
+            f"shared memory {path}: refused, owned by uid {st.st_uid}, not by this process's "
+            f"uid {os.geteuid()} (publisher, sender and receivers must run as one user)"
+        )
 
 
 class ShmTransport(Transport):

@@ -223,7 +223,7 @@ class SenderReply(_message.Message):
     def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ..., done: _Optional[_Union[VersionStatus, _Mapping]] = ...) -> None: ...
 
 class ReceiverHello(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,8 @@ class ReceiverHello(_message.Message):
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIRTY_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -238,7 +240,9 @@ class ReceiverHello(_message.Message):
     device_uuid: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     host_id: str
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ...) -> None: ...
+    applied_version: int
+    dirty: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ...) -> None: ...
 
 class ManifestVerdict(_message.Message):
     __slots__ = ("version", "accepted", "error")

@@ -110,7 +110,10 @@ function receive(opts) {
   });
   const v1 = grpc.loadPackageDefinition(definition).weightsync.v1;
   const client = new v1.WeightSync(opts.address, grpc.credentials.createInsecure());
-  const call = client.Receive();
+  // The sender's token, when it requires one, goes with the call (docs/protocol.md).
+  const metadata = new grpc.Metadata();
+  if (process.env.WEIGHTSYNC_TOKEN) metadata.add('authorization', `Bearer ${process.env.WEIGHTSYNC_TOKEN}`);
+  const call = client.Receive(metadata);
   const files = new ShmFiles();
   let current = null;
   let applied = 0;

@@ -1,0 +1,434 @@
+"""Issue 16 items 3 and 4: every field a peer sends is bounded and checked where it enters.
+
+Each bad message is answered with the exact gRPC status and details naming the field, and
+leaves nothing behind: no thread, no joined rank, no version number taken, no receiver that
+would cost an ack timeout; Status still answers at once and the next good version applies.
+Before, an overflowing shape made the sender allocate without bound under its lock, version
+2^64-1 blocked every later publish, a 100 MB name made Status too large, and a deep LoRA JSON,
+a negative stride, an empty or second receiver hello left a traceback and a hanging stream.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from tests.support import TinyNet, digests, sync_in_thread
+from tests.support.raw_streams import (
+    MemoryConnection,
+    assert_no_threads_left,
+    assert_nothing_joining,
+    begin,
+    raw_publisher,
+    raw_receiver,
+    status_within,
+    stream_threads,
+)
+from weightsync import limits
+from weightsync.control.client import connect
+from weightsync.errors import ConfigError, PlanError
+from weightsync.manifest import LoraAdapterSpec
+from weightsync.receiver import ReceiverCore, TorchReceiver
+from weightsync.receiver.torch_receiver import TorchModuleTarget
+from weightsync.sender import Publisher
+from weightsync.v1 import weightsync_pb2 as pb
+
+INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+BIG = 2**62
+SHM = pb.BufferHandle(buffer_id="b", nbytes=64, shm=pb.ShmHandle(path="/dev/shm/not-there"))
+
+
+def spec(name="w", dtype="float32", shape=(4,)) -> pb.TensorSpec:
+    return pb.TensorSpec(name=name, dtype=dtype, shape=list(shape))
+
+
+def piece(**fields) -> pb.SourcePiece:
+    base = {"name": "w", "source": 0, "dtype": "float32", "size": [4], "stride": [1]}
+    return pb.SourcePiece(**(base | {"dst_start": [0]} | fields))
+
+
+def lora(config_json: str) -> pb.Manifest:
+    adapter = pb.LoraAdapter(name="a", config_json=config_json, tensor_names=[])
+    return pb.Manifest(version=2, tensors=[spec()], lora=adapter)
+
+
+# (begin message, status code, details) for version 2 after a good version 1.
+REFUSED_BEGINS = {
+    "shape overflows": (
+        begin(2, [spec(shape=(BIG, BIG))]),
+        INVALID,
+        f"ConfigError: Manifest.tensors[0] 'w' of shape [{BIG}, {BIG}] float32 is "
+        f"{BIG * BIG * 4} bytes, over the limit of {limits.MAX_TENSOR_BYTES}",
+    ),
+    "too many bucket entries at the sender's bucket size": (
+        begin(2, [spec(shape=(2**31,))]),  # 8 GiB in 4096-byte buckets
+        INVALID,
+        "ConfigError: BeginVersion.manifest would plan into about 2097153 bucket entries at "
+        "4096-byte buckets, over the limit of 1048576; publish fewer or smaller tensors, or "
+        "run the sender with a larger bucket_size_bytes",
+    ),
+    "negative dimension": (
+        begin(2, [spec(shape=(-1, 4))]),
+        INVALID,
+        "ConfigError: Manifest.tensors[0].shape of 'w' [-1, 4] has a negative entry",
+    ),
+    "too many dimensions": (
+        begin(2, [spec(shape=(1,) * 17)]),
+        INVALID,
+        "ConfigError: Manifest.tensors[0].shape of 'w' has 17 dimensions, over the limit of 16",
+    ),
+    "version 2^64-1 (-1 on the wire)": (
+        begin(2**64 - 1),
+        INVALID,
+        "PlanError: Manifest.version 18446744073709551615 is out of range; "
+        f"versions are 1..{limits.MAX_VERSION}",
+    ),
+    "version 2^63": (
+        begin(2**63),
+        INVALID,
+        f"PlanError: Manifest.version {2**63} is out of range; "
+        f"versions are 1..{limits.MAX_VERSION}",
+    ),
+    "tensor name over 1024 bytes": (
+        begin(2, [spec(name="n" * 5000)]),
+        INVALID,
+        "ConfigError: Manifest.tensors[0].name is 5000 bytes, over the limit of 1024: "
+        f"{'n' * 64!r}... (5000 characters)",
+    ),
+    "LoRA config nested 200k deep": (
+        begin(2, manifest=lora("[" * 200_000 + "]" * 200_000)),
+        INVALID,
+        "ConfigError: Manifest.lora.config_json is 400000 bytes, over the limit of 65536: "
+        f"{'[' * 64!r}... (400000 characters)",
+    ),
+    "LoRA config nested 100 deep": (
+        begin(2, manifest=lora('{"a": ' * 100 + '"[[[["' + "}" * 100)),
+        INVALID,
+        "ConfigError: Manifest.lora.config_json nests 100 deep, over the limit of 32",
+    ),
+    "negative stride": (
+        begin(2, sources=[SHM], pieces=[piece(stride=[-1])]),
+        INVALID,
+        "ConfigError: BeginVersion.pieces[0] (of 'w').stride [-1] has a negative entry",
+    ),
+    "stride and size of different ranks": (
+        begin(2, sources=[SHM], pieces=[piece(stride=[1, 1])]),
+        INVALID,
+        "ConfigError: BeginVersion.pieces[0] (of 'w'): size [4], stride [1, 1] and dst_start "
+        "[0] must have one entry per dimension each",
+    ),
+    "piece naming a missing source": (
+        begin(2, sources=[SHM], pieces=[piece(source=1)]),
+        INVALID,
+        "ConfigError: BeginVersion.pieces[0] (of 'w').source 1 names no storage: "
+        "BeginVersion.sources has 1",
+    ),
+    "piece spanning past the byte limit": (
+        begin(2, sources=[SHM], pieces=[piece(size=[2], stride=[BIG])]),
+        INVALID,
+        f"ConfigError: BeginVersion.pieces[0] (of 'w'): size [2] with stride [{BIG}] spans "
+        f"over {limits.MAX_TENSOR_BYTES} bytes",
+    ),
+    "shm path over 4096 bytes": (
+        begin(
+            2,
+            sources=[pb.BufferHandle(buffer_id="b", shm=pb.ShmHandle(path="/" * 5000))],
+            pieces=[piece()],
+        ),
+        INVALID,
+        "ConfigError: BeginVersion.sources[0].shm.path is 5000 bytes, over the limit of 4096: "
+        f"{'/' * 64!r}... (5000 characters)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED_BEGINS))
+def test_a_begin_past_a_bound_is_refused_naming_the_field(sender, case):
+    message, code, details = REFUSED_BEGINS[case]
+    Publisher(sender.address).publish({"w": torch.ones(4)}, 1)
+    threads = stream_threads()
+    raw = raw_publisher(sender.address)
+    raw.send(message)
+    started = time.monotonic()
+    assert raw.outcome() == (["welcome"], code, details)
+    assert time.monotonic() - started < 5
+    raw.close()
+    reply = status_within(sender.address)
+    assert [v.version for v in reply.versions] == [1]
+    assert sender.coordinator.last_version == 1
+    assert_nothing_joining(sender)
+    assert_no_threads_left(threads)
+    Publisher(sender.address).publish({"w": torch.ones(4)}, 2)  # version 2 was not taken
+    assert sender.coordinator.last_version == 2
+
+
+@pytest.mark.parametrize(
+    ("hello", "details"),
+    [
+        (
+            {"publisher_id": "p" * 300},
+            "ConfigError: PublisherHello.publisher_id is 300 bytes, over the limit of 256: "
+            f"{'p' * 64!r}... (300 characters)",
+        ),
+        (
+            {"world_size": 2**20},
+            "ConfigError: PublisherHello.world_size 1048576 is over the limit of 65536",
+        ),
+        (
+            {"device": "cuda:" + "9" * 300},
+            "ConfigError: PublisherHello.device is 305 bytes, over the limit of 256: "
+            f"{('cuda:' + '9' * 300)[:64]!r}... (305 characters)",
+        ),
+    ],
+)
+def test_a_publisher_hello_past_a_bound_is_refused(sender, hello, details):
+    raw = raw_publisher(sender.address, **hello)
+    raw.send(begin(1))
+    assert raw.outcome() == ([], INVALID, details)
+    raw.close()
+    assert status_within(sender.address).publishers == []
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "details"),
+    [
+        (
+            pb.PublisherMessage(),
+            INVALID,
+            "ConfigError: PublisherMessage has no kind set; after hello send begin, packed or "
+            "error",
+        ),
+        (
+            pb.PublisherMessage(hello=pb.PublisherHello(publisher_id="raw", device="cpu")),
+            PRECONDITION,
+            "ProtocolError: PublisherMessage.hello: a second hello on one Publish stream; open "
+            "a new stream to say hello again",
+        ),
+    ],
+)
+def test_a_publisher_message_with_no_kind_or_a_second_hello_is_refused(
+    sender, message, code, details
+):
+    raw = raw_publisher(sender.address)
+    raw.send(message)
+    assert raw.outcome() == (["welcome"], code, details)
+    raw.close()
+    assert status_within(sender.address).publishers == []
+
+
+def test_two_begins_on_one_stream_refuse_the_second_and_abandon_the_first(sender):
+    """The raw publisher never packs version 1; before, its second begin left version 1
+    waiting for packing until pack_timeout_s (600 s), blocking every other publisher."""
+    threads = stream_threads()
+    raw = raw_publisher(sender.address)
+    raw.send(begin(1, [spec(shape=(4096,))]))  # four buckets: the sender asks it to pack
+    assert raw.first() == "welcome"
+    assert next(raw.replies).WhichOneof("kind") == "pack"
+    raw.send(begin(2))
+    kinds, code, details = raw.outcome()
+    assert (code, details) == (
+        PRECONDITION,
+        "ProtocolError: BeginVersion of version 2 arrived on publisher rank 0's stream while "
+        "its version 1 is still packing; send the next begin after `staged` (version "
+        "abandoned)",
+    )
+    raw.close()
+    (v1,) = status_within(sender.address).versions
+    assert (v1.version, v1.state) == (1, "failed")
+    assert v1.abandoned.message == details.removeprefix("ProtocolError: ")
+    assert_no_threads_left(threads)
+    started = time.monotonic()
+    Publisher(sender.address).publish({"w": torch.ones(4)}, 2)
+    assert time.monotonic() - started < 5
+
+
+def test_a_packed_index_past_the_versions_buckets_is_refused(sender):
+    raw = raw_publisher(sender.address)
+    raw.send(begin(1))
+    assert raw.first() == "welcome"
+    assert next(raw.replies).WhichOneof("kind") == "pack"
+    raw.send(pb.PublisherMessage(packed=pb.BucketPacked(version=1, index=7)))
+    assert raw.outcome() == (
+        [],
+        INVALID,
+        "ConfigError: BucketPacked.index 7 is not a staged bucket of version 1, which has 1",
+    )
+    raw.close()
+    (v1,) = status_within(sender.address).versions
+    assert v1.state == "failed"
+
+
+def test_wait_applied_out_of_range_is_invalid_argument(sender):
+    channel, stub = connect(sender.address, 10)
+    with channel:
+        for request, details in (
+            (
+                pb.WaitAppliedRequest(version=2**64 - 1),
+                "ConfigError: WaitAppliedRequest.version 18446744073709551615 is out of range; "
+                f"versions are 1..{limits.MAX_VERSION}",
+            ),
+            (
+                pb.WaitAppliedRequest(version=1, timeout_s=-1),
+                "ConfigError: WaitAppliedRequest.timeout_s -1.0 must be >= 0 (0: until the "
+                "call's deadline)",
+            ),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.WaitApplied(request, timeout=5)
+            assert (refused.value.code(), refused.value.details()) == (INVALID, details)
+
+
+@pytest.mark.parametrize(
+    ("hello", "details"),
+    [
+        (
+            {"receiver_id": "r" * 300},
+            "ConfigError: ReceiverHello.receiver_id is 300 bytes, over the limit of 256: "
+            f"{'r' * 64!r}... (300 characters)",
+        ),
+        (
+            {"host_id": "h" * 300},
+            "ConfigError: ReceiverHello.host_id is 300 bytes, over the limit of 256: "
+            f"{'h' * 64!r}... (300 characters)",
+        ),
+        (
+            {"transports": ["shm"] * 17},
+            "ConfigError: ReceiverHello.transports has 17 entries, over the limit of 16",
+        ),
+    ],
+)
+def test_a_receiver_hello_past_a_bound_is_refused(sender, hello, details):
+    raw = raw_receiver(sender.address, **hello)
+    assert raw.outcome() == ([], INVALID, details)
+    raw.close()
+    assert status_within(sender.address).receivers == []
+
+
+@pytest.mark.parametrize(
+    ("message", "code", "details"),
+    [
+        (
+            pb.ReceiverMessage(),
+            INVALID,
+            "ConfigError: ReceiverMessage has no kind set; after hello send verdict, ack or "
+            "applied",
+        ),
+        (
+            pb.ReceiverMessage(hello=pb.ReceiverHello(receiver_id="again")),
+            PRECONDITION,
+            "ProtocolError: ReceiverMessage.hello: a second hello on one Receive stream; open "
+            "a new stream to register again",
+        ),
+        (
+            pb.ReceiverMessage(ack=pb.BucketAck(version=1, read_event=b"x" * 5000)),
+            INVALID,
+            "ConfigError: BucketAck.read_event is 5000 bytes, over the limit of 4096",
+        ),
+    ],
+)
+def test_a_bad_receiver_message_closes_its_stream_and_costs_no_ack_timeout(
+    sender, message, code, details
+):
+    """The broken receiver is out at once: the next version is not addressed to it, so it
+    completes without waiting out the sender's 20 s ack timeout."""
+    threads = stream_threads()
+    raw = raw_receiver(sender.address)
+    assert raw.first() == "welcome"
+    raw.send(message)
+    assert raw.outcome() == ([], code, details)
+    raw.close()
+    (status,) = status_within(sender.address).receivers
+    assert (status.receiver_id, status.connected) == ("raw", False)
+    assert_no_threads_left(threads)
+    model, trainer = TinyNet(seed=1), TinyNet(seed=2)
+    receiver = TorchReceiver(model, sender.address, receiver_id="good")
+    syncs, _ = sync_in_thread(receiver)
+    started = time.monotonic()
+    result = Publisher(sender.address).publish(trainer.state_dict(), 1, wait=True, timeout_s=15)
+    assert time.monotonic() - started < 10
+    assert [o.receiver_id for o in result.status.receivers] == ["good"]
+    assert syncs.finish(10) == [1] and digests(model) == digests(trainer)
+    receiver.close()
+
+
+def test_a_receivers_long_error_text_is_shortened_in_status(sender):
+    raw = raw_receiver(sender.address)
+    assert raw.first() == "welcome"
+    publisher = Publisher(sender.address)
+    publisher.publish({"w": torch.ones(4)}, 1)  # one bucket: staged without the raw's ack
+    assert next(raw.replies).WhichOneof("kind") == "start"
+    error = pb.ErrorDetail(code="X" * 5000, message="m" * 1_000_000, tensor="t" * 5000)
+    raw.send(pb.ReceiverMessage(verdict=pb.ManifestVerdict(version=1, error=error)))
+    reply = status_within(sender.address)
+    (outcome,) = reply.versions[-1].receivers
+    assert outcome.state == "failed"
+    for text in (outcome.error.code, outcome.error.message, outcome.error.tensor):
+        assert len(text.encode()) <= limits.MAX_ERROR_BYTES
+    assert outcome.error.message.endswith("... (1000000 bytes, shortened)")
+    (status,) = reply.receivers
+    assert len(status.last_error.encode()) <= limits.MAX_ERROR_BYTES
+    raw.close()
+    publisher.close()
+
+
+def test_a_lora_config_too_deep_is_refused_before_any_rpc():
+    with pytest.raises(ConfigError) as refused:
+        LoraAdapterSpec("a", "[" * 40 + "]" * 40, ())
+    assert str(refused.value) == (
+        "LoRA adapter 'a': config_json nests 40 deep, over the limit of 32"
+    )
+    LoraAdapterSpec("a", '{"target_modules": ["q_proj"], "note": "[[[[[[[[[[[["}', ())
+
+
+@pytest.mark.parametrize(
+    ("manifest", "error", "message"),
+    [
+        (
+            pb.Manifest(version=1, tensors=[spec(shape=(BIG, BIG))]),
+            ConfigError,
+            f"Manifest.tensors[0] 'w' of shape [{BIG}, {BIG}] float32 is {BIG * BIG * 4} bytes, "
+            f"over the limit of {limits.MAX_TENSOR_BYTES}",
+        ),
+        (
+            pb.Manifest(version=2**64 - 1, tensors=[spec()]),
+            PlanError,
+            f"Manifest.version {2**64 - 1} is out of range; versions are 1..{limits.MAX_VERSION}",
+        ),
+    ],
+)
+def test_a_receiver_rejects_an_announced_manifest_past_a_bound_before_any_write(
+    manifest, error, message
+):
+    """What a real sender never announces (it refuses such a begin): the receiver answers a
+    rejected verdict naming the field, instead of raising without one (the sender then
+    waited out its ack timeout)."""
+    model = TinyNet(seed=1)
+    before = digests(model)
+    connection = MemoryConnection()
+    core = ReceiverCore(TorchModuleTarget(model), "memory:", connection=connection)
+    connection.announce(pb.Announcement(start=pb.VersionStart(manifest=manifest)))
+    with pytest.raises(error) as rejected:
+        core.sync(timeout=5)
+    assert str(rejected.value) == message
+    (sent,) = connection.sent
+    assert (sent.verdict.version, sent.verdict.accepted) == (manifest.version, False)
+    assert (sent.verdict.error.code, sent.verdict.error.message) == (error.__name__, message)
+    assert digests(model) == before
+
+
+def test_a_status_reply_over_its_budget_leaves_out_the_oldest_versions(sender, monkeypatch):
+    publisher = Publisher(sender.address)
+    for version in range(1, 9):
+        publisher.publish({"w": torch.ones(4)}, version)
+    full = status_within(sender.address)
+    assert [v.version for v in full.versions] == list(range(1, 9))
+    one = full.versions[-1].ByteSize()
+    monkeypatch.setattr(limits, "STATUS_REPLY_BUDGET_BYTES", full.ByteSize() - 3 * one)
+    trimmed = status_within(sender.address)
+    assert trimmed.ByteSize() <= limits.STATUS_REPLY_BUDGET_BYTES
+    assert [v.version for v in trimmed.versions] == list(range(9 - len(trimmed.versions), 9))
+    assert 0 < len(trimmed.versions) < 8
+    publisher.close()

@@ -1,0 +1,119 @@
+"""Issue 16 item 10: a pack that writes wrong bytes fails its version, naming the tensor.
+
+The bucket checksum is taken from the staging buffer after packing, so on its own it would
+certify whatever a buggy pack wrote. Every packer now compares what it wrote with its source
+on shared-memory (CPU) buffers. The bug is simulated in our own code (a byte flipped right
+after the copy), for both packers of the CPU path: the publisher (asked to pack each bucket)
+and the sender (packing from shared memory a publisher offered).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support import TinyNet, digests, step, sync_in_thread
+from weightsync.errors import ChecksumError, WeightSyncError
+from weightsync.receiver import TorchReceiver
+from weightsync.sender import Publisher
+
+BROKEN = "proj"
+"""The tensor whose packed bytes get a flipped bit (bf16: checked as 16-bit integers)."""
+
+
+def flip_first_element(dst: torch.Tensor) -> None:
+    bits = dst.view(torch.int16).view(-1)
+    bits[0] ^= 1
+
+
+def shm_tensors(trainer: torch.nn.Module):
+    """``trainer``'s state in a shm buffer this process allocated: offered to the sender,
+    which then packs every bucket itself."""
+    from weightsync.transports import get_transport
+
+    store = get_transport("shm").allocate(1 << 16, torch.device("cpu"))
+    tensors, offset = {}, 0
+    for name, t in trainer.state_dict().items():
+        nbytes = t.numel() * t.element_size()
+        tensors[name] = store.tensor[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        tensors[name].copy_(t)
+        offset += (nbytes + 255) // 256 * 256
+    return store, tensors
+
+
+def sabotage_publisher(monkeypatch) -> None:
+    import weightsync.sender.publisher as publisher_module
+
+    real = publisher_module.pack_entry
+
+    def pack_entry(buffer, entry, tensor):
+        real(buffer, entry, tensor)
+        if entry.name == BROKEN:
+            flip_first_element(buffer[entry.offset : entry.offset + entry.nbytes])
+
+    monkeypatch.setattr(publisher_module, "pack_entry", pack_entry)
+
+
+def sabotage_sender(monkeypatch, source: torch.Tensor) -> None:
+    from weightsync.regions import CopyBatch
+
+    real = CopyBatch.run
+
+    def run(batch) -> None:
+        real(batch)
+        pairs = [*zip(batch.dsts, batch.srcs, strict=True), *batch.one_by_one]
+        for dst, src in pairs:
+            if src.data_ptr() == source.data_ptr():
+                flip_first_element(dst)
+
+    # The sender builds its copies once and runs them every version: break the run.
+    monkeypatch.setattr(CopyBatch, "run", run)
+
+
+@pytest.mark.parametrize("packer", ["publisher", "sender"])
+def test_a_pack_that_writes_wrong_bytes_fails_the_version_naming_the_tensor(
+    packer, sender, monkeypatch
+):
+    from weightsync.transports import get_transport
+
+    model = TinyNet(seed=1)
+    receiver = TorchReceiver(model, sender.address, receiver_id="r")
+    trainer = TinyNet(seed=2)
+    store, tensors = shm_tensors(trainer) if packer == "sender" else (None, None)
+    publisher = Publisher(sender.address)
+    t, results = sync_in_thread(receiver, n=3)
+
+    def publish(version: int):
+        step(trainer, version)
+        if tensors is None:
+            return publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=30)
+        for name, value in trainer.state_dict().items():
+            tensors[name].copy_(value)
+        return publisher.publish(tensors, version, wait=True, timeout_s=30)
+
+    try:
+        assert publish(1).status.sender_packed == (packer == "sender")
+        applied = digests(model)
+        with monkeypatch.context() as patch:
+            if packer == "publisher":
+                sabotage_publisher(patch)
+            else:
+                sabotage_sender(patch, tensors[BROKEN])
+            with pytest.raises(WeightSyncError, match=f"tensor '{BROKEN}' was packed wrong") as e:
+                publish(2)
+        if packer == "publisher":
+            assert isinstance(e.value, ChecksumError)
+        assert "version 2, bucket" in str(e.value)
+        (v2,) = [v for v in publisher.status().versions if v.version == 2]
+        assert v2.state == "failed"
+        # Version 2 was not committed, and the wrong bytes never reached the receiver (the
+        # buckets before the broken one may have: then it is dirty, a mix).
+        assert isinstance(results[1], WeightSyncError)
+        assert receiver.applied_version == 1 and digests(model)[BROKEN] == applied[BROKEN]
+        assert receiver.dirty or digests(model) == applied
+        publish(3)
+        t.finish(30)
+        assert results[2] == 3 and digests(model) == digests(trainer)
+    finally:
+        if store is not None:
+            get_transport("shm").release(store)

@@ -1,0 +1,208 @@
+"""Issue 16 item 5: a stalled, rogue or rejected version cannot wedge the pipeline.
+
+Before, a publisher that stopped packing held the sender's one version driver for
+``pack_timeout_s`` (600 s) even after every receiver had rejected its version, and every
+version queued behind it waited as long. Now a version every receiver rejected ends at once,
+a publisher that packs nothing for ``stall_timeout_s`` loses its version, one that packs
+slowly loses it after ``pack_timeout_s`` of waiting in all, and one that gives up withdraws
+it at once.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+import torch
+
+from tests.support import TinyNet, digests, step, sync_in_thread, wait_until
+from tests.support.raw_streams import begin, raw_publisher, raw_receiver, status_within
+from weightsync.errors import NameResolutionError, ReceiverFailedError
+from weightsync.receiver import TorchReceiver
+from weightsync.sender import Publisher, Sender
+from weightsync.v1 import weightsync_pb2 as pb
+
+
+def tiny_specs(trainer: TinyNet, extra: str = "") -> list[pb.TensorSpec]:
+    specs = [
+        pb.TensorSpec(name=n, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape))
+        for n, t in trainer.state_dict().items()
+    ]
+    if extra:
+        specs.append(pb.TensorSpec(name=extra, dtype="float32", shape=[4]))
+    return specs
+
+
+def two_receivers(address: str, syncs: int):
+    models = [TinyNet(seed=10 + i) for i in range(2)]
+    receivers = [TorchReceiver(m, address, receiver_id=f"r{i}") for i, m in enumerate(models)]
+    threads = [sync_in_thread(r, n=syncs)[0] for r in receivers]
+    return models, receivers, threads
+
+
+def test_a_version_every_receiver_rejected_ends_at_once(sock_dir):
+    """Its publisher never packs; the version ends as soon as both verdicts are in, and the
+    next version does not wait for the 600 s pack timeout."""
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, stall_timeout_s=5) as sender:
+        models, receivers, threads = two_receivers(sender.address, syncs=2)
+        before = [digests(m) for m in models]
+        trainer = TinyNet(seed=2)
+        raw = raw_publisher(sender.address)
+        raw.send(begin(1, tiny_specs(trainer, extra="ghost.weight")))
+        started = time.monotonic()
+        wait_until(
+            lambda: sender.coordinator.run_of(1) and sender.coordinator.run_of(1).done,
+            10,
+            "version 1 to end",
+        )
+        assert time.monotonic() - started < 5
+        v1 = status_within(sender.address).versions[-1]
+        assert v1.state == "failed" and not v1.HasField("abandoned")
+        assert {o.receiver_id: o.error.code for o in v1.receivers} == {
+            "r0": "NameResolutionError",
+            "r1": "NameResolutionError",
+        }
+        assert [digests(m) for m in models] == before
+        step(trainer, 2)
+        started = time.monotonic()
+        result = Publisher(sender.address).publish(trainer.state_dict(), 2, wait=True)
+        assert time.monotonic() - started < 10  # the stall timeout (5 s) at most
+        assert [o.state for o in result.status.receivers] == ["applied", "applied"]
+        for model, thread in zip(models, threads, strict=True):
+            first, second = thread.finish(10)
+            assert isinstance(first, NameResolutionError) and second == 2
+            assert digests(model) == digests(trainer)
+        raw.close()
+        for r in receivers:
+            r.close()
+
+
+def test_a_rejected_version_tells_a_waiting_publisher_at_once(sock_dir):
+    """The publisher packs for itself (CPU tensors): it hears ``done`` with each receiver's
+    rejection without packing the buckets nobody will read."""
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as sender:
+        models, receivers, threads = two_receivers(sender.address, syncs=1)
+        tensors = dict(TinyNet(seed=2).state_dict())
+        tensors["ghost.weight"] = torch.zeros(4)
+        started = time.monotonic()
+        with pytest.raises(ReceiverFailedError, match="r0: NameResolutionError.*ghost.weight"):
+            Publisher(sender.address).publish(tensors, 1, wait=True, timeout_s=30)
+        assert time.monotonic() - started < 10
+        for thread in threads:
+            assert isinstance(thread.finish(10)[0], NameResolutionError)
+        for r in receivers:
+            r.close()
+
+
+def test_a_stalled_publisher_loses_its_version_after_the_stall_timeout(sock_dir):
+    """The raw publisher begins version 1, which every receiver accepts, and never packs:
+    the version is abandoned after stall_timeout_s, and version 2, queued behind it, waits
+    no longer than that."""
+    stall = 2.0
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, stall_timeout_s=stall) as s:
+        models, receivers, threads = two_receivers(s.address, syncs=2)
+        before = [digests(m) for m in models]
+        trainer = TinyNet(seed=2)
+        raw = raw_publisher(s.address)
+        raw.send(begin(1, tiny_specs(trainer)))
+        assert raw.first() == "welcome"
+        assert next(raw.replies).WhichOneof("kind") == "pack"
+        started = time.monotonic()
+        step(trainer, 2)
+        result = Publisher(s.address).publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
+        assert stall - 0.5 < time.monotonic() - started < stall + 8
+        assert [o.state for o in result.status.receivers] == ["applied", "applied"]
+        kinds, _, details = raw.outcome()
+        assert details == (
+            "WeightSyncError: version 1 abandoned: version 1: the publishers packed nothing for "
+            "2 s (stall_timeout_s, WEIGHTSYNC_STALL_TIMEOUT_S) while the sender waited for "
+            "bucket 0 from rank(s) [0]"
+        )
+        v1 = status_within(s.address).versions[0]
+        assert (v1.state, v1.abandoned.code) == ("failed", "SyncTimeoutError")
+        for model, thread, old in zip(models, threads, before, strict=True):
+            first, second = thread.finish(10)
+            assert isinstance(first, ReceiverFailedError) and second == 2
+            assert old != digests(model) == digests(trainer)
+        raw.close()
+        for r in receivers:
+            r.close()
+
+
+def test_a_publisher_that_packs_too_slowly_loses_its_version_after_the_pack_timeout(sock_dir):
+    """Each bucket packed just within the stall timeout, but the version's packing takes
+    longer than pack_timeout_s in all."""
+    with Sender(
+        f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, stall_timeout_s=5, pack_timeout_s=1.5
+    ) as s:
+        raw = raw_publisher(s.address)
+        raw.send(begin(1, [pb.TensorSpec(name="w", dtype="float32", shape=[4096])]))
+
+        def pack_slowly(reply):
+            if reply.WhichOneof("kind") == "pack":
+                time.sleep(0.6)
+                packed = pb.BucketPacked(version=1, index=reply.pack.layout.index)
+                raw.send(pb.PublisherMessage(packed=packed))
+
+        started = time.monotonic()
+        kinds, _, details = raw.outcome(pack_slowly)
+        assert time.monotonic() - started < 6
+        assert details.startswith(
+            "WeightSyncError: version 1 abandoned: version 1: the publishers kept the sender "
+            "waiting 1.5 s in all (pack_timeout_s, WEIGHTSYNC_PACK_TIMEOUT_S)"
+        )
+        raw.close()
+
+
+def test_a_publisher_that_gives_up_withdraws_its_version_at_once(sock_dir):
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as s:
+        models, receivers, threads = two_receivers(s.address, syncs=2)
+        trainer = TinyNet(seed=2)
+        raw = raw_publisher(s.address)
+        raw.send(begin(1, tiny_specs(trainer)))
+        assert raw.first() == "welcome"
+        assert next(raw.replies).WhichOneof("kind") == "pack"
+        raw.close()  # cancels the stream
+        started = time.monotonic()
+        wait_until(lambda: s.coordinator.run_of(1).done, 5, "version 1 to be withdrawn")
+        assert time.monotonic() - started < 2
+        v1 = status_within(s.address).versions[0]
+        assert v1.abandoned.message == "publisher rank 0 closed its stream"
+        step(trainer, 2)
+        result = Publisher(s.address).publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
+        assert [o.state for o in result.status.receivers] == ["applied", "applied"]
+        for model, thread in zip(models, threads, strict=True):
+            assert thread.finish(10)[1] == 2 and digests(model) == digests(trainer)
+        for r in receivers:
+            r.close()
+
+
+def test_a_deaf_receiver_costs_one_ack_timeout_not_one_per_version(sock_dir):
+    """It registers and never answers: it fails version 1 after ack_timeout_s and its stream
+    is closed, so version 2 is not addressed to it and does not wait again."""
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, ack_timeout_s=1.5) as s:
+        deaf = raw_receiver(s.address, receiver_id="deaf")
+        assert deaf.first() == "welcome"
+        models, receivers, threads = two_receivers(s.address, syncs=2)
+        trainer = TinyNet(seed=2)
+        publisher = Publisher(s.address)
+        with pytest.raises(ReceiverFailedError, match="deaf: SyncTimeoutError"):
+            publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+        kinds, code, details = deaf.outcome()
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert details.startswith(
+            "SyncTimeoutError: receiver deaf sent nothing for 2 s during version 1 (owed: "
+        )
+        assert details.endswith("verdict); its stream is closed: register again")
+        step(trainer, 2)
+        started = time.monotonic()
+        result = publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
+        assert time.monotonic() - started < 1.5
+        assert [o.receiver_id for o in result.status.receivers] == ["r0", "r1"]
+        for model, thread in zip(models, threads, strict=True):
+            assert thread.finish(10) == [1, 2] and digests(model) == digests(trainer)
+        deaf.close()
+        publisher.close()
+        for r in receivers:
+            r.close()

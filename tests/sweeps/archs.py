@@ -1,0 +1,263 @@
+"""What every sweep shares: the architectures, their tiny transformers configs, the checkpoint
+``save_pretrained`` writes for each, bit-exact comparison, and the covered/passed/skipped report.
+
+Runs in both venvs (the SGLang one has no vLLM): imports torch and transformers only.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+TINY: dict[str, object] = {
+    "num_hidden_layers": 2,
+    "num_layers": 2,
+    "n_layer": 2,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "intermediate_size": 128,
+    "ffn_hidden_size": 128,
+    "n_inner": 128,
+    "num_attention_heads": 2,
+    "n_head": 2,
+    "num_key_value_heads": 1,
+    "multi_query_group_num": 1,
+    "head_dim": 32,
+    "vocab_size": 256,
+    "max_position_embeddings": 128,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "n_positions": 128,
+    # MoE
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "moe_num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_k": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    # MLA
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 32,
+}
+"""Applied where the config class has the field: 2 layers, hidden 64, vocab 256; head_dim 32
+(vLLM-CPU's attention needs >= 32), 4 experts."""
+
+BUCKET_BYTES = 64 * 1024
+"""Several buckets per version; the larger tensors arrive chunked."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """One architecture: its transformers ``model_type`` and what its tiny config overrides."""
+
+    model_type: str
+    overrides: dict[str, object] = field(default_factory=dict)
+
+
+_MLA: dict[str, object] = {
+    # SGLang's DeepSeek class reads these; transformers' config lacks them
+    "moe_layer_freq": 1,
+    "qk_rope_head_dim": 32,  # vLLM-CPU's kernels need >= 32 wide inputs
+    "qk_nope_head_dim": 32,
+    "kv_lora_rank": 64,
+    "q_lora_rank": 64,
+}
+
+ARCHS: tuple[Arch, ...] = (
+    Arch("llama"),
+    Arch("mistral"),
+    Arch("ministral"),
+    Arch("qwen2"),
+    Arch("qwen3"),
+    Arch("qwen2_moe"),
+    Arch("qwen3_moe"),
+    Arch("mixtral"),
+    Arch("phimoe"),
+    Arch("gemma"),
+    Arch("gemma2", {"hidden_act": "gelu_pytorch_tanh"}),
+    Arch("gemma3_text"),
+    Arch("phi"),
+    Arch("phi3"),
+    Arch("starcoder2"),
+    Arch("olmo"),
+    Arch("olmo2"),
+    Arch("olmo3"),
+    Arch("olmoe"),
+    Arch("granite"),
+    Arch("granitemoe"),
+    Arch("stablelm"),
+    Arch("gpt2"),
+    Arch("gpt_bigcode"),
+    Arch("gpt_neox"),
+    Arch("gptj", {"rotary_dim": 16}),
+    Arch("opt", {"ffn_dim": 128, "word_embed_proj_dim": 64}),
+    Arch("bloom"),
+    Arch("falcon"),
+    Arch("cohere"),
+    Arch("cohere2"),
+    Arch("glm"),
+    Arch("glm4"),
+    Arch("glm4_moe", {"head_dim": 32}),
+    Arch("deepseek_v2", {**_MLA, "scoring_func": "softmax", "topk_method": "greedy"}),
+    Arch("deepseek_v3", {**_MLA, "scoring_func": "sigmoid", "topk_method": "noaux_tc"}),
+    Arch("exaone4"),
+    Arch("helium"),
+    Arch("nemotron"),
+    Arch("persimmon"),
+    Arch("arcee"),
+    Arch("smollm3"),
+    Arch("ernie4_5"),
+    Arch("ernie4_5_moe"),
+    Arch("hunyuan_v1_dense"),
+    Arch("hunyuan_v1_moe"),
+    Arch("dots1"),
+    Arch("seed_oss"),
+    Arch("apertus"),
+    Arch("jetmoe"),
+    Arch("gpt_oss"),
+    Arch("bamba"),
+    Arch("jamba"),
+    Arch("falcon_h1"),
+    Arch("granitemoehybrid"),
+    Arch("lfm2"),
+    Arch("qwen3_next"),
+    Arch("mpt"),
+    Arch("minimax"),
+)
+
+
+def tiny_config(arch: Arch):
+    """The tiny float32 transformers config of ``arch`` (fields it lacks are not added)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    default = AutoConfig.for_model(arch.model_type)
+    fields = {
+        k: v
+        for k, v in TINY.items()
+        if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)
+    }
+    config = AutoConfig.for_model(arch.model_type, **{**fields, **arch.overrides})
+    config.dtype = torch.float32
+    # Engines pick their model class by the causal-LM class name, as in a saved config.json.
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch.model_type]]
+    return config
+
+
+def save_checkpoint(arch: Arch, path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """What transformers' ``save_pretrained`` writes for ``arch``'s tiny config, at ``path``;
+    returns its tensors under their checkpoint names (non-zero everywhere: random init)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(arch)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # norms start at 1 and biases at 0: make every tensor distinct
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(path)
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors
+
+
+def differing(
+    got: Iterable[tuple[str, torch.Tensor]], want: Iterable[tuple[str, torch.Tensor]]
+) -> list[str]:
+    """Names whose tensors are not bit-identical (or present on one side only)."""
+    a, b = dict(got), dict(want)
+    out = sorted(set(a) ^ set(b))
+    for name in sorted(set(a) & set(b)):
+        x, y = a[name], b[name]
+        if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.cpu(), y.cpu()):
+            out.append(name)
+    return out
+
+
+class Skip(Exception):
+    """The engine (or transformers) cannot build this architecture here; the message says why."""
+
+
+@dataclass
+class Report:
+    engine: str
+    passed: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        covered = len(self.passed) + len(self.failed)
+        lines = [
+            f"{self.engine} sweep: {covered} architectures covered, {len(self.passed)} passed, "
+            f"{len(self.failed)} failed, {len(self.skipped)} skipped ({self.seconds:.0f} s)",
+            f"  passed: {', '.join(self.passed)}",
+        ]
+        lines += [f"  skipped {name}: {why}" for name, why in self.skipped.items()]
+        lines += [f"  FAILED {name}: {why}" for name, why in self.failed.items()]
+        return "\n".join(lines)
+
+
+def sweep(
+    engine: str,
+    archs: Iterable[Arch],
+    check: Callable[[Arch, Path], None],
+    known: Mapping[str, str] | None = None,
+) -> Report:
+    """Run ``check(arch, tmp_dir)`` for each architecture; :class:`Skip` skips it, any other
+    exception fails it, unless ``known`` gives the reason that architecture fails here (then
+    it is skipped with that reason, and passes once fixed). ``WEIGHTSYNC_SWEEP_ONLY``
+    (comma-separated model types) narrows the sweep."""
+    known = known or {}
+    only = {a for a in os.environ.get("WEIGHTSYNC_SWEEP_ONLY", "").split(",") if a}
+    report = Report(engine)
+    start = time.perf_counter()
+    for arch in archs:
+        if only and arch.model_type not in only:
+            continue
+        began = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix=f"ws-sweep-{arch.model_type}-") as tmp:
+            try:
+                check(arch, Path(tmp))
+            except Skip as e:
+                report.skipped[arch.model_type] = outcome = str(e).splitlines()[0][:200]
+            except Exception as e:  # noqa: BLE001 - every failure is reported, then asserted
+                outcome = traceback.format_exception_only(e)[-1].strip()[:400]
+                if arch.model_type in known:
+                    outcome = f"known: {known[arch.model_type]}"
+                    report.skipped[arch.model_type] = outcome
+                else:
+                    report.failed[arch.model_type] = outcome
+            else:
+                report.passed.append(arch.model_type)
+                outcome = "passed"
+        # Progress as it goes: a sweep cut short by a timeout still says how far it got.
+        print(
+            f"[{engine} sweep] {arch.model_type}: {outcome} ({time.perf_counter() - began:.1f} s)",
+            flush=True,
+        )
+    report.seconds = time.perf_counter() - start
+    print(report.summary())
+    return report

@@ -1,0 +1,176 @@
+"""``weightsync plan --topology FILE``: what the senders' planner would do on a described cluster.
+
+The shell around :func:`weightsync.cluster.plan_cluster` (the same
+:func:`weightsync.topology.plan_topology` the senders run): read the topology file (YAML or
+JSON) and the model's config, plan, print the bytes per link class, the busiest NIC and NVLink,
+the predicted time, the floor and what bounds each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from weightsync.app import output
+from weightsync.cluster import GB, Topology, plan_cluster
+from weightsync.errors import ConfigError
+from weightsync.model_shapes import MODEL_TYPES, PRESETS, model_tensors, total_params
+from weightsync.topology import TopologyPlan
+
+EPILOG = """\
+The topology file (YAML or JSON; unknown keys are errors):
+
+  model:    preset: {presets}
+            or config: path/to/config.json (relative to the file), its model_type one of
+            {types}
+  trainer:  hosts, gpus_per_host, tp, pp, ep, expert_tp (default 1), dp (optional, checked:
+            hosts*gpus_per_host/(tp*pp)), pp_layers (optional: decoder layers per stage).
+            Megatron rank order (tp-cp-ep-dp-pp), hosts filled in rank order; TP within a host.
+  engines:  replicas, tp (GPUs per replica), ep (divides tp; vLLM's EP is ep = tp),
+            gpus_per_host, dtype: bf16 | fp8 (1 byte per linear weight + 128x128 block scales)
+  links:    nic_gb_s (per GPU, per direction; default 50), nvlink_gb_s (350), hbm_gb_s (2000),
+            host_nic_gb_s (all of a host's NICs; default: unbounded)
+  transfer: broadcast (one send per slice, receivers relay; default) | p2p (one read per receiver)
+
+predicted: the plan's busiest link, bytes over rate (every link runs at once). floor: the least
+any assignment of the same bytes to nearest copies can take in this link model, and what bounds
+it. Exit 0, or 2 with one line naming the field of a bad file.
+"""
+
+
+def add_plan_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = EPILOG.format(presets=" | ".join(PRESETS), types=", ".join(MODEL_TYPES))
+    p.add_argument("--topology", required=True, metavar="FILE", help="the cluster (YAML or JSON)")
+
+
+def load_topology(path: Path) -> tuple[Topology, dict[str, Any]]:
+    """The topology file and its model's HF config.
+
+    Raises:
+        ConfigError: unreadable or malformed file, an invalid field (named), an unknown preset,
+        an unreadable config.json.
+    """
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"topology file {str(path)!r}: {e.strerror}") from None
+    raw = _parse(path, text)
+    try:
+        topo = Topology.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(f"topology file {str(path)!r}: {describe(e)}") from None
+    spec = topo.model
+    if spec.preset is not None:
+        if spec.preset not in PRESETS:
+            raise ConfigError(
+                f"topology file {str(path)!r}: model.preset={spec.preset!r} is unknown; "
+                f"known: {', '.join(PRESETS)}"
+            )
+        return topo, PRESETS[spec.preset]
+    config_path = path.parent / str(spec.config)
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"topology file {str(path)!r}: model.config {str(config_path)!r}: {e}"
+        ) from None
+    return topo, config
+
+
+def _parse(path: Path, text: str) -> Any:
+    if path.suffix in (".yaml", ".yml"):
+        try:
+            import yaml
+        except ImportError:
+            raise ConfigError(
+                f"topology file {str(path)!r}: reading YAML needs PyYAML (pip install pyyaml); "
+                "or give the same fields as JSON"
+            ) from None
+        try:
+            return yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"topology file {str(path)!r}: not YAML: {e}") from None
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"topology file {str(path)!r}: not JSON: {e}") from None
+
+
+def describe(error: ValidationError) -> str:
+    """One line naming every invalid field by its dotted path, its value and the problem."""
+    parts = []
+    for item in error.errors():
+        where = ".".join(str(x) for x in item["loc"]) or "(top level)"
+        msg = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            parts.append(f"{where}: unknown field")
+        elif item["type"] == "missing":
+            parts.append(f"{where}: missing")
+        elif item["type"].startswith("model_") or item["type"] == "value_error":
+            parts.append(f"{where or 'file'}: {msg}")
+        else:
+            parts.append(f"{where}={item.get('input')!r}: {msg}")
+    return "; ".join(parts)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    path = Path(args.topology)
+    topo, config = load_topology(path)
+    plan = plan_cluster(topo, config)
+    print_plan(path, topo, config, plan)
+    return 0
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:,.2f}"
+
+
+def print_plan(path: Path, topo: Topology, config: dict[str, Any], plan: TopologyPlan) -> None:
+    t, e = topo.trainer, topo.engines
+    tensors = model_tensors(config, fp8=e.dtype == "fp8")
+    model = topo.model.preset or topo.model.config
+    console = output.console()
+    print(
+        f"weightsync plan {path}: {model} ({total_params(tensors) / 1e9:,.1f}B params, "
+        f"{_gb(sum(x.nbytes for x in tensors))} GB as {e.dtype})\n"
+        f"  trainer {t.hosts} hosts x {t.gpus_per_host} GPUs: TP={t.tp} PP={t.pp} EP={t.ep} "
+        f"expert TP={t.expert_tp} DP={t.hosts * t.gpus_per_host // (t.tp * t.pp)}\n"
+        f"  engines {e.replicas} replicas x {e.tp} GPUs (TP={e.tp} EP={e.ep}), "
+        f"{e.gpus_per_host} per host; {topo.transfer}; NIC {topo.links.nic_gb_s:g} GB/s per GPU",
+    )
+    by_kind: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for link, n in plan.link_bytes.items():
+        by_kind[link.kind].append((n, link.where))
+    table = output.table(
+        "link class", "links", "total GB", "busiest", "busiest GB", "busiest s",
+        title="bytes per link class", right=("links", "total GB", "busiest GB", "busiest s"),
+    )  # fmt: skip
+    for kind, loads in by_kind.items():
+        n, where = min(loads, key=lambda x: (-x[0], x[1]))  # ties: as busiest() names them
+        rate = plan.rates.rate(kind)  # type: ignore[arg-type]
+        output.add_row(
+            table, kind, len(loads), _gb(sum(x for x, _ in loads)), where, _gb(n),
+            f"{n / rate:.3f}" if rate != math.inf else "unbounded",
+        )  # fmt: skip
+    console.print(table)
+    console.file.flush()
+    routes = ", ".join(f"{r} {_gb(n)} GB" for r, n in plan.route_bytes.items())
+    nics = [(n / plan.rates.rate(link.kind), link) for link, n in plan.link_bytes.items()
+            if link.kind in ("nic_out", "nic_in")]  # fmt: skip
+    nic_s, nic = min(nics, default=(0.0, None), key=lambda x: (-x[0], x[1]))
+    ratio = plan.predicted_s / plan.floor_s if plan.floor_s else 1.0
+    lines = [
+        f"bytes taken by route: {routes}",
+        f"busiest NIC: {nic or 'none'}, {nic_s:.3f} s",
+        f"predicted: {plan.predicted_s:.3f} s, bound by {plan.bottleneck or 'nothing'}",
+        f"floor: {plan.floor_s:.3f} s, bound by {plan.floor_bound}",
+        f"ratio: {ratio:.2f}x the floor",
+    ]
+    print("\n".join(lines), flush=True)  # plain lines: never wrapped, whatever the width

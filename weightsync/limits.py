@@ -1,0 +1,297 @@
+"""Bounds on every field a peer sends, checked where its message enters, before anything is
+allocated, mapped or recorded for it.
+
+One place for the numbers (``docs/protocol.md`` §11 lists them) and the pure checks that
+apply them to the control-plane messages. A message past a bound is refused with a
+:class:`~weightsync.errors.ConfigError` (``INVALID_ARGUMENT``) naming the field; error text a
+peer reports is kept but shortened (refusing an error report would lose the report).
+
+Why these sizes: ``Status`` lists every receiver, publisher and the last ``history`` versions
+with each receiver's outcome, so every string that ends up there (ids, names, error text) is
+capped (an outcome is then at most about 3.5 KB), and the sender leaves its oldest versions out
+of a reply over ``STATUS_REPLY_BUDGET_BYTES``, a quarter of the 256 MiB gRPC message limit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+
+from weightsync.dtypes import dtype_from_name
+from weightsync.errors import ConfigError, ProtocolError
+from weightsync.v1 import weightsync_pb2 as pb
+
+MAX_VERSION = 2**63 - 1
+"""Versions are 1..2^63-1 (int64 in every language; -1 sent as uint64 is 2^64-1: refused)."""
+MAX_NAME_BYTES = 1024
+"""A tensor name (UTF-8); HF names are under 200."""
+MAX_ID_BYTES = 256
+"""publisher_id, receiver_id, engine, host_id, device, device_uuid, buffer_id, transport."""
+MAX_PATH_BYTES = 4096
+"""A shm path (Linux's PATH_MAX)."""
+MAX_HANDLE_BYTES = 4096
+"""Each opaque CUDA IPC handle (memory, ref counter, event): torch's are under 100."""
+MAX_ERROR_BYTES = 1024
+"""Error text a peer reports (ErrorDetail.message, .code, .tensor): longer text is shortened."""
+MAX_TENSORS = 1 << 18
+"""Tensors in one manifest (a 671B MoE with one tensor per expert has about 50,000)."""
+MAX_DIMS = 16
+"""Dimensions of one tensor or piece."""
+MAX_TENSOR_BYTES = 1 << 40
+"""Bytes of one tensor (1 TiB): element count x itemsize, computed without overflow."""
+MAX_BUCKET_ENTRIES = 1 << 20
+"""Bucket entries a version may plan into (a tensor per bucket it spans, plus one each):
+bounds the planner's work and memory whatever the bucket size."""
+MAX_SOURCES = 1 << 12
+"""Storages one rank offers (``BeginVersion.sources``)."""
+MAX_PIECES = 1 << 20
+"""Pieces one rank offers (``BeginVersion.pieces``)."""
+MAX_WORLD_SIZE = 1 << 16
+"""Publisher ranks of one version."""
+MAX_TRANSPORTS = 16
+"""Transports one receiver lists."""
+MAX_LORA_CONFIG_BYTES = 1 << 16
+"""A LoRA adapter's PEFT config JSON (PEFT writes about 1 KiB)."""
+MAX_JSON_DEPTH = 32
+"""Nesting of that JSON: checked before parsing, so deep input is an error, not a
+RecursionError in a stream's thread."""
+STATUS_REPLY_BUDGET_BYTES = 64 << 20
+"""A Status reply over this drops its oldest versions (the gRPC limit is 256 MiB)."""
+
+
+def quoted(text: str, keep: int = 64) -> str:
+    """``text`` for an error message: repr'd, the first ``keep`` characters only."""
+    return repr(text) if len(text) <= keep else f"{text[:keep]!r}... ({len(text)} characters)"
+
+
+def check_text(text: str, field: str, limit: int) -> None:
+    # len() first: a character is at most 4 bytes, so most text needs no encoding.
+    if len(text) * 4 > limit and len(text.encode()) > limit:
+        raise ConfigError(
+            f"{field} is {len(text.encode())} bytes, over the limit of {limit}: {quoted(text)}"
+        )
+
+
+def check_count(items: Sequence, field: str, limit: int) -> None:
+    if len(items) > limit:
+        raise ConfigError(f"{field} has {len(items)} entries, over the limit of {limit}")
+
+
+def check_dims(dims: Sequence[int], field: str) -> None:
+    if len(dims) > MAX_DIMS:
+        raise ConfigError(f"{field} has {len(dims)} dimensions, over the limit of {MAX_DIMS}")
+    if dims and min(dims) < 0:
+        raise ConfigError(f"{field} {list(dims)} has a negative entry")
+
+
+def check_tensor(spec: pb.TensorSpec, field: str) -> None:
+    """Bound one tensor spec: name, dimensions, and bytes (exact integers: the product
+    cannot overflow, and a huge one is refused before anything is sized by it)."""
+    check_text(spec.name, f"{field}.name", MAX_NAME_BYTES)
+    shape = spec.shape
+    check_dims(shape, f"{field}.shape of {quoted(spec.name)}")
+    nbytes = math.prod(shape) * dtype_from_name(spec.dtype).itemsize
+    if nbytes > MAX_TENSOR_BYTES:
+        raise ConfigError(
+            f"{field} {quoted(spec.name)} of shape {list(shape)} {spec.dtype} is {nbytes} "
+            f"bytes, over the limit of {MAX_TENSOR_BYTES}"
+        )
+
+
+def check_manifest(manifest: pb.Manifest, field: str = "Manifest") -> None:
+    """Bound a wire manifest's tensors and LoRA adapter (its version: ``VersionManifest``).
+    Both sides run it once per tensor list (``wire.manifest_from_pb``, cached)."""
+    check_count(manifest.tensors, f"{field}.tensors", MAX_TENSORS)
+    for i, spec in enumerate(manifest.tensors):
+        check_tensor(spec, f"{field}.tensors[{i}]")
+    if manifest.HasField("lora"):
+        check_lora(manifest.lora, f"{field}.lora")
+
+
+def check_entries(num_tensors: int, total_bytes: int, bucket_size_bytes: int) -> None:
+    """Bound the bucket entries a manifest plans into (at most twice this estimate: a chunk
+    is at least half a bucket), before the planner lists them."""
+    entries = num_tensors + total_bytes // bucket_size_bytes
+    if entries > MAX_BUCKET_ENTRIES:
+        raise ConfigError(
+            f"BeginVersion.manifest would plan into about {entries} bucket entries at "
+            f"{bucket_size_bytes}-byte buckets, over the limit of {MAX_BUCKET_ENTRIES}; publish "
+            "fewer or smaller tensors, or run the sender with a larger bucket_size_bytes"
+        )
+
+
+def check_lora(lora: pb.LoraAdapter, field: str) -> None:
+    check_text(lora.name, f"{field}.name", MAX_NAME_BYTES)
+    check_count(lora.tensor_names, f"{field}.tensor_names", MAX_TENSORS)
+    for i, name in enumerate(lora.tensor_names):
+        check_text(name, f"{field}.tensor_names[{i}]", MAX_NAME_BYTES)
+    check_json(lora.config_json, f"{field}.config_json")
+
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def check_json(text: str, field: str) -> None:
+    """Bound a JSON document's size and nesting without parsing it (brackets inside strings
+    do not count)."""
+    check_text(text, field, MAX_LORA_CONFIG_BYTES)
+    depth = deepest = 0
+    for ch in _JSON_STRING.sub("", text):
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > MAX_JSON_DEPTH:
+        raise ConfigError(f"{field} nests {deepest} deep, over the limit of {MAX_JSON_DEPTH}")
+
+
+def check_publisher_hello(hello: pb.PublisherHello) -> None:
+    for name in ("publisher_id", "device", "device_uuid"):
+        check_text(getattr(hello, name), f"PublisherHello.{name}", MAX_ID_BYTES)
+    if hello.world_size > MAX_WORLD_SIZE:
+        raise ConfigError(
+            f"PublisherHello.world_size {hello.world_size} is over the limit of {MAX_WORLD_SIZE}"
+        )
+
+
+def check_receiver_hello(hello: pb.ReceiverHello) -> None:
+    for name in ("receiver_id", "engine", "device", "device_uuid", "host_id"):
+        check_text(getattr(hello, name), f"ReceiverHello.{name}", MAX_ID_BYTES)
+    check_count(hello.transports, "ReceiverHello.transports", MAX_TRANSPORTS)
+    for i, transport in enumerate(hello.transports):
+        check_text(transport, f"ReceiverHello.transports[{i}]", MAX_ID_BYTES)
+
+
+def check_offer(begin: pb.BeginVersion) -> None:
+    """Bound what a ``BeginVersion`` offers: its storages and pieces (the coordinator runs it
+    once per offer, before mapping or planning from it)."""
+    check_count(begin.sources, "BeginVersion.sources", MAX_SOURCES)
+    for i, handle in enumerate(begin.sources):
+        check_buffer_handle(handle, f"BeginVersion.sources[{i}]")
+    check_count(begin.pieces, "BeginVersion.pieces", MAX_PIECES)
+    for i, piece in enumerate(begin.pieces):
+        check_piece(piece, i, len(begin.sources))
+
+
+def check_buffer_handle(handle: pb.BufferHandle, field: str) -> None:
+    check_text(handle.buffer_id, f"{field}.buffer_id", MAX_ID_BYTES)
+    if handle.HasField("shm"):
+        check_text(handle.shm.path, f"{field}.shm.path", MAX_PATH_BYTES)
+    elif handle.HasField("cuda_ipc"):
+        ipc = handle.cuda_ipc
+        check_text(ipc.device_uuid, f"{field}.cuda_ipc.device_uuid", MAX_ID_BYTES)
+        for name in ("memory_handle", "ref_counter_handle", "event_handle"):
+            size = len(getattr(ipc, name))
+            if size > MAX_HANDLE_BYTES:
+                raise ConfigError(
+                    f"{field}.cuda_ipc.{name} is {size} bytes, over the limit of {MAX_HANDLE_BYTES}"
+                )
+
+
+def check_piece(piece: pb.SourcePiece, i: int, num_sources: int) -> None:
+    """Bound ``BeginVersion.pieces[i]``: its name, dtype, source, and a box whose ``size``,
+    ``stride`` and ``dst_start`` agree in rank, are non-negative, and span at most
+    :data:`MAX_TENSOR_BYTES` of its storage."""
+    size, stride, start = piece.size, piece.stride, piece.dst_start
+    itemsize = dtype_from_name(piece.dtype).itemsize
+    rank = len(size)
+    # One pass over what every piece has; the field is named only for a refused one.
+    if (
+        len(piece.name) * 4 <= MAX_NAME_BYTES
+        and piece.source < num_sources
+        and rank == len(stride) == len(start) <= MAX_DIMS
+        and (not rank or min(min(size), min(stride), min(start)) >= 0)
+    ):
+        span = 0 if 0 in size else 1 + sum(map(_reach, size, stride))
+        if max(span, math.prod(size)) * itemsize <= MAX_TENSOR_BYTES:
+            return
+    field = f"BeginVersion.pieces[{i}]"
+    check_text(piece.name, f"{field}.name", MAX_NAME_BYTES)
+    what = f"{field} (of {quoted(piece.name)})"
+    if piece.source >= num_sources:
+        raise ConfigError(
+            f"{what}.source {piece.source} names no storage: BeginVersion.sources has {num_sources}"
+        )
+    if not rank == len(stride) == len(start):
+        raise ConfigError(
+            f"{what}: size {list(size)}, stride {list(stride)} and dst_start {list(start)} "
+            "must have one entry per dimension each"
+        )
+    for name, dims in (("size", size), ("stride", stride), ("dst_start", start)):
+        check_dims(dims, f"{what}.{name}")
+    raise ConfigError(
+        f"{what}: size {list(size)} with stride {list(stride)} spans over {MAX_TENSOR_BYTES} bytes"
+    )
+
+
+def _reach(n: int, stride: int) -> int:
+    return (n - 1) * stride
+
+
+def check_publisher_message(msg: pb.PublisherMessage) -> str:
+    """The kind of a message after a Publish stream's hello (its error text shortened).
+
+    Raises:
+        ConfigError: no kind is set, or a field is past its bound.
+        ProtocolError: a second hello.
+    """
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ConfigError(
+            "PublisherMessage has no kind set; after hello send begin, packed or error"
+        )
+    if kind == "hello":
+        raise ProtocolError(
+            "PublisherMessage.hello: a second hello on one Publish stream; open a new stream "
+            "to say hello again"
+        )
+    if kind == "error":
+        msg.error.CopyFrom(shortened(msg.error))
+    return kind
+
+
+def check_receiver_message(msg: pb.ReceiverMessage) -> str:
+    """The kind of a message after a Receive stream's hello (its error text shortened).
+
+    Raises:
+        ConfigError: no kind is set, or a field is past its bound.
+        ProtocolError: a second hello.
+    """
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ConfigError(
+            "ReceiverMessage has no kind set; after hello send verdict, ack or applied"
+        )
+    if kind == "hello":
+        raise ProtocolError(
+            "ReceiverMessage.hello: a second hello on one Receive stream; open a new stream "
+            "to register again"
+        )
+    body = getattr(msg, kind)
+    if kind == "ack" and len(body.read_event) > MAX_HANDLE_BYTES:
+        raise ConfigError(
+            f"BucketAck.read_event is {len(body.read_event)} bytes, over the limit of "
+            f"{MAX_HANDLE_BYTES}"
+        )
+    if body.HasField("error"):
+        body.error.CopyFrom(shortened(body.error))
+    return kind
+
+
+def shortened(detail: pb.ErrorDetail) -> pb.ErrorDetail:
+    """``detail`` with each text field cut to :data:`MAX_ERROR_BYTES` (as reported by a peer:
+    kept for Status and logs, never refused)."""
+    fields = {name: getattr(detail, name) for name in ("code", "message", "tensor")}
+    if all(len(text) <= MAX_ERROR_BYTES // 4 for text in fields.values()):
+        return detail  # fast path: under the limit even at 4 bytes per character
+    return pb.ErrorDetail(**{name: _cut(text) for name, text in fields.items()})
+
+
+def _cut(text: str) -> str:
+    data = text.encode()
+    if len(data) <= MAX_ERROR_BYTES:
+        return text
+    head = data[: MAX_ERROR_BYTES - 40].decode("utf-8", "ignore")
+    return f"{head}... ({len(data)} bytes, shortened)"
