@@ -261,6 +261,9 @@ class GrpcConnection:
             return
         self._closed.set()
         self._requests.put(None)
-        self._pump_thread.join(flush_timeout_s)
+        # A receiver dropped unclosed is closed by its finalizer, which the garbage collector
+        # may run on the pump thread itself: that thread cannot wait for itself.
+        if threading.current_thread() is not self._pump_thread:
+            self._pump_thread.join(flush_timeout_s)
         self._stream.cancel()
         self._channel.close()
