@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -246,13 +248,62 @@ def fault_model(seed: int) -> TinyNet:
     return model
 
 
-def fault_queue():
-    """The queue ``start_slow_receiver`` and ``start_publisher_process`` report on."""
-    return mp.get_context("spawn").Queue()
+class Reports:
+    """Where the fault suite's processes report ``Outcome``s: a unix datagram socket at
+    ``path``, drained into a queue by a thread of the test (``get`` as a queue's).
+
+    Not a shared ``multiprocessing`` queue: its writers share one lock, which each one's feeder
+    thread holds while it writes, so a process stopped or killed right after a report (the
+    moment the suite strikes) could hold it forever and no other process's report would ever
+    come. A datagram is sent whole or not at all and its writers share nothing."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind(path)
+        self._got: queue.Queue = queue.Queue()
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        # Read at once: the kernel queues only a few datagrams before writers block.
+        while True:
+            data = self._sock.recv(_MAX_REPORT_BYTES)
+            if not data:
+                return  # shut down by close (no report is empty)
+            self._got.put(pickle.loads(data))
+
+    def get(self, timeout: float) -> Outcome:
+        """The next report. Raises queue.Empty when none came within ``timeout`` seconds."""
+        return self._got.get(timeout=timeout)
+
+    def close(self) -> None:
+        self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+
+
+_MAX_REPORT_BYTES = 1 << 17
+"""A report is one datagram, at most this big (well under the socket's send buffer)."""
+
+
+class Reporter:
+    """A process's side of ``Reports``: ``put`` sends one ``Outcome`` (or any picklable)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def put(self, report) -> None:
+        self._sock.sendto(pickle.dumps(report), self.path)
+
+
+def fault_reports(path: str) -> Reports:
+    """The ``Reports`` (a socket at ``path``, in a ``socket_dir``) that ``start_slow_receiver``
+    and ``start_publisher_process`` report to."""
+    return Reports(path)
 
 
 class Inbox:
-    """Everything a ``fault_queue`` brought, with when it came (``time.monotonic()``)."""
+    """Everything a ``Reports`` brought, with when it came (``time.monotonic()``)."""
 
     def __init__(self, out) -> None:
         self.out = out
@@ -286,12 +337,13 @@ class Inbox:
         ]
 
 
-def _slow_receiver_main(address, rid, seed, load_delay_s, out):
+def _slow_receiver_main(address, rid, seed, load_delay_s, reports):
     import time
 
     from weightsync.errors import WeightSyncError
     from weightsync.receiver import TorchReceiver
 
+    out = Reporter(reports)
     model = fault_model(seed)
     receiver = TorchReceiver(model, address, receiver_id=rid)
     begin, load = receiver.target.begin, receiver.target.load
@@ -318,22 +370,25 @@ def _slow_receiver_main(address, rid, seed, load_delay_s, out):
             out.put(Outcome(rid, type(e).__name__, version[0], digests(model), str(e)))
 
 
-def start_slow_receiver(address: str, rid: str, seed: int, out, load_delay_s: float):
+def start_slow_receiver(address: str, rid: str, seed: int, out: Reports, load_delay_s: float):
     """A receiver process holding ``fault_model(seed)`` that syncs until it is ended, each
-    bucket's load ``load_delay_s`` late. On ``out``: ``ready`` once registered, ``loading``
+    bucket's load ``load_delay_s`` late. To ``out``: ``ready`` once registered, ``loading``
     (the version) when a version's first bucket arrived, then ``applied`` or the error's type
     name (with the version it was loading) after each sync."""
     p = mp.get_context("spawn").Process(
-        target=_slow_receiver_main, daemon=True, args=(address, rid, seed, load_delay_s, out)
+        target=_slow_receiver_main,
+        daemon=True,
+        args=(address, rid, seed, load_delay_s, out.path),
     )
     p.start()
     return p
 
 
-def _fault_publisher_main(address, versions, out):
+def _fault_publisher_main(address, versions, reports):
     from weightsync.errors import WeightSyncError
     from weightsync.sender import Publisher
 
+    out = Reporter(reports)
     publisher = Publisher(address, connect_timeout_s=30)
     try:
         for v in versions:
@@ -348,12 +403,12 @@ def _fault_publisher_main(address, versions, out):
         publisher.close()
 
 
-def start_publisher_process(address: str, versions: list[int], out):
+def start_publisher_process(address: str, versions: list[int], out: Reports):
     """A publisher process publishing ``fault_model(PUBLISHED_SEED + v)`` as each of
-    ``versions`` (``wait=True``); reports ``published`` or the error's type name per version on
+    ``versions`` (``wait=True``); reports ``published`` or the error's type name per version to
     ``out`` and stops at its first error."""
     p = mp.get_context("spawn").Process(
-        target=_fault_publisher_main, daemon=True, args=(address, versions, out)
+        target=_fault_publisher_main, daemon=True, args=(address, versions, out.path)
     )
     p.start()
     return p
