@@ -342,7 +342,16 @@ class Publisher:
         return reply.version
 
     def status(self) -> pb.StatusReply:
-        return self._stub.Status(pb.StatusRequest(), timeout=10)
+        """The sender's ``Status``: receivers, publishers, recent versions.
+
+        Raises:
+            ConfigError: the sender refused this client's token or certificate.
+            TransportError: the sender went away.
+        """
+        try:
+            return self._stub.Status(pb.StatusRequest(), timeout=10)
+        except grpc.RpcError as e:
+            raise error_from_rpc(e, f"status of the sender at {self.address}") from None
 
     def close(self) -> None:
         self._drop_stream()

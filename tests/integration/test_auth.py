@@ -101,6 +101,8 @@ def test_clients_with_a_wrong_token_are_told_how_to_fix_it(tcp_sender, monkeypat
     with Publisher(tcp_sender.address) as publisher:
         with pytest.raises(ConfigError, match="does not match this weightsync sender's"):
             publisher.publish(TinyNet().state_dict(), 1, timeout_s=10)
+        with pytest.raises(ConfigError, match="^status of the sender at .*does not match"):
+            publisher.status()
     with pytest.raises(TransportError, match="^register with the sender at .*does not match"):
         TorchReceiver(TinyNet(), tcp_sender.address)
     for command in (["status"], ["wait", "1", "--timeout-s", "5"]):
