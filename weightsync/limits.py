@@ -230,6 +230,25 @@ def _reach(n: int, stride: int) -> int:
     return (n - 1) * stride
 
 
+def _kind_after_hello(msg, stream: str, kinds: str, to_hello: str) -> str:
+    """The kind set on ``msg`` (a message after its ``stream`` stream's hello).
+
+    Raises:
+        ConfigError: no kind is set.
+        ProtocolError: a second hello.
+    """
+    message = type(msg).__name__
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ConfigError(f"{message} has no kind set; after hello send {kinds}")
+    if kind == "hello":
+        raise ProtocolError(
+            f"{message}.hello: a second hello on one {stream} stream; open a new stream "
+            f"to {to_hello}"
+        )
+    return kind
+
+
 def check_publisher_message(msg: pb.PublisherMessage) -> str:
     """The kind of a message after a Publish stream's hello (its error text shortened).
 
@@ -237,16 +256,7 @@ def check_publisher_message(msg: pb.PublisherMessage) -> str:
         ConfigError: no kind is set, or a field is past its bound.
         ProtocolError: a second hello.
     """
-    kind = msg.WhichOneof("kind")
-    if kind is None:
-        raise ConfigError(
-            "PublisherMessage has no kind set; after hello send begin, packed or error"
-        )
-    if kind == "hello":
-        raise ProtocolError(
-            "PublisherMessage.hello: a second hello on one Publish stream; open a new stream "
-            "to say hello again"
-        )
+    kind = _kind_after_hello(msg, "Publish", "begin, packed or error", "say hello again")
     if kind == "error":
         msg.error.CopyFrom(shortened(msg.error))
     return kind
@@ -259,16 +269,7 @@ def check_receiver_message(msg: pb.ReceiverMessage) -> str:
         ConfigError: no kind is set, or a field is past its bound.
         ProtocolError: a second hello.
     """
-    kind = msg.WhichOneof("kind")
-    if kind is None:
-        raise ConfigError(
-            "ReceiverMessage has no kind set; after hello send verdict, ack or applied"
-        )
-    if kind == "hello":
-        raise ProtocolError(
-            "ReceiverMessage.hello: a second hello on one Receive stream; open a new stream "
-            "to register again"
-        )
+    kind = _kind_after_hello(msg, "Receive", "verdict, ack or applied", "register again")
     body = getattr(msg, kind)
     if kind == "ack" and len(body.read_event) > MAX_HANDLE_BYTES:
         raise ConfigError(

