@@ -25,7 +25,7 @@ from weightsync.errors import (
     WeightSyncError,
     error_from_rpc,
 )
-from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region, whole
 from weightsync.transports import MappedBuffers
 from weightsync.transports.base import own_handle, register_own
@@ -106,6 +106,7 @@ class Publisher:
         timeout_s: float = 600.0,
         lora: LoraAdapterSpec | None = None,
         direct: bool = False,
+        part: VersionPartSpec | None = None,
     ) -> PublishResult:
         """Publish ``named_tensors`` as ``version``.
 
@@ -115,7 +116,8 @@ class Publisher:
         staging and no checksum; the call then returns once they have read them.
 
         Returns once every byte is copied out of these tensors (the trainer may change them),
-        or, with ``wait=True``, once every receiver applied the version.
+        or, with ``wait=True``, once every receiver applied the version. ``part``: these
+        tensors are this sender's share of a version several senders send together.
 
         Raises:
             ConfigError: ``named_tensors`` is empty (before any call to the sender).
@@ -131,7 +133,7 @@ class Publisher:
             specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
             self._published = (key, specs, whole(tensors))
         _, specs, regions = self._published
-        manifest = VersionManifest(version, specs, lora)
+        manifest = VersionManifest(version, specs, lora, part)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -261,7 +263,9 @@ class Publisher:
         callers keep theirs; holding it here keeps the identity meaningful)."""
         cached = self._manifest
         if cached is None or (
-            cached[0].tensors is not manifest.tensors or cached[0].lora != manifest.lora
+            cached[0].tensors is not manifest.tensors
+            or cached[0].lora != manifest.lora
+            or cached[0].part != manifest.part
         ):
             self._manifest = cached = (manifest, manifest_to_pb(manifest))
         return cached[1]

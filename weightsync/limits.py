@@ -107,6 +107,9 @@ def check_manifest(manifest: pb.Manifest, field: str = "Manifest") -> None:
         check_tensor(spec, f"{field}.tensors[{i}]")
     if manifest.HasField("lora"):
         check_lora(manifest.lora, f"{field}.lora")
+    if manifest.HasField("part"):
+        check_text(manifest.part.sender_id, f"{field}.part.sender_id", MAX_NAME_BYTES)
+        check_text(manifest.part.plan_digest, f"{field}.part.plan_digest", MAX_NAME_BYTES)
 
 
 def check_entries(num_tensors: int, total_bytes: int, bucket_size_bytes: int) -> None:

@@ -37,12 +37,39 @@ class LoraAdapterSpec:
 
 
 @dataclass(frozen=True)
+class VersionPartSpec:
+    """Which share of a version one sender sends, when several senders (one per trainer host)
+    send one version together; receivers join the parts before they write anything."""
+
+    index: int
+    count: int
+    sender_id: str
+    """The sending sender (its host id), named when this part fails."""
+    plan_digest: str
+    """Identical in every part of one version plan (the whole name/dtype/shape list and which
+    part carries each): parts that disagree are refused before any write."""
+    num_tensors: int
+    """Tensors in the whole version (every part together)."""
+
+    def __post_init__(self) -> None:
+        if self.count < 2 or not 0 <= self.index < self.count:
+            raise PlanError(
+                f"VersionPart index {self.index} of {self.count} parts: a split version has "
+                "2 or more parts, indexed from 0"
+            )
+        if not self.sender_id or not self.plan_digest:
+            raise PlanError("VersionPart needs its sender_id and the version's plan_digest")
+
+
+@dataclass(frozen=True)
 class VersionManifest:
     """Every tensor of one version, announced to receivers before any bucket."""
 
     version: int
     tensors: tuple[TensorSpec, ...]
     lora: LoraAdapterSpec | None = None
+    part: VersionPartSpec | None = None
+    """Set when this is one sender's share of a version split over several senders."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.version <= MAX_VERSION:

@@ -11,7 +11,7 @@ from weightsync.buckets import Bucket, BucketEntry, TensorSpec
 from weightsync.dtypes import dtype_from_name, dtype_name
 from weightsync.errors import ProtocolError
 from weightsync.limits import check_manifest
-from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -34,6 +34,17 @@ def manifest_to_pb(manifest: VersionManifest) -> pb.Manifest:
                 tensor_names=list(manifest.lora.tensor_names),
             )
         )
+    if manifest.part is not None:
+        part = manifest.part
+        msg.part.CopyFrom(
+            pb.VersionPart(
+                index=part.index,
+                count=part.count,
+                sender_id=part.sender_id,
+                plan_digest=part.plan_digest,
+                num_tensors=part.num_tensors,
+            )
+        )
     return msg
 
 
@@ -48,7 +59,11 @@ def manifest_from_pb(msg: pb.Manifest) -> VersionManifest:
     lora = None
     if msg.HasField("lora"):
         lora = LoraAdapterSpec(msg.lora.name, msg.lora.config_json, tuple(msg.lora.tensor_names))
-    return VersionManifest(msg.version, tuple(spec_from_pb(t) for t in msg.tensors), lora)
+    part = None
+    if msg.HasField("part"):
+        p = msg.part
+        part = VersionPartSpec(p.index, p.count, p.sender_id, p.plan_digest, p.num_tensors)
+    return VersionManifest(msg.version, tuple(spec_from_pb(t) for t in msg.tensors), lora, part)
 
 
 def bucket_to_pb(bucket: Bucket) -> pb.BucketLayout:

@@ -27,14 +27,30 @@ class LoraAdapter(_message.Message):
     def __init__(self, name: _Optional[str] = ..., config_json: _Optional[str] = ..., tensor_names: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Manifest(_message.Message):
-    __slots__ = ("version", "tensors", "lora")
+    __slots__ = ("version", "tensors", "lora", "part")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
     version: int
     tensors: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     lora: LoraAdapter
-    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ...) -> None: ...
+    part: VersionPart
+    def __init__(self, version: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., lora: _Optional[_Union[LoraAdapter, _Mapping]] = ..., part: _Optional[_Union[VersionPart, _Mapping]] = ...) -> None: ...
+
+class VersionPart(_message.Message):
+    __slots__ = ("index", "count", "sender_id", "plan_digest", "num_tensors")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NUM_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    count: int
+    sender_id: str
+    plan_digest: str
+    num_tensors: int
+    def __init__(self, index: _Optional[int] = ..., count: _Optional[int] = ..., sender_id: _Optional[str] = ..., plan_digest: _Optional[str] = ..., num_tensors: _Optional[int] = ...) -> None: ...
 
 class ShmHandle(_message.Message):
     __slots__ = ("path",)
