@@ -36,7 +36,7 @@ from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.history import VersionHistory
-from weightsync.sender.offer import OfferKey, offer_key
+from weightsync.sender.offer import OfferKey, rank_offer
 from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.packing import MappedOffers
 from weightsync.sender.planner import Staging, TensorPlans, plan_version
@@ -134,6 +134,7 @@ class Coordinator:
         manifest, manifest_key = self._manifests(begin.manifest)  # bounds every field
         trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
+        offer = rank_offer(begin, hello.device_uuid)
         with self._cond:
             self.history.check_version(manifest.version)
             key = (hello.publisher_id, manifest.version)
@@ -152,7 +153,12 @@ class Coordinator:
                     f"publisher rank {hello.rank} joined version {manifest.version} twice"
                 )
             conn = RankConn(
-                hello.rank, hello.device, begin, device_uuid=hello.device_uuid, outbox=outbox
+                hello.rank,
+                hello.device,
+                begin,
+                device_uuid=hello.device_uuid,
+                outbox=outbox,
+                offer=offer,
             )
             ranks[hello.rank] = conn
             if len(ranks) < world:
@@ -165,6 +171,7 @@ class Coordinator:
                 raise
             del self._joining[key]
             self.history.add_run(run)
+            trace.mark("sender.planned", version=run.version)
         try:
             self._driver.start(run, device)
         except Exception as e:
@@ -215,7 +222,7 @@ class Coordinator:
         transport = resolve_transport(self.settings.transport, device)
         begins = {rank: conn.begin for rank, conn in ranks.items()}
         gpus = {rank: conn.device_uuid for rank, conn in ranks.items()}
-        offered = offer_key(begins, gpus)
+        offered = tuple(ranks[r].offer for r in sorted(ranks))
         if (manifest_key, offered) not in self._bounded:
             # Before anything is planned from or mapped for them.
             limits.check_entries(

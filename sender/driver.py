@@ -109,6 +109,7 @@ class VersionDriver:
             trace.mark("sender.start", version=run.version)
             if run.tensors.direct is not None:
                 self._announce_direct(run)
+                trace.mark("sender.direct_announced", version=run.version)
             self._metrics.version_started(run.version)
 
     def _ensure_slots(self, run: VersionRun, device: torch.device) -> None:

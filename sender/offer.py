@@ -29,15 +29,17 @@ def offer_key(
 ) -> OfferKey:
     """The :data:`OfferKey` of the ranks' begin messages (by rank) and their GPUs' UUIDs."""
     gpus = gpus or {}
-    return tuple(
-        pb.BeginVersion(
-            sources=begins[r].sources,
-            pieces=begins[r].pieces,
-            allow_direct=begins[r].allow_direct,
-        ).SerializeToString()
-        + gpus.get(r, "").encode()
-        for r in sorted(begins)
+    return tuple(rank_offer(begins[r], gpus.get(r, "")) for r in sorted(begins))
+
+
+def rank_offer(begin: pb.BeginVersion, gpu: str) -> bytes:
+    """One rank's part of the :data:`OfferKey`. The sender computes it as each rank joins,
+    on that rank's own stream thread, so the last rank to join does not serialize every
+    rank's offer (a millisecond for four ranks of a 7B model) before the version can start."""
+    offered = pb.BeginVersion(
+        sources=begin.sources, pieces=begin.pieces, allow_direct=begin.allow_direct
     )
+    return offered.SerializeToString() + gpu.encode()
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,8 @@ class RankConn:
     """Buckets this rank reported packed (when the publishers pack)."""
     left: bool = False
     """Its stream ended: it packs nothing more."""
+    offer: bytes = b""
+    """Its part of the version's offer key (``offer.rank_offer``)."""
 
 
 @dataclass

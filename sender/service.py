@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 
+from weightsync import trace
 from weightsync.errors import (
     ConfigError,
     ProtocolError,
@@ -168,6 +169,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 return
             if isinstance(item, WeightSyncError):
                 _abort(context, item)
+            if trace.enabled:
+                trace.mark("sender.yield", receiver=conn.receiver_id, kind=item.WhichOneof("kind"))
             yield item
 
     def _consume_receiver(self, conn: ReceiverConn, requests) -> None:

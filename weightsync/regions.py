@@ -123,6 +123,9 @@ class CopyBatch:
                 small.append((dst.view(bits), src.view(bits)))
             else:
                 single.append((dst, src))
+        # Largest first: while the GPU copies the big ones, the launches of the rest are
+        # queued behind them, instead of the GPU idling between small copies' launches.
+        single.sort(key=lambda pair: pair[0].nbytes, reverse=True)
         return cls(tuple(d for d, _ in small), tuple(s for _, s in small), tuple(single))
 
     @torch.no_grad()
