@@ -134,6 +134,7 @@ class Registry:
             if self._owes_a_version(rid):
                 continue
             del self._gone[rid], self._receivers[rid]
+            self._metrics.receiver_forgotten(rid)
             excess -= 1
 
     def _owes_a_version(self, rid: str) -> bool:

@@ -81,6 +81,15 @@ class SenderMetrics:
     def receiver_failed(self, receiver_id: str) -> None:
         self.failures.labels(receiver_id).inc()
 
+    def receiver_forgotten(self, receiver_id: str) -> None:
+        """Drop a receiver's series once Status forgets it: engines restarted under new ids
+        would otherwise grow the endpoint forever."""
+        for metric in (self.applied, self.failures):
+            try:
+                metric.remove(receiver_id)
+            except KeyError:
+                pass  # it never applied, or never failed
+
     def version_done(self, state: str, complete_s: float) -> None:
         self.versions.labels(state).inc()
         self.sync_seconds.observe(complete_s)

@@ -108,6 +108,10 @@ HELP = "(see weightsync-sender --help)"
             f"default: no metrics endpoint) {HELP}",
         ),
         (
+            ["--max-streams", "0"],
+            f"{ARG} --max-streams: '0' is invalid; expected an integer >= 1 (default 1024) {HELP}",
+        ),
+        (
             ["--ack-timeout-s", "0"],
             f"{ARG} --ack-timeout-s: '0' is invalid; expected a number of seconds > 0 {HELP}",
         ),

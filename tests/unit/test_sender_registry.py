@@ -3,6 +3,7 @@ sockets."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -10,6 +11,9 @@ import torch
 
 from tests.support.sender_parts import SETTINGS, published, sender_parts
 from weightsync.errors import ConfigError, SyncTimeoutError, VersionError
+from weightsync.metrics import SenderMetrics
+from weightsync.sender.history import VersionHistory
+from weightsync.sender.registry import Registry
 from weightsync.sender.slots import ReadEvent, SlotPool
 from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
@@ -151,3 +155,33 @@ def test_packing_does_not_wait_for_the_reads_of_a_failed_receiver():
         assert run.outcomes["b"].state == "pending"
     finally:
         slots.close()
+
+
+def test_a_forgotten_receiver_leaves_the_metrics_endpoint_too():
+    """Engines restarted under new ids must not grow /metrics forever: the series of a
+    receiver Status forgot (here: past a cap of 0 disconnected receivers) go with it; a
+    connected receiver's stay."""
+    cond = threading.Condition()
+    metrics = SenderMetrics()
+    settings = SETTINGS.model_copy(update={"max_disconnected_receivers": 0})
+    registry = Registry(cond, settings, metrics, VersionHistory(cond, settings.history), "here")
+    with cond:
+        gone, staying = registry.add_receiver(hello("gone")), registry.add_receiver(hello("stays"))
+        for conn in (gone, staying):
+            metrics.receiver_applied(conn.receiver_id, 3)
+            metrics.receiver_failed(conn.receiver_id)
+        registry.disconnect(gone)
+
+    def series(name: str) -> set[str]:
+        return {
+            sample.labels["receiver"]
+            for metric in metrics.registry.collect()
+            if metric.name == name
+            for sample in metric.samples
+            if "receiver" in sample.labels
+        }
+
+    assert series("weightsync_receiver_applied_version") == {"gone", "stays"}
+    registry.status()  # prunes
+    assert series("weightsync_receiver_applied_version") == {"stays"}
+    assert series("weightsync_receiver_failures") == {"stays"}

@@ -57,6 +57,14 @@ def add_sender_args(p: argparse.ArgumentParser) -> None:
         help="fail a receiver that owes a reply this long (default 120; WEIGHTSYNC_ACK_TIMEOUT_S)",
     )
     p.add_argument(
+        "--max-streams",
+        type=arguments.streams,
+        default=None,
+        help="open Publish/Receive streams served at once (publisher ranks plus receivers; "
+        "each holds a thread); past it a new one is refused, saying so (default 1024; "
+        "WEIGHTSYNC_MAX_STREAMS)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=arguments.port,
         default=None,
@@ -111,6 +119,7 @@ def _sender_settings(args: argparse.Namespace) -> dict:
         "num_buffers": args.num_buffers,
         "transport": args.transport,
         "ack_timeout_s": args.ack_timeout_s,
+        "max_streams": args.max_streams,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "broadcast_host": args.broadcast_host,
