@@ -14,6 +14,7 @@ import queue
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -443,3 +444,25 @@ def test_a_segment_the_publisher_made_is_still_mapped(tcp_sender):
         assert _first_request_after(tcp_sender.address, _offer(path)) != "pack"
     finally:
         os.unlink(path)
+
+
+def test_the_health_command_checks_a_tls_sender_over_tls(tmp_path):
+    """`weightsync health` (the image's HEALTHCHECK) connects as every client does: over TLS
+    when WEIGHTSYNC_TLS_CA is set, where a plaintext probe would call a healthy sender dead."""
+    pytest.importorskip("cryptography")
+    certs = _certificates(tmp_path)
+    # The health service is open: the probe carries no token (the sender keeps its own).
+    health = [str(Path(sys.executable).parent / "weightsync"), "health", "--timeout-s", "5"]
+    with Sender(
+        "127.0.0.1:0", bucket_size_bytes=4096, tls_cert=certs["server_cert"],
+        tls_key=certs["server_key"],
+    ) as s:  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if not k.startswith("WEIGHTSYNC_")}
+        env["WEIGHTSYNC_ADDRESS"] = s.address
+        plain = subprocess.run(health, env=env, capture_output=True, text=True, timeout=60)
+        assert plain.returncode == 1
+        assert plain.stderr.strip().endswith("WEIGHTSYNC_TLS_CERT and WEIGHTSYNC_TLS_KEY)")
+        env["WEIGHTSYNC_TLS_CA"] = certs["ca_cert"]
+        tls = subprocess.run(health, env=env, capture_output=True, text=True, timeout=60)
+        assert tls.returncode == 0, tls.stderr
+        assert tls.stdout.strip() == f"serving: {s.address}"

@@ -387,8 +387,9 @@ def test_dockerfile_builds_the_sender_with_a_working_healthcheck(sender):
             assert all((ROOT / src).exists() for src in args.split()[:-1]), args
     health = dict(found)["HEALTHCHECK"]
     command = json.loads(health[health.index("CMD") + 3 :])
-    assert command[:2] == ["python", "-c"]
-    command[0] = sys.executable  # the image's python is the one weightsync is installed in
+    assert command[:2] == ["weightsync", "health"]
+    # The image's `weightsync` is the one installed with its python.
+    command[0] = str(Path(sys.executable).parent / "weightsync")
     env = dict(os.environ, WEIGHTSYNC_LISTEN=sender.address)
     ok = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr

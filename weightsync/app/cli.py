@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from weightsync.app import output
 from weightsync.app.arguments import Parser, one_line, positive_int, version_arg
+from weightsync.app.health_cli import add_health_args, run_health
 from weightsync.app.plan_cli import add_plan_args, run_plan
 from weightsync.app.sender_cli import add_sender_args, run_sender
 from weightsync.app.status_cli import add_status_args, run_status
@@ -122,6 +123,16 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     )
     add_wait_args(p)
     p.set_defaults(func=run_wait)
+
+    p = sub.add_parser(
+        "health",
+        help="exit 0 when a sender answers and is serving (container health checks)",
+        description="Connect to a sender as every client does (token and TLS from "
+        "WEIGHTSYNC_*) and check grpc.health.v1. Exit 0: serving; 1: nothing answers or it is "
+        "not serving (one line on stderr); 2: a bad argument.",
+    )
+    add_health_args(p)
+    p.set_defaults(func=run_health)
 
     p = sub.add_parser(
         "plan",
