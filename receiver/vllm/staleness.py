@@ -13,8 +13,9 @@ offline ``LLM``'s):
 Each request's :class:`~weightsync.staleness.EpochTracker` is fed from
 ``OutputProcessor.process_outputs``; finished ``CompletionOutput`` objects get three attributes
 (``policy_epoch``, ``kv_cache_epoch``, ``num_evictions``), and the OpenAI completion and chat
-responses carry them as extra fields of each choice. Only engines whose weight-transfer backend
-is ``weightsync`` are touched; other engines' outputs stay as they were.
+responses carry them as extra fields of each choice (streamed: of each choice's final chunk).
+Only engines whose weight-transfer backend is ``weightsync`` are touched; other engines'
+outputs stay as they were.
 
 vLLM has no public hook for any of this, so this module patches vLLM's classes, all here, each
 target checked first: a vLLM whose layout differs fails at startup with a :class:`ConfigError`
@@ -23,10 +24,12 @@ naming what moved, never with silently missing fields.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from vllm.exceptions import VLLMClientError
@@ -280,6 +283,84 @@ def _annotate(choice: Any, completion_output: Any) -> None:
             setattr(choice, name, getattr(completion_output, name))
 
 
+SSE_DATA, SSE_END = "data: ", "\n\n"
+"""How vLLM's stream generators frame each chunk (one server-sent event)."""
+
+
+def with_fields(event: str, finished: dict[int, dict[str, Any]]) -> str:
+    """A streamed chunk with the fields added to each of its choices that ``finished`` has and
+    that carries a ``finish_reason`` (those are popped from ``finished``); any other event (a
+    token chunk, an error, the usage chunk, ``[DONE]``) is returned as it came."""
+    if not (event.startswith(SSE_DATA) and event.endswith(SSE_END)):
+        return event
+    try:
+        chunk = json.loads(event[len(SSE_DATA) : -len(SSE_END)])
+    except ValueError:  # "[DONE]"
+        return event
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    annotated = False
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict) and choice.get("finish_reason") is not None:
+            fields = finished.pop(choice.get("index"), None)
+            if fields is not None:
+                choice.update(fields)
+                annotated = True
+    if not annotated:
+        return event
+    # Compact and unescaped, as pydantic's model_dump_json wrote it.
+    return f"{SSE_DATA}{json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}{SSE_END}"
+
+
+ChoiceOutputs = Callable[[Any, Any], Iterator[tuple[int, Any]]]
+"""``(request, item of the result generator)`` to ``(choice index, CompletionOutput)`` pairs."""
+
+
+def _completion_outputs(request: Any, item: Any) -> Iterator[tuple[int, Any]]:
+    # Choices of several prompts are numbered on: prompt i's start at i * n.
+    prompt_index, result = item
+    for output in result.outputs:
+        yield output.index + prompt_index * (request.n or 1), output
+
+
+def _chat_outputs(request: Any, result: Any) -> Iterator[tuple[int, Any]]:
+    for output in result.outputs:
+        yield output.index, output
+
+
+def _stream_generator(original: Callable[..., Any], outputs: ChoiceOutputs) -> Callable[..., Any]:
+    """The stream generator, with each choice's final chunk carrying its fields. vLLM builds and
+    serializes a chunk in one expression, so the fields go into the serialized event; they are
+    read from the results the generator consumes (a final output holds the whole request's)."""
+    signature = inspect.signature(original)
+
+    async def wrapper(self: Any, *args: Any, **kwargs: Any) -> AsyncIterator[str]:
+        bound = signature.bind(self, *args, **kwargs)
+        request, results = bound.arguments["request"], bound.arguments["result_generator"]
+        finished: dict[int, dict[str, Any]] = {}
+
+        async def remembering() -> AsyncIterator[Any]:
+            async for item in results:
+                for index, output in outputs(request, item):
+                    report = staleness_of(output) if output.finish_reason is not None else None
+                    if report is not None:
+                        finished[index] = report.as_dict()
+                yield item
+
+        bound.arguments["result_generator"] = remembering()
+        async with contextlib.aclosing(original(*bound.args, **bound.kwargs)) as events:
+            async for event in events:
+                yield with_fields(event, finished) if finished else event
+
+    return wrapper
+
+
+def _patch_stream(owner: Any, name: str, outputs: ChoiceOutputs) -> None:
+    if not inspect.isasyncgenfunction(_target(owner, name)):
+        raise _layout_error(f"{owner.__qualname__}.{name} is no longer an async generator")
+    make = functools.partial(_stream_generator, outputs=outputs)
+    _patch(owner, name, make, ("request", "result_generator"))
+
+
 def _install_openai_hooks() -> None:
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponseChoice
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
@@ -333,3 +414,5 @@ def _install_openai_hooks() -> None:
         chat_full_generator,
         ("request", "result_generator"),
     )
+    _patch_stream(OpenAIServingCompletion, "completion_stream_generator", _completion_outputs)
+    _patch_stream(OpenAIServingChat, "chat_completion_stream_generator", _chat_outputs)

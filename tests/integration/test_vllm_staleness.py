@@ -6,13 +6,17 @@ transformers' greedy continuations under each version.
 One server for the module; its KV cache holds 192 tokens, six blocks of 32 (one request fits,
 four do not), so four concurrent requests are preempted and recomputed. Prefix caching is off:
 with it, vLLM may reuse a preempted request's old-version blocks, which the API server cannot
-see (docs/staleness.md)."""
+see (docs/staleness.md). Streamed responses are read back as the non-streamed ones, and must
+carry the same fields, on each choice's final chunk only."""
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,13 @@ import requests  # noqa: E402
 from tests.support import random_weights, unix_sender, wait_until  # noqa: E402
 from tests.support.vllm import random_checkpoint, save_checkpoint, vllm_server  # noqa: E402
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
-from weightsync.receiver.vllm.staleness import FIELDS, MAX_POLICY_LAG_ARG  # noqa: E402
+from weightsync.receiver.vllm.staleness import (  # noqa: E402
+    FIELDS,
+    MAX_POLICY_LAG_ARG,
+    SSE_DATA,
+    SSE_END,
+    with_fields,
+)
 from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -94,19 +104,45 @@ class Server:
                 out.append(int(ids))
         return out
 
-    def complete(self, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS, **extra) -> dict:
-        body = {
+    def body(self, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS, **extra) -> dict:
+        """A greedy completion request; ``chat=True``: the chat request with the same prompt
+        ids (the template joins the messages' contents)."""
+        chat = extra.pop("chat", False)
+        if chat:
+            text = " ".join(f"t{t}" for t in prompt)
+            extra["messages"] = [{"role": "user", "content": text}]
+        else:
+            extra["prompt"] = list(prompt)
+        return {
             "model": self.model,
-            "prompt": list(prompt),
             "max_tokens": max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
             "return_token_ids": True,
             **extra,
         }
+
+    def complete(self, prompt: tuple[int, ...], max_tokens: int = MAX_TOKENS, **extra) -> dict:
+        body = self.body(prompt, max_tokens, **extra)
         response = requests.post(f"{self.base_url}/v1/completions", json=body, timeout=120)
         response.raise_for_status()
         return response.json()["choices"][0]
+
+    def stream(self, body: dict) -> dict[int, list[dict]]:
+        """``body`` (a chat request if it has messages) sent with ``"stream": true``: each
+        choice's chunks, by index, in the order they came."""
+        route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        chunks: dict[int, list[dict]] = {}
+        with requests.post(
+            f"{self.base_url}{route}", json={**body, "stream": True}, stream=True, timeout=120
+        ) as response:
+            response.raise_for_status()
+            for line in response.iter_lines():
+                if line and line != b"data: [DONE]":
+                    assert line.startswith(SSE_DATA.encode()), line
+                    for choice in json.loads(line[len(SSE_DATA) :])["choices"]:
+                        chunks.setdefault(choice["index"], []).append(choice)
+        return chunks
 
     def generated_tokens(self) -> float:
         text = requests.get(f"{self.base_url}/metrics", timeout=10).text
@@ -114,17 +150,14 @@ class Server:
             map(float, re.findall(r"^vllm:generation_tokens_total\{.*\} (\S+)$", text, re.M))
         )
 
-    def in_flight(self, prompts, switch: callable, extras=None) -> list[dict]:
-        """Send ``prompts`` at once (with ``extras[i]`` in request i's body); once they have
-        generated a few tokens, ``switch()``; return their choices."""
+    def in_flight(self, calls: list[Callable[[], object]], switch: Callable[[], object]) -> list:
+        """Make the request ``calls`` at once; once they have generated a few tokens,
+        ``switch()``; return their results."""
         start = self.generated_tokens()
-        extras = extras or [{}] * len(prompts)
-        with ThreadPoolExecutor(len(prompts)) as pool:
-            futures: list[Future] = [
-                pool.submit(self.complete, p, **e) for p, e in zip(prompts, extras, strict=True)
-            ]
+        with ThreadPoolExecutor(len(calls)) as pool:
+            futures: list[Future] = [pool.submit(call) for call in calls]
             wait_until(
-                lambda: self.generated_tokens() - start >= SWITCH_AFTER_TOKENS * len(prompts),
+                lambda: self.generated_tokens() - start >= SWITCH_AFTER_TOKENS * len(calls),
                 60, "requests generating", interval=0.005,
             )  # fmt: skip
             switch()
@@ -156,6 +189,35 @@ def switch_index(choice: dict, old: int, new: int) -> int:
     return k
 
 
+def assert_switched(
+    server: Server, choice: dict, prompt: tuple[int, ...], old: int, new: int
+) -> bool:
+    """The fields of a choice in flight while ``new`` replaced ``old`` with its KV kept, checked
+    against the old version's greedy tokens; returns whether it was evicted (after the update:
+    the cache fills only later), which recomputes all its KV under ``new``."""
+    k = switch_index(choice, old, new)
+    assert choice["token_ids"][:k] == server.greedy(old, list(prompt), k)
+    if choice["num_evictions"]:
+        assert choice["kv_cache_epoch"] == [[0, new]], choice
+    else:
+        # Token k was the first sampled under the new weights; that step computed position P+k-1.
+        assert choice["kv_cache_epoch"] == [[0, old], [P + k - 1, new]], choice
+    return choice["num_evictions"] > 0
+
+
+def joined(chunks: list[dict], model: type) -> dict:
+    """One streamed choice read as its non-streamed form: token ids joined, and the fields,
+    which only its final chunk (the one with ``finish_reason``, the last) carries; every other
+    chunk has only ``model``'s fields, as without weightsync."""
+    *before, final = chunks
+    for chunk in before:
+        assert chunk.get("finish_reason") is None and set(chunk) <= set(model.model_fields), chunk
+    assert final["finish_reason"] is not None, final
+    assert set(final) - set(model.model_fields) == set(FIELDS), final
+    tokens = [t for chunk in chunks for t in chunk.get("token_ids") or ()]
+    return {"token_ids": tokens, **{name: final[name] for name in FIELDS}}
+
+
 def test_one_version_one_run_and_only_three_new_fields(server):
     from vllm.entrypoints.openai.completion.protocol import CompletionResponseChoice
 
@@ -172,16 +234,8 @@ def test_one_version_one_run_and_only_three_new_fields(server):
 def test_chat_choices_carry_the_fields(server):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionResponseChoice
 
-    body = {
-        "model": server.model,
-        "messages": [{"role": "user", "content": " ".join(f"t{t}" for t in PROMPTS[1])}],
-        "max_tokens": 6,
-        "n": 2,  # two choices (vLLM refuses n > 1 with greedy sampling)
-        "temperature": 1.0,
-        "seed": 0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
+    # Two choices (vLLM refuses n > 1 with greedy sampling).
+    body = server.body(PROMPTS[1], 6, chat=True, n=2, temperature=1.0, seed=0)
     response = requests.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=120)
     response.raise_for_status()
     assert response.json()["prompt_token_ids"] == list(PROMPTS[1])
@@ -195,23 +249,94 @@ def test_chat_choices_carry_the_fields(server):
         assert set(choice) - set(ChatCompletionResponseChoice.model_fields) == set(FIELDS)
 
 
+def test_streamed_choices_carry_the_fields_on_their_final_chunk(server):
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+    )
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice
+
+    v = server.version
+    (chunks,) = server.stream(server.body(PROMPTS[0], 8, logprobs=1)).values()
+    assert len(chunks) > 2, "not streamed token by token"
+    choice = joined(chunks, CompletionResponseStreamChoice)
+    assert choice["token_ids"] == server.greedy(v, list(PROMPTS[0]), 8)
+    assert [choice[name] for name in FIELDS] == [[[0, v]], [[0, v]], 0]
+    # Two prompts in one request: the second's choice is numbered 1.
+    body = {**server.body(PROMPTS[0], 4), "prompt": [list(PROMPTS[0]), list(PROMPTS[2])]}
+    streamed = server.stream(body)
+    assert sorted(streamed) == [0, 1]
+    for prompt, chunks in zip((PROMPTS[0], PROMPTS[2]), (streamed[0], streamed[1]), strict=True):
+        choice = joined(chunks, CompletionResponseStreamChoice)
+        assert choice["token_ids"] == server.greedy(v, list(prompt), 4)
+        assert [choice[name] for name in FIELDS] == [[[0, v]], [[0, v]], 0]
+    streamed = server.stream(server.body(PROMPTS[1], 6, chat=True, n=2, temperature=1.0, seed=0))
+    assert sorted(streamed) == [0, 1]
+    for chunks in streamed.values():
+        choice = joined(chunks, ChatCompletionResponseStreamChoice)
+        assert len(choice["token_ids"]) == 6
+        assert [choice[name] for name in FIELDS] == [[[0, v]], [[0, v]], 0]
+
+
+def test_streamed_switch_in_flight_gives_the_non_streamed_fields(server):
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionResponseStreamChoice,
+    )
+    from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice
+
+    old = server.version
+    cases = (
+        (PROMPTS[0], server.body(PROMPTS[0]), CompletionResponseStreamChoice),
+        (PROMPTS[1], server.body(PROMPTS[1], chat=True), ChatCompletionResponseStreamChoice),
+    )
+    streams = server.in_flight(
+        [partial(server.stream, body) for _, body, _ in cases],
+        partial(server.publish, keep_kv=True),
+    )
+    new = server.version
+    for (prompt, _, model), streamed in zip(cases, streams, strict=True):
+        (chunks,) = streamed.values()
+        choice = joined(chunks, model)
+        assert len(choice["token_ids"]) == MAX_TOKENS
+        assert_switched(server, choice, prompt, old, new)
+
+
+def test_final_chunks_alone_gain_the_fields():
+    def event(chunk: dict) -> str:
+        return f"{SSE_DATA}{json.dumps(chunk, ensure_ascii=False, separators=(',', ':'))}{SSE_END}"
+
+    fields = {"policy_epoch": [[0, 1], [3, 2]], "kv_cache_epoch": [[0, 1]], "num_evictions": 0}
+    finished = {1: fields}
+    untouched = [
+        event({"choices": [{"index": 1, "text": "a", "finish_reason": None}]}),
+        event({"choices": [{"index": 0, "text": "b", "finish_reason": "length"}]}),
+        event({"error": {"message": "boom"}}),
+        f"{SSE_DATA}[DONE]{SSE_END}",
+    ]
+    for e in untouched:
+        assert with_fields(e, finished) is e
+    final = {"id": "x", "choices": [{"index": 1, "text": "ü", "finish_reason": "stop"}]}
+    out = with_fields(event(final), finished)
+    final["choices"][0].update(fields)
+    assert out == event(final)  # compact, unescaped: the form vLLM wrote
+    assert finished == {}, "a choice's fields go on one chunk only"
+
+
 def test_switch_in_flight_keeps_old_kv(server):
     old = server.version
-    (choice,) = server.in_flight(PROMPTS[:1], lambda: server.publish(keep_kv=True))
+    (choice,) = server.in_flight(
+        [partial(server.complete, PROMPTS[0])], partial(server.publish, keep_kv=True)
+    )
     new = server.version
-    k = switch_index(choice, old, new)
-    tokens = choice["token_ids"]
-    assert tokens[:k] == server.greedy(old, list(PROMPTS[0]), k)
-    # Token k was the first sampled under the new weights; that step computed position P+k-1.
-    assert choice["kv_cache_epoch"] == [[0, old], [P + k - 1, new]], choice
-    assert choice["num_evictions"] == 0
+    assert not assert_switched(server, choice, PROMPTS[0], old, new)
     after = server.complete(PROMPTS[1], max_tokens=4)
     assert (after["policy_epoch"], after["kv_cache_epoch"]) == ([[0, new]], [[0, new]])
 
 
 def test_cleared_kv_recomputes_everything_under_the_new_version(server):
     old = server.version
-    (choice,) = server.in_flight(PROMPTS[:1], lambda: server.publish(keep_kv=False))
+    (choice,) = server.in_flight(
+        [partial(server.complete, PROMPTS[0])], partial(server.publish, keep_kv=False)
+    )
     new = server.version
     k = switch_index(choice, old, new)
     tokens = choice["token_ids"]
@@ -225,26 +350,22 @@ def test_cleared_kv_recomputes_everything_under_the_new_version(server):
 
 def test_preempted_requests_recompute_under_the_new_version(server):
     old = server.version
-    choices = server.in_flight(PROMPTS, lambda: server.publish(keep_kv=True))
+    choices = server.in_flight(
+        [partial(server.complete, p) for p in PROMPTS], partial(server.publish, keep_kv=True)
+    )
     new = server.version
-    evicted = 0
-    for prompt, choice in zip(PROMPTS, choices, strict=True):
-        k = switch_index(choice, old, new)
-        assert choice["token_ids"][:k] == server.greedy(old, list(prompt), k)
-        if choice["num_evictions"]:
-            evicted += 1
-            # Preempted after the update (the cache fills only later): all KV recomputed.
-            assert choice["kv_cache_epoch"] == [[0, new]], choice
-        else:
-            assert choice["kv_cache_epoch"] == [[0, old], [P + k - 1, new]], choice
-    assert evicted > 0, "the KV cache did not force a preemption"
+    evicted = [
+        assert_switched(server, c, p, old, new) for p, c in zip(PROMPTS, choices, strict=True)
+    ]
+    assert any(evicted), "the KV cache did not force a preemption"
 
 
 def test_requests_over_their_staleness_bound_end(server):
     old = server.version
     bounded = {"vllm_xargs": {MAX_POLICY_LAG_ARG: 0}}
     choices = server.in_flight(
-        PROMPTS[:2], lambda: server.publish(keep_kv=True), extras=[bounded, {}]
+        [partial(server.complete, PROMPTS[0], **bounded), partial(server.complete, PROMPTS[1])],
+        partial(server.publish, keep_kv=True),
     )
     new = server.version
     ended, free = choices
@@ -270,7 +391,11 @@ def test_hooks_refuse_a_vllm_layout_they_do_not_know():
     class Moved:
         def process(self, outputs): ...
 
+        def stream(self, request, result_generator): ...
+
     with pytest.raises(ConfigError, match=r"Moved\.process_outputs is missing"):
         staleness._patch(Moved, "process_outputs", lambda f: f)
     with pytest.raises(ConfigError, match=r"Moved\.process lacks parameter\(s\) \['weight_ver"):
         staleness._patch(Moved, "process", lambda f: f, ("outputs", "weight_version"))
+    with pytest.raises(ConfigError, match=r"Moved\.stream is no longer an async generator"):
+        staleness._patch_stream(Moved, "stream", staleness._chat_outputs)
