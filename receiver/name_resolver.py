@@ -577,16 +577,7 @@ def resolve_by_loading(
         ManifestMismatchError: the first tensor whose dtype or shape the live model rejects,
             or two names loading into the same live slice.
     """
-    # Tens of thousands of short-lived objects (one meta tensor per name): without the cyclic
-    # collector's passes over them the dry run takes a third less time.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        run = _DryRun(model, specs, loading)
-        run.run()
-    finally:
-        if collecting:
-            gc.enable()
+    run = _dry_run_of(model, specs, loading)
     unresolved = [s.name for s in run.specs if s.name not in run.hits]
     if unresolved:
         shown = ", ".join(
@@ -600,9 +591,71 @@ def resolve_by_loading(
             "through the embedding). Check the sender's name templates for this "
             "architecture, or drop these tensors from the version."
         )
+    return _checked(run)
+
+
+def resolve_accepted(
+    model: torch.nn.Module,
+    specs: Sequence[TensorSpec],
+    loading: Mapping[str, torch.Tensor] | None = None,
+    *,
+    elsewhere: Callable[[str], bool] | None = None,
+) -> tuple[dict[str, ResolvedName], list[str]]:
+    """:func:`resolve_by_loading` for the names ``model`` takes; the others are left out.
+
+    For a version split over several models (a target model and its MTP draft model, each
+    taking its own layers): the caller decides what to do with names no model takes.
+
+    Args:
+        elsewhere: true for a live name that belongs to another model, which loads it itself
+            (vLLM's MTP draft model shares the target's embedding and lm_head modules).
+
+    Returns:
+        Where each taken name lands, checked; and, apart and unchecked, the names that land
+        only in live tensors ``elsewhere``.
+
+    Raises:
+        ManifestMismatchError: as :func:`resolve_by_loading`, for the names the model takes.
+    """
+    run = _dry_run_of(model, specs, loading)
+    apart = [
+        name
+        for name, hits in run.hits.items()
+        if elsewhere is not None and all(elsewhere(hit.live_name) for hit in hits)
+    ]
+    for name in apart:
+        del run.hits[name]
+        run.misfits.pop(name, None)
+    run.call_of = {key: call for key, call in run.call_of.items() if key[0] in run.hits}
+    return _checked(run), apart
+
+
+def _dry_run_of(
+    model: torch.nn.Module,
+    specs: Sequence[TensorSpec],
+    loading: Mapping[str, torch.Tensor] | None,
+) -> _DryRun:
+    # Tens of thousands of short-lived objects (one meta tensor per name): without the cyclic
+    # collector's passes over them the dry run takes a third less time.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        run = _DryRun(model, specs, loading)
+        run.run()
+    finally:
+        if collecting:
+            gc.enable()
+    return run
+
+
+def _checked(run: _DryRun) -> dict[str, ResolvedName]:
+    """The dry run's landing places of the names it resolved, after checking their dtype,
+    their fit (the real loaders' verdict) and that no two names load into one live slice."""
     dtypes = {entry.name: entry.meta.dtype for entry in run.params}
     seen: dict[tuple[str, ShardId | None, int | None], tuple[str, int]] = {}
     for spec in run.specs:
+        if spec.name not in run.hits:
+            continue
         if spec.name in run.misfits:
             raise ManifestMismatchError(
                 f"{spec.name!r} with shape {list(spec.shape)} {run.misfits[spec.name]}. Check "
@@ -642,3 +695,27 @@ def _summary(hits: list[ResolvedName], loaded_with: frozenset[str]) -> ResolvedN
     if len(hits) > 1 and len({hit.expert_id for hit in hits}) > 1:
         return replace(first, expert_id=None, expert_weight_name=None)
     return first
+
+
+def is_mtp_name(name: str, num_hidden_layers: int) -> bool:
+    """A multi-token-prediction layer's checkpoint name: ``mtp.*`` (Qwen3-Next, Qwen3.5) or a
+    decoder layer past the model's last one (DeepSeek-V3, GLM-4.5: ``model.layers.{N + i}``)."""
+    parts = name.split(".")
+    if "mtp" in parts[:2]:
+        return True
+    for part, index in zip(parts, parts[1:], strict=False):
+        if part == "layers" and index.isdigit():
+            return int(index) >= num_hidden_layers
+    return False
+
+
+def unknown_names_error(models: str, names: Sequence[str]) -> NameResolutionError:
+    """The error for checkpoint names no model of an engine loads (``models`` names them)."""
+    shown = ", ".join(repr(n) for n in names[:_LISTED])
+    more = f" (and {len(names) - _LISTED} more)" if len(names) > _LISTED else ""
+    return NameResolutionError(
+        f"the live {models} has no tensor for {shown}{more}: its load_weights loads them "
+        "nowhere (unknown names, or a tied lm_head that loads through the embedding). Check "
+        "the sender's name templates for this architecture, or drop these tensors from the "
+        "version."
+    )

@@ -23,8 +23,12 @@ Each worker registers with the sender on its first call, so the first version mu
 after the first ``/update_weights_from_tensor`` has started (the sender addresses a version to
 the receivers registered when it is published). LoRA is not available through this hook: SGLang
 passes the model only, not the ``ModelRunner`` that owns the LoRA manager; a version carrying
-an adapter is rejected before any write. Draft (MTP / speculative) models are not handled: send
-the update with ``selector="target"`` (the client's default).
+an adapter is rejected before any write. Draft (MTP / speculative) models are not handled: SGLang
+calls the hook once per model runner, with that runner's model only, so the target's and the
+draft's halves of a version could not commit together; send the update with
+``selector="target"`` (the client's default). MTP layers in the version are ignored here, with a
+warning; ``SglangWeightTarget(model, device, draft=...)`` loads them where the caller holds both
+models.
 """
 
 from __future__ import annotations

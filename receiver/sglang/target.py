@@ -11,11 +11,18 @@ accumulated across buckets through SGLang's tensor adapter loading.
 SGLang's ``load_weights`` skips names it does not know without a word; that is why nothing
 reaches it before ``validate`` has resolved every name.
 
+With a ``draft`` model (the speculative worker's MTP model: ``Glm4MoeForCausalLMNextN``,
+``DeepseekV3ForCausalLMNextN``...), whose ``load_weights`` reads the full checkpoint names and
+takes the MTP layer (``model.layers.{num_hidden_layers}.*``), one version loads into both: each
+name goes to the model(s) that take it, both post-load fix-ups run, the version commits once.
+Without one, MTP layer names the model does not take are ignored (a warning per version).
+
 Tested with SGLang 0.5.23 (model classes built on CPU).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -24,9 +31,17 @@ import torch
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.receiver.lora_accumulator import LoraAccumulator, check_adapter
-from weightsync.receiver.name_resolver import ResolvedName, resolve_by_loading
+from weightsync.receiver.name_resolver import (
+    ResolvedName,
+    is_mtp_name,
+    live_tensors,
+    resolve_accepted,
+    unknown_names_error,
+)
 from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes
 from weightsync.receiver.target import WeightTarget
+
+logger = logging.getLogger(__name__)
 
 
 class LoraLoader(Protocol):
@@ -39,78 +54,21 @@ class LoraLoader(Protocol):
         """Load the adapter, replacing the previous adapter of the same name."""
 
 
-class SglangWeightTarget(WeightTarget):
-    """A :class:`~weightsync.receiver.target.WeightTarget` for an SGLang model.
+class _ModelLoad:
+    """One model a version loads into (the target model, or its draft model)."""
 
-    Args:
-        model: the live model (``model_runner.model``).
-        device: where buckets are mapped (the worker's device).
-        lora_loader: where adapters go; None when the engine runs without LoRA.
-        process_quantized: undo quantization packing in ``begin`` and redo it in ``commit``
-            (SGLang's ``restore_weights_before_loading`` / ``postprocess_weights``). Pass False
-            when SGLang's own ``begin_weight_update``/``end_weight_update`` session already
-            does this around the load (the ``update_weights_from_tensor`` hook).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        device: torch.device | str,
-        *,
-        lora_loader: LoraLoader | None = None,
-        process_quantized: bool = True,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.device = torch.device(device)
-        self.lora_loader = lora_loader
-        self.process_quantized = process_quantized
-        # What validate found, reused by every version until the core validates again (a new
-        # tensor list).
-        self._resolved: dict[str, ResolvedName] = {}
-        self._lora: LoraAccumulator | None = None
+        self.resolved: dict[str, ResolvedName] = {}
         self._held: dict[str, torch.Tensor] = {}
-        self._restored = False
 
-    # -- WeightTarget -------------------------------------------------------------------
-
-    def validate(self, manifest: VersionManifest) -> None:
-        if manifest.lora is not None:
-            self._validate_lora(manifest.lora, manifest.version)
-        lora_names = manifest.lora_names
-        base = [spec for spec in manifest.tensors if spec.name not in lora_names]
-        resolved = resolve_by_loading(self.model, base)
-        check_expert_shapes(self.model, base, resolved)
-        self._resolved = resolved
-
-    def _validate_lora(self, spec: LoraAdapterSpec, version: int) -> None:
-        if self.lora_loader is None:
-            raise ManifestMismatchError(
-                f"version {version} carries LoRA adapter {spec.name!r} but this SGLang "
-                "target has no LoRA loader: build it with target_from_model_runner on a server "
-                "launched with --enable-lora (and --max-lora-rank, --lora-target-modules)"
-            )
-        check_adapter(spec)
-        self.lora_loader.validate(spec)
-
-    def begin(self, manifest: VersionManifest) -> None:
-        self._lora = LoraAccumulator(manifest.lora) if manifest.lora is not None else None
+    def begin(self) -> None:
         self._held = {}
-        if self.process_quantized and self._resolved:
-            from sglang.srt.model_loader.loader import DefaultModelLoader
-
-            DefaultModelLoader.restore_weights_before_loading(self.model, self.device)
-            self._restored = True
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         base: list[tuple[str, torch.Tensor]] = []
         for name, tensor in tensors:
-            if self._lora is not None and self._lora.wants(name):
-                self._lora.add(name, tensor)  # copied out: the bucket buffer is reused
-            elif name not in self._resolved:
-                raise ManifestMismatchError(
-                    f"{name!r} arrived in a bucket but the validated manifest does not list it"
-                )
-            elif self._resolved[name].loaded_with:
+            if self.resolved[name].loaded_with:
                 base.extend(self._with_partners(name, tensor))
             else:
                 base.append((name, tensor))
@@ -123,16 +81,161 @@ class SglangWeightTarget(WeightTarget):
         """Names the model loads in one call reach one ``load_weights`` together (its cache
         of the first lives only for that call); kept until the last of them arrives."""
         self._held[name] = tensor.clone()  # the bucket buffer is reused
-        group = self._resolved[name].loaded_with | {name}
+        group = self.resolved[name].loaded_with | {name}
         if not group <= self._held.keys():
             return []
         return [(n, self._held.pop(n)) for n in sorted(group)]
 
-    def commit(self, manifest: VersionManifest) -> None:
+    def post_load(self) -> None:
         # Derived weights (e.g. DeepSeek's absorbed MLA matrices) need every input in place.
         post_load = getattr(self.model, "post_load_weights", None)
-        if callable(post_load) and self._resolved:
+        if callable(post_load) and self.resolved:
             post_load()
+
+
+class SglangWeightTarget(WeightTarget):
+    """A :class:`~weightsync.receiver.target.WeightTarget` for an SGLang model.
+
+    Args:
+        model: the live model (``model_runner.model``).
+        device: where buckets are mapped (the worker's device).
+        draft: the speculative draft worker's MTP model, which takes the MTP layers of each
+            version; None without one.
+        lora_loader: where adapters go; None when the engine runs without LoRA.
+        process_quantized: undo quantization packing in ``begin`` and redo it in ``commit``
+            (SGLang's ``restore_weights_before_loading`` / ``postprocess_weights``). Pass False
+            when SGLang's own ``begin_weight_update``/``end_weight_update`` session already
+            does this around the load (the ``update_weights_from_tensor`` hook).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device | str,
+        *,
+        draft: torch.nn.Module | None = None,
+        lora_loader: LoraLoader | None = None,
+        process_quantized: bool = True,
+    ) -> None:
+        self.device = torch.device(device)
+        self.lora_loader = lora_loader
+        self.process_quantized = process_quantized
+        # What validate found, reused by every version until the core validates again (a new
+        # tensor list).
+        self._main = _ModelLoad(model)
+        self._draft = _ModelLoad(draft) if draft is not None else None
+        self._ignored: list[str] = []
+        self._lora: LoraAccumulator | None = None
+        self._restored = False
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._main.model
+
+    def _models(self) -> list[_ModelLoad]:
+        return [self._main] if self._draft is None else [self._main, self._draft]
+
+    # -- WeightTarget -------------------------------------------------------------------
+
+    def validate(self, manifest: VersionManifest) -> None:
+        if manifest.lora is not None:
+            self._validate_lora(manifest.lora, manifest.version)
+        lora_names = manifest.lora_names
+        base = [spec for spec in manifest.tensors if spec.name not in lora_names]
+        main, _ = resolve_accepted(self.model, base)
+        draft: dict[str, ResolvedName] = {}
+        if self._draft is not None:
+            ours = {id(t) for t in live_tensors(self.model).values()}
+            theirs = live_tensors(self._draft.model)
+            # SGLang gives an MTP draft model the target's embedding and lm_head tensors
+            # (set_embed_and_head): those load through the target model only.
+            draft, apart = resolve_accepted(
+                self._draft.model, base, elsewhere=lambda live: id(theirs[live]) in ours
+            )
+            # SGLang's MTP models skip the MTP layer's copy of the lm_head: they serve the
+            # target's (set_embed_and_head).
+            layers = getattr(getattr(self.model, "config", None), "num_hidden_layers", None)
+            ignored = [name for name in apart if name not in main] + [
+                s.name
+                for s in base
+                if s.name not in main
+                and s.name not in draft
+                and ".shared_head.head." in s.name
+                and layers is not None
+                and is_mtp_name(s.name, layers)
+            ]
+        else:
+            layers = getattr(getattr(self.model, "config", None), "num_hidden_layers", None)
+            ignored = [
+                s.name
+                for s in base
+                if s.name not in main and layers is not None and is_mtp_name(s.name, layers)
+            ]
+        taken = {*main, *draft, *ignored}
+        unknown = [spec.name for spec in base if spec.name not in taken]
+        if unknown:
+            models = type(self.model).__name__
+            if self._draft is not None:
+                models += f" (nor its draft model {type(self._draft.model).__name__})"
+            raise unknown_names_error(models, unknown)
+        check_expert_shapes(self.model, [s for s in base if s.name in main], main)
+        self._main.resolved = main
+        if self._draft is not None:
+            check_expert_shapes(self._draft.model, [s for s in base if s.name in draft], draft)
+            self._draft.resolved = draft
+        self._ignored = ignored
+
+    def _validate_lora(self, spec: LoraAdapterSpec, version: int) -> None:
+        if self.lora_loader is None:
+            raise ManifestMismatchError(
+                f"version {version} carries LoRA adapter {spec.name!r} but this SGLang "
+                "target has no LoRA loader: build it with target_from_model_runner on a server "
+                "launched with --enable-lora (and --max-lora-rank, --lora-target-modules)"
+            )
+        check_adapter(spec)
+        self.lora_loader.validate(spec)
+
+    def begin(self, manifest: VersionManifest) -> None:
+        if self._ignored and self._draft is None:
+            logger.warning(
+                "version %d: ignoring %d MTP tensors (e.g. %r): this SGLang model has no draft "
+                "model (serve with speculative decoding to use them)",
+                manifest.version,
+                len(self._ignored),
+                self._ignored[0],
+            )
+        self._lora = LoraAccumulator(manifest.lora) if manifest.lora is not None else None
+        for part in self._models():
+            part.begin()
+        if self.process_quantized:
+            from sglang.srt.model_loader.loader import DefaultModelLoader
+
+            for part in self._models():
+                if part.resolved:
+                    DefaultModelLoader.restore_weights_before_loading(part.model, self.device)
+            self._restored = True
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        base: list[tuple[str, torch.Tensor]] = []
+        for name, tensor in tensors:
+            if self._lora is not None and self._lora.wants(name):
+                self._lora.add(name, tensor)  # copied out: the bucket buffer is reused
+            elif name in self._ignored:
+                continue
+            elif not any(name in part.resolved for part in self._models()):
+                raise ManifestMismatchError(
+                    f"{name!r} arrived in a bucket but the validated manifest does not list it"
+                )
+            else:
+                base.append((name, tensor))
+        for part in self._models():
+            mine = [(name, tensor) for name, tensor in base if name in part.resolved]
+            if mine:
+                part.load(mine)
+
+    def commit(self, manifest: VersionManifest) -> None:
+        for part in self._models():
+            part.post_load()
         self._finish_quantized()
         lora, self._lora = self._lora, None
         if lora is not None and self.lora_loader is not None:
@@ -150,7 +253,9 @@ class SglangWeightTarget(WeightTarget):
         self._restored = False
         from sglang.srt.model_loader.loader import DefaultModelLoader
 
-        DefaultModelLoader.postprocess_weights(self.model, self.device)
+        for part in self._models():
+            if part.resolved:
+                DefaultModelLoader.postprocess_weights(part.model, self.device)
 
 
 def target_from_model_runner(model_runner: Any, **kwargs: Any) -> SglangWeightTarget:

@@ -22,8 +22,10 @@ whoever drives the update ends it with ``/finish_weight_update`` (``VllmServerCl
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
+import sys
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -37,7 +39,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from weightsync.errors import ConfigError, ProtocolError, ReceiverFailedError, VersionError
 from weightsync.receiver.vllm.lora_store import LoraStore
-from weightsync.receiver.vllm.target import VllmWeightTarget
+from weightsync.receiver.vllm.target import VllmWeightTarget, draft_of
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,6 +48,8 @@ if TYPE_CHECKING:
     from weightsync.receiver.core import ReceiverCore
 
 BACKEND_NAME = "weightsync"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +106,17 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         self.core: ReceiverCore | None = None
         self.target: VllmWeightTarget | None = None
         self.applied_version = 0
+        self.draft = draft_of(_runner_holding(model), vllm_config)
+        speculative = getattr(vllm_config, "speculative_config", None)
+        if self.draft is None and getattr(speculative, "method", None) == "mtp":
+            logger.warning(
+                "weightsync: this engine runs MTP speculative decoding but its draft model was "
+                "not found on the worker; MTP layers of each version will be ignored"
+            )
+        if self.draft is not None:
+            # Each version loads into the MTP draft model with the target model, in the main
+            # session; a draft session would wait for the version after it.
+            self.supports_draft_weight_update = False
 
     @property
     def rank(self) -> int:
@@ -121,7 +136,11 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         # After each sync the worker calls reset_lora_state itself; the adapter is then
         # reloaded from lora_store's path by the next request that names it.
         self.target = VllmWeightTarget(
-            self.model, self.model_config, self.device, lora_store=lora_store
+            self.model,
+            self.model_config,
+            self.device,
+            draft=self._draft_for(self.model),
+            lora_store=lora_store,
         )
         # Unique per engine even when several share a process (in-process engines).
         prefix = init_info.receiver_id or (
@@ -141,7 +160,11 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         # Validation and layerwise setup need the version's manifest, so they run inside
         # update_weights; here only follow vLLM's choice of model (main or draft).
         if self.target is not None:
-            self.target.retarget(self.model, self.model_config)
+            self.target.retarget(self.model, self.model_config, self._draft_for(self.model))
+
+    def _draft_for(self, model: torch.nn.Module) -> tuple[torch.nn.Module, Any] | None:
+        """The MTP draft model loads with the main model, not with another one."""
+        return self.draft if model is self._default_model else None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """Apply the version on every rank; raises only on the last rank, with every rank's
@@ -190,6 +213,22 @@ class WeightsyncTransferEngine(WeightTransferEngine[WeightsyncInitInfo, Weightsy
         if self.core is not None:
             self.core.close()
             self.core = None
+
+
+def _runner_holding(model: torch.nn.Module) -> Any | None:
+    """The model runner serving ``model``, found on the call stack.
+
+    vLLM creates this engine inside its worker's ``load_model`` and hands it the main model
+    only; the MTP draft model lives on the worker's model runner (``get_draft_model``).
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        runner = getattr(frame.f_locals.get("self"), "model_runner", None)
+        get_model = getattr(runner, "get_model", None)
+        if callable(get_model) and get_model() is model:
+            return runner
+        frame = frame.f_back
+    return None
 
 
 def register_engine() -> None:

@@ -5,11 +5,20 @@ loader (nothing written); ``begin`` starts vLLM's layerwise reload; ``load`` han
 to ``model.load_weights`` (the model's own name mapping and packing); ``commit`` finalizes the
 reload once (post-load processing, e.g. vLLM-CPU's weight repacking) and then registers the
 LoRA adapter accumulated across buckets.
+
+With speculative decoding ``method: "mtp"`` the worker also holds a draft model (``Glm4MoeMTP``,
+``DeepSeekMTP``, ``Qwen3NextMTP``...) whose ``load_weights`` reads the full checkpoint names and
+takes the MTP layers (``model.layers.{num_hidden_layers + i}.*``, ``mtp.*``). One version then
+loads into both models: each name goes to the model(s) whose loader takes it, both post-load
+processings run, and the version commits once. Without a draft model, MTP layer names the target
+model does not take are accepted and ignored (a warning per version): a trainer that exports MTP
+layers can serve without speculative decoding.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -22,11 +31,15 @@ from weightsync.receiver.lora_accumulator import LoraAccumulator
 from weightsync.receiver.name_resolver import (
     NameResolver,
     ResolvedName,
+    is_mtp_name,
     live_tensors,
-    resolve_by_loading,
+    resolve_accepted,
+    unknown_names_error,
 )
 from weightsync.receiver.target import WeightTarget
 from weightsync.receiver.vllm.lora_store import LoraStore
+
+logger = logging.getLogger(__name__)
 
 # Layerwise reload leaves these alone (vLLM builds them outside create_weights), so a partial
 # update need not cover them; see vllm.model_executor.model_loader.reload.meta.SKIP_TENSORS.
@@ -113,6 +126,111 @@ def _strip_base_layer(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+def _num_hidden_layers(model_config: Any) -> int | None:
+    config = getattr(model_config, "hf_text_config", None) or getattr(
+        model_config, "hf_config", None
+    )
+    return getattr(config, "num_hidden_layers", None)
+
+
+class _ModelLoad:
+    """One model a version loads into (the target model, or its draft model): what validate
+    found, and the layerwise reload in progress."""
+
+    def __init__(self, model: torch.nn.Module, model_config: Any) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.resolved: dict[str, ResolvedName] = {}
+        self.tied: dict[str, list[str]] = {}
+        self._pending_by_module: dict[str, set[str]] = {}
+        self._reloading = False
+        self._dropped_kernels: list[tuple[Any, Any]] = []
+
+    def accept(
+        self,
+        resolved: dict[str, ResolvedName],
+        view: dict[str, torch.Tensor],
+        shapes: dict[str, tuple[int, ...]],
+    ) -> None:
+        """Keep what validation resolved for this model (after the whole-layer check)."""
+        if _layerwise() is not None:
+            _check_whole_layers(resolved, view, self.model)
+        resolver = NameResolver(self.model, view)
+        self.resolved = resolved
+        # Only whole tensors: a packed slice or a reshaped tensor (a shared expert or a
+        # routing bias that the MoE layer holds too) cannot go through the alias's loader.
+        self.tied = {
+            name: aliases
+            for name, hit in resolved.items()
+            if hit.shard_id is None
+            and hit.expert_id is None
+            and tuple(view[hit.live_name].shape) == shapes[name]
+            and (aliases := resolver.aliases(hit.live_name))
+        }
+
+    def begin(self) -> None:
+        by_module: dict[str, set[str]] = defaultdict(set)
+        for name, hit in self.resolved.items():
+            by_module[hit.module_name].add(name)
+        self._pending_by_module = dict(by_module)
+        layerwise = _layerwise()
+        if layerwise is not None and self.resolved:
+            self._dropped_kernels = _moe_kernel_reset(self.model, set(by_module))
+            layerwise.initialize_layerwise_reload(self.model)
+            self._reloading = True
+
+    def load(self, base: Sequence[tuple[str, torch.Tensor]]) -> None:
+        here = {name for name, _ in base}
+        batch = []
+        for name, tensor in base:
+            pending = self._pending_by_module[self.resolved[name].module_name]
+            # Layerwise reload keeps a reference until the whole layer has arrived; the
+            # bucket buffer is reused, so a layer finishing in a later bucket needs a copy.
+            batch.append((name, tensor if pending <= here else tensor.clone()))
+        for name, _ in base:
+            self._pending_by_module[self.resolved[name].module_name].discard(name)
+        with torch.no_grad(), _no_mtp_check():
+            loaded = self.model.load_weights(iter(batch))
+        _check_loaded(base, self.resolved, loaded)
+        self._load_tied_aliases(batch)
+
+    def _load_tied_aliases(self, batch: Sequence[tuple[str, torch.Tensor]]) -> None:
+        """Reload the other layers sharing a tied weight (``lm_head`` for the embedding).
+
+        The model's loader fills the weight once, through its first layer; layerwise reload
+        then rebuilds only that layer and restores the alias layer's old post-processed
+        tensors (vLLM-CPU's repacked lm_head keeps serving the OLD embedding). Loading the
+        alias through its own weight loader makes vLLM process that layer too.
+        """
+        for name, tensor in batch:
+            for alias in self.tied.get(name, ()):
+                param = self.model.get_parameter(alias)
+                loader = getattr(param, "weight_loader", None)
+                if loader is not None:
+                    with torch.no_grad():
+                        loader(param, tensor)
+
+    def finish(self) -> None:
+        self._finish_reload()
+        self._dropped_kernels = []
+
+    def abort(self) -> None:
+        # Put every untouched layer's weights back so the engine keeps serving.
+        self._finish_reload()
+        for quant_method, kernel in self._dropped_kernels:
+            if quant_method.moe_kernel is None:  # a layer the failed version never reached
+                quant_method.moe_kernel = kernel
+        self._dropped_kernels = []
+
+    def _finish_reload(self) -> None:
+        if not self._reloading:
+            return
+        self._reloading = False
+        layerwise = _layerwise()
+        if layerwise is not None:
+            layerwise.finalize_layerwise_reload(self.model, self.model_config)
+
+
 class VllmWeightTarget(WeightTarget):
     """A :class:`~weightsync.receiver.target.WeightTarget` for one vLLM worker's model.
 
@@ -120,6 +238,8 @@ class VllmWeightTarget(WeightTarget):
         model: the worker's model (``worker.model_runner.get_model()``).
         model_config: the worker's ``ModelConfig`` (post-load processing needs its dtype).
         device: the worker's device; buckets are mapped there.
+        draft: the speculative draft model and its ``ModelConfig`` (``method: "mtp"``), which
+            takes the MTP layers of each version; None without one.
         lora_store: where adapters are written and registered; None when LoRA is off.
         after_reload: called once after post-load processing and before the adapter is
             registered (the worker's ``reset_lora_state``: vLLM invalidates adapters when
@@ -132,22 +252,35 @@ class VllmWeightTarget(WeightTarget):
         model_config: Any,
         device: torch.device,
         *,
+        draft: tuple[torch.nn.Module, Any] | None = None,
         lora_store: LoraStore | None = None,
         after_reload: Callable[[], None] | None = None,
     ) -> None:
-        self.model = model
-        self.model_config = model_config
         self.device = torch.device(device)
         self.lora_store = lora_store
         self.after_reload = after_reload
         # What validate found, reused by every version until the core validates again (a new
         # tensor list, or a new generation after retarget).
-        self._resolved: dict[str, ResolvedName] = {}
-        self._tied: dict[str, list[str]] = {}
-        self._pending_by_module: dict[str, set[str]] = {}
+        self._main = _ModelLoad(model, model_config)
+        self._draft = _ModelLoad(*draft) if draft is not None else None
+        self._ignored: list[str] = []
         self._lora: LoraAccumulator | None = None
-        self._reloading = False
-        self._dropped_kernels: list[tuple[Any, Any]] = []
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self._main.model
+
+    @property
+    def model_config(self) -> Any:
+        return self._main.model_config
+
+    @property
+    def draft_model(self) -> torch.nn.Module | None:
+        return self._draft.model if self._draft is not None else None
+
+    @property
+    def draft_config(self) -> Any:
+        return self._draft.model_config if self._draft is not None else None
 
     @classmethod
     def from_worker(cls, worker: Any, lora_dir: str | None = None) -> VllmWeightTarget:
@@ -159,16 +292,24 @@ class VllmWeightTarget(WeightTarget):
             runner.get_model(),
             worker.vllm_config.model_config,
             worker.device,
+            draft=draft_of(runner, worker.vllm_config),
             lora_store=store,
             after_reload=getattr(runner, "reset_lora_state", None),
         )
 
-    def retarget(self, model: torch.nn.Module, model_config: Any) -> None:
-        """Load the next versions into ``model`` (vLLM's draft model for a draft session)."""
-        if model is not self.model:
-            self.generation += 1  # the core validates the next manifest against this model
-        self.model = model
-        self.model_config = model_config
+    def retarget(
+        self,
+        model: torch.nn.Module,
+        model_config: Any,
+        draft: tuple[torch.nn.Module, Any] | None = None,
+    ) -> None:
+        """Load the next versions into ``model`` and ``draft`` (vLLM's draft model alone for
+        a draft session)."""
+        if model is self.model and (draft[0] if draft else None) is self.draft_model:
+            return
+        self.generation += 1  # the core validates the next manifest against these models
+        self._main = _ModelLoad(model, model_config)
+        self._draft = _ModelLoad(*draft) if draft is not None else None
 
     # -- WeightTarget -------------------------------------------------------------------
 
@@ -182,36 +323,58 @@ class VllmWeightTarget(WeightTarget):
                 )
             self.lora_store.validate(manifest.lora)
         base = [spec for spec in manifest.tensors if spec.name not in lora_names]
+        shapes = {spec.name: spec.shape for spec in base}
         view = loading_view(self.model)
         with _no_mtp_check():
-            resolved = resolve_by_loading(self.model, base, view)
-        resolver = NameResolver(self.model, view)
-        if _layerwise() is not None:
-            _check_whole_layers(resolved, view, self.model)
-        self._resolved = resolved
-        # Only whole tensors: a packed slice or a reshaped tensor (a shared expert or a
-        # routing bias that the MoE layer holds too) cannot go through the alias's loader.
-        shapes = {spec.name: spec.shape for spec in base}
-        self._tied = {
-            name: aliases
-            for name, hit in resolved.items()
-            if hit.shard_id is None
-            and hit.expert_id is None
-            and tuple(view[hit.live_name].shape) == shapes[name]
-            and (aliases := resolver.aliases(hit.live_name))
-        }
+            main, _ = resolve_accepted(self.model, base, view)
+        draft: dict[str, ResolvedName] = {}
+        ignored: list[str] = []
+        if self._draft is not None:
+            draft_model = self._draft.model
+            ours = {id(module) for module in self.model.modules()}
+
+            def shared(live_name: str) -> bool:
+                return id(draft_model.get_submodule(live_name.rpartition(".")[0])) in ours
+
+            # vLLM shares the target's embedding and lm_head modules with an MTP draft model:
+            # those load through the target model only, and the draft's own copy of them
+            # (``shared_head.head``) is what the engine drops after loading too.
+            draft_view = loading_view(draft_model)
+            with _no_mtp_check():
+                draft, apart = resolve_accepted(draft_model, base, draft_view, elsewhere=shared)
+            ignored = [name for name in apart if name not in main]
+        else:
+            layers = _num_hidden_layers(self.model_config)
+            ignored = [
+                s.name
+                for s in base
+                if s.name not in main and layers is not None and is_mtp_name(s.name, layers)
+            ]
+        taken = {*main, *draft, *ignored}
+        unknown = [spec.name for spec in base if spec.name not in taken]
+        if unknown:
+            models = type(self.model).__name__
+            if self._draft is not None:
+                models += f" (nor its draft model {type(self._draft.model).__name__})"
+            raise unknown_names_error(models, unknown)
+        self._main.accept(main, view, shapes)
+        if self._draft is not None:
+            self._draft.accept(draft, draft_view, shapes)
+        self._ignored = ignored
 
     def begin(self, manifest: VersionManifest) -> None:
-        by_module: dict[str, set[str]] = defaultdict(set)
-        for name, hit in self._resolved.items():
-            by_module[hit.module_name].add(name)
-        self._pending_by_module = dict(by_module)
+        if self._ignored and self._draft is None:
+            logger.warning(
+                "version %d: ignoring %d MTP tensors (e.g. %r): this vLLM engine has no draft "
+                "model (start it with speculative_config method 'mtp' to serve them)",
+                manifest.version,
+                len(self._ignored),
+                self._ignored[0],
+            )
         self._lora = LoraAccumulator(manifest.lora) if manifest.lora is not None else None
-        layerwise = _layerwise()
-        if layerwise is not None and self._resolved:
-            self._dropped_kernels = _moe_kernel_reset(self.model, set(by_module))
-            layerwise.initialize_layerwise_reload(self.model)
-            self._reloading = True
+        self._main.begin()
+        if self._draft is not None:
+            self._draft.begin()
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         base: list[tuple[str, torch.Tensor]] = []
@@ -220,42 +383,15 @@ class VllmWeightTarget(WeightTarget):
                 self._lora.add(name, tensor)
             else:
                 base.append((name, tensor))
-        if not base:
-            return
-        here = {name for name, _ in base}
-        batch = []
-        for name, tensor in base:
-            module = self._resolved[name].module_name
-            pending = self._pending_by_module[module]
-            # Layerwise reload keeps a reference until the whole layer has arrived; the
-            # bucket buffer is reused, so a layer finishing in a later bucket needs a copy.
-            batch.append((name, tensor if pending <= here else tensor.clone()))
-        for name, _ in base:
-            self._pending_by_module[self._resolved[name].module_name].discard(name)
-        with torch.no_grad(), _no_mtp_check():
-            loaded = self.model.load_weights(iter(batch))
-        _check_loaded(base, self._resolved, loaded)
-        self._load_tied_aliases(batch)
-
-    def _load_tied_aliases(self, batch: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Reload the other layers sharing a tied weight (``lm_head`` for the embedding).
-
-        The model's loader fills the weight once, through its first layer; layerwise reload
-        then rebuilds only that layer and restores the alias layer's old post-processed
-        tensors (vLLM-CPU's repacked lm_head keeps serving the OLD embedding). Loading the
-        alias through its own weight loader makes vLLM process that layer too.
-        """
-        for name, tensor in batch:
-            for alias in self._tied.get(name, ()):
-                param = self.model.get_parameter(alias)
-                loader = getattr(param, "weight_loader", None)
-                if loader is not None:
-                    with torch.no_grad():
-                        loader(param, tensor)
+        for part in (self._main, self._draft):
+            mine = [(n, t) for n, t in base if part is not None and n in part.resolved]
+            if part is not None and mine:
+                part.load(mine)
 
     def commit(self, manifest: VersionManifest) -> None:
-        self._finish_reload()
-        self._dropped_kernels = []
+        self._main.finish()
+        if self._draft is not None:
+            self._draft.finish()
         if self.after_reload is not None:
             self.after_reload()
         if self._lora is not None and self.lora_store is not None:
@@ -263,21 +399,25 @@ class VllmWeightTarget(WeightTarget):
         self._lora = None
 
     def abort(self, manifest: VersionManifest, error: WeightSyncError) -> None:
-        # Put every untouched layer's weights back so the engine keeps serving.
-        self._finish_reload()
-        for quant_method, kernel in self._dropped_kernels:
-            if quant_method.moe_kernel is None:  # a layer the failed version never reached
-                quant_method.moe_kernel = kernel
-        self._dropped_kernels = []
+        self._main.abort()
+        if self._draft is not None:
+            self._draft.abort()
         self._lora = None
 
-    def _finish_reload(self) -> None:
-        if not self._reloading:
-            return
-        self._reloading = False
-        layerwise = _layerwise()
-        if layerwise is not None:
-            layerwise.finalize_layerwise_reload(self.model, self.model_config)
+
+def draft_of(runner: Any, vllm_config: Any) -> tuple[torch.nn.Module, Any] | None:
+    """The model runner's MTP draft model and its ``ModelConfig``; None without one.
+
+    Only an MTP draft reads the target's checkpoint names. An EAGLE head or a separate draft
+    model has a checkpoint of its own, with names that clash with the target's
+    (``model.layers.0.*``): vLLM updates those in a draft session of their own.
+    """
+    speculative = getattr(vllm_config, "speculative_config", None)
+    get_draft_model = getattr(runner, "get_draft_model", None)
+    if getattr(speculative, "method", None) != "mtp" or not callable(get_draft_model):
+        return None
+    draft = get_draft_model()
+    return (draft, speculative.draft_model_config) if draft is not None else None
 
 
 def _check_whole_layers(
@@ -294,9 +434,12 @@ def _check_whole_layers(
     packed = dict(getattr(model, "packed_modules_mapping", {}))
     for module_name in {h.module_name for h in resolved.values()}:
         prefix = f"{module_name}."
+        derived = _derived_after_loading(model.get_submodule(module_name))
         for live_name in view:
             attr = live_name[len(prefix) :]
             if not live_name.startswith(prefix) or "." in attr or attr in _NOT_RELOADED:
+                continue
+            if attr in derived:
                 continue
             if not isinstance(view[live_name], torch.nn.Parameter):
                 continue
@@ -315,6 +458,21 @@ def _check_whole_layers(
                     f"checkpoint tensors but the version has {len(shards)} (e.g. {example!r}); "
                     "send all of them"
                 )
+
+
+def _derived_after_loading(layer: torch.nn.Module) -> frozenset[str]:
+    """Parameters of ``layer`` that post-load processing creates, which no checkpoint holds.
+
+    Online quantization (``quantization="fp8_per_block"``) loads bf16 ``weight`` s and adds
+    ``weight_scale_inv`` while quantizing; layerwise reload restores the recorded loading
+    layout (without it) and quantizes again, so a version needs not (and cannot) send it.
+    """
+    layerwise = _layerwise()
+    info = None if layerwise is None else layerwise.LAYERWISE_INFO.get(layer)
+    recorded = {} if info is None else info.restore_metadata[0]
+    if not recorded:
+        return frozenset()
+    return frozenset(name for name, _ in layer.named_parameters(recurse=False)) - set(recorded)
 
 
 def _check_loaded(
