@@ -1,8 +1,11 @@
 """The receiver's end of the broadcast data path: join the sender's group, land its buckets.
 
 Buckets land in two buffers, alternating, so bucket i+1 arrives while bucket i is loaded. On
-CUDA the loads run on a side stream: NCCL orders each collective after the *current* stream,
-so loading on that stream would hold back the next transfer until the previous load finished.
+CUDA the loads run on a side stream and the transfers are issued from a receive stream of
+their own: NCCL orders each collective after the stream it is issued from, so issuing it from
+the current stream would hold the next transfer behind the previous load, and, on a receiver
+registered with several senders, behind reads of another sender's buffers that wait for that
+sender's packing, which waits for this sender's peers: a cycle across GPUs that hangs.
 The sender's end is :mod:`weightsync.sender.broadcast`; the group itself is
 :mod:`weightsync.transports.broadcast`.
 """
@@ -31,6 +34,7 @@ class BroadcastReceiver:
         self._loaded: list[torch.cuda.Event | None] = [None, None]
         """Recorded on the side stream after the loads from each landing buffer."""
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._recv = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def join(self, join: pb.GroupJoin) -> None:
         """Join the group ``join`` names, leaving the previous one (runs on the pump thread)."""
@@ -81,10 +85,15 @@ class BroadcastReceiver:
         if self._landing[which].numel() < nbytes:
             self.synchronize()  # the old buffer may still be read on the side stream
             self._landing[which] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        elif self._loaded[which] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._loaded[which])
+            if self._recv is not None:
+                self._recv.wait_stream(torch.cuda.current_stream(self.device))
+        elif self._loaded[which] is not None and self._recv is not None:
+            self._recv.wait_event(self._loaded[which])
         landed = self._landing[which][:nbytes]
-        return landed, group.broadcast(landed)
+        if self._recv is None:
+            return landed, group.broadcast(landed)
+        with torch.cuda.stream(self._recv):
+            return landed, group.broadcast(landed)
 
     @contextmanager
     def _loading(self, which: int, pending: PendingBroadcast) -> Iterator[None]:

@@ -216,8 +216,13 @@ class TorchReceiver(ReceiverCore):
 
         receiver = TorchReceiver(model, "unix:/tmp/weightsync.sock")
         version = receiver.sync()   # blocks until the next version is applied
+
+    With one sender per trainer host, pass every sender's address: each version then comes
+    split over them and is committed once, when every part arrived intact::
+
+        receiver = TorchReceiver(model, ["trainer-a:7000", "trainer-b:7000"])
     """
 
-    def __init__(self, model: torch.nn.Module, address: str, **kwargs) -> None:
+    def __init__(self, model: torch.nn.Module, address: str | Sequence[str], **kwargs) -> None:
         kwargs.setdefault("engine", "torch")
         super().__init__(torch_target(model), address, **kwargs)

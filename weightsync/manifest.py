@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from weightsync.buckets import TensorSpec, check_manifest
@@ -93,3 +95,13 @@ class VersionManifest:
     @property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+
+def plan_digest(parts: Sequence[Sequence[TensorSpec]]) -> str:
+    """The ``plan_digest`` of a version whose part ``i`` carries ``parts[i]``: every sender of
+    one plan computes the same digest, so receivers can tell a stale or foreign part apart."""
+    h = hashlib.sha256()
+    for index, specs in enumerate(parts):
+        for spec in specs:
+            h.update(f"{index}\0{spec.name}\0{spec.dtype}\0{list(spec.shape)}\n".encode())
+    return h.hexdigest()[:32]

@@ -2,14 +2,15 @@
 
 ``plan_rank`` runs once per layout on every trainer rank (or in the sender, from the rank's
 metadata); the result is reused for every version. ``check_coverage`` takes the plans of all
-ranks and proves that every byte of every HF tensor is written by exactly one rank.
+ranks and proves that every byte of every HF tensor is written by exactly one rank;
+``plan_hosts`` then picks the trainer host whose sender sends each tensor.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 
 import torch
@@ -18,6 +19,7 @@ from weightsync.buckets import TensorSpec
 from weightsync.dtypes import dtype_name
 from weightsync.errors import PlanError
 from weightsync.manifest import LoraAdapterSpec
+from weightsync.sender.parts import PartsPlan, plan_parts
 
 from .dims import ModelDims
 from .lora_export import LoraExport, plan_adapter
@@ -42,6 +44,9 @@ class RankPlan:
     lora: LoraAdapterSpec | None = None
     """The LoRA adapter whose tensors close the manifest (see ``lora_export.py``); None without
     one."""
+    replica_of: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    """HF name -> the data-parallel replica (``dp_rank``, for experts ``edp_rank``) this rank's
+    pieces of it belong to; planned with ``every_replica``, else empty (replica 0 writes)."""
 
     def pieces_for(self, name: str) -> tuple[CopyPiece, ...]:
         return self.pieces.get(name, ())
@@ -112,6 +117,7 @@ def plan_rank(
     tied_embeddings: bool | None = None,
     export_mtp: bool = True,
     lora: LoraExport | None = None,
+    every_replica: bool = False,
 ) -> RankPlan:
     """Plan one rank: the full HF manifest and the pieces this rank writes.
 
@@ -128,6 +134,8 @@ def plan_rank(
         lora: how to export the Megatron-Bridge LoRA adapter the shards carry (PEFT names
             and config, :class:`LoraAdapterSpec` in :attr:`RankPlan.lora`); required when any
             shard is an adapter weight.
+        every_replica: every data-parallel replica plans pieces (in ``replica_of``), not only
+            replica 0; :func:`plan_hosts` then picks one replica per tensor.
 
     Raises:
         PlanError: naming the Megatron parameter that has no rule, no HF counterpart in this
@@ -168,11 +176,13 @@ def plan_rank(
         manifest += adapter.specs
     known = {spec.name for spec in manifest}
     pieces: dict[str, list[CopyPiece]] = {}
+    replica_of: dict[str, int] = {}
     for shard in shards:
         mapping = mappings[shard.key]
         if isinstance(mapping.rule, DroppedRule):
             continue
-        ctx, writes = _context(mapping, shard, topology, dims)
+        ctx, writes, replica = _context(mapping, shard, topology, dims)
+        writes = writes and (every_replica or replica == 0)
         for name, piece in mapping.rule.place(ctx):
             if name not in known:
                 raise PlanError(
@@ -181,6 +191,8 @@ def plan_rank(
                 )
             if writes:
                 pieces.setdefault(name, []).append(piece)
+                if every_replica:
+                    replica_of[name] = replica
     frozen = {name: tuple(ps) for name, ps in pieces.items()}
     return RankPlan(
         topology,
@@ -188,6 +200,7 @@ def plan_rank(
         MappingProxyType(frozen),
         MappingProxyType(by_key),
         adapter.spec if adapter else None,
+        MappingProxyType(replica_of),
     )
 
 
@@ -225,8 +238,9 @@ def _mapping(table: NameTable, dims: ModelDims, shard: ShardMeta) -> ParamMappin
 
 def _context(
     mapping: ParamMapping, shard: ShardMeta, topo: RankTopology, dims: ModelDims
-) -> tuple[ShardContext, bool]:
-    """The rule's context for ``shard`` and whether this rank is the one that writes it."""
+) -> tuple[ShardContext, bool, int]:
+    """The rule's context for ``shard``, whether this rank writes it within its data-parallel
+    replica, and that replica."""
     rule = mapping.rule
     if shard.partition_dim != rule.partition_dim and (
         shard.partition_dim is not None or rule.partition_dim is None
@@ -238,8 +252,8 @@ def _context(
     if not mapping.is_expert:
         ctx = ShardContext(shard, dims, topo.tp_rank, topo.tp_size, shard.layer)
         first_stage = topo.pp_rank == 0 and shard.vpp_chunk == 0
-        writes = topo.dp_rank == 0 and (not rule.replicated or topo.tp_rank == 0)
-        return ctx, writes and (first_stage or not rule.first_stage_only)
+        writes = not rule.replicated or topo.tp_rank == 0
+        return ctx, writes and (first_stage or not rule.first_stage_only), topo.dp_rank
     if dims.num_experts % topo.ep_size:
         raise PlanError(
             f"Megatron parameter {shard.name!r}: {dims.num_experts} experts do not split over "
@@ -255,7 +269,7 @@ def _context(
         )
     expert = None if index is None else experts[index]
     ctx = ShardContext(shard, dims, topo.etp_rank, topo.etp_size, shard.layer, experts, expert)
-    return ctx, topo.edp_rank == 0 and (not rule.replicated or topo.etp_rank == 0)
+    return ctx, not rule.replicated or topo.etp_rank == 0, topo.edp_rank
 
 
 def check_coverage(plans: Sequence[RankPlan]) -> None:
@@ -283,6 +297,65 @@ def check_coverage(plans: Sequence[RankPlan]) -> None:
             claims.setdefault(name, []).extend((plan, p) for p in pieces)
     for spec in manifest:
         _check_tensor(spec, claims.get(spec.name, []), plans)
+
+
+def plan_hosts(plans: Sequence[RankPlan], hosts: Sequence[str]) -> tuple[list[RankPlan], PartsPlan]:
+    """Which trainer host's sender sends each HF tensor, and from which replica.
+
+    ``plans[i]`` (planned with ``every_replica``) runs on ``hosts[i]``. Replica 0 must cover
+    every byte exactly once (:func:`check_coverage`). A tensor can be sent by a host whose
+    ranks hold a whole data-parallel replica of it; among those, bytes are balanced
+    (:func:`~weightsync.sender.parts.plan_parts`), and the lowest such replica on the chosen
+    host writes it. Returns each rank's plan narrowed to the pieces it sends (checked again
+    when not all are replica 0's), and the parts.
+
+    Raises:
+        PlanError: what :func:`check_coverage` raises; a tensor no host holds a whole replica
+            of (naming it and the hosts its pieces are on: TP groups must stay within a
+            host); a LoRA adapter exported from several hosts.
+    """
+    check_coverage(_narrow(plans, lambda name: 0))
+    shapes = {spec.name: spec.shape for spec in plans[0].manifest}
+    copies: dict[str, dict[int, set[str]]] = {}
+    for plan, host in zip(plans, hosts, strict=True):
+        for name, pieces in plan.pieces.items():
+            # An empty piece (a clipped padding shard) writes nothing, so it pins no host.
+            if any(box_volume(p.dst_box(shapes[name])) for p in pieces):
+                replica = plan.replica_of.get(name, 0)
+                copies.setdefault(name, {}).setdefault(replica, set()).add(host)
+    parts = plan_parts(plans[0].manifest, {n: list(c.values()) for n, c in copies.items()})
+    lora = plans[0].lora
+    if lora is not None and len(parts.hosts) > 1:
+        raise PlanError(
+            f"LoRA adapter {lora.name!r}: its tensors would be sent by the senders of "
+            f"{len(parts.hosts)} trainer hosts ({', '.join(parts.hosts)}); exporting an adapter "
+            "from several hosts is not supported yet: publish it from ranks on one host"
+        )
+    chosen = {
+        name: min(r for r, on in by_replica.items() if on == {parts.owner[name]})
+        for name, by_replica in copies.items()
+    }
+    narrowed = _narrow(plans, chosen.get)
+    if any(chosen.values()):
+        check_coverage(narrowed)
+    return narrowed, parts
+
+
+def _narrow(plans: Sequence[RankPlan], replica: Callable[[str], int | None]) -> list[RankPlan]:
+    """Each plan with only its pieces of the replica ``replica(name)`` of each tensor."""
+    return [
+        replace(
+            plan,
+            pieces=MappingProxyType(
+                {
+                    name: pieces
+                    for name, pieces in plan.pieces.items()
+                    if plan.replica_of.get(name, 0) == replica(name)
+                }
+            ),
+        )
+        for plan in plans
+    ]
 
 
 def _check_tensor(

@@ -5,16 +5,22 @@ together once that their pieces cover every HF byte exactly once, and then every
 ``publish(version)`` is one :meth:`Publisher.publish_packed` per rank: the sender joins the
 ranks by ``publisher_id`` and version and hands each the same buckets; each rank copies its
 pieces into them. The sender never joins a trainer process group.
+
+A trainer spanning hosts publishes through one sender per host: the same one-time exchange
+tells every rank every rank's host, each HF tensor goes to the host whose ranks write it
+(:func:`plan_hosts`, bytes balanced where several could), and each host's ranks publish only
+their host's part to their host's sender, as that sender's ranks (host-local rank and world
+size: a sender joins only the ranks that publish to it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
 
 import torch
 
-from weightsync.buckets import Bucket
+from weightsync.buckets import Bucket, TensorSpec
 from weightsync.checksum import verify_copies
 from weightsync.errors import ConfigError, PlanError, TransportError
 from weightsync.manifest import VersionManifest
@@ -23,9 +29,10 @@ from weightsync.sender.megatron.agree import run_agreed
 from weightsync.sender.megatron.convert import check_shard_tensors
 from weightsync.sender.megatron.lora_export import LoraExport
 from weightsync.sender.megatron.pieces import piece_regions
-from weightsync.sender.megatron.plan import RankPlan, check_coverage, plan_rank
+from weightsync.sender.megatron.plan import RankPlan, plan_hosts, plan_rank
 from weightsync.sender.megatron.shards import collect_shards, topology_from_parallel_state
 from weightsync.sender.publisher import Publisher, PublishResult
+from weightsync.transports.broadcast import host_id as this_host_id
 
 
 class MegatronPublisher:
@@ -36,7 +43,8 @@ class MegatronPublisher:
             ``parallel_state.initialize_model_parallel``.
         hf_config: the transformers config of the target HF model (``model_type`` picks the
             names; shapes are checked against it).
-        address: the sender's ``unix:/path`` or ``host:port``.
+        address: the sender's ``unix:/path`` or ``host:port``; for a trainer spanning
+            hosts, this host's sender, or every host's sender by host id.
         publisher_id: shared by every rank of this job (default: from the model type).
         dtype: the HF dtype; inferred from the shards when None.
         export_mtp: send multi-token-prediction layers under the draft model's names.
@@ -46,10 +54,14 @@ class MegatronPublisher:
             for receivers on this host to copy straight from trainer memory.
         group: the torch.distributed group of all trainer ranks for the one-time coverage
             check (default: the world). Only construction uses it, never ``publish``.
+        host_id: this rank's host, which picks its sender (default: ``WEIGHTSYNC_HOST_ID``,
+            else this machine's hostname and boot id, as senders and receivers name hosts).
+            Ranks with one host id publish every tensor to one sender, as ever.
 
     Raises:
         PlanError: a parameter without a rule, a shape the config contradicts, missing ranks
-            or two ranks claiming the same bytes; raised on every rank at once, before any
+            or two ranks claiming the same bytes, an HF tensor written by ranks on several
+            hosts (TP groups must stay within a host); raised on every rank at once, before any
             publish, naming each failed rank's coordinates (a rank that failed alone never
             leaves the others in a collective).
         TransportError: the sender did not answer on some rank (every rank raises it).
@@ -59,7 +71,7 @@ class MegatronPublisher:
         self,
         model_chunks: Sequence[torch.nn.Module] | torch.nn.Module,
         hf_config: object,
-        address: str,
+        address: str | Mapping[str, str],
         *,
         publisher_id: str | None = None,
         dtype: torch.dtype | str | None = None,
@@ -68,8 +80,11 @@ class MegatronPublisher:
         direct: bool = False,
         group: object = None,
         connect_timeout_s: float = 10.0,
+        host_id: str | None = None,
     ) -> None:
         import torch.distributed as dist
+
+        self.host_id = host_id or this_host_id()
 
         def plan() -> RankPlan:
             local = collect_shards(model_chunks)
@@ -82,33 +97,43 @@ class MegatronPublisher:
                 tied_embeddings=local.tied_embeddings,
                 export_mtp=export_mtp,
                 lora=lora,
+                every_replica=True,  # plan_hosts picks one replica per tensor
             )
             check_shard_tensors(self.plan, local.tensors)
-            self._current_regions()  # a piece that does not fit its shard fails here
+            self._piece_regions(self.plan.manifest)  # a piece that does not fit fails here
             return self.plan
 
         def where() -> str:
-            return topology_from_parallel_state().describe()
+            return f"{topology_from_parallel_state().describe()} on host {self.host_id}"
 
         self._regions: tuple[tuple[int, ...], dict[str, list[Region]]] | None = None
         """(every local tensor's ``data_ptr``, the regions): taken again when any pointer moved."""
         run_agreed("planning the Megatron -> HF conversion", plan, where, PlanError, group)
         rank, world = 0, 1
+        plans, hosts = [self.plan], [self.host_id]
         if dist.is_available() and dist.is_initialized():
             rank, world = dist.get_rank(group), dist.get_world_size(group)
-            _check_coverage_together(self.plan, world, group)
-        else:
-            check_coverage([self.plan])
+            plans, hosts = _gather_plans(self.plan, self.host_id, world, group)
+        # Every rank checks and plans from the same gathered plans, so all raise the same
+        # error or none does; each keeps its pieces of the replica that sends each tensor.
+        narrowed, self.parts = plan_hosts(plans, hosts)
+        self.plan = narrowed[rank]
+        self._sends = self.parts.tensors_of(self.host_id)
+        """This host's tensors (one tuple, so the wire manifest is converted once)."""
+        self._part = self.parts.part_of(self.host_id)
         self.device = next(iter(self._tensors.values())).device
         self._direct = direct
         model_type = getattr(hf_config, "model_type", "model")
+        # A sender joins the ranks that publish to it: this host's, numbered among themselves.
+        local_rank, local_world = hosts[:rank].count(self.host_id), hosts.count(self.host_id)
+        sender = _address_of(address, self.host_id, hosts)
         self.publisher = run_agreed(
-            f"connecting to the weightsync sender at {address}",
+            f"connecting to the weightsync sender at {sender}",
             lambda: Publisher(
-                address,
+                sender,
                 publisher_id=publisher_id or f"megatron-{model_type}-{world}",
-                rank=rank,
-                world_size=world,
+                rank=local_rank,
+                world_size=local_world,
                 connect_timeout_s=connect_timeout_s,
             ),
             where,
@@ -122,11 +147,14 @@ class MegatronPublisher:
         """Publish the current weights as ``version``; every rank calls it (collective).
 
         Returns once this rank's bytes are out of its memory (``wait=True``: once every
-        receiver applied the version). The ranks meet at the sender, not in a collective.
+        receiver of this host's sender applied the version). The ranks meet at their host's
+        sender, not in a collective. Ranks of a host that sends no tensor return at once.
         """
         if version < 1:
             raise ConfigError(f"version must be >= 1, got {version}")
-        manifest = VersionManifest(version, self.plan.manifest, self.plan.lora)
+        if not self._sends:
+            return PublishResult(version, 0.0, 0)
+        manifest = VersionManifest(version, self._sends, self.plan.lora, self._part)
         regions = self._current_regions()
 
         what = f"version {version}, rank {self.publisher.rank}"
@@ -156,29 +184,56 @@ class MegatronPublisher:
         weights assigns new ``.data``); a new mapping makes the publisher offer them again."""
         ptrs = tuple(t.data_ptr() for t in self._tensors.values())
         if self._regions is None or self._regions[0] != ptrs:
-            specs = {spec.name: spec for spec in self.plan.manifest}
-            with torch.no_grad():
-                regions = {
-                    name: piece_regions(specs[name], pieces, self._tensors)
-                    for name, pieces in self.plan.pieces.items()
-                }
-            self._regions = (ptrs, regions)
+            self._regions = (ptrs, self._piece_regions(self._sends))
         return self._regions[1]
+
+    def _piece_regions(self, specs: Iterable[TensorSpec]) -> dict[str, list[Region]]:
+        """The regions of this rank's pieces of ``specs`` (this host's part, when publishing)."""
+        with torch.no_grad():
+            return {
+                spec.name: piece_regions(spec, pieces, self._tensors)
+                for spec in specs
+                if (pieces := self.plan.pieces.get(spec.name))
+            }
 
     def close(self) -> None:
         self.publisher.close()
 
 
-def _check_coverage_together(plan: RankPlan, world: int, group: object) -> None:
-    """Every rank checks every rank's pieces, so all raise the same error or none does."""
+def _gather_plans(
+    plan: RankPlan, host: str, world: int, group: object
+) -> tuple[list[RankPlan], list[str]]:
+    """Every rank's plan and host, by rank in ``group`` (one collective)."""
     import torch.distributed as dist
 
-    mine = (plan.topology, plan.manifest, dict(plan.pieces), dict(plan.shards))
+    mine = (
+        plan.topology,
+        plan.manifest,
+        dict(plan.pieces),
+        dict(plan.shards),
+        plan.lora,
+        dict(plan.replica_of),
+        host,
+    )
     gathered: list = [None] * world
     dist.all_gather_object(gathered, mine, group=group)
-    check_coverage(
-        [
-            RankPlan(topology, manifest, MappingProxyType(pieces), MappingProxyType(shards))
-            for topology, manifest, pieces, shards in gathered
-        ]
-    )
+    plans = [
+        RankPlan(topology, manifest, *map(MappingProxyType, (pieces, shards)), lora, replicas)
+        for topology, manifest, pieces, shards, lora, replicas, _ in gathered
+    ]
+    return plans, [h for *_, h in gathered]
+
+
+def _address_of(address: str | Mapping[str, str], host: str, hosts: Sequence[str]) -> str:
+    """``host``'s sender. A mapping is checked against every rank's host (the same on every
+    rank), so all ranks raise the same ConfigError, not one of them alone."""
+    if isinstance(address, str):
+        return address
+    missing = sorted(set(hosts) - set(address))
+    if missing:
+        raise ConfigError(
+            f"address names no sender for trainer host(s) {', '.join(map(repr, missing))} "
+            f"(it names {', '.join(map(repr, sorted(address))) or 'none'}); give every "
+            "trainer host's sender, or set host_id / WEIGHTSYNC_HOST_ID to hosts it names"
+        )
+    return address[host]

@@ -56,3 +56,23 @@ def test_cpu_bench_moe_layouts_through_fused_experts(tmp_path):
         ("staged", "TP=1", True),
         ("staged", "TP=2", True),
     ]
+
+
+def test_cpu_bench_hosts_case_two_senders_and_one_bit_exact(tmp_path):
+    """The hosts case (issue 12) on CPU: two "hosts" by WEIGHTSYNC_HOST_ID, a sender process
+    and a publisher process (a PP stage) per host, one receiver per host registered with both
+    senders; then one sender sending everything. Every version bit-exact in both cases."""
+    code = bench(
+        ["--model", "tiny", "--device", "cpu", "--tp", "", "--no-baselines", "--no-floors"]
+        + ["--hosts", "2", "--versions", "2", "--warmup", "0", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "bench-tiny.json").read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    assert set(rows) == {"one broadcast", "two senders", "one sender"}
+    for name in ("two senders", "one sender"):
+        row = rows[name]
+        assert row["bit_exact"] is True and not row["failed"], row
+        assert len(row["samples_s"]) == 2 and row["x_floor"] > 0, row
+        assert row["transport"] == "shm + gloo" and row["placement"] == "2 hosts: 2 engines"
+    assert rows["two senders"]["note"].startswith("a sender per host, at once: parts ")

@@ -181,7 +181,7 @@ def test_wheel_metadata_version_license_extras(wheel):
     )
     assert re.search(r"^License-Expression: Apache-2.0$", meta, re.M)
     extras = set(re.findall(r"^Provides-Extra: (\S+)$", meta, re.M))
-    assert extras == {"vllm", "sglang", "megatron", "drivers", "bench", "dev"}
+    assert extras == {"vllm", "sglang", "megatron", "drivers", "ray", "bench", "dev"}
     requires = re.findall(r"^Requires-Dist: (.*)$", meta, re.M)
     assert not [r for r in requires if "cupy" in r], "nothing imports cupy"
     assert any(r.startswith("megatron-core") and "megatron" in r for r in requires)

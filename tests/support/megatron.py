@@ -14,6 +14,8 @@ CPU shims (megatron-core 0.16.1 assumes CUDA in a few places even with
 - ``moe_utils.te_general_gemm`` is referenced but never defined without TransformerEngine.
 - The local attention builds its default causal mask on "cuda": pass an explicit mask.
 - ``MoEAlltoAllTokenDispatcher`` creates a CUDA stream: use the "allgather" dispatcher.
+- Without TransformerEngine, megatron-core puts MagicMocks where TE's classes would be, and
+  MLA's ``isinstance(linear_proj, TELinear)`` raises on them: MLA's ``HAVE_TE`` -> False.
 - With tied embeddings and PP > 1, ``setup_embeddings_and_output_layer`` moves the last
   stage's embedding copy with ``.cuda()`` before all-reducing it: ``Tensor.cuda`` -> identity.
 """
@@ -51,6 +53,9 @@ def apply_cpu_shims() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    mla.HAVE_TE = False
 
 
 # --- model cases -----------------------------------------------------------------------------
@@ -86,6 +91,12 @@ class ModelCase:
     expert_bias: bool = False
     grouped_gemm: bool = False
     mtp_layers: int = 0
+    mla: bool = False
+    """Multi-latent attention (DeepSeek-V3): ``head_dim`` is ``qk_nope_head_dim``."""
+    q_lora_rank: int | None = 48
+    kv_lora_rank: int = 64
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 24
 
     def is_moe(self, layer: int) -> bool:
         return self.experts > 0 and (self.moe_layers is None or layer in self.moe_layers)
@@ -124,10 +135,28 @@ MOE_CASES = (
     ),
 )
 CASES = {c.name: c for c in DENSE_CASES + MOE_CASES}
+_DEEPSEEK = dict(
+    mla=True,
+    kv_heads=4,
+    experts=4,
+    moe_layers=(1, 2, 3),
+    shared_ffn=64,
+    expert_bias=True,
+    mtp_layers=1,
+)
+MLA_CASES = (
+    ModelCase("deepseek_v3", "deepseek_v3", **_DEEPSEEK),
+    ModelCase("deepseek_v3_no_q_lora", "deepseek_v3", **_DEEPSEEK, q_lora_rank=None),
+)
+"""DeepSeek-V3 (tests/integration/test_megatron_deepseek.py): MLA, the first layer dense, MoE
+with a shared expert and the routing bias, one MTP layer."""
+CASE_BY_NAME = {**CASES, **{c.name: c for c in MLA_CASES}}
 
 
 def hf_config(case: ModelCase):
     """The transformers config of ``case`` (built locally, no hub)."""
+    if case.mla:
+        return _deepseek_v3_config(case)
     common = dict(
         vocab_size=case.hf_vocab,
         hidden_size=case.hidden,
@@ -205,6 +234,73 @@ def _type_fields(case: ModelCase) -> dict:
     raise ValueError(t)
 
 
+def _deepseek_v3_config(case: ModelCase):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=case.hf_vocab,
+        hidden_size=case.hidden,
+        num_hidden_layers=case.num_layers,
+        num_attention_heads=case.heads,
+        num_key_value_heads=case.heads,
+        intermediate_size=case.ffn,
+        moe_intermediate_size=case.moe_ffn,
+        n_routed_experts=case.experts,
+        n_shared_experts=case.shared_ffn // case.moe_ffn,
+        num_experts_per_tok=case.topk,
+        first_k_dense_replace=min(case.moe_layers),
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=ROUTED_SCALING,
+        q_lora_rank=case.q_lora_rank,
+        kv_lora_rank=case.kv_lora_rank,
+        qk_nope_head_dim=case.head_dim,
+        qk_rope_head_dim=case.qk_rope_head_dim,
+        v_head_dim=case.v_head_dim,
+        max_position_embeddings=64,
+        tie_word_embeddings=case.tied,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        num_nextn_predict_layers=case.mtp_layers,
+    )
+
+
+def _mla_config(kwargs: dict, case: ModelCase):
+    """megatron's ``MLATransformerConfig`` for ``case``: plain RoPE on the rope dims (HF
+    ``rope_interleave``: megatron de-interleaves them for MLA), q / kv norms built."""
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig(
+        **{
+            **kwargs,
+            "kv_channels": case.v_head_dim,  # what the local core attention's output width reads
+            "qk_layernorm": True,
+        },
+        q_lora_rank=case.q_lora_rank,
+        kv_lora_rank=case.kv_lora_rank,
+        qk_head_dim=case.head_dim,
+        qk_pos_emb_head_dim=case.qk_rope_head_dim,
+        v_head_dim=case.v_head_dim,
+        rope_type="rope",
+        rotary_base=10000,
+    )
+
+
+def _local_mla_core_attention():
+    """megatron's local ``DotProductAttention`` for MLA (the local spec's MLA path passes
+    ``k_channels`` / ``v_channels``, which it does not take; its math already handles a value
+    head narrower than the query head once ``kv_channels`` is the value width)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        def __init__(self, *args, k_channels=None, v_channels=None, **kwargs):
+            super().__init__(*args, **kwargs)
+
+    return MLADotProductAttention
+
+
 def transformer_config(case: ModelCase, sizes: dict):
     """The megatron ``TransformerConfig`` of ``case`` for parallel ``sizes``."""
     import torch.nn.functional as F
@@ -261,6 +357,8 @@ def transformer_config(case: ModelCase, sizes: dict):
             )
     if case.mtp_layers:
         kwargs.update(mtp_num_layers=case.mtp_layers)
+    if case.mla:
+        return _mla_config(kwargs, case)
     return TransformerConfig(**kwargs)
 
 
@@ -284,6 +382,10 @@ def build_chunks(case: ModelCase, sizes: dict) -> list[torch.nn.Module]:
             normalization="LayerNorm" if case.layernorm else "RMSNorm",
             vp_stage=vp_stage,
         )
+        if case.mla:
+            for layer_spec in spec.layer_specs:
+                attention = layer_spec.submodules.self_attention.submodules
+                attention.core_attention = _local_mla_core_attention()
         mtp = None
         if case.mtp_layers:
             mtp = get_gpt_mtp_block_spec(
@@ -482,7 +584,7 @@ def collect_worker(rank: int, sizes: dict, case_names: list[str], fill: bool, lo
 
     out = {}
     for name in case_names:
-        case = CASES[name]
+        case = CASE_BY_NAME[name]
         torch.manual_seed(0)
         chunks = build_chunks(case, sizes)
         if fill:
@@ -521,32 +623,89 @@ VERSIONS = 2
 """How many versions ``publish_worker`` publishes."""
 
 
-def publish_worker(rank: int, sizes: dict, case_name: str, address: str, cuda: bool = False):
-    """Build the model, publish VERSIONS versions (weights change between them); rank 0
+@torch.no_grad()
+def stand_in_step(chunks: list[torch.nn.Module]) -> None:
+    """A stand-in optimizer step, the same on every replica."""
+    for chunk in chunks:
+        for i, p in enumerate(chunk.parameters()):
+            if i % 2:
+                p.mul_(0.5).add_(0.25)
+            else:  # as frameworks that offload and reload weights do: new memory
+                p.data = p.data.mul(0.5).add(0.25)
+
+
+def publish_worker(
+    rank: int,
+    sizes: dict,
+    case_name: str,
+    address: str | dict[str, str],
+    cuda: bool = False,
+    host_ids: list[str] | None = None,
+    versions: int = VERSIONS,
+    export_mtp: bool = True,
+):
+    """Build the model, publish ``versions`` versions (weights change between them); rank 0
     returns each version's gathered shards.
 
     ``cuda``: move rank r's chunks to ``cuda:r`` after building, so shards travel by CUDA IPC.
+    ``host_ids``: rank r claims host ``host_ids[r]`` (``address``: each host's sender).
     """
     from weightsync.sender.megatron import MegatronPublisher, collect_shards, gather_local_shards
 
-    case = CASES[case_name]
+    case = CASE_BY_NAME[case_name]
     torch.manual_seed(0)
     chunks = build_chunks(case, sizes)
     fill_by_global_name(chunks, case)
     if cuda:
         chunks = [chunk.to(f"cuda:{rank}") for chunk in chunks]
-    publisher = MegatronPublisher(chunks, hf_config(case), address)
+    host_id = host_ids[rank] if host_ids else None
+    publisher = MegatronPublisher(
+        chunks, hf_config(case), address, host_id=host_id, export_mtp=export_mtp
+    )
     states = []
-    for version in range(1, VERSIONS + 1):
+    for version in range(1, versions + 1):
         if version > 1:
-            with torch.no_grad():  # a stand-in optimizer step, the same on every replica
-                for chunk in chunks:
-                    for i, p in enumerate(chunk.parameters()):
-                        if i % 2:
-                            p.mul_(0.5).add_(0.25)
-                        else:  # as frameworks that offload and reload weights do: new memory
-                            p.data = p.data.mul(0.5).add(0.25)
+            stand_in_step(chunks)
         publisher.publish(version, wait=True, timeout_s=120)
         states.append(gather_local_shards(collect_shards(chunks)))
     publisher.close()
     return states if rank == 0 else None
+
+
+# --- converted versions for engines without megatron-core in their venv -------------------------
+
+
+def versions_worker(rank: int, sizes: dict, case_name: str, versions: int):
+    """Build and fill the model, then per version (``stand_in_step`` between them) gather its
+    shards; rank 0 returns them."""
+    from weightsync.sender.megatron import collect_shards, gather_local_shards
+
+    case = CASE_BY_NAME[case_name]
+    torch.manual_seed(0)
+    chunks = build_chunks(case, sizes)
+    fill_by_global_name(chunks, case)
+    states = []
+    for version in range(1, versions + 1):
+        if version > 1:
+            stand_in_step(chunks)
+        states.append(gather_local_shards(collect_shards(chunks)))
+    return states if rank == 0 else None
+
+
+def save_converted_versions(case_name: str, directory: str, tp: int = 2, versions: int = 2) -> None:
+    """Convert ``versions`` versions of ``case_name`` trained at TP=``tp`` (the sender's code
+    path: plan, buckets, packing) and save version v's HF tensors as
+    ``{directory}/v{v}.safetensors``. Run in the main venv; the SGLang venv has no megatron::
+
+        python -c "from tests.support.megatron import save_converted_versions as s; s(...)"
+    """
+    from safetensors.torch import save_file
+
+    from weightsync.sender.megatron import convert_megatron_to_hf
+
+    out = Path(directory)
+    config = hf_config(CASE_BY_NAME[case_name])
+    states = launch(out, {"tp": tp, "pp": 1}, versions_worker, case_name, versions)[0]
+    for version, state in enumerate(states, start=1):
+        hf = convert_megatron_to_hf(state, config)
+        save_file({k: v.contiguous() for k, v in hf.items()}, out / f"v{version}.safetensors")

@@ -21,14 +21,15 @@ from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.errors import (
     ChecksumError,
     ManifestMismatchError,
+    PlanError,
     ProtocolError,
     ReceiverFailedError,
     SyncTimeoutError,
     TransportError,
     WeightSyncError,
 )
-from weightsync.manifest import VersionManifest
-from weightsync.receiver.connection import SenderLost
+from weightsync.manifest import VersionManifest, VersionPartSpec, plan_digest
+from weightsync.receiver.connection import Inbox, SenderLost
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import WeightTarget
@@ -104,10 +105,12 @@ class InPlace(Recorder):
 class Staged:
     """A version packed into shm staging buffers, one per bucket, as the sender packs it."""
 
-    def __init__(self, tensors: dict[str, torch.Tensor], version: int) -> None:
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], version: int, part: VersionPartSpec | None = None
+    ) -> None:
         self.tensors, self.version = tensors, version
         self.manifest = VersionManifest(
-            version, tuple(TensorSpec.of(n, t) for n, t in tensors.items())
+            version, tuple(TensorSpec.of(n, t) for n, t in tensors.items()), part=part
         )
         self.plan: BucketPlan = plan_buckets(self.manifest.tensors, CAP)
         self.buffers: list[StagingBuffer] = []
@@ -155,8 +158,10 @@ class Staged:
 def stage() -> Iterator:
     made: list[Staged] = []
 
-    def make(tensors: dict[str, torch.Tensor], version: int = 1) -> Staged:
-        made.append(Staged(tensors, version))
+    def make(
+        tensors: dict[str, torch.Tensor], version: int = 1, part: VersionPartSpec | None = None
+    ) -> Staged:
+        made.append(Staged(tensors, version, part))
         return made[-1]
 
     yield make
@@ -392,3 +397,139 @@ def test_a_target_that_writes_chunks_in_place_must_say_how():
 
         class Broken(Recorder):
             chunks_in_place = True
+
+
+# -- a version split over several senders -----------------------------------------------------
+
+SPLIT = ({"a", "big"}, {"b", "c"})
+"""Which of ``weights``' tensors each of two senders sends."""
+
+
+def split(stage, seed: int, version: int) -> list[Staged]:
+    """``weights(seed)`` as ``version``, staged as the two parts ``SPLIT`` says."""
+    tensors = weights(seed)
+    parts = [{n: t for n, t in tensors.items() if n in names} for names in SPLIT]
+    specs = [tuple(TensorSpec.of(n, t) for n, t in p.items()) for p in parts]
+    digest = plan_digest(specs)
+    return [
+        stage(p, version, VersionPartSpec(i, 2, f"trainer-{'ab'[i]}", digest, len(tensors)))
+        for i, p in enumerate(parts)
+    ]
+
+
+def split_core(target: Recorder, **kwargs) -> tuple[ReceiverCore, list[MemoryConnection]]:
+    connections = [MemoryConnection(), MemoryConnection()]
+    for connection, address in zip(connections, ("memory:a", "memory:b"), strict=True):
+        connection.inbox = Inbox(connection.receiver_id, address)
+    core = ReceiverCore(target, ["memory:a", "memory:b"], connection=connections, **kwargs)
+    return core, connections
+
+
+def test_the_parts_of_a_split_version_are_validated_together_and_committed_once(stage):
+    parts = split(stage, 1, 5)
+    target = InPlace(zeros_like(weights(1)))
+    core, connections = split_core(target)
+    for staged, connection in zip(parts, connections, strict=True):
+        connection.announce(*staged.announcements())
+    assert core.sync(timeout=5) == 5
+    assert same(target.live, weights(1))
+    assert target.calls == ["validate", "begin", "commit"]
+    for staged, connection in zip(parts, connections, strict=True):
+        n = len(staged.plan.buckets)
+        assert connection.kinds() == ["verdict"] + ["ack"] * n + ["applied"]
+        assert connection.sent[-1].applied.ok and connection.sent[0].verdict.accepted
+    assert (core.applied_version, core.dirty) == (5, False)
+
+
+def test_a_part_that_does_not_fit_the_model_fails_the_version_before_any_write(stage):
+    parts = split(stage, 1, 5)
+    target = Recorder(zeros_like(weights(1)))
+    target.reject = ManifestMismatchError("tensor 'c' is (8,) int64 but the model holds (9,)")
+    core, connections = split_core(target)
+    for staged, connection in zip(parts, connections, strict=True):
+        connection.announce(*staged.announcements())
+    with pytest.raises(ManifestMismatchError, match="'c' is"):
+        core.sync(timeout=5)
+    assert target.calls == ["validate"] and target.loaded == []
+    for connection in connections:
+        assert connection.kinds() == ["verdict"] and not connection.sent[0].verdict.accepted
+
+
+def test_a_lost_sender_fails_the_version_naming_it_and_the_others_hear_it(stage):
+    first, second = split(stage, 1, 5), split(stage, 2, 6)
+    target = Recorder(zeros_like(weights(0)))
+    core, (a, b) = split_core(target)
+    a.announce(first[0].start(), first[0].bucket(0), SenderLost("connection reset"))
+    b.announce(*first[1].announcements())
+    with pytest.raises(TransportError) as e:
+        core.sync(timeout=5)
+    assert str(e.value).startswith(
+        "version 5 failed on receiver memory: part 0 of 2 from sender trainer-a at memory:a, "
+        "after its bucket 0: receiver memory: lost the sender at memory:a during a version"
+    )
+    assert str(e.value).endswith("the next version every sender sends heals them")
+    assert "commit" not in target.calls and target.calls[-1] == "abort"
+    assert core.dirty and core.applied_version == 0
+    told = b.sent[-1].applied
+    assert (told.version, told.ok, told.error.code) == (5, False, "TransportError")
+    assert "trainer-a at memory:a" in told.error.message
+    # The next version every sender sends heals it.
+    for staged, connection in zip(second, (a, b), strict=True):
+        connection.announce(*staged.announcements())
+    assert core.sync(timeout=5) == 6 and not core.dirty
+    assert same(target.live, weights(2))
+
+
+def test_a_corrupt_bucket_in_one_part_fails_the_version_for_every_sender(stage):
+    parts = split(stage, 1, 5)
+    parts[1].buffers[0].tensor[0] ^= 1
+    target = Recorder(zeros_like(weights(1)))
+    core, connections = split_core(target)
+    for staged, connection in zip(parts, connections, strict=True):
+        connection.announce(*staged.announcements())
+    with pytest.raises(
+        ChecksumError,
+        match="part 1 of 2 from sender trainer-b at memory:b, after its bucket 0: bucket 0 ",
+    ):
+        core.sync(timeout=5)
+    assert "commit" not in target.calls and core.dirty
+    for connection in connections:
+        applied = connection.sent[-1].applied
+        assert (applied.ok, applied.error.code) == (False, "ChecksumError")
+
+
+def test_a_part_that_never_starts_fails_the_version_and_is_declined_when_it_comes(stage):
+    first, second = split(stage, 1, 5), split(stage, 2, 6)
+    target = Recorder(zeros_like(weights(0)))
+    core, (a, b) = split_core(target, part_timeout_s=0.3)
+    a.announce(*first[0].announcements())
+    with pytest.raises(SyncTimeoutError) as e:
+        core.sync(timeout=5)
+    assert str(e.value) == (
+        "version 5: the part from the sender at memory:b did not start within 0.3 s of the "
+        "parts from memory:a; the version fails on receiver memory before any write"
+    )
+    assert target.calls == [] and a.kinds() == ["verdict"]
+    assert not a.sent[0].verdict.accepted
+    # The late part is declined when it comes; the next version applies.
+    b.announce(*first[1].announcements(), *second[1].announcements())
+    a.announce(*second[0].announcements())
+    assert core.sync(timeout=5) == 6
+    assert same(target.live, weights(2))
+    late = b.sent[0].verdict
+    assert (late.version, late.accepted, late.error.code) == (5, False, "SyncTimeoutError")
+
+
+def test_a_receiver_of_one_sender_refuses_a_part_before_any_write(stage):
+    part = split(stage, 1, 5)[0]
+    target = Recorder(zeros_like(weights(1)))
+    core, connection = core_for(target)
+    connection.announce(*part.announcements())
+    with pytest.raises(PlanError) as e:
+        core.sync(timeout=5)
+    assert str(e.value) == (
+        "version 5 is split over 2 senders (this one: trainer-a at memory:); register the "
+        "receiver with every sender's address"
+    )
+    assert target.calls == [] and connection.kinds() == ["verdict"]
+    assert connection.sent[0].verdict.error.code == "PlanError"

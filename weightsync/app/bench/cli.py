@@ -57,6 +57,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="node case: engines TP=T x N/T; each engine rank keeps vLLM's shard of every "
         "tensor and reads only those bytes (the floor copies that share)",
     )
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=0,
+        help="also the hosts case: GPUs 0..N-1 as two hosts (WEIGHTSYNC_HOST_ID), trainer PP=2 "
+        "with a publisher per host, a receiver per GPU; two senders at once against one "
+        "sender sending everything (with --device cpu: two CPU receivers, any N)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
     p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
@@ -95,6 +103,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout_s,
         gpus=args.gpus,
         engine_tp=args.engine_tp,
+        hosts=args.hosts,
     )
 
 

@@ -14,6 +14,8 @@ SAME, OTHER = "same GPU", "other GPU"
 PER_TENSOR, LOCKSTEP, D2D = "per-tensor IPC", "lockstep bucket", "d2d copy"
 NODE_FLOOR = "every GPU its share"
 """The node case's floor: every GPU copying its share from its own memory at once."""
+HOSTS_FLOOR = "one broadcast"
+"""The hosts case's floor: one broadcast of the model's bytes between two GPUs."""
 GB = 1e9
 
 
@@ -69,6 +71,8 @@ class Report:
             return self._find(FLOOR, "broadcast")
         if row.placement.startswith("node"):  # every GPU copying its share, in the same run
             return self._find(FLOOR, NODE_FLOOR, row.placement)
+        if row.placement.startswith("2 hosts"):
+            return self._find(FLOOR, HOSTS_FLOOR, row.placement)
         return self._find(FLOOR, D2D)
 
     def ratios(self, row: Row) -> dict[str, float | None]:

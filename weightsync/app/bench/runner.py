@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.multiprocessing as tmp
 
-from weightsync.app.bench import baselines, floors, node
+from weightsync.app.bench import baselines, floors, hosts, node
 from weightsync.app.bench.host import check_memory, machine
 from weightsync.app.bench.layout import TrainerLayout, TrainerShards, plan_layout
 from weightsync.app.bench.models import hf_specs, model_shape
@@ -75,6 +75,9 @@ class BenchConfig:
     """With N >= 1: also the node case on GPUs 0..N-1 (``node.py``)."""
     engine_tp: int = 1
     """The node case's engine TP size (``gpus`` a multiple of it)."""
+    hosts: int = 0
+    """With N >= 1: also the hosts case on N GPUs as two hosts (``hosts.py``; CPU: two
+    receivers)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.cases) - set(CASES)
@@ -205,6 +208,13 @@ def _run(cfg: BenchConfig, console) -> Report:
             shape, cfg.gpus, cfg.versions, cfg.warmup, cfg.versions, cfg.timeout_s, cfg.engine_tp
         )
         report.rows.extend(node_run.rows())
+    if cfg.hosts:
+        console.print("hosts: trainer PP=2 over 2 hosts, a sender per host")
+        hosts_run = hosts.measure_hosts(
+            shape, cfg.hosts if cuda else 0, cfg.versions, cfg.warmup, cfg.timeout_s
+        )
+        console.print(hosts.summary(hosts_run))
+        report.rows.extend(hosts_run.rows())
     if not cuda:
         notes.append("CPU mode: shm instead of cuda_ipc; direct, cross-GPU and nccl skipped")
     return report

@@ -1,0 +1,240 @@
+"""A version split over two senders (one per trainer host) into receivers registered with both
+(issue 12, receiver side): every part is joined before any write and committed once; a sender
+killed mid-version fails the version on every receiver, naming it, and after it restarts the
+next version applies everywhere.
+
+Every part is its own process, as in ``tests/faults/test_kills.py``: two ``weightsync-sender``
+CLIs with host ids "trainer-a" and "trainer-b", a publisher process per sender publishing its
+part (``Publisher.publish(part=...)``), and two receivers with host ids "engine-a" and
+"engine-b" (``TorchReceiver(model, [address_a, address_b])``). The host ids stand in for
+separate hosts (network namespaces are not needed for this): a receiver on another host than
+its sender gets the bytes by broadcast over gloo, one private group per sender.
+"""
+
+from __future__ import annotations
+
+import glob
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from tests.support.models import digests
+from tests.support.processes import (
+    PUBLISHED_SEED,
+    Inbox,
+    Outcome,
+    Reporter,
+    fault_model,
+    fault_reports,
+    sender_process,
+    start_slow_receiver,
+)
+
+SENDERS = ("trainer-a", "trainer-b")
+RECEIVERS = ("engine-a", "engine-b")
+PARTS = (("embed",), ("proj", "norm", "counts", "scale"))
+"""The tensors of ``fault_model`` each sender sends: trainer-a the 4-bucket embedding,
+trainer-b the rest (one bucket)."""
+LOAD_DELAY_S = 0.3
+ACK_TIMEOUT_S = 10
+
+
+def expected(version: int) -> dict[str, str]:
+    return digests(fault_model(PUBLISHED_SEED + version))
+
+
+def _part_publisher_main(address, index, versions, reports):
+    from weightsync.buckets import TensorSpec
+    from weightsync.errors import WeightSyncError
+    from weightsync.manifest import VersionPartSpec, plan_digest
+    from weightsync.sender import Publisher
+
+    out = Reporter(reports)
+    who = f"publisher-{SENDERS[index]}"
+    publisher = Publisher(address, connect_timeout_s=30)
+    try:
+        for v in versions:
+            state = fault_model(PUBLISHED_SEED + v).state_dict()
+            specs = [[TensorSpec.of(n, state[n]) for n in names] for names in PARTS]
+            part = VersionPartSpec(
+                index, len(PARTS), SENDERS[index], plan_digest(specs), len(state)
+            )
+            mine = {n: state[n] for n in PARTS[index]}
+            try:
+                publisher.publish(mine, v, wait=True, timeout_s=120, part=part)
+                out.put(Outcome(who, "published", v, {}, ""))
+            except WeightSyncError as e:
+                out.put(Outcome(who, type(e).__name__, v, {}, str(e)))
+                return
+    finally:
+        publisher.close()
+
+
+class Rig:
+    """Two sender processes, two receiver processes registered with both, and publishers."""
+
+    def __init__(self, sock_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.monkeypatch = monkeypatch
+        self.addresses = [f"unix:{sock_dir}/{host}.sock" for host in SENDERS]
+        self.out = fault_reports(f"{sock_dir}/reports.sock")
+        self.inbox = Inbox(self.out)
+        self.senders = [self.start_sender(i) for i in range(len(SENDERS))]
+        self.receivers = []
+        for i, rid in enumerate(RECEIVERS):
+            # Spawned processes take the environment as it is when they start.
+            with monkeypatch.context() as env:
+                env.setenv("WEIGHTSYNC_HOST_ID", rid)
+                self.receivers.append(
+                    start_slow_receiver(self.addresses, rid, 100 + i, self.out, LOAD_DELAY_S)
+                )
+        self.inbox.wait(
+            lambda seen: all(self.inbox.find(rid, "ready", 0) for rid in RECEIVERS),
+            90,
+            "the receivers did not register with both senders",
+        )
+        self.publishers: list = []
+
+    def start_sender(self, index: int):
+        with self.monkeypatch.context() as env:
+            env.setenv("WEIGHTSYNC_HOST_ID", SENDERS[index])
+            return sender_process(self.addresses[index])
+
+    def publish(self, versions: list[int]) -> None:
+        """A publisher process per sender, each publishing its part of every version."""
+        for i, address in enumerate(self.addresses):
+            proc = mp.get_context("spawn").Process(
+                target=_part_publisher_main,
+                daemon=True,
+                args=(address, i, versions, self.out.path),
+            )
+            proc.start()
+            self.publishers.append(proc)
+
+    def published(self, index: int, version: int) -> tuple[str, str]:
+        """How sender ``index``'s publisher reported ``version``: (state, error message)."""
+        who = f"publisher-{SENDERS[index]}"
+        return self.inbox.wait(
+            lambda seen: next(
+                (
+                    (o.state, o.error)
+                    for _, o in seen
+                    if (o.receiver_id, o.version) == (who, version)
+                ),
+                None,
+            ),
+            120,
+            f"{who} did not report version {version}",
+        )
+
+    def applied_everywhere(self, version: int) -> None:
+        """Every receiver applied ``version``, bit-exact."""
+        self.inbox.wait(
+            lambda seen: all(self.inbox.find(rid, "applied", version) for rid in RECEIVERS),
+            120,
+            f"version {version} was not applied by every receiver",
+        )
+        for rid in RECEIVERS:
+            ((_, outcome),) = self.inbox.find(rid, "applied", version)
+            assert outcome.digests == expected(version), f"{rid} differs from version {version}"
+
+    def data_paths(self, index: int) -> dict[str, str]:
+        from weightsync.sender import Publisher
+
+        with Publisher(self.addresses[index], connect_timeout_s=30) as client:
+            return {r.receiver_id: r.data_path for r in client.status().receivers if r.connected}
+
+    def wait_registered(self, index: int) -> None:
+        deadline = time.monotonic() + 60
+        while set(self.data_paths(index)) != set(RECEIVERS):
+            assert time.monotonic() < deadline, f"receivers did not register with {SENDERS[index]}"
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        for proc in [*self.publishers, *self.receivers]:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(10)
+        for proc in self.senders:
+            if proc.poll() is None:
+                proc.terminate()
+            proc.wait(20)
+        # Only a sender killed and never followed by another could leave segments behind.
+        for proc in self.senders:
+            for path in glob.glob(f"/dev/shm/weightsync-*-{proc.pid}-*"):
+                os.unlink(path)
+        self.out.close()
+
+
+@pytest.fixture
+def rig(sock_dir, monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_ACK_TIMEOUT_S", str(ACK_TIMEOUT_S))
+    rig = Rig(sock_dir, monkeypatch)
+    try:
+        yield rig
+    finally:
+        rig.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_version_split_over_two_senders_applies_bit_exact_on_every_receiver(rig):
+    rig.publish([1, 2, 3])
+    for version in (1, 2, 3):
+        for index in range(len(SENDERS)):
+            assert rig.published(index, version) == ("published", "")
+        rig.applied_everywhere(version)
+    for index in range(len(SENDERS)):
+        assert rig.data_paths(index) == dict.fromkeys(RECEIVERS, "broadcast")
+
+
+@pytest.mark.timeout(300)
+def test_a_sender_killed_mid_version_fails_it_everywhere_and_the_next_version_heals(rig):
+    rig.publish([1, 2])
+    rig.applied_everywhere(1)
+    rig.inbox.wait(
+        lambda seen: rig.inbox.find(RECEIVERS[0], "loading", 2), 60, "version 2 never loaded"
+    )
+    victim = rig.senders[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(10)
+
+    # Every receiver fails version 2, naming the killed sender; none commits it.
+    def outcome(rid: str) -> Outcome | None:
+        return next(
+            (
+                o
+                for _, o in rig.inbox.seen
+                if (o.receiver_id, o.version) == (rid, 2) and o.state != "loading"
+            ),
+            None,
+        )
+
+    rig.inbox.wait(
+        lambda seen: all(outcome(rid) for rid in RECEIVERS),
+        60,
+        "the receivers did not report version 2's end",
+    )
+    failed = [outcome(rid) for rid in RECEIVERS]
+    for got in failed:
+        assert got.state == "TransportError", got.error
+        assert got.error.startswith(
+            f"version 2 failed on receiver {got.receiver_id}: part 0 of 2 from sender "
+            f"trainer-a at {rig.addresses[0]}"
+        ), got.error
+        assert "weights are dirty" in got.error
+    # The surviving sender's publisher learns that version 2 failed.
+    state, error = rig.published(1, 2)
+    assert state == "ReceiverFailedError"
+    assert "trainer-a" in error
+    assert rig.published(0, 2)[0] != "published"
+    # The killed sender restarts on the same address; the receivers register again.
+    rig.senders.append(rig.start_sender(0))
+    rig.wait_registered(0)
+    rig.publish([3])
+    for index in range(len(SENDERS)):
+        assert rig.published(index, 3) == ("published", "")
+    rig.applied_everywhere(3)
+    for rid in RECEIVERS:
+        assert not rig.inbox.find(rid, "applied", 2), f"{rid} applied version 2"

@@ -1,0 +1,289 @@
+"""The hosts case of ``weightsync bench --hosts`` (issue 12): a trainer spanning two hosts.
+
+The devices of this machine play two hosts, told apart by ``WEIGHTSYNC_HOST_ID``: GPUs
+0..N/2-1 are host a, the rest host b (on CPU: one receiver process per host). Trainer PP=2:
+the publisher process on each host's first device holds its pipeline stage's HF tensors
+(layers 0..L/2-1 with the embedding; the rest with the final norm and ``lm_head``), the
+split :func:`~weightsync.sender.parts.plan_parts` makes. Engines TP=1: a receiver process per
+device. Measured in one run:
+
+- **two senders**: a sender process per host, both sending their stage's part at once; every
+  receiver is registered with both, maps its own host's part and gets the other's by
+  broadcast (NCCL on CUDA, gloo on CPU);
+- **one sender**: host a's sender sends every tensor from one publisher holding the whole
+  model on host a's first device; host b's receivers get all of it by broadcast;
+- the floor beside them: one broadcast of the same bytes between two devices
+  (``floors.broadcast``, two processes): what the model costs to cross to the other host
+  once. On one machine the "hosts" share NVLink, not NICs: the two-sender case shows that
+  both senders work at once, not a network's numbers.
+
+A version's time: from the first part's start to the last part's end (every receiver
+applied it), by the senders' clocks (``started_at_unix_s + complete_s`` of each part; one
+machine, one clock); the median over the measured versions. Bit-exact: every receiver checks
+every tensor after every version.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import shutil
+import statistics
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.app.bench import floors
+from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
+from weightsync.app.bench.models import ModelShape, hf_specs
+from weightsync.app.bench.report import FLOOR, HOSTS_FLOOR, WEIGHTSYNC, Row
+from weightsync.buckets import TensorSpec
+from weightsync.errors import ConfigError
+
+HOSTS = ("bench-host-a", "bench-host-b")
+
+
+@dataclass(frozen=True)
+class HostsRun:
+    """One hosts measurement: both cases."""
+
+    devices: tuple[str, ...]
+    nbytes: int
+    two_senders_s: tuple[float, ...]
+    one_sender_s: tuple[float, ...]
+    part_bytes: tuple[int, int]
+    bit_exact: bool
+    broadcast_s: tuple[float, ...]
+    """One broadcast of ``nbytes`` between two devices, per repetition."""
+    transport: str
+
+    def rows(self) -> list[Row]:
+        layout = "PP=2 over 2 hosts"
+        placement = f"2 hosts: {len(self.devices)} engines"
+        a, b = (n / 1e9 for n in self.part_bytes)
+        transport = self.transport
+        return [
+            Row(FLOOR, HOSTS_FLOOR, transport, layout, placement, self.nbytes, self.broadcast_s),
+            Row(
+                WEIGHTSYNC,
+                "two senders",
+                transport,
+                layout,
+                placement,
+                self.nbytes,
+                self.two_senders_s,
+                bit_exact=self.bit_exact,
+                note=f"a sender per host, at once: parts {a:.2f} + {b:.2f} GB",
+                failed=not self.bit_exact,
+            ),
+            Row(
+                WEIGHTSYNC,
+                "one sender",
+                transport,
+                layout,
+                placement,
+                self.nbytes,
+                self.one_sender_s,
+                bit_exact=self.bit_exact,
+                note="host a's sender sends everything",
+                failed=not self.bit_exact,
+            ),
+        ]
+
+
+def stage_of(name: str, layers: int) -> int:
+    """The pipeline stage (0 or 1) holding HF tensor ``name`` under PP=2."""
+    if name.startswith("model.layers."):
+        return int(name.split(".")[2]) >= layers // 2
+    return 0 if name.startswith("model.embed_tokens") else 1
+
+
+def _tensors(specs: tuple[TensorSpec, ...], device: torch.device) -> dict[str, torch.Tensor]:
+    return {s.name: torch.empty(s.shape, dtype=s.torch_dtype, device=device) for s in specs}
+
+
+def _fill(tensors: dict[str, torch.Tensor], order: dict[str, int], version: int) -> None:
+    """Version ``version``'s bytes of each tensor, the same wherever it is filled."""
+    for name, t in tensors.items():
+        seed = version * 1_000_003 + order[name]
+        t.view(torch.uint8).random_(0, 256, generator=torch.Generator(t.device).manual_seed(seed))
+
+
+def _sender_main(host: str, address: str, timeout_s: float, stop) -> None:
+    os.environ["WEIGHTSYNC_HOST_ID"] = host
+    from weightsync.sender import Sender
+
+    with Sender(address, ack_timeout_s=timeout_s):
+        stop.get()
+
+
+def _publisher_main(shape, device_name, host, address, names, part, timeout_s, commands, out):
+    os.environ["WEIGHTSYNC_HOST_ID"] = host
+    from weightsync.sender import Publisher
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    specs = hf_specs(shape)
+    order = {s.name: i for i, s in enumerate(specs)}
+    tensors = _tensors(tuple(s for s in specs if s.name in names), device)
+    with Publisher(address, publisher_id=f"stage-{host}") as publisher:
+        while (version := commands.get()) is not None:
+            _fill(tensors, order, version)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            result = publisher.publish(tensors, version, wait=True, timeout_s=timeout_s, part=part)
+            s = result.status
+            out.put(("published", host, s.started_at_unix_s, s.complete_s))
+
+
+def _receiver_main(shape, device_name, host, addresses, versions, timeout_s, out) -> None:
+    os.environ["WEIGHTSYNC_HOST_ID"] = host
+    from weightsync.receiver.core import ReceiverCore
+
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    specs = hf_specs(shape)
+    order = {s.name: i for i, s in enumerate(specs)}
+    target = EngineLikeTarget(EngineLikeModel(shape, device))
+    expected = _tensors(specs, device)
+    receiver = ReceiverCore(target, addresses, receiver_id=f"{host}-{device_name}")
+    out.put(("ready", device_name))
+    for _ in range(versions):
+        version = receiver.sync(timeout=timeout_s)
+        _fill(expected, order, version)
+        wrong = [
+            n
+            for n, t in expected.items()
+            if not torch.equal(target.resolve(n).view(torch.uint8), t.view(torch.uint8))
+        ]
+        out.put(("applied", device_name, f"version {version}: {wrong[:3]}" if wrong else ""))
+    receiver.close()
+
+
+def _collect(out, kind: str, count: int, timeout_s: float) -> list[tuple]:
+    got = [out.get(timeout=timeout_s) for _ in range(count)]
+    stray = [g[:2] for g in got if g[0] != kind]
+    if stray:
+        raise RuntimeError(f"hosts bench: expected {count} {kind!r} reports, got {stray}")
+    return got
+
+
+def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, socks):
+    """One case: ``publishers`` = (device, host, address, names, part) each; returns each
+    version's time and whether every receiver was bit-exact every time."""
+    ctx = mp.get_context("spawn")
+    out, procs, senders = ctx.Queue(), [], []
+    half = len(devices) // 2
+    try:
+        for host, address in socks.items():
+            stop = ctx.Queue()
+            proc = ctx.Process(target=_sender_main, args=(host, address, timeout_s, stop))
+            proc.start()
+            senders.append((proc, stop))
+        for i, device in enumerate(devices):
+            host = HOSTS[i >= half]
+            args = (shape, device, host, receiver_addresses, total, timeout_s, out)
+            procs.append(ctx.Process(target=_receiver_main, args=args, daemon=True))
+            procs[-1].start()
+        _collect(out, "ready", len(devices), timeout_s)
+        commands = []
+        for device, host, address, names, part in publishers:
+            q = ctx.Queue()
+            args = (shape, device, host, address, names, part, timeout_s, q, out)
+            procs.append(ctx.Process(target=_publisher_main, args=args, daemon=True))
+            procs[-1].start()
+            commands.append(q)
+        times, exact = [], True
+        for version in range(1, total + 1):
+            for q in commands:
+                q.put(version)
+            got = _collect(out, "published", len(publishers), timeout_s)
+            got += [out.get(timeout=timeout_s) for _ in devices]
+            parts = [g for g in got if g[0] == "published"]
+            times.append(max(g[2] + g[3] for g in parts) - min(g[2] for g in parts))
+            wrong = [f"{g[1]} {g[2]}" for g in got if g[0] == "applied" and g[2]]
+            for line in wrong:
+                print(f"hosts bench: NOT bit-exact: {line}", flush=True)
+            exact = exact and not wrong
+        for q in commands:
+            q.put(None)
+        for p in procs:
+            p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        for proc, stop in senders:
+            stop.put(None)
+            proc.join(30)
+            if proc.is_alive():
+                proc.terminate()
+    return times, exact
+
+
+def measure_hosts(
+    shape: ModelShape, gpus: int, versions: int, warmup: int, timeout_s: float
+) -> HostsRun:
+    """Both cases on GPUs 0..``gpus``-1 as two hosts (``gpus`` = 0: on CPU, one receiver per
+    host); ``warmup`` + ``versions`` versions each.
+
+    Raises:
+        ConfigError: an odd number of GPUs, or more than this machine has.
+    """
+    from weightsync.sender.parts import plan_parts
+
+    if gpus:
+        if gpus < 2 or gpus % 2 or gpus > torch.cuda.device_count():
+            raise ConfigError(
+                f"--hosts needs an even number of GPUs >= 2 (this machine has "
+                f"{torch.cuda.device_count()}); got {gpus}"
+            )
+        devices = tuple(f"cuda:{i}" for i in range(gpus))
+    else:
+        devices = ("cpu", "cpu")
+    specs = hf_specs(shape)
+    plan = plan_parts(specs, {s.name: [{HOSTS[stage_of(s.name, shape.layers)]}] for s in specs})
+    sock_dir = tempfile.mkdtemp(prefix="ws-hosts-", dir="/tmp")
+    socks = {h: f"unix:{sock_dir}/{h}.sock" for h in HOSTS}
+    first = {HOSTS[0]: devices[0], HOSTS[1]: devices[len(devices) // 2]}
+    total = warmup + versions
+    try:
+        two = [
+            (first[h], h, socks[h], {s.name for s in plan.tensors_of(h)}, plan.part_of(h))
+            for h in HOSTS
+        ]
+        two_s, exact_two = _measure(
+            shape, devices, two, list(socks.values()), total, timeout_s, socks
+        )
+        one = [(first[HOSTS[0]], HOSTS[0], socks[HOSTS[0]], {s.name for s in specs}, None)]
+        one_socks = {HOSTS[0]: socks[HOSTS[0]]}
+        one_s, exact_one = _measure(
+            shape, devices, one, [socks[HOSTS[0]]], total, timeout_s, one_socks
+        )
+        broadcast_s, backend = floors.broadcast(sum(s.nbytes for s in specs), versions, timeout_s)
+    finally:
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    return HostsRun(
+        devices,
+        sum(s.nbytes for s in specs),
+        tuple(two_s[warmup:]),
+        tuple(one_s[warmup:]),
+        (plan.bytes_of(HOSTS[0]), plan.bytes_of(HOSTS[1])),
+        exact_two and exact_one,
+        tuple(broadcast_s),
+        "cuda_ipc + nccl" if backend == "nccl" else "shm + gloo",
+    )
+
+
+def summary(run: HostsRun) -> str:
+    two, one = statistics.median(run.two_senders_s), statistics.median(run.one_sender_s)
+    floor = statistics.median(run.broadcast_s)
+    return (
+        f"hosts: {run.nbytes / 1e9:.2f} GB into {len(run.devices)} engines on 2 hosts: two "
+        f"senders at once {two * 1e3:.1f} ms, one sender {one * 1e3:.1f} ms "
+        f"({one / two:.2f}x), one broadcast of the same bytes {floor * 1e3:.1f} ms; "
+        f"bit-exact: {'yes' if run.bit_exact else 'NO'}"
+    )
