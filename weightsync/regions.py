@@ -51,6 +51,9 @@ def pack_regions(buffer: torch.Tensor, entry: BucketEntry, regions: Iterable[Reg
     copy_pairs(region_copies(buffer, entry, regions))
 
 
+# Region sources are views taken under no_grad; narrowing one in grad mode after an in-place
+# optimizer step on its parameter (torch.optim's) raises, so narrow under no_grad too.
+@torch.no_grad()
 def region_copies(
     buffer: torch.Tensor, entry: BucketEntry, regions: Iterable[Region]
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -3,7 +3,7 @@ readers that take them from a transformers config (one per architecture)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from weightsync.errors import PlanError
 
@@ -20,6 +20,10 @@ CONDITIONS = (
     "shared_expert",
     "shared_expert_gate",
     "expert_bias",
+    "q_lora",
+    "no_q_lora",
+    "full_attention",
+    "linear_attention",
 )
 """Names a :class:`~weightsync.sender.megatron.name_templates.ParamMapping` may use as its
 ``when``."""
@@ -53,6 +57,20 @@ class ModelDims:
     num_mtp_layers: int = 0
     """Multi-token-prediction layers, numbered after the decoder layers (GLM-4.5 / DeepSeek-V3
     checkpoints name MTP layer i ``model.layers.{num_layers + i}``)."""
+    q_lora_rank: int = 0
+    """Multi-latent attention (DeepSeek-V3): the query's low rank; 0 when queries are projected
+    directly (``q_proj``, HF ``q_lora_rank=None``)."""
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    linear_layers: frozenset[int] = frozenset()
+    """Gated delta net layers (Qwen3-Next / Qwen3.5 ``layer_types`` "linear_attention")."""
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    linear_conv_kernel: int = 0
 
     def __post_init__(self) -> None:
         positive = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "vocab")
@@ -71,6 +89,15 @@ class ModelDims:
         bad = [i for i in self.moe_layers if not 0 <= i < self.num_layers + self.num_mtp_layers]
         if bad:
             raise PlanError(f"HF config ({self.model_type}): MoE layer {bad[0]} out of range")
+        if self.linear_layers and (
+            min(self.linear_k_heads, self.linear_k_dim, self.linear_v_dim) < 1
+            or self.linear_v_heads % self.linear_k_heads
+        ):
+            raise PlanError(
+                f"HF config ({self.model_type}): linear_num_value_heads={self.linear_v_heads} "
+                f"must be a positive multiple of linear_num_key_heads={self.linear_k_heads}, "
+                "with positive head dims"
+            )
 
     def size(self, symbol: int | str) -> int:
         """A dimension by symbol (``"hidden"``, ``"q_rows"``, ...) or a literal int."""
@@ -87,8 +114,37 @@ class ModelDims:
             "shared_ffn": self.shared_ffn,
             "experts": self.num_experts,
             "vocab": self.vocab,
+            "q_lora": self.q_lora_rank,
+            "kv_lora": self.kv_lora_rank,
+            "mla_q_rows": self.num_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim),
+            "kv_a_rows": self.kv_lora_rank + self.qk_rope_head_dim,
+            "kv_b_rows": self.num_heads * (self.qk_nope_head_dim + self.v_head_dim),
+            "v_rows": self.num_heads * self.v_head_dim,
+            "q_gate_rows": 2 * self.num_heads * self.head_dim,
+            **self._linear_sizes(),
         }
         return sizes[symbol]
+
+    def _linear_sizes(self) -> dict[str, int]:
+        """Gated delta net sizes; ``per_k``: what one key head's group holds."""
+        per_k = self.linear_v_heads // self.linear_k_heads if self.linear_k_heads else 0
+        k_rows, v_rows = (
+            self.linear_k_heads * self.linear_k_dim,
+            self.linear_v_heads * self.linear_v_dim,
+        )
+        return {
+            "lin_k_dim": self.linear_k_dim,
+            "lin_v_dim": self.linear_v_dim,
+            "lin_v_per_k": per_k * self.linear_v_dim,
+            "lin_heads_per_k": per_k,
+            "lin_v_heads": self.linear_v_heads,
+            "lin_k_rows": k_rows,
+            "lin_v_rows": v_rows,
+            "lin_qkvz": 2 * k_rows + 2 * v_rows,
+            "lin_ba": 2 * self.linear_v_heads,
+            "lin_conv": 2 * k_rows + v_rows,
+            "lin_conv_kernel": self.linear_conv_kernel,
+        }
 
     def shape(self, symbols: tuple[int | str, ...]) -> tuple[int, ...]:
         return tuple(self.size(s) for s in symbols)
@@ -111,6 +167,10 @@ class ModelDims:
             "shared_expert": moe and self.shared_ffn > 0,
             "shared_expert_gate": moe and self.shared_ffn > 0 and self.shared_expert_gate,
             "expert_bias": moe and self.expert_bias,
+            "q_lora": self.q_lora_rank > 0,
+            "no_q_lora": self.q_lora_rank == 0,
+            "full_attention": layer not in self.linear_layers,
+            "linear_attention": layer in self.linear_layers,
         }
         return values[condition]
 
@@ -206,4 +266,54 @@ def glm4_moe_dims(cfg: object) -> ModelDims:
         expert_bias=True,
         moe_layers=frozenset(range(dense, cfg.num_hidden_layers + mtp)),
         num_mtp_layers=mtp,
+    )
+
+
+def deepseek_v3_dims(cfg: object) -> ModelDims:
+    """DeepSeek-V3 / Kimi-K2: MLA, the first ``first_k_dense_replace`` layers dense, MoE with
+    shared experts and the routing bias after them (MTP layers included)."""
+    if getattr(cfg, "attention_bias", False):
+        raise PlanError(
+            f"HF config ({cfg.model_type}): attention_bias=True gives q_a_proj / q_proj / "
+            "kv_a_proj_with_mqa biases, which megatron-core's MLA does not have"
+        )
+    return replace(
+        glm4_moe_dims(cfg),
+        q_lora_rank=getattr(cfg, "q_lora_rank", None) or 0,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+    )
+
+
+def qwen3_next_dims(cfg: object) -> ModelDims:
+    """Qwen3-Next: gated delta net layers (``layer_types``) between gated full-attention
+    layers, MoE with a gated shared expert (Qwen2-MoE's), dense layers in ``mlp_only_layers``."""
+    return _hybrid(cfg, qwen2_moe_dims(cfg))
+
+
+def qwen3_5_dims(cfg: object) -> ModelDims:
+    """Qwen3.5 text models (``qwen3_5_text`` dense, ``qwen3_5_moe_text`` MoE in every layer):
+    Qwen3-Next's layers with the GDN input projection kept in four tensors."""
+    return _hybrid(cfg, qwen2_moe_dims(cfg) if getattr(cfg, "num_experts", 0) else _dims(cfg))
+
+
+def _hybrid(cfg: object, base: ModelDims) -> ModelDims:
+    if getattr(cfg, "attention_bias", False):
+        raise PlanError(
+            f"HF config ({cfg.model_type}): attention_bias=True is not supported (megatron's "
+            "gated attention is converted without q/k/v biases)"
+        )
+    types = list(cfg.layer_types)
+    return replace(
+        base,
+        qkv_bias=False,
+        qk_norm=True,
+        linear_layers=frozenset(i for i, t in enumerate(types) if t == "linear_attention"),
+        linear_k_heads=cfg.linear_num_key_heads,
+        linear_v_heads=cfg.linear_num_value_heads,
+        linear_k_dim=cfg.linear_key_head_dim,
+        linear_v_dim=cfg.linear_value_head_dim,
+        linear_conv_kernel=cfg.linear_conv_kernel_dim,
     )

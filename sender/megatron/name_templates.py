@@ -29,13 +29,16 @@ from weightsync.errors import PlanError
 from .dims import (
     CONDITIONS,
     ModelDims,
+    deepseek_v3_dims,
     glm4_moe_dims,
     llama_dims,
     mixtral_dims,
     qwen2_dims,
     qwen2_moe_dims,
+    qwen3_5_dims,
     qwen3_dims,
     qwen3_moe_dims,
+    qwen3_next_dims,
     starcoder2_dims,
 )
 from .rules import (
@@ -44,6 +47,8 @@ from .rules import (
     GatedFc1Rule,
     GroupedFc1Rule,
     GroupedFc2Rule,
+    HeadSectionsRule,
+    LatentDownRule,
     QKVRule,
     ReplicatedRule,
     RowRule,
@@ -150,6 +155,119 @@ def _attention() -> tuple[ParamMapping, ...]:
     )
 
 
+def _mla_attention() -> tuple[ParamMapping, ...]:
+    """megatron-core ``MLASelfAttention`` (DeepSeek-V3). Every linear but ``linear_proj`` is a
+    ``ColumnParallelLinear`` in the local spec (the down projections too: megatron gathers their
+    output); the up projections hold whole heads per rank, each head ``[nope | rope]`` (q) or
+    ``[k_nope | v]`` (kv), as HF's ``q_b_proj`` / ``kv_b_proj``. The TE spec fuses the q / kv
+    norms into the up projections (``layer_norm_weight``) and replicates the down projections."""
+    a, s = L + "self_attn.", "self_attention."
+    return (
+        *_norm("input_layernorm", None, L + "input_layernorm"),
+        _m(
+            s + "linear_q_proj.weight",
+            ColumnRule((a + "q_proj.weight",), (("mla_q_rows", "hidden"),)),
+            "no_q_lora",
+        ),
+        _m(
+            s + "linear_q_down_proj.weight",
+            LatentDownRule((a + "q_a_proj.weight",), (("q_lora", "hidden"),)),
+            "q_lora",
+        ),
+        _m(
+            (s + "q_layernorm.weight", s + "linear_q_up_proj.layer_norm_weight"),
+            R((a + "q_a_layernorm.weight",), (("q_lora",),)),
+            "q_lora",
+        ),
+        _m(
+            s + "linear_q_up_proj.weight",
+            ColumnRule((a + "q_b_proj.weight",), (("mla_q_rows", "q_lora"),)),
+            "q_lora",
+        ),
+        _m(
+            s + "linear_kv_down_proj.weight",
+            LatentDownRule((a + "kv_a_proj_with_mqa.weight",), (("kv_a_rows", "hidden"),)),
+        ),
+        _m(
+            (s + "kv_layernorm.weight", s + "linear_kv_up_proj.layer_norm_weight"),
+            R((a + "kv_a_layernorm.weight",), (("kv_lora",),)),
+        ),
+        _m(
+            s + "linear_kv_up_proj.weight",
+            ColumnRule((a + "kv_b_proj.weight",), (("kv_b_rows", "kv_lora"),)),
+        ),
+        _m(s + "linear_proj.weight", RowRule((a + "o_proj.weight",), (("hidden", "v_rows"),))),
+        *_norm("pre_mlp_layernorm", "mlp.linear_fc1.layer_norm", L + "post_attention_layernorm"),
+    )
+
+
+def _hybrid_attention(qwen3_5: bool) -> tuple[ParamMapping, ...]:
+    """Qwen3-Next / Qwen3.5 layers: megatron's gated attention (``attention_output_gate``) in
+    "full_attention" layers, its ``GatedDeltaNet`` in "linear_attention" ones. The TE spec
+    fuses the input norm into ``linear_qkv`` or the GDN's ``in_proj``. Qwen3-Next packs the
+    GDN input projection per key head (``in_proj_qkvz`` / ``in_proj_ba``); Qwen3.5 keeps
+    ``in_proj_qkv`` (q, k, v each whole) and ``in_proj_z`` / ``_b`` / ``_a`` apart."""
+    a, g, s = L + "self_attn.", L + "linear_attn.", "self_attention."
+    full, linear = "full_attention", "linear_attention"
+    qkv = (("lin_k_dim", 0), ("lin_k_dim", 0), ("lin_v_per_k", 0))
+    if qwen3_5:
+        in_proj = HeadSectionsRule(
+            tuple(f"{g}in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")),
+            (("lin_conv", "hidden"), ("lin_v_rows", "hidden")) + (("lin_v_heads", "hidden"),) * 2,
+            sections=qkv + (("lin_v_per_k", 1), ("lin_heads_per_k", 2), ("lin_heads_per_k", 3)),
+        )
+    else:
+        in_proj = HeadSectionsRule(
+            (g + "in_proj_qkvz.weight", g + "in_proj_ba.weight"),
+            (("lin_qkvz", "hidden"), ("lin_ba", "hidden")),
+            sections=qkv + (("lin_v_per_k", 0),) + (("lin_heads_per_k", 1),) * 2,
+            interleaved=True,
+        )
+    return (
+        _m(
+            (
+                "input_layernorm.weight",
+                s + "linear_qkv.layer_norm_weight",
+                s + "in_proj.layer_norm_weight",
+            ),
+            R((L + "input_layernorm.weight",), (_H,)),
+        ),
+        _m(
+            s + "linear_qkv.weight",
+            QKVRule(
+                tuple(f"{a}{p}_proj.weight" for p in "qkv"),
+                (("q_gate_rows", "hidden"), ("kv_rows", "hidden"), ("kv_rows", "hidden")),
+                output_gate=True,
+            ),
+            full,
+        ),
+        _m(s + "q_layernorm.weight", R((a + "q_norm.weight",), (("head_dim",),)), full),
+        _m(s + "k_layernorm.weight", R((a + "k_norm.weight",), (("head_dim",),)), full),
+        _m(
+            s + "linear_proj.weight",
+            RowRule((a + "o_proj.weight",), (("hidden", "q_rows"),)),
+            full,
+        ),
+        _m(s + "in_proj.weight", in_proj, linear),
+        _m(
+            s + "conv1d.weight",
+            HeadSectionsRule(
+                (g + "conv1d.weight",), (("lin_conv", 1, "lin_conv_kernel"),), sections=qkv
+            ),
+            linear,
+        ),
+        _m(s + "dt_bias", ColumnRule((g + "dt_bias",), (("lin_v_heads",),)), linear),
+        _m(s + "A_log", ColumnRule((g + "A_log",), (("lin_v_heads",),)), linear),
+        _m(s + "out_norm.weight", R((g + "norm.weight",), (("lin_v_dim",),)), linear),
+        _m(
+            s + "out_proj.weight",
+            RowRule((g + "out_proj.weight",), (("hidden", "lin_v_rows"),)),
+            linear,
+        ),
+        *_norm("pre_mlp_layernorm", "mlp.linear_fc1.layer_norm", L + "post_attention_layernorm"),
+    )
+
+
 def _gated_mlp(
     fc1: tuple[str, ...],
     fc2: tuple[str, ...],
@@ -252,6 +370,14 @@ _POST = (
 
 # --- the table -------------------------------------------------------------------------------
 
+_MLP = (L + "mlp", _LLAMA_MLP)
+_QWEN2_MOE_MLP = (
+    _dense_mlp(*_MLP)
+    + _moe(*_MLP)
+    + _shared_experts(L + "mlp.shared_expert", L + "mlp.shared_expert_gate.weight")
+)
+_QWEN3_5 = _hybrid_attention(qwen3_5=True)
+
 _DENSE = _attention() + _dense_mlp(L + "mlp", _LLAMA_MLP)
 _QWEN_MOE = _attention() + _dense_mlp(L + "mlp", _LLAMA_MLP) + _moe(L + "mlp", _LLAMA_MLP)
 
@@ -282,6 +408,26 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         _POST,
         _MTP,
     ),
+    Architecture(  # Kimi-K2 checkpoints are DeepSeek-V3 under their own model_type
+        ("deepseek_v3", "kimi_k2"),
+        deepseek_v3_dims,
+        _PRE,
+        _mla_attention()
+        + _dense_mlp(L + "mlp", _LLAMA_MLP)
+        + _moe(L + "mlp", _LLAMA_MLP)
+        + _shared_experts(L + "mlp.shared_experts", None),
+        _POST,
+        _MTP,
+    ),
+    Architecture(
+        ("qwen3_next",),
+        qwen3_next_dims,
+        _PRE,
+        _hybrid_attention(qwen3_5=False) + _QWEN2_MOE_MLP,
+        _POST,
+    ),
+    Architecture(("qwen3_5_text",), qwen3_5_dims, _PRE, _QWEN3_5 + _dense_mlp(*_MLP), _POST),
+    Architecture(("qwen3_5_moe_text",), qwen3_5_dims, _PRE, _QWEN3_5 + _QWEN2_MOE_MLP, _POST),
     Architecture(
         ("starcoder2",),
         starcoder2_dims,

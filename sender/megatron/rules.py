@@ -131,6 +131,20 @@ class ColumnRule(Rule):
 
 
 @dataclass(frozen=True)
+class LatentDownRule(ColumnRule):
+    """MLA's ``linear_q_down_proj`` / ``linear_kv_down_proj``: column parallel in the local spec
+    (``ColumnParallelLinear``, its output gathered), replicated in the TE spec
+    (``TELinear(parallel_mode="duplicated")``) under the same name; a replicated shard is
+    written whole, by TP rank 0 only."""
+
+    def place(self, ctx: ShardContext) -> Placed:
+        if ctx.shard.partition_dim is not None:
+            return super().place(ctx)
+        ctx.expect_shape(ctx.dims.shape(self.shapes[0]), "replicated (TE spec)")
+        return [] if ctx.rank else [(ctx.hf_name(self.hf[0]), CopyPiece(ctx.shard.key))]
+
+
+@dataclass(frozen=True)
 class RowRule(Rule):
     """Row parallel (``linear_proj``, ``linear_fc2``, expert fc2): dim 1 split."""
 
@@ -169,16 +183,22 @@ class VocabRule(Rule):
 
 @dataclass(frozen=True)
 class QKVRule(Rule):
-    """``linear_qkv`` weight or bias -> q, k, v (see the module docstring for the layout)."""
+    """``linear_qkv`` weight or bias -> q, k, v (see the module docstring for the layout).
+
+    ``output_gate`` (megatron ``attention_output_gate``, Qwen3-Next / Qwen3.5): each group is
+    ``[q (np/ng)*hn | gate (np/ng)*hn | k hn | v hn]``, and HF's ``q_proj`` holds each head's
+    query rows followed by its gate rows (``view(..., heads, 2 * head_dim)`` then ``chunk``)."""
 
     partition_dim: int | None = 0
+    output_gate: bool = False
 
     def place(self, ctx: ShardContext) -> Placed:
         dims = ctx.dims
         rest = dims.shape(self.shapes[0])[1:]
         hn, groups = dims.head_dim, dims.num_kv_heads
         q_per_group = dims.num_heads // groups
-        group_rows = (q_per_group + 2) * hn
+        q_rows = (2 if self.output_gate else 1) * q_per_group * hn
+        group_rows = q_rows + 2 * hn
         n = ctx.split(groups * group_rows, "q+k+v rows")
         ctx.expect_shape(
             (n, *rest),
@@ -188,11 +208,16 @@ class QKVRule(Rule):
         placed: Placed = []
         for g in range(groups):
             base = g * group_rows
-            segments = (
-                (0, base, q_per_group * hn, g * q_per_group * hn),
-                (1, base + q_per_group * hn, hn, g * hn),
-                (2, base + (q_per_group + 1) * hn, hn, g * hn),
-            )
+            if self.output_gate:
+                heads = range(g * q_per_group, (g + 1) * q_per_group)
+                segments = [(0, base + i * hn, hn, h * 2 * hn) for i, h in enumerate(heads)]
+                segments += [
+                    (0, base + (q_per_group + i) * hn, hn, (h * 2 + 1) * hn)
+                    for i, h in enumerate(heads)
+                ]
+            else:
+                segments = [(0, base, q_rows, g * q_rows)]
+            segments += [(1, base + q_rows, hn, g * hn), (2, base + q_rows + hn, hn, g * hn)]
             for which, seg_start, seg_len, dst_start in segments:
                 a, b = max(lo, seg_start), min(hi, seg_start + seg_len)
                 if a < b:
@@ -202,6 +227,50 @@ class QKVRule(Rule):
                         ((0, dst_start + a - seg_start, b - a),),
                     )
                     placed.append((ctx.hf_name(self.hf[which]), piece))
+        return placed
+
+
+@dataclass(frozen=True)
+class HeadSectionsRule(Rule):
+    """A gated delta net's ``in_proj`` / ``conv1d`` (megatron ``GatedDeltaNet``): sections
+    ``[q | k | v | z | beta | alpha]`` (``conv1d``: ``[q | k | v]``), each split over TP by
+    whole key heads, so rank r holds ``[q_r; k_r; v_r; ...]`` (see ``GatedDeltaNet.forward``).
+
+    ``sections``: per section, the size symbol of its rows per key head and the index of the
+    HF tensor it lands in. ``interleaved`` (Qwen3-Next ``in_proj_qkvz`` / ``in_proj_ba``): the
+    HF tensor holds one block per key head, its sections in order
+    (``fix_query_key_value_ordering``); otherwise (``conv1d``, Qwen3.5 ``in_proj_qkv``) each
+    section is contiguous over all heads, sections one after another.
+    """
+
+    partition_dim: int | None = 0
+    sections: tuple[tuple[str, int], ...] = ()
+    interleaved: bool = False
+
+    def place(self, ctx: ShardContext) -> Placed:
+        dims = ctx.dims
+        heads = dims.linear_k_heads
+        local = ctx.split(heads, "linear-attention key heads")
+        units = [dims.size(unit) for unit, _ in self.sections]
+        rest = dims.shape(self.shapes[0])[1:]
+        ctx.expect_shape(
+            (local * sum(units), *rest),
+            f"{heads} key heads split {ctx.size} ways, {sum(units)} rows per head",
+        )
+        placed: Placed = []
+        src = 0
+        for s, (unit, (_, which)) in enumerate(zip(units, self.sections, strict=True)):
+            mine = [u if w == which else 0 for u, (_, w) in zip(units, self.sections, strict=True)]
+            before, block = sum(mine[:s]), sum(mine)  # rows of this HF tensor's earlier sections
+            for j in range(local):
+                head = ctx.rank * local + j
+                if self.interleaved:
+                    dst = head * block + before
+                else:
+                    dst = heads * before + head * unit
+                piece = CopyPiece(ctx.shard.key, ((0, src, unit),), ((0, dst, unit),))
+                placed.append((ctx.hf_name(self.hf[which]), piece))
+                src += unit
         return placed
 
 

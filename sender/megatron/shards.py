@@ -184,7 +184,9 @@ def shard_of(name: str, tensor: torch.Tensor, vpp_chunk: int, layer: int | None)
     """The metadata of one named tensor (a parameter keeps its megatron TP attributes)."""
     partition_dim = None
     if getattr(tensor, "tensor_model_parallel", False):
-        partition_dim = int(tensor.partition_dim)
+        # GatedDeltaNet's conv1d, dt_bias and A_log are split on dim 0 without saying so
+        # (only its sharded_state_dict names the axis).
+        partition_dim = int(getattr(tensor, "partition_dim", 0))
     return ShardMeta(
         name=name,
         vpp_chunk=vpp_chunk,

@@ -84,6 +84,15 @@ _MLA: dict[str, object] = {
     "q_lora_rank": 64,
 }
 
+_HYBRID: dict[str, object] = {
+    # Qwen3.5: one gated delta net layer and one full-attention layer, small GDN heads
+    "layer_types": ["linear_attention", "full_attention"],
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+}
+
 ARCHS: tuple[Arch, ...] = (
     Arch("llama"),
     Arch("mistral"),
@@ -142,6 +151,8 @@ ARCHS: tuple[Arch, ...] = (
     Arch("granitemoehybrid"),
     Arch("lfm2"),
     Arch("qwen3_next"),
+    Arch("qwen3_5_text", _HYBRID),
+    Arch("qwen3_5_moe_text", _HYBRID),
     Arch("mpt"),
     Arch("minimax"),
 )
