@@ -9,6 +9,8 @@ sender and the receivers:
 - :mod:`.slime`: a slime weight updater (Megatron ranks publish with ``MegatronPublisher``,
   rank 0 drives the SGLang engines), installed through slime's ``--custom-megatron-init-path``.
   Written against slime's published source (no slime import).
+- :mod:`.ray`: one sender per node of a Ray placement group; workers get their node's
+  address (needs ray; tested with 2.60).
 - :mod:`.stream`: what both build on: receive one version as a stream of ``(name, tensor)``
   pairs, for frameworks that load weights themselves.
 """
