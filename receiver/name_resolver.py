@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import gc
 import inspect
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -707,6 +707,30 @@ def is_mtp_name(name: str, num_hidden_layers: int) -> bool:
         if part == "layers" and index.isdigit():
             return int(index) >= num_hidden_layers
     return False
+
+
+def mtp_names_left(
+    specs: Sequence[TensorSpec], loaded: Collection[str], layers: int | None
+) -> list[str]:
+    """The MTP layers' names among ``specs`` that the model does not load (``loaded``): an engine
+    serving without a draft model ignores them (warned per version) instead of refusing them,
+    so a trainer that exports MTP is not stuck."""
+    if layers is None:
+        return []
+    return [s.name for s in specs if s.name not in loaded and is_mtp_name(s.name, layers)]
+
+
+def refuse_unknown(
+    specs: Sequence[TensorSpec], taken: Collection[str], model: object, draft: object = None
+) -> None:
+    """Raise :func:`unknown_names_error` for the names of ``specs`` not in ``taken`` (loaded by
+    ``model`` or its ``draft`` model, or deliberately ignored)."""
+    unknown = [spec.name for spec in specs if spec.name not in taken]
+    if unknown:
+        models = type(model).__name__
+        if draft is not None:
+            models += f" (nor its draft model {type(draft).__name__})"
+        raise unknown_names_error(models, unknown)
 
 
 def unknown_names_error(models: str, names: Sequence[str]) -> NameResolutionError:

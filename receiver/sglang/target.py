@@ -35,8 +35,9 @@ from weightsync.receiver.name_resolver import (
     ResolvedName,
     is_mtp_name,
     live_tensors,
+    mtp_names_left,
+    refuse_unknown,
     resolve_accepted,
-    unknown_names_error,
 )
 from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes
 from weightsync.receiver.target import WeightTarget
@@ -166,18 +167,9 @@ class SglangWeightTarget(WeightTarget):
             ]
         else:
             layers = getattr(getattr(self.model, "config", None), "num_hidden_layers", None)
-            ignored = [
-                s.name
-                for s in base
-                if s.name not in main and layers is not None and is_mtp_name(s.name, layers)
-            ]
-        taken = {*main, *draft, *ignored}
-        unknown = [spec.name for spec in base if spec.name not in taken]
-        if unknown:
-            models = type(self.model).__name__
-            if self._draft is not None:
-                models += f" (nor its draft model {type(self._draft.model).__name__})"
-            raise unknown_names_error(models, unknown)
+            ignored = mtp_names_left(base, main, layers)
+        draft_model = self._draft.model if self._draft is not None else None
+        refuse_unknown(base, {*main, *draft, *ignored}, self.model, draft_model)
         check_expert_shapes(self.model, [s for s in base if s.name in main], main)
         self._main.resolved = main
         if self._draft is not None:

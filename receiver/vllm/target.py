@@ -31,10 +31,10 @@ from weightsync.receiver.lora_accumulator import LoraAccumulator
 from weightsync.receiver.name_resolver import (
     NameResolver,
     ResolvedName,
-    is_mtp_name,
     live_tensors,
+    mtp_names_left,
+    refuse_unknown,
     resolve_accepted,
-    unknown_names_error,
 )
 from weightsync.receiver.target import WeightTarget
 from weightsync.receiver.vllm.lora_store import LoraStore
@@ -344,19 +344,9 @@ class VllmWeightTarget(WeightTarget):
                 draft, apart = resolve_accepted(draft_model, base, draft_view, elsewhere=shared)
             ignored = [name for name in apart if name not in main]
         else:
-            layers = _num_hidden_layers(self.model_config)
-            ignored = [
-                s.name
-                for s in base
-                if s.name not in main and layers is not None and is_mtp_name(s.name, layers)
-            ]
-        taken = {*main, *draft, *ignored}
-        unknown = [spec.name for spec in base if spec.name not in taken]
-        if unknown:
-            models = type(self.model).__name__
-            if self._draft is not None:
-                models += f" (nor its draft model {type(self._draft.model).__name__})"
-            raise unknown_names_error(models, unknown)
+            ignored = mtp_names_left(base, main, _num_hidden_layers(self.model_config))
+        draft_model = self._draft.model if self._draft is not None else None
+        refuse_unknown(base, {*main, *draft, *ignored}, self.model, draft_model)
         self._main.accept(main, view, shapes)
         if self._draft is not None:
             self._draft.accept(draft, draft_view, shapes)

@@ -182,9 +182,18 @@ def test_a_name_neither_model_loads_is_refused_before_any_write(mtp_engine, temp
     assert target.generation == generation + 1 and target.draft_model is None
 
 
-def test_a_version_reaches_the_draft_model_with_the_target(
-    mtp_engine, template, sender_address, engines
-):
+@pytest.fixture(scope="module")
+def version_1(mtp_engine, template, sender_address):
+    """Seed-1 weights applied to the MTP engine as version 1 through the sender; the draft
+    model's tensors before it."""
+    _, llm = mtp_engine
+    before = {n: t.clone() for n, t in live_tensors(_draft(llm)).items()}
+    weights = random_weights(template, seed=1)
+    assert _publish_and_update(llm, sender_address, weights, 1).receivers == 1
+    return weights, before
+
+
+def test_a_version_reaches_the_draft_model_with_the_target(mtp_engine, version_1, engines):
     root, llm = mtp_engine
     draft = _draft(llm)
     assert type(draft).__name__ == "Glm4MoeMTP"
@@ -192,9 +201,7 @@ def test_a_version_reaches_the_draft_model_with_the_target(
     assert worker.weight_transfer_engine.draft[0] is draft  # found on the worker's runner
     # The draft's weights come with the target's version: no separate draft session.
     assert not worker.supports_draft_weight_updates()
-    before = {n: t.clone() for n, t in live_tensors(draft).items()}
-    weights = random_weights(template, seed=1)
-    assert _publish_and_update(llm, sender_address, weights, 1).receivers == 1
+    weights, before = version_1
 
     fresh = make_llm(save_checkpoint(root / "v1", weights), speculative_config=SPECULATIVE)
     engines.append(fresh)
@@ -209,11 +216,13 @@ def test_a_version_reaches_the_draft_model_with_the_target(
     assert vllm_greedy(llm, PROMPTS) == vllm_greedy(fresh, PROMPTS)
 
 
-def test_greedy_tokens_with_mtp_equal_those_without(mtp_engine, template, engines, caplog):
+def test_greedy_tokens_with_mtp_equal_those_without(
+    mtp_engine, template, version_1, engines, caplog
+):
     """An engine without a draft model takes the version the MTP engine applied (its MTP
     layers ignored, with a warning) and generates what the engine with MTP on generates."""
     root, llm = mtp_engine
-    weights = random_weights(template, seed=1)
+    weights, _ = version_1
     plain = make_llm(save_checkpoint(root / "plain", random_weights(template, seed=0)))
     engines.append(plain)
     target = VllmWeightTarget.from_worker(worker_of(plain))
