@@ -118,15 +118,20 @@ def _sender_main(host: str, address: str, timeout_s: float, stop) -> None:
         stop.get()
 
 
-def _publisher_main(shape, device_name, host, address, names, part, timeout_s, commands, out):
+def _as_host(host: str, device_name: str, shape: ModelShape):
+    """A process of ``host`` on ``device_name``: its device, every HF spec and their order."""
     os.environ["WEIGHTSYNC_HOST_ID"] = host
-    from weightsync.sender import Publisher
-
     device = torch.device(device_name)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     specs = hf_specs(shape)
-    order = {s.name: i for i, s in enumerate(specs)}
+    return device, specs, {s.name: i for i, s in enumerate(specs)}
+
+
+def _publisher_main(shape, device_name, host, address, names, part, timeout_s, commands, out):
+    from weightsync.sender import Publisher
+
+    device, specs, order = _as_host(host, device_name, shape)
     tensors = _tensors(tuple(s for s in specs if s.name in names), device)
     with Publisher(address, publisher_id=f"stage-{host}") as publisher:
         while (version := commands.get()) is not None:
@@ -139,14 +144,9 @@ def _publisher_main(shape, device_name, host, address, names, part, timeout_s, c
 
 
 def _receiver_main(shape, device_name, host, addresses, versions, timeout_s, out) -> None:
-    os.environ["WEIGHTSYNC_HOST_ID"] = host
     from weightsync.receiver.core import ReceiverCore
 
-    device = torch.device(device_name)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    specs = hf_specs(shape)
-    order = {s.name: i for i, s in enumerate(specs)}
+    device, specs, order = _as_host(host, device_name, shape)
     target = EngineLikeTarget(EngineLikeModel(shape, device))
     expected = _tensors(specs, device)
     receiver = ReceiverCore(target, addresses, receiver_id=f"{host}-{device_name}")
