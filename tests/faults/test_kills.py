@@ -35,6 +35,7 @@ from tests.support.processes import (
     sender_process,
     start_publisher_process,
     start_slow_receiver,
+    stop_children,
 )
 
 LOAD_DELAY_S = 0.4
@@ -126,19 +127,7 @@ class Rig:
         return times
 
     def close(self) -> None:
-        for proc in [*self.publishers, *self.receivers.values()]:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(10)
-        for proc in self.senders:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGCONT)
-                proc.terminate()
-            proc.wait(20)
-        # Only a sender killed and never followed by another could leave segments behind.
-        for proc in self.senders:
-            for path in glob.glob(f"/dev/shm/weightsync-*-{proc.pid}-*"):
-                os.unlink(path)
+        stop_children([*self.publishers, *self.receivers.values()], self.senders)
         self.out.close()
 
 

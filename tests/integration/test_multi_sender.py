@@ -13,7 +13,6 @@ its sender gets the bytes by broadcast over gloo, one private group per sender.
 
 from __future__ import annotations
 
-import glob
 import multiprocessing as mp
 import os
 import signal
@@ -31,6 +30,7 @@ from tests.support.processes import (
     fault_reports,
     sender_process,
     start_slow_receiver,
+    stop_children,
 )
 
 SENDERS = ("trainer-a", "trainer-b")
@@ -153,18 +153,7 @@ class Rig:
             time.sleep(0.2)
 
     def close(self) -> None:
-        for proc in [*self.publishers, *self.receivers]:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(10)
-        for proc in self.senders:
-            if proc.poll() is None:
-                proc.terminate()
-            proc.wait(20)
-        # Only a sender killed and never followed by another could leave segments behind.
-        for proc in self.senders:
-            for path in glob.glob(f"/dev/shm/weightsync-*-{proc.pid}-*"):
-                os.unlink(path)
+        stop_children([*self.publishers, *self.receivers], self.senders)
         self.out.close()
 
 

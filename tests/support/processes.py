@@ -3,11 +3,13 @@ in their own processes (reporting ``Outcome``s on a queue) or in a thread of the
 
 from __future__ import annotations
 
+import glob
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -412,3 +414,22 @@ def start_publisher_process(address: str, versions: list[int], out: Reports):
     )
     p.start()
     return p
+
+
+def stop_children(children, senders: list[subprocess.Popen]) -> None:
+    """End a fault test's processes, whatever state they were left in: ``children``
+    (multiprocessing) killed, ``senders`` (``sender_process``) resumed if stopped and
+    terminated; then the staging segments of a sender killed and never followed by another
+    (the only way to leave any) are removed."""
+    for proc in children:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+    for proc in senders:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.terminate()
+        proc.wait(20)
+    for proc in senders:
+        for path in glob.glob(f"/dev/shm/weightsync-*-{proc.pid}-*"):
+            os.unlink(path)
