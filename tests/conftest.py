@@ -1,5 +1,7 @@
+import gc
 import os
 import secrets
+import sys
 
 import pytest
 
@@ -25,3 +27,17 @@ def sender(sock_dir):
         f"unix:{os.path.join(sock_dir, 's.sock')}", bucket_size_bytes=4096, ack_timeout_s=20
     ) as s:
         yield s
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_vllm_groups_left():
+    """Every test module leaves vLLM's process-wide parallel groups as it found them: none.
+    In-process engines make them and tear them down only when collected (or not at all, when
+    an engine fails to start), and an engine started on a dense model's leftover groups lacks
+    the expert-parallel one an MoE model needs."""
+    yield
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is not None:
+        gc.collect()
+        state.destroy_model_parallel()
+        state.destroy_distributed_environment()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support import TinyNet, digests, step, sync_in_thread
+from tests.support.waiting import wait_until
 from weightsync.errors import ChecksumError, WeightSyncError
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher
@@ -104,8 +105,14 @@ def test_a_pack_that_writes_wrong_bytes_fails_the_version_naming_the_tensor(
         if packer == "publisher":
             assert isinstance(e.value, ChecksumError)
         assert "version 2, bucket" in str(e.value)
-        (v2,) = [v for v in publisher.status().versions if v.version == 2]
-        assert v2.state == "failed"
+        # The publisher raises as soon as it finds the wrong bytes; the sender hears of it on
+        # the publisher's stream, and the receiver from the sender, a moment later.
+        wait_until(
+            lambda: [v.state for v in publisher.status().versions if v.version == 2] == ["failed"],
+            30,
+            "the sender did not fail version 2",
+        )
+        wait_until(lambda: len(results) >= 2, 30, "the receiver did not end version 2")
         # Version 2 was not committed, and the wrong bytes never reached the receiver (the
         # buckets before the broken one may have: then it is dirty, a mix).
         assert isinstance(results[1], WeightSyncError)

@@ -9,6 +9,7 @@ world size 1 over gloo), not by starting an engine per architecture.
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -58,16 +59,25 @@ def _vllm_config(path: Path, load_format: str):
     ).create_engine_config()
 
 
-_distributed = False
+_world = None
+"""The vLLM world group this module made (it keeps it while nothing replaces it)."""
 
 
 def _init_distributed() -> None:
-    global _distributed
-    if _distributed:
-        return
+    """vLLM's process-wide groups, this module's own: an in-process engine of an earlier test
+    module leaves its groups (a dense model's lack the expert-parallel one) or destroys them
+    when it is collected, so they are replaced once here, after collecting such engines."""
+    global _world
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed import parallel_state as ps
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    if _world is not None and ps.model_parallel_is_initialized() and ps._WORLD is _world:
+        return
+    gc.collect()  # engines of earlier tests tear their groups down now, not mid-sweep
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
 
     # What vLLM's CPU model runner does first: its loaders call torch.accelerator.
     _set_torch_accelerator_to_noop()
@@ -84,7 +94,7 @@ def _init_distributed() -> None:
         # Under a config without a model vLLM creates the expert-parallel group too (not for a
         # dense model's config), so dense and MoE models share this process.
         ensure_model_parallel_initialized(1, 1)
-    _distributed = True
+    _world = ps._WORLD
 
 
 def _load(path: Path, load_format: str) -> torch.nn.Module:

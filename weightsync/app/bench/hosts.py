@@ -200,9 +200,11 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
         for version in range(1, total + 1):
             for q in commands:
                 q.put(version)
-            got = _collect(out, "published", len(publishers), timeout_s)
-            got += [out.get(timeout=timeout_s) for _ in devices]
+            # Receivers may report before the publishers' waits return: any order.
+            got = [out.get(timeout=timeout_s) for _ in range(len(publishers) + len(devices))]
             parts = [g for g in got if g[0] == "published"]
+            if len(parts) != len(publishers):
+                raise RuntimeError(f"hosts bench: version {version}: reports {got}")
             times.append(max(g[2] + g[3] for g in parts) - min(g[2] for g in parts))
             wrong = [f"{g[1]} {g[2]}" for g in got if g[0] == "applied" and g[2]]
             for line in wrong:
