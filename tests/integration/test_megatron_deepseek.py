@@ -152,7 +152,6 @@ def test_published_versions_land_in_transformers_deepseek_like_from_pretrained(t
     """TP=2 ranks publish two versions through a real sender into a transformers
     ``DeepseekV3ForCausalLM`` (``TorchReceiver``); after each, every parameter and buffer equals
     ``from_pretrained`` of that version's converted checkpoint."""
-    import threading
 
     import transformers
 
@@ -165,25 +164,12 @@ def test_published_versions_land_in_transformers_deepseek_like_from_pretrained(t
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=64 * 1024) as sender:
         receiver = TorchReceiver(model, sender.address, receiver_id="hf")
-        held, errors = [], []
-
-        def receive() -> None:
-            try:
-                for _ in range(ms.VERSIONS):
-                    receiver.sync(timeout=300)
-                    held.append({k: v.clone() for k, v in model.state_dict().items()})
-            except Exception as e:  # reported by the assertion below
-                errors.append(e)
-
-        thread = threading.Thread(target=receive)
-        thread.start()
-        # cuda, host_ids, versions, export_mtp (transformers has no MTP layers)
-        extra = (False, None, ms.VERSIONS, False)
-        states = ms.launch(
-            tmp_path, {"tp": 2, "pp": 1}, ms.publish_worker, case, sender.address, *extra
-        )[0]
-        thread.join(300)
-        assert not errors, errors
+        with ms.held_versions(receiver, model, ms.VERSIONS) as held:
+            # cuda, host_ids, versions, export_mtp (transformers has no MTP layers)
+            extra = (False, None, ms.VERSIONS, False)
+            states = ms.launch(
+                tmp_path, {"tp": 2, "pp": 1}, ms.publish_worker, case, sender.address, *extra
+            )[0]
     for version, state in enumerate(states):
         hf = convert_megatron_to_hf(state, config, export_mtp=False)
         reference, _ = ms.hf_model(mc, hf, tmp_path / f"v{version + 1}")

@@ -11,8 +11,6 @@ receiver holds after each version, bit for bit against the offline conversion.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -69,24 +67,11 @@ def test_each_host_publishes_its_part_to_its_own_sender_and_a_receiver_joins_the
         senders = dict(zip(HOSTS, (a, b), strict=True))
         addresses = {host: s.address for host, s in senders.items()}
         receiver = TorchReceiver(model, [a.address, b.address], receiver_id="hf")
-        held, errors = [], []
-
-        def receive() -> None:
-            try:
-                for _ in range(VERSIONS):
-                    receiver.sync(timeout=300)
-                    held.append({k: v.clone() for k, v in model.state_dict().items()})
-            except Exception as e:  # reported by the assertion below
-                errors.append(e)
-
-        thread = threading.Thread(target=receive)
-        thread.start()
-        shards = ms.launch(
-            tmp_path, sizes, ms.publish_worker, case_name, addresses, False, HOSTS, VERSIONS
-        )[0]
-        thread.join(300)
+        with ms.held_versions(receiver, model, VERSIONS) as held:
+            shards = ms.launch(
+                tmp_path, sizes, ms.publish_worker, case_name, addresses, False, HOSTS, VERSIONS
+            )[0]
         receiver.close()
-        assert not errors, errors
         states = {
             h: [(v.version, v.state) for v in s.coordinator.status().versions]
             for h, s in senders.items()

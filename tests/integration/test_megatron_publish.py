@@ -5,8 +5,6 @@ test_megatron_convert checks)."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -43,21 +41,8 @@ def test_megatron_publish_reaches_a_torch_receiver_bit_exact(layout, tmp_path, s
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=64 * 1024) as sender:
         receiver = TorchReceiver(model, sender.address, receiver_id="hf")
-        held, errors = [], []
-
-        def receive() -> None:
-            try:
-                for _ in range(ms.VERSIONS):
-                    receiver.sync(timeout=300)
-                    held.append({k: v.clone() for k, v in model.state_dict().items()})
-            except Exception as e:  # reported by the assertion below
-                errors.append(e)
-
-        thread = threading.Thread(target=receive)
-        thread.start()
-        states = ms.launch(tmp_path, sizes, ms.publish_worker, case_name, sender.address)[0]
-        thread.join(300)
-        assert not errors, errors
+        with ms.held_versions(receiver, model, ms.VERSIONS) as held:
+            states = ms.launch(tmp_path, sizes, ms.publish_worker, case_name, sender.address)[0]
         versions = version_states(sender)
     assert versions == [(v, "complete") for v in range(1, ms.VERSIONS + 1)]
     for version, state in enumerate(states):

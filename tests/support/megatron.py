@@ -27,6 +27,7 @@ import hashlib
 import math
 import os
 import re
+import threading
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -709,3 +710,29 @@ def save_converted_versions(case_name: str, directory: str, tp: int = 2, version
     for version, state in enumerate(states, start=1):
         hf = convert_megatron_to_hf(state, config)
         save_file({k: v.contiguous() for k, v in hf.items()}, out / f"v{version}.safetensors")
+
+
+@contextlib.contextmanager
+def held_versions(receiver, model: torch.nn.Module, versions: int, timeout_s: float = 300):
+    """Apply ``versions`` versions on a thread while the body publishes them; yields the list
+    of ``model``'s state dicts after each (copies), complete once the block ends.
+
+    Raises:
+        AssertionError: the receiver failed, with its errors.
+    """
+    held: list[dict[str, torch.Tensor]] = []
+    errors: list[Exception] = []
+
+    def receive() -> None:
+        try:
+            for _ in range(versions):
+                receiver.sync(timeout=timeout_s)
+                held.append({k: v.clone() for k, v in model.state_dict().items()})
+        except Exception as e:  # reported by the assertion below
+            errors.append(e)
+
+    thread = threading.Thread(target=receive)
+    thread.start()
+    yield held
+    thread.join(timeout_s)
+    assert not errors, errors
