@@ -3,8 +3,6 @@ registered through the plugin entry point, driven through vLLM's own weight-upda
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -18,11 +16,11 @@ from tests.support.vllm import (  # noqa: E402
     hf_reference,
     lora_version,
     make_llm,
+    publish_and_update,
     random_checkpoint,
     vllm_greedy,
     worker_of,
 )
-from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -49,34 +47,11 @@ def engine(sender_address, tmp_path_factory):
     del llm
 
 
-def _publish_and_update(llm, address, weights, version, lora=None):
-    """Publish from a trainer thread while vLLM applies through its own weight-update calls."""
-    results: list = []
-    publisher = Publisher(address)
-
-    def publish():
-        try:
-            results.append(publisher.publish(weights, version, lora=lora, wait=True, timeout_s=120))
-        except Exception as e:  # surfaced below, in the test's thread
-            results.append(e)
-
-    trainer = threading.Thread(target=publish)
-    trainer.start()
-    try:
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"version": version}})
-        llm.finish_weight_update(weight_version=str(version))
-    finally:
-        trainer.join(120)
-        publisher.close()
-    return results
-
-
 def test_three_versions_through_vllm_weight_transfer(engine, sender_address):
     root, llm, template = engine
     for version in (1, 2, 3):
         weights = random_weights(template, seed=300 + version)
-        results = _publish_and_update(llm, sender_address, weights, version)
+        results = publish_and_update(llm, sender_address, weights, version)
         assert not isinstance(results[0], Exception), results[0]
         assert results[0].receivers == 1
         assert llm.get_weight_version() == str(version)
@@ -125,7 +100,7 @@ def test_lora_through_weight_transfer_survives_reset_and_is_replaced(
     for version in (1, 2):
         manifest, tensors, peft_model = lora_version(root, template, version, seed=40 + version)
         loads.clear()
-        results = _publish_and_update(llm, lora_sender_address, tensors, version, manifest.lora)
+        results = publish_and_update(llm, lora_sender_address, tensors, version, manifest.lora)
         assert not isinstance(results[0], Exception), results[0]
         with_adapter = vllm_greedy(llm, lora_request=lora_request(ADAPTER, lora_dir))
         assert with_adapter == hf_greedy(peft_model)

@@ -12,7 +12,6 @@ a draft model takes the same version, ignoring its MTP layers.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 
 import pytest
@@ -22,11 +21,16 @@ vllm = pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 from tests.support import drive, manifest_of, random_weights, unix_sender  # noqa: E402
-from tests.support.vllm import BUCKET_BYTES, make_llm, vllm_greedy, worker_of  # noqa: E402
+from tests.support.vllm import (  # noqa: E402
+    BUCKET_BYTES,
+    make_llm,
+    publish_and_update,
+    vllm_greedy,
+    worker_of,
+)
 from tests.sweeps.archs import Arch, differing, live_tensors, tiny_config  # noqa: E402
 from weightsync.errors import NameResolutionError  # noqa: E402
 from weightsync.receiver.vllm import VllmWeightTarget  # noqa: E402
-from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -105,24 +109,7 @@ def _draft(llm) -> torch.nn.Module:
 
 
 def _publish_and_update(llm, address: str, weights: dict[str, torch.Tensor], version: int):
-    results: list = []
-    publisher = Publisher(address)
-
-    def publish():
-        try:
-            results.append(publisher.publish(weights, version, wait=True, timeout_s=120))
-        except Exception as e:  # surfaced in the test's thread
-            results.append(e)
-
-    trainer = threading.Thread(target=publish)
-    trainer.start()
-    try:
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"version": version}})
-        llm.finish_weight_update(weight_version=str(version))
-    finally:
-        trainer.join(120)
-        publisher.close()
+    results = publish_and_update(llm, address, weights, version)
     assert results and not isinstance(results[0], Exception), results
     return results[0]
 

@@ -9,6 +9,7 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import contextlib  # noqa: E402
+import threading  # noqa: E402
 from collections.abc import Iterator, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -117,6 +118,32 @@ def make_llm(path: Path, **kwargs):
         kv_cache_memory_bytes=32 << 20,
         **kwargs,
     )
+
+
+def publish_and_update(llm, address: str, weights, version: int, lora=None) -> list:
+    """Publish from a trainer thread while vLLM applies through its own weight-update calls;
+    the publish's result (or its exception) in a one-item list."""
+    from weightsync.sender import Publisher
+
+    results: list = []
+    publisher = Publisher(address)
+
+    def publish():
+        try:
+            results.append(publisher.publish(weights, version, lora=lora, wait=True, timeout_s=120))
+        except Exception as e:  # surfaced in the test's thread
+            results.append(e)
+
+    trainer = threading.Thread(target=publish)
+    trainer.start()
+    try:
+        llm.start_weight_update()
+        llm.update_weights({"update_info": {"version": version}})
+        llm.finish_weight_update(weight_version=str(version))
+    finally:
+        trainer.join(120)
+        publisher.close()
+    return results
 
 
 def worker_of(llm):
