@@ -347,6 +347,9 @@ class ReceiverCore:
                 with self._load_lock:
                     self._touched = True
                     prepared.write(self.target)
+                    trace.gpu_mark(
+                        "receiver.gpu_loaded", link.broadcast.device, index=bucket.layout.index
+                    )
                 read_event = link.reader.release(bucket, prepared, reads)
         trace.mark("receiver.queued", index=bucket.layout.index)
         ack = pb.BucketAck(
@@ -359,6 +362,7 @@ class ReceiverCore:
         reads.require_complete()
         reads.wait()
         link.broadcast.synchronize()
+        trace.flush_gpu()
         trace.mark("receiver.loaded", version=reads.version)
         reads.check(end)
 

@@ -259,6 +259,7 @@ class VersionDriver:
         if slot.packed_event is not None:
             slot.packed_event[0].record(torch.cuda.current_stream(device))
         trace.mark("sender.checksum_queued", index=bucket.index)
+        trace.gpu_mark("sender.gpu_packed", device, index=bucket.index)
 
     def _announce(self, run: VersionRun, slot: Slot, layout: pb.BucketLayout) -> bool:
         """Announce a packed bucket; returns whether broadcast receivers wait for its bytes."""
@@ -298,6 +299,7 @@ class VersionDriver:
             self._broadcast.finish(run, slot)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
+        trace.flush_gpu()
         buckets = run.tensors.staged.buckets
         checksums = finish_all([run.sums[b.index] for b in buckets], [b.nbytes for b in buckets])
         end = pb.Announcement(

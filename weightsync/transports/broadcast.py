@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from weightsync import trace
 from weightsync.errors import TransportError
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -134,7 +135,15 @@ class BroadcastGroup:
         options = dist.BroadcastOptions()
         options.rootRank = 0
         try:
-            return PendingBroadcast(self, self._pg.broadcast([tensor], options))
+            work = self._pg.broadcast([tensor], options)
+            trace.gpu_mark(
+                "broadcast.gpu_done",
+                tensor.device,
+                work.wait,
+                rank=self.rank,
+                nbytes=tensor.numel(),
+            )
+            return PendingBroadcast(self, work)
         except RuntimeError as e:
             raise self._failed(e) from e
 

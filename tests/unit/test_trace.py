@@ -1,0 +1,28 @@
+"""The trace's CPU side: marks written per process, GPU marks of a CPU device skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+_SCRIPT = """
+import torch
+from weightsync import trace
+trace.set_role("unit")
+trace.mark("before", index=3)
+trace.gpu_mark("never", torch.device("cpu"))
+trace.flush_gpu()
+trace.mark("after")
+"""
+
+
+def test_marks_land_in_order_and_cpu_gpu_marks_are_skipped(tmp_path):
+    env = {**os.environ, "WEIGHTSYNC_TRACE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _SCRIPT], env=env, check=True, timeout=120)
+    (path,) = tmp_path.glob("unit-*.jsonl")
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["before", "after"]
+    assert events[0]["index"] == 3
+    assert events[0]["t_ns"] <= events[1]["t_ns"]
