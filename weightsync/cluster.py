@@ -15,14 +15,18 @@ replica is ``tp`` ranks; with ``ep`` > 1 its experts are split whole over ``ep``
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from weightsync.buckets import TensorSpec
 from weightsync.errors import ConfigError
 from weightsync.model_shapes import FP8_BLOCK, ModelTensor, model_tensors
+from weightsync.parts import PartsPlan, plan_parts
 from weightsync.topology import (
     Box,
     LinkRates,
@@ -258,3 +262,62 @@ def plan_cluster(topo: Topology, config: Mapping[str, Any]) -> TopologyPlan:
     return plan_topology(
         tensors, sources, receivers, topo.links.rates(), broadcast=topo.transfer == "broadcast"
     )
+
+
+@dataclass(frozen=True)
+class RuntimeEstimate:
+    """What the multi-host runtime as built moves for a cluster: a sender per trainer host
+    (:func:`weightsync.parts.plan_parts` gives each HF tensor to one host holding a whole copy),
+    each broadcasting its part, whole tensors, through one staging GPU to every engine rank on
+    another host (NCCL's ring: each member takes every byte in once and passes it on once).
+    Engine ranks do not yet take only the slices they keep, so each engine GPU's NIC carries
+    the whole model: this, not :func:`plan_cluster`'s slice plan, is what a sync costs today."""
+
+    parts: PartsPlan
+    nbytes: int
+    """The version's bytes: every engine GPU takes all of them."""
+    nic_bytes_per_s: float
+
+    @property
+    def busiest_part(self) -> tuple[str, int]:
+        """The trainer host sending the most, and its bytes (out of its staging GPU's NIC)."""
+        host = max(self.parts.hosts, key=lambda h: (self.parts.bytes_of(h), h))
+        return host, self.parts.bytes_of(host)
+
+    @property
+    def predicted_s(self) -> float:
+        return max(self.nbytes, self.busiest_part[1]) / self.nic_bytes_per_s
+
+    @property
+    def bound(self) -> str:
+        host, part = self.busiest_part
+        if part >= self.nbytes:
+            return f"trainer host {host}'s sender sending every tensor from one GPU"
+        return "every engine GPU taking the whole model through its NIC"
+
+
+def runtime_estimate(topo: Topology, config: Mapping[str, Any]) -> RuntimeEstimate:
+    """The multi-host runtime's cost for ``topo``: the parts its senders would send (the same
+    :func:`~weightsync.parts.plan_parts` the Megatron publishers run) and the bytes each link
+    carries.
+
+    Raises:
+        PlanError: a tensor no one trainer host holds whole (a TP group spanning hosts), as the
+            publishers would refuse it.
+    """
+    tensors, sources, _ = cluster(topo, config)
+    boxes: dict[str, dict[str, set[Box]]] = defaultdict(lambda: defaultdict(set))
+    for source in sources:
+        for piece in source.pieces:
+            boxes[piece.tensor][source.host].add(piece.box)
+    # A host holds a whole copy when its distinct pieces (TP shards, which tile the tensor) add
+    # up to it; a copy split over hosts gives plan_parts one multi-host copy, which it refuses.
+    copies: dict[str, list[set[str]]] = {}
+    for t in tensors:
+        numel = whole_box(t.shape).numel  # an FP8 scale's shape is its weight's block grid
+        held = boxes.get(t.name, {})
+        whole = [{h} for h, bs in held.items() if sum(b.numel for b in bs) >= numel]
+        copies[t.name] = whole or [set(held)]
+    manifest = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
+    parts = plan_parts(manifest, copies)
+    return RuntimeEstimate(parts, sum(t.nbytes for t in tensors), topo.links.nic_gb_s * GB)

@@ -19,7 +19,7 @@ from weightsync.buckets import TensorSpec
 from weightsync.dtypes import dtype_name
 from weightsync.errors import PlanError
 from weightsync.manifest import LoraAdapterSpec
-from weightsync.sender.parts import PartsPlan, plan_parts
+from weightsync.parts import PartsPlan, plan_parts
 
 from .dims import ModelDims
 from .lora_export import LoraExport, plan_adapter
@@ -84,7 +84,7 @@ def _manifest(table: NameTable, dims: ModelDims, dtype: str) -> tuple[TensorSpec
         experts: Iterable[int | None] = range(dims.num_experts) if mapping.is_expert else (None,)
         for expert in experts:
             for template, shape in zip(rule.hf, rule.shapes, strict=True):
-                name = template.format(layer=layer, expert=expert)
+                name = dims.hf_name(template, layer, expert)
                 specs.append(TensorSpec(name, rule.dtype or dtype, dims.shape(shape)))
 
     arch = table.arch
@@ -305,7 +305,7 @@ def plan_hosts(plans: Sequence[RankPlan], hosts: Sequence[str]) -> tuple[list[Ra
     ``plans[i]`` (planned with ``every_replica``) runs on ``hosts[i]``. Replica 0 must cover
     every byte exactly once (:func:`check_coverage`). A tensor can be sent by a host whose
     ranks hold a whole data-parallel replica of it; among those, bytes are balanced
-    (:func:`~weightsync.sender.parts.plan_parts`), and the lowest such replica on the chosen
+    (:func:`~weightsync.parts.plan_parts`), and the lowest such replica on the chosen
     host writes it. Returns each rank's plan narrowed to the pieces it sends (checked again
     when not all are replica 0's), and the parts.
 

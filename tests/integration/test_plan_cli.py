@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "scale.md"
-SUMMARY = ("busiest NIC:", "predicted:", "floor:", "ratio:")
+SUMMARY = ("busiest NIC:", "predicted:", "floor:", "ratio:", "as built:")
 
 
 def plan(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

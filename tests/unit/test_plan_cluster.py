@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from pydantic import ValidationError
 
-from weightsync.cluster import Topology, cluster, plan_cluster
+from weightsync.cluster import Topology, cluster, plan_cluster, runtime_estimate
 from weightsync.errors import ConfigError
 from weightsync.topology import Box, Link, Piece, TopologyPlan, plan_topology, whole_box
 from weightsync.topology_model import route_links
@@ -160,6 +160,30 @@ def test_every_trainer_host_sends_and_balances_the_copies_it_shares():
     plan = plan_cluster(t, GQA)
     sent = [plan.source_bytes[r] for r in range(8)]  # DP=8: every rank holds everything
     assert min(sent) > 0 and max(sent) <= 1.2 * min(sent)
+
+
+def test_the_runtime_as_built_sends_each_stage_from_its_host_whole_to_every_engine_gpu():
+    t = topo(TRAINER, ENGINES)
+    run = runtime_estimate(t, MOE)
+    tensors, _, _ = cluster(t, MOE)
+    assert run.parts.hosts == ("trainer-0", "trainer-1")  # a PP stage per host
+    assert run.parts.owner["model.embed_tokens.weight"] == "trainer-0"
+    assert run.parts.owner["lm_head.weight"] == "trainer-1"
+    assert run.parts.owner["model.layers.3.mlp.experts.7.down_proj.weight"] == "trainer-1"
+    assert run.nbytes == sum(x.nbytes for x in tensors)
+    # Every engine GPU takes every byte, far more than its slice in the plan.
+    assert run.predicted_s == run.nbytes / (t.links.nic_gb_s * 1e9)
+    assert run.bound == "every engine GPU taking the whole model through its NIC"
+    assert run.predicted_s > 2 * plan_cluster(t, MOE).predicted_s
+
+
+def test_the_runtime_as_built_balances_parts_over_hosts_holding_copies():
+    t = topo(dict(hosts=4, gpus_per_host=2, tp=1, pp=1, ep=1), dict(ENGINES, ep=1))
+    run = runtime_estimate(t, GQA)
+    sent = [run.parts.bytes_of(h) for h in run.parts.hosts]
+    largest = max(x.nbytes for x in cluster(t, GQA)[0])
+    assert len(sent) == 4 and max(sent) - min(sent) <= largest
+    assert sum(sent) == run.nbytes
 
 
 def test_layouts_that_do_not_fit_are_refused_naming_the_field():

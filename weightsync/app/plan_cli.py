@@ -3,7 +3,9 @@
 The shell around :func:`weightsync.cluster.plan_cluster` (the same
 :func:`weightsync.topology.plan_topology` the senders run): read the topology file (YAML or
 JSON) and the model's config, plan, print the bytes per link class, the busiest NIC and NVLink,
-the predicted time, the floor and what bounds each.
+the predicted time, the floor and what bounds each; then what the multi-host runtime as built
+would take for the same cluster (:func:`weightsync.cluster.runtime_estimate`: its senders send
+whole tensors, not yet the slices this plan moves).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from weightsync.app import output
-from weightsync.cluster import GB, Topology, plan_cluster
+from weightsync.cluster import GB, Topology, plan_cluster, runtime_estimate
 from weightsync.errors import ConfigError
 from weightsync.model_shapes import MODEL_TYPES, PRESETS, model_tensors, total_params
 from weightsync.topology import TopologyPlan
@@ -172,5 +174,18 @@ def print_plan(path: Path, topo: Topology, config: dict[str, Any], plan: Topolog
         f"predicted: {plan.predicted_s:.3f} s, bound by {plan.bottleneck or 'nothing'}",
         f"floor: {plan.floor_s:.3f} s, bound by {plan.floor_bound}",
         f"ratio: {ratio:.2f}x the floor",
+        f"as built: {_as_built(topo, config, plan.floor_s)}",
     ]
     print("\n".join(lines), flush=True)  # plain lines: never wrapped, whatever the width
+
+
+def _as_built(topo: Topology, config: dict[str, Any], floor_s: float) -> str:
+    """The runtime's cost today, beside the plan: its senders do not send slices yet."""
+    run = runtime_estimate(topo, config)
+    host, part = run.busiest_part
+    ratio = f" ({run.predicted_s / floor_s:.1f}x the floor)" if floor_s else ""
+    return (
+        f"{len(run.parts.hosts)} sender(s), one per trainer host (largest part {_gb(part)} GB, "
+        f"{host}), each broadcasting whole tensors to every engine GPU: "
+        f"{run.predicted_s:.3f} s, bound by {run.bound}{ratio}"
+    )

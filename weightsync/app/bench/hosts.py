@@ -4,7 +4,7 @@ The devices of this machine play two hosts, told apart by ``WEIGHTSYNC_HOST_ID``
 0..N/2-1 are host a, the rest host b (on CPU: one receiver process per host). Trainer PP=2:
 the publisher process on each host's first device holds its pipeline stage's HF tensors
 (layers 0..L/2-1 with the embedding; the rest with the final norm and ``lm_head``), the
-split :func:`~weightsync.sender.parts.plan_parts` makes. Engines TP=1: a receiver process per
+split :func:`~weightsync.parts.plan_parts` makes. Engines TP=1: a receiver process per
 device. Measured in one run:
 
 - **two senders**: a sender process per host, both sending their stage's part at once; every
@@ -235,7 +235,7 @@ def measure_hosts(
     Raises:
         ConfigError: an odd number of GPUs, or more than this machine has.
     """
-    from weightsync.sender.parts import plan_parts
+    from weightsync.parts import plan_parts
 
     if gpus:
         if gpus < 2 or gpus % 2 or gpus > torch.cuda.device_count():

@@ -1,4 +1,4 @@
-"""sender/parts.py: each HF tensor to one trainer host's sender, bytes balanced, one digest."""
+"""weightsync/parts.py: each HF tensor to one trainer host's sender, bytes balanced, one digest."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from weightsync.buckets import TensorSpec
 from weightsync.errors import PlanError
 from weightsync.manifest import VersionPartSpec, plan_digest
-from weightsync.sender.parts import plan_parts
+from weightsync.parts import plan_parts
 
 
 def spec(name: str, numel: int, dtype: str = "float32") -> TensorSpec:
