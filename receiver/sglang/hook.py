@@ -21,26 +21,57 @@ that to SGLang (``process_quantized=False``).
 
 Each worker registers with the sender on its first call, so the first version must be published
 after the first ``/update_weights_from_tensor`` has started (the sender addresses a version to
-the receivers registered when it is published). LoRA is not available through this hook: SGLang
-passes the model only, not the ``ModelRunner`` that owns the LoRA manager; a version carrying
-an adapter is rejected before any write. Draft (MTP / speculative) models are not handled: SGLang
-calls the hook once per model runner, with that runner's model only, so the target's and the
-draft's halves of a version could not commit together; send the update with
-``selector="target"`` (the client's default). MTP layers in the version are ignored here, with a
-warning; ``SglangWeightTarget(model, device, draft=...)`` loads them where the caller holds both
-models.
+the receivers registered when it is published).
+
+LoRA: on a server launched with ``--enable-lora`` (and ``--max-lora-rank``,
+``--lora-target-modules``), a version carrying an adapter loads it into the worker's
+``LoRAManager``, replacing the adapter of that name in place (``SglangLoraLoader``). SGLang
+passes the hook the model only and offers no way from a model to the ``ModelRunner`` that owns
+the LoRA manager, so :func:`model_runner_of` finds the runner whose ``model`` is that model
+among the process's live objects, once per model; if SGLang renames or restructures
+``ModelRunner`` the first version fails with a ``ConfigError`` saying so. Requests route to the
+adapter by name only once SGLang's tokenizer side knows the name: launch with ``--lora-paths
+NAME=PATH`` (any PEFT adapter of the same shape) or call ``/load_lora_adapter`` once before the
+first version. Without ``--enable-lora`` a version carrying an adapter is rejected before any
+write.
+
+Draft (MTP / speculative) models are not handled: SGLang calls the hook once per model runner,
+with that runner's model only, so the target's and the draft's halves of a version could not
+commit together; send the update with ``selector="target"`` (the client's default). MTP layers
+in the version are ignored here, with a warning; ``SglangWeightTarget(model, device,
+draft=...)`` loads them where the caller holds both models.
+
+Failures: SGLang 0.5.23 ignores what a custom loader returns and does not catch what it
+raises (the scheduler process dies, and the server with it). So a version that fails without
+writing anything (a manifest that does not fit, an adapter the server cannot hold, a timeout)
+is logged and SGLang answers the update as a success, keeping the previous weights; the trainer
+learns of the failure from the sender (``publish(..., wait=True)`` raises
+``ReceiverFailedError`` naming the worker and why), so check that, not only the HTTP answers.
+Anything else (tensors in the request, a receiver that cannot be set up, a version that failed
+after writing weights) is raised, and the server exits rather than serve weights that match no
+version.
+
+Tested in a real offline ``sglang.Engine`` on CPU (tests/sglang/test_engine_hook.py, TP=1,
+driven through the Engine's methods that ``SglangHttpClient`` calls over HTTP): base versions
+bit-exact, LoRA adapters replaced in place and served by name, refused adapters.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.receiver.core import ReceiverCore
+from weightsync.receiver.sglang.lora_loader import SglangLoraLoader
 from weightsync.receiver.sglang.target import SglangWeightTarget
+
+logger = logging.getLogger(__name__)
 
 HOOK_PATH = "weightsync.receiver.sglang.hook.sync_weights"
 """What ``--custom-weight-loader`` and the request's ``load_format`` name."""
@@ -66,11 +97,62 @@ def _tp_rank() -> int:
     return int(get_parallel().tp_rank)
 
 
+_RUNNER_CLASS = "sglang.srt.model_executor.model_runner.ModelRunner"
+
+
+def model_runner_of(model: torch.nn.Module) -> Any:
+    """The SGLang ``ModelRunner`` whose ``model`` is ``model`` in this process.
+
+    SGLang 0.5.23 calls the custom loader with ``get_model()`` only and has no accessor from a
+    model back to its runner, so this scans the process's live objects (once per model, at its
+    first version).
+
+    Raises:
+        ConfigError: ``ModelRunner`` moved, or no runner (or several) holds ``model`` as
+            ``.model``.
+    """
+    try:
+        from sglang.srt.model_executor.model_runner import ModelRunner
+    except ImportError as e:
+        raise ConfigError(
+            f"{HOOK_PATH} finds the LoRA manager through {_RUNNER_CLASS}, which this SGLang "
+            f"does not have ({e}); LoRA through the hook needs SGLang 0.5.23's layout"
+        ) from e
+    # type() rather than isinstance(): some live objects answer __class__ lazily.
+    runners = [
+        obj
+        for obj in gc.get_objects()
+        if issubclass(type(obj), ModelRunner) and getattr(obj, "model", None) is model
+    ]
+    if len(runners) != 1:
+        raise ConfigError(
+            f"{HOOK_PATH} found {len(runners)} {_RUNNER_CLASS} objects whose .model is the "
+            f"model SGLang passed it ({type(model).__name__}), expected 1: SGLang changed how "
+            "a runner holds its model; LoRA through the hook needs SGLang 0.5.23's layout"
+        )
+    return runners[0]
+
+
+def _lora_loader(model: torch.nn.Module) -> SglangLoraLoader | None:
+    from sglang.srt.runtime_context import get_lora
+
+    if not get_lora().enable_lora:
+        return None  # the target then rejects a version carrying an adapter, before any write
+    manager = getattr(model_runner_of(model), "lora_manager", None)
+    if manager is None:
+        raise ConfigError(
+            f"SGLang runs with --enable-lora but the {_RUNNER_CLASS} holding the model has no "
+            "lora_manager: SGLang changed where the LoRA manager lives"
+        )
+    return SglangLoraLoader(manager)
+
+
 def receiver_for(model: torch.nn.Module) -> ReceiverCore:
     """This worker's receiver for ``model``, registering it with the sender on first use.
 
     Raises:
-        ConfigError: ``WEIGHTSYNC_ADDRESS`` is not set.
+        ConfigError: ``WEIGHTSYNC_ADDRESS`` is not set, or LoRA is on and the worker's LoRA
+            manager cannot be found (see :func:`model_runner_of`).
         TransportError: no sender answers there.
     """
     receiver = _RECEIVERS.get(id(model))
@@ -82,7 +164,9 @@ def receiver_for(model: torch.nn.Module) -> ReceiverCore:
             f"{ADDRESS_ENV} is not set in the SGLang server's environment; set it to the "
             "sender's address (unix:/path or host:port) before launching the server"
         )
-    target = SglangWeightTarget(model, _model_device(model), process_quantized=False)
+    target = SglangWeightTarget(
+        model, _model_device(model), lora_loader=_lora_loader(model), process_quantized=False
+    )
     receiver = ReceiverCore(
         target,
         address,
@@ -97,10 +181,19 @@ def receiver_for(model: torch.nn.Module) -> ReceiverCore:
 def sync_weights(model: torch.nn.Module, named_tensors: Sequence[tuple[str, object]]) -> None:
     """SGLang's custom weight loader: apply the next version the sender announces.
 
+    SGLang 0.5.23 ignores what a custom loader returns and does not catch what it raises: an
+    exception ends the scheduler process, and with it the server. So a version this worker
+    refused or failed WITHOUT writing a weight (a manifest that does not fit the model, an
+    adapter the server cannot hold, a timeout) is logged and returns normally: the previous
+    version stays and SGLang answers the update as a success; the failure reaches the trainer
+    through the sender (``publish(..., wait=True)`` raises ``ReceiverFailedError`` naming this
+    worker and why).
+
     Raises:
-        ConfigError: the request carried tensors (this hook receives over weightsync only).
-        WeightSyncError: the version failed; SGLang reports the message as the update's
-            failure and the previous version stays unless the error says weights were written.
+        ConfigError: the request carried tensors (this hook receives over weightsync only), or
+            the receiver could not be set up (see :func:`receiver_for`); the server exits.
+        WeightSyncError: the version failed after writing weights (they now match no version);
+            the server exits rather than serve them.
     """
     if named_tensors:
         raise ConfigError(
@@ -109,4 +202,16 @@ def sync_weights(model: torch.nn.Module, named_tensors: Sequence[tuple[str, obje
             "empty payload per TP rank"
         )
     timeout_s = float(os.environ.get(TIMEOUT_ENV, "600"))
-    receiver_for(model).sync(timeout=timeout_s)
+    receiver = receiver_for(model)
+    try:
+        receiver.sync(timeout=timeout_s)
+    except WeightSyncError as e:
+        if receiver.dirty:
+            raise
+        logger.error(
+            "%s: version not applied, nothing written; this worker keeps its weights (SGLang "
+            "will report the update as successful; the sender has the failure): %s: %s",
+            HOOK_PATH,
+            type(e).__name__,
+            e,
+        )

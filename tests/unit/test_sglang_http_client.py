@@ -1,9 +1,11 @@
 """SglangHttpClient against a local HTTP server that records requests.
 
-No SGLang server can run here (CPU only: SGLang's engine needs CUDA or sgl-kernel's CPU build),
-so this checks the exact request sequence and the failure handling against a stand-in that
+SGLang's HTTP server is not run here (the offline ``sglang.Engine`` is, in
+tests/sglang/test_engine_hook.py, driven through the Engine's methods of the same names), so
+this checks the exact request sequence and the failure handling against a stand-in that
 answers like SGLang 0.5.23's routes (status 400 with {"success": false, "message"} or plain
-text on failure). Runs in the main venv; SGLang is not imported.
+text on failure), with a real sender and receiver where the sender's verdict matters. Runs in
+the main venv; SGLang is not imported.
 """
 
 from __future__ import annotations
@@ -13,11 +15,20 @@ import pickle
 import socket
 
 import pytest
+import torch
 
+from tests.support import TinyNet, digests, sync_in_thread
 from tests.support.sglang import UPDATE_ROUTES, FakeSglang
-from weightsync.drivers.sglang import PauseMode, SglangHttpClient, SglangUpdateError
-from weightsync.errors import ConfigError
+from weightsync.drivers.sglang import (
+    PauseMode,
+    SglangHttpClient,
+    SglangUpdateError,
+    publish_to_sglang,
+)
+from weightsync.errors import ConfigError, ReceiverFailedError
+from weightsync.receiver import TorchReceiver
 from weightsync.receiver.sglang.hook import HOOK_PATH
+from weightsync.sender import Publisher, Sender
 
 KV = {"tags": ["kv_cache"]}
 EMPTY = base64.b64encode(pickle.dumps([])).decode()
@@ -152,3 +163,48 @@ def test_release_kv_needs_an_idle_engine():
         SglangHttpClient("http://x", pause=PauseMode.KEEP, release_kv_cache=True)
     with pytest.raises(ConfigError, match="release_kv_cache"):
         SglangHttpClient("http://x", pause=None, release_kv_cache=True)
+
+
+def test_a_version_the_sender_reports_failed_is_not_labelled_and_serving_resumes(sglang):
+    """The hook answers success for a version its workers refused without writing (SGLang
+    would exit on an exception): the sender's verdict decides, before anything is labelled."""
+
+    def refused() -> None:
+        raise ReceiverFailedError("receiver sglang-0 failed: no tensor for 'model.x.weight'")
+
+    client = SglangHttpClient(sglang.url, pause=PauseMode.WAIT, release_kv_cache=True)
+    with pytest.raises(SglangUpdateError, match="model.x.weight") as info:
+        client.update(8, applied=refused)
+    assert (info.value.step, info.value.weights_changed) == ("update_weights", False)
+    routes = sglang.routes()
+    assert routes[routes.index("/update_weights_from_tensor") + 1 :] == [
+        "/end_weight_update",
+        "/resume_memory_occupation",
+        "/continue_generation",
+    ]
+
+
+def test_publish_to_sglang_labels_only_what_every_receiver_applied(sglang, sock_dir):
+    """A real sender and receiver: the version a receiver rejects is not labelled on the
+    server; the next one is, after the receiver applied it."""
+    with Sender(f"unix:{sock_dir}/s.sock") as sender:
+        model = TinyNet(seed=1)
+        receiver = TorchReceiver(model, sender.address)
+        client = SglangHttpClient(sglang.url, pause=None)
+        trainer = TinyNet(seed=2)
+        with Publisher(sender.address) as publisher:
+            bad = {**trainer.state_dict(), "model.x.weight": torch.zeros(2)}
+            thread, _ = sync_in_thread(receiver)
+            with pytest.raises(SglangUpdateError, match="model.x.weight") as info:
+                publish_to_sglang(publisher, bad, 1, [client], timeout_s=60)
+            assert info.value.weights_changed is False
+            thread.finish(60)
+            assert "/update_weight_version" not in sglang.routes()
+            thread, _ = sync_in_thread(receiver)
+            publish_to_sglang(publisher, trainer.state_dict(), 2, [client], timeout_s=60)
+            assert thread.finish(60) == [2]
+        assert digests(model) == digests(trainer)
+        assert sglang.requests[-1] == (
+            "/update_weight_version",
+            {"new_version": "2", "abort_all_requests": False},
+        )

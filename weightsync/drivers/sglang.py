@@ -32,10 +32,19 @@ import json
 import pickle
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.receiver.sglang.hook import HOOK_PATH
+
+if TYPE_CHECKING:
+    import torch
+
+    from weightsync.manifest import LoraAdapterSpec
+    from weightsync.sender.publisher import Publisher, PublishResult
 
 
 class PauseMode(enum.Enum):
@@ -117,12 +126,24 @@ class SglangHttpClient:
         if isinstance(content, dict) and content.get("success") is False:
             raise _StepFailed(str(content.get("message", content)))
 
-    def update(self, version: int, *, selector: str = "target") -> None:
+    def update(
+        self,
+        version: int,
+        *,
+        selector: str = "target",
+        applied: Callable[[], object] | None = None,
+    ) -> None:
         """Apply ``version`` (published to weightsync's sender) to the server.
 
         Args:
             version: becomes the server's ``weight_version``.
             selector: which runners load it (``"target"``: not the draft model).
+            applied: called once the workers' update returned and before anything else;
+                raises if the sender says the version failed (:func:`publish_to_sglang`
+                passes the publish's result). The workers' hook returns normally from a
+                version it refused without writing (SGLang's scheduler would exit on an
+                exception), so SGLang answers such an update as a success; without
+                ``applied`` the version would be labelled on weights that did not change.
 
         Raises:
             SglangUpdateError: a step failed; ``.step`` names it, ``.weights_changed`` says
@@ -157,6 +178,16 @@ class SglangHttpClient:
             # the weights may be partly written.
             self._undo([u for u in undo if u[0] != "continue_generation"])
             raise SglangUpdateError(e.step, e.message, weights_changed=True) from e.__cause__
+        if applied is not None:
+            try:
+                applied()
+            except WeightSyncError as e:
+                # The hook answered success: its workers wrote nothing (one that had written
+                # raises, and SGLang exits), so the server serves the previous weights.
+                self._undo(undo)
+                raise SglangUpdateError(
+                    "update_weights", f"the sender reports: {e}", weights_changed=False
+                ) from e
         try:
             self._step("end_weight_update", "/end_weight_update", {})
             if self.release_kv_cache:
@@ -185,6 +216,49 @@ class SglangHttpClient:
                 self._post(route, body)
             except _StepFailed:
                 continue
+
+
+def publish_to_sglang(
+    publisher: Publisher,
+    tensors: Mapping[str, torch.Tensor],
+    version: int,
+    servers: Sequence[SglangHttpClient],
+    *,
+    lora: LoraAdapterSpec | None = None,
+    timeout_s: float = 600.0,
+) -> PublishResult:
+    """Publish ``version`` and return only once every server serves it, labelled.
+
+    Each server's update runs beside the publish; a server labels the version (and resumes
+    generation) only after the sender reports that every receiver applied it.
+
+    Args:
+        publisher: connected to the sender the servers' workers registered with (their first
+            update registers them: publish version 1 only once they have).
+        tensors: the version's HF-named tensors.
+        version: the version number (greater than the last).
+        servers: the SGLang servers to update.
+        lora: the LoRA adapter shipped with the version, if any.
+
+    Returns:
+        What ``publisher.publish(..., wait=True)`` returns.
+
+    Raises:
+        SglangUpdateError: a server's step failed, or the sender reports the version failed
+            (``weights_changed`` False: the workers that failed kept their previous weights;
+            with TP > 1 each worker commits on its own, and the sender's report names the
+            ones that failed).
+        WeightSyncError: the publish itself failed.
+    """
+    with ThreadPoolExecutor(max_workers=len(servers) + 1) as pool:
+        published = pool.submit(
+            publisher.publish, tensors, version, lora=lora, wait=True, timeout_s=timeout_s
+        )
+        updating = [pool.submit(s.update, version, applied=published.result) for s in servers]
+        failures = [f.exception() for f in updating if f.exception() is not None]
+    if failures:
+        raise failures[0]
+    return published.result()
 
 
 _KV = {"tags": ["kv_cache"]}
