@@ -29,6 +29,9 @@ CONDITIONS = (
 ``when``."""
 
 
+_DECODER_LAYER = "model.layers.{layer}."
+
+
 @dataclass(frozen=True)
 class ModelDims:
     """Read once from the HF config by the architecture's reader (below)."""
@@ -57,6 +60,9 @@ class ModelDims:
     num_mtp_layers: int = 0
     """Multi-token-prediction layers, numbered after the decoder layers (GLM-4.5 / DeepSeek-V3
     checkpoints name MTP layer i ``model.layers.{num_layers + i}``)."""
+    mtp_prefix: str = ""
+    """Where checkpoints put MTP layer i's decoder tensors instead, ``{prefix}{i}.`` (Qwen3.5:
+    ``mtp.layers.``); empty: after the decoder layers."""
     q_lora_rank: int = 0
     """Multi-latent attention (DeepSeek-V3): the query's low rank; 0 when queries are projected
     directly (``q_proj``, HF ``q_lora_rank=None``)."""
@@ -148,6 +154,13 @@ class ModelDims:
 
     def shape(self, symbols: tuple[int | str, ...]) -> tuple[int, ...]:
         return tuple(self.size(s) for s in symbols)
+
+    def hf_name(self, template: str, layer: int | None, expert: int | None) -> str:
+        """``template`` for a global ``layer`` (MTP layers under :attr:`mtp_prefix`)."""
+        if self.mtp_prefix and layer is not None and layer >= self.num_layers:
+            template = template.replace(_DECODER_LAYER, self.mtp_prefix + "{layer}.")
+            layer -= self.num_layers
+        return template.format(layer=layer, expert=expert)
 
     def holds(self, condition: str | None, layer: int | None = None) -> bool:
         """Whether the HF model has the tensors a mapping guarded by ``condition`` produces."""
@@ -295,8 +308,24 @@ def qwen3_next_dims(cfg: object) -> ModelDims:
 
 def qwen3_5_dims(cfg: object) -> ModelDims:
     """Qwen3.5 text models (``qwen3_5_text`` dense, ``qwen3_5_moe_text`` MoE in every layer):
-    Qwen3-Next's layers with the GDN input projection kept in four tensors."""
-    return _hybrid(cfg, qwen2_moe_dims(cfg) if getattr(cfg, "num_experts", 0) else _dims(cfg))
+    Qwen3-Next's layers with the GDN input projection kept in four tensors; the MTP layer
+    (``mtp_num_hidden_layers``, a full-attention layer) under ``mtp.layers.0.``."""
+    mtp = getattr(cfg, "mtp_num_hidden_layers", 0) or 0
+    if mtp > 1:
+        raise PlanError(
+            f"HF config ({cfg.model_type}): mtp_num_hidden_layers={mtp}; Qwen3.5 checkpoints "
+            "hold one mtp.fc / mtp.norm for all MTP layers, megatron-core one per layer: only 1 "
+            "converts"
+        )
+    moe = bool(getattr(cfg, "num_experts", 0))
+    base = qwen2_moe_dims(cfg) if moe else _dims(cfg)
+    layers = range(cfg.num_hidden_layers + mtp)
+    return replace(
+        _hybrid(cfg, base),
+        num_mtp_layers=mtp,
+        mtp_prefix="mtp.layers.",
+        moe_layers=frozenset(layers) if moe else frozenset(),
+    )
 
 
 def _hybrid(cfg: object, base: ModelDims) -> ModelDims:

@@ -377,6 +377,12 @@ _QWEN2_MOE_MLP = (
     + _shared_experts(L + "mlp.shared_expert", L + "mlp.shared_expert_gate.weight")
 )
 _QWEN3_5 = _hybrid_attention(qwen3_5=True)
+_QWEN3_5_MTP = (  # Qwen3.5 checkpoint names (vLLM's Qwen3_5MTP, SGLang's Qwen3_5ForCausalLMMTP)
+    _m("enorm.weight", R(("mtp.pre_fc_norm_embedding.weight",), (_H,))),
+    _m("hnorm.weight", R(("mtp.pre_fc_norm_hidden.weight",), (_H,))),
+    _m("eh_proj.weight", ColumnRule(("mtp.fc.weight",), (("hidden", "hidden_x2"),))),
+    _m("final_layernorm.weight", R(("mtp.norm.weight",), (_H,))),
+)
 
 _DENSE = _attention() + _dense_mlp(L + "mlp", _LLAMA_MLP)
 _QWEN_MOE = _attention() + _dense_mlp(L + "mlp", _LLAMA_MLP) + _moe(L + "mlp", _LLAMA_MLP)
@@ -426,8 +432,12 @@ ARCHITECTURES: tuple[Architecture, ...] = (
         _hybrid_attention(qwen3_5=False) + _QWEN2_MOE_MLP,
         _POST,
     ),
-    Architecture(("qwen3_5_text",), qwen3_5_dims, _PRE, _QWEN3_5 + _dense_mlp(*_MLP), _POST),
-    Architecture(("qwen3_5_moe_text",), qwen3_5_dims, _PRE, _QWEN3_5 + _QWEN2_MOE_MLP, _POST),
+    Architecture(
+        ("qwen3_5_text",), qwen3_5_dims, _PRE, _QWEN3_5 + _dense_mlp(*_MLP), _POST, _QWEN3_5_MTP
+    ),
+    Architecture(
+        ("qwen3_5_moe_text",), qwen3_5_dims, _PRE, _QWEN3_5 + _QWEN2_MOE_MLP, _POST, _QWEN3_5_MTP
+    ),
     Architecture(
         ("starcoder2",),
         starcoder2_dims,

@@ -55,7 +55,7 @@ class ShardContext:
     """Global expert index of this shard (per-expert layouts)."""
 
     def hf_name(self, template: str, expert: int | None = None) -> str:
-        return template.format(layer=self.layer, expert=self.expert if expert is None else expert)
+        return self.dims.hf_name(template, self.layer, self.expert if expert is None else expert)
 
     def expect_shape(self, shape: tuple[int, ...], why: str) -> None:
         if self.shard.shape != shape:

@@ -1,6 +1,8 @@
 """Qwen3-Next and Qwen3.5 from megatron-core 0.16.1: gated delta net (``GatedDeltaNet``) layers
 and gated full-attention layers (with MoE, or dense for ``qwen3_5_text``), converted by our
-rules, published, and received by transformers' models and vLLM's classes on CPU.
+rules, published, and received by transformers' models and vLLM's classes on CPU. The Qwen3.5
+models carry megatron's MTP layer (a full-attention layer), converted to the checkpoints'
+``mtp.*`` names and received by vLLM's ``Qwen3_5MTP`` draft model.
 
 megatron-core cannot build ``GatedDeltaNet`` here as shipped; the test-only shims below stand in
 for what is missing (nothing of the conversion is shimmed):
@@ -57,6 +59,11 @@ def moe(model_type: str) -> bool:
     return len(DENSE[model_type]) < LAYERS
 
 
+def mtp(model_type: str) -> int:
+    """MTP layers: Qwen3.5's (vLLM's Qwen3-Next draft is checked in test_vllm_mtp.py)."""
+    return 0 if model_type == "qwen3_next" else 1
+
+
 def hf_config(model_type: str = "qwen3_next"):
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -71,6 +78,8 @@ def hf_config(model_type: str = "qwen3_next"):
         )
     if model_type == "qwen3_next":
         experts.update(decoder_sparse_step=1, mlp_only_layers=list(DENSE[model_type]))
+    else:
+        experts.update(mtp_num_hidden_layers=mtp(model_type))
     return AutoConfig.for_model(
         model_type,
         architectures=[MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]],
@@ -111,7 +120,10 @@ def megatron_model(sizes: dict, model_type: str) -> torch.nn.Module:
     import torch.nn.functional as F
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_mtp_block_spec,
+    )
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -143,6 +155,7 @@ def megatron_model(sizes: dict, model_type: str) -> torch.nn.Module:
         linear_num_key_heads=K_HEADS,
         linear_num_value_heads=V_HEADS,
         deterministic_mode=True,
+        mtp_num_layers=mtp(model_type) or None,
         tensor_model_parallel_size=sizes["tp"],
         pipeline_model_parallel_size=1,
         sequence_parallel=False,
@@ -170,6 +183,10 @@ def megatron_model(sizes: dict, model_type: str) -> torch.nn.Module:
         parallel_output=False,
         position_embedding_type="rope",
         rotary_base=10000,
+        # the MTP layer is built from the last layer's spec: full attention, like Qwen3.5's
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False)
+        if mtp(model_type)
+        else None,
     )
     return model.eval()
 
@@ -279,10 +296,12 @@ def tp1(tmp_path_factory):
     return ms.launch(tmp_path_factory.mktemp("tp1"), {"tp": 1, "pp": 1}, collect_worker, True)[0]
 
 
-def convert(states, model_type: str = "qwen3_next") -> dict[str, torch.Tensor]:
+def convert(
+    states, model_type: str = "qwen3_next", export_mtp: bool = True
+) -> dict[str, torch.Tensor]:
     from weightsync.sender.megatron import convert_megatron_to_hf
 
-    return convert_megatron_to_hf(states, hf_config(model_type))
+    return convert_megatron_to_hf(states, hf_config(model_type), export_mtp=export_mtp)
 
 
 def save(state: dict[str, torch.Tensor], directory: Path, model_type: str = "qwen3_next") -> Path:
@@ -325,7 +344,8 @@ def test_gdn_needs_fla_as_shipped():
 def test_tp1_conversion_loads_into_transformers_and_matches_megatron_modules(
     tp1, model_type, tmp_path
 ):
-    state = convert(tp1[model_type]["states"], model_type)
+    # transformers' Qwen3.5 models have no MTP layer
+    state = convert(tp1[model_type]["states"], model_type, export_mtp=False)
     hf = from_pretrained(save(state, tmp_path / "hf", model_type))
     live = checkpoint_view(hf)
     assert sorted(live) == sorted(state)
@@ -410,7 +430,8 @@ def test_publish_reaches_transformers_qwen3_next_like_from_pretrained(tmp_path, 
 def test_vllm_receives_the_conversion_like_its_own_loader(tp1, model_type, tmp_path):
     pytest.importorskip("vllm")
     if model_type != "qwen3_next":
-        # vLLM's qwen3_5 module (shared with the VL model) imports torchvision at inspection
+        # vLLM's qwen3_5 module (shared with the VL model) imports transformers' Qwen2-VL
+        # image processor, which imports torchvision (tests/conftest.py makes PyPI's import)
         pytest.importorskip("torchvision", reason="vLLM's Qwen3.5 classes import torchvision")
     from vllm.config import set_current_vllm_config
 
@@ -425,3 +446,92 @@ def test_vllm_receives_the_conversion_like_its_own_loader(tp1, model_type, tmp_p
     target = VllmWeightTarget(model, config.model_config, torch.device("cpu"))
     with set_current_vllm_config(config):
         receives_like_the_engine("vLLM", target, state, model, reference)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES[1:])
+def test_mtp_layer_converts_to_qwen3_5_checkpoint_names(tp1, model_type):
+    from tests.support.qwen3_5 import MTP_OWN
+
+    hf = convert(tp1[model_type]["states"], model_type)
+    full = f"model.layers.{LAYERS - 1}."  # a full-attention decoder layer, as the MTP layer is
+    layer = {k.removeprefix(full) for k in hf if k.startswith(full)}
+    got = {k for k in hf if k.startswith("mtp.")}
+    assert got == {f"mtp.layers.0.{k}" for k in layer} | MTP_OWN
+    assert not any(k.startswith(f"model.layers.{LAYERS}.") for k in hf)
+    # megatron's MTP layer norms the embedding (enorm) and the hidden state (hnorm) and
+    # projects cat(embedding, hidden) (eh_proj); the engines' Qwen3.5 MTP models project
+    # cat(pre_fc_norm_embedding(embedding), pre_fc_norm_hidden(hidden)) with fc
+    (megatron,) = tp1[model_type]["states"].values()
+    own = {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc"}
+    for name, hf_name in {**own, "final_layernorm": "norm"}.items():
+        assert torch.equal(
+            hf[f"mtp.{hf_name}.weight"], megatron.tensors[f"0:mtp.layers.0.{name}.weight"]
+        )
+
+
+def vllm_with_draft(directory: Path, load_format: str):
+    """vLLM's loader builds the target and, as its MTP proposer does (speculative decoding
+    ``method: "mtp"``), the draft model from the draft ``ModelConfig``: ``dummy`` (random
+    weights) or ``safetensors`` (the checkpoint)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader import get_model_loader
+
+    from tests.sweeps.test_vllm_sweep import _init_distributed
+
+    _init_distributed()
+    config = EngineArgs(
+        model=str(directory),
+        dtype="float32",
+        load_format=load_format,
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=128,
+        seed=0,
+        speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+    ).create_engine_config()
+    draft_config = config.speculative_config.draft_model_config
+    with set_current_vllm_config(config):
+        loader = get_model_loader(config.load_config)
+        model = loader.load_model(vllm_config=config, model_config=config.model_config)
+        draft = loader.load_model(vllm_config=config, model_config=draft_config)
+    return model, draft, config
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("model_type", MODEL_TYPES[1:])
+def test_vllm_qwen3_5_mtp_draft_receives_the_mtp_layer_like_its_own_loader(
+    tp1, model_type, tmp_path
+):
+    pytest.importorskip("vllm")
+    pytest.importorskip("torchvision", reason="vLLM's Qwen3.5 classes import torchvision")
+    from vllm.config import set_current_vllm_config
+
+    from tests.support import drive, manifest_of
+    from tests.sweeps.archs import BUCKET_BYTES, differing, live_tensors
+    from weightsync.receiver.vllm import VllmWeightTarget
+
+    state = convert(tp1[model_type]["states"], model_type)
+    directory = save(state, tmp_path / "hf", model_type)
+    want, want_draft, _ = vllm_with_draft(directory, "safetensors")
+    model, draft, config = vllm_with_draft(directory, "dummy")
+    assert type(draft).__name__.startswith("Qwen3_5") and "MTP" in type(draft).__name__
+    draft_config = config.speculative_config.draft_model_config
+    target = VllmWeightTarget(
+        model, config.model_config, torch.device("cpu"), draft=(draft, draft_config)
+    )
+    with set_current_vllm_config(config):
+        drive(target, manifest_of(1, state), state, BUCKET_BYTES)
+    for got, reference in ((model, want), (draft, want_draft)):
+        wrong = differing(live_tensors(got).items(), live_tensors(reference).items())
+        assert not wrong, f"{len(wrong)} tensors differ from vLLM's own load: {wrong[:4]}"
+
+
+def test_more_than_one_qwen3_5_mtp_layer_is_refused_naming_the_field():
+    from weightsync.errors import PlanError
+    from weightsync.sender.megatron.dims import qwen3_5_dims
+
+    config = hf_config("qwen3_5_text")
+    config.mtp_num_hidden_layers = 2
+    with pytest.raises(PlanError, match=r"mtp_num_hidden_layers=2.*only 1 converts"):
+        qwen3_5_dims(config)

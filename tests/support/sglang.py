@@ -10,14 +10,17 @@ classes import and build. Nothing here runs a forward pass (SGLang's CPU kernels
 sgl-kernel's CPU build, which PyPI does not carry), so no stand-in is ever called.
 
 - ``torchvision``: SGLang imports ``torchvision.transforms`` at import time (InternVL
-  preprocessing, via ``sglang.srt.configs``). PyPI's torchvision is CUDA-linked; on CPU torch
-  its C++ ops do not load, and its import then dies registering fake kernels for
-  ``torchvision::nms``/``qnms``, ops that do not exist. Defining their schemas (no kernels)
-  lets the pure-Python parts import; the ops stay unusable.
+  preprocessing, via ``sglang.srt.configs``); PyPI's CUDA-linked torchvision needs
+  ``tests.support.torchvision_ops`` to import on CPU torch.
 - ``vllm._custom_ops.rotary_embedding``: on a host that is neither CUDA nor SGLang's CPU
   engine (``SGLANG_USE_CPU_ENGINE=1``, which needs sgl-kernel's CPU ops), ``RotaryEmbedding``
   imports vLLM's kernel as its fallback at construction. It is only stored, never called
   here; the stub raises if it ever is.
+- pinned memory: SGLang's LoRA layers and its torch_native LoRA backend allocate pinned host
+  tensors unconditionally (``pin_memory=True``, ``.pin_memory()``), which CPU torch refuses
+  ("pin_memory=True requires a CUDA or other accelerator backend"). Without an accelerator,
+  pinning only speeds up host-to-device copies that never happen, so it becomes a plain
+  allocation (``.pin_memory()`` still returns a copy).
 """
 
 from __future__ import annotations
@@ -34,21 +37,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 
 from tests.support.models import tiny_config
+from tests.support.torchvision_ops import define_missing_torchvision_ops
 from weightsync.buckets import TensorSpec
 
 # --- CPU shims -------------------------------------------------------------------------------
-
-_TORCHVISION_OPS = {
-    "torchvision::nms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-    "torchvision::qnms": "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
-}
-
-
-def _define_missing_torchvision_ops() -> None:
-    for qualname, schema in _TORCHVISION_OPS.items():
-        namespace, name = qualname.split("::")
-        if not hasattr(getattr(torch.ops, namespace), name):  # torchvision's C++ ops loaded
-            torch.library.define(qualname, schema)
 
 
 def _rotary_embedding_unavailable(*args: object, **kwargs: object) -> None:
@@ -69,10 +61,35 @@ def _stub_vllm_rotary_kernel() -> None:
     sys.modules["vllm._custom_ops"] = custom_ops
 
 
+_PINNING_FACTORIES = ("tensor", "empty", "zeros", "ones", "arange", "full")
+
+
+def _unpinned(factory):
+    def allocate(*args, pin_memory: bool = False, **kwargs):
+        return factory(*args, **kwargs)
+
+    allocate.__wrapped__ = factory
+    return allocate
+
+
+def _pin_memory_without_accelerator() -> None:
+    if torch.accelerator.is_available() or hasattr(torch.Tensor.pin_memory, "__wrapped__"):
+        return
+    for name in _PINNING_FACTORIES:
+        setattr(torch, name, _unpinned(getattr(torch, name)))
+
+    def pin_memory(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.clone()
+
+    pin_memory.__wrapped__ = torch.Tensor.pin_memory  # type: ignore[attr-defined]
+    torch.Tensor.pin_memory = pin_memory  # type: ignore[method-assign]
+
+
 def install_cpu_shims() -> None:
-    """Install both shims; call before the first ``import sglang``. Idempotent."""
-    _define_missing_torchvision_ops()
+    """Install the shims; call before the first ``import sglang``. Idempotent."""
+    define_missing_torchvision_ops()
     _stub_vllm_rotary_kernel()
+    _pin_memory_without_accelerator()
 
 
 # --- SGLang's model classes on CPU -----------------------------------------------------------
