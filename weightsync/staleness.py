@@ -67,6 +67,15 @@ def truncate_runs(runs: Runs, length: int) -> Runs:
     return [(start, version) for start, version in runs if start < length]
 
 
+def run_length(values: Iterable[int]) -> Runs:
+    """The runs of one version per index (the inverse of :func:`expand_runs`)."""
+    runs: Runs = []
+    for index, value in enumerate(values):
+        if not runs or runs[-1][1] != value:
+            runs.append((index, value))
+    return runs
+
+
 def expand_runs(runs: Sequence[Sequence[int]], length: int) -> list[int]:
     """One version per index of ``[0, length)``: the form importance weighting consumes.
 
