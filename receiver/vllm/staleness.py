@@ -35,6 +35,8 @@ from typing import Any
 from vllm.exceptions import VLLMClientError
 
 from weightsync.errors import ConfigError, VersionError
+from weightsync.receiver import patching
+from weightsync.receiver.patching import Wrap
 from weightsync.staleness import EpochTracker, Staleness, version_of_label
 
 logger = logging.getLogger(__name__)
@@ -49,7 +51,6 @@ request ends with ``finish_reason="abort"`` and the tokens it has."""
 
 _TRACKER = "_weightsync_epochs"
 _ACTIVE = "_weightsync_staleness"
-_PATCHED = "__weightsync_patched__"
 
 SUPPORTED = "vLLM 0.32"
 
@@ -80,26 +81,11 @@ def _layout_error(what: str) -> ConfigError:
 
 
 def _target(owner: Any, name: str, params: tuple[str, ...] = ()) -> Callable[..., Any]:
-    function = getattr(owner, name, None)
-    if not callable(function):
-        raise _layout_error(f"{owner.__qualname__}.{name} is missing")
-    missing = [p for p in params if p not in inspect.signature(function).parameters]
-    if missing:
-        raise _layout_error(f"{owner.__qualname__}.{name} lacks parameter(s) {missing}")
-    return function
-
-
-Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
-"""Makes the replacement of a vLLM function from the original."""
+    return patching.target(owner, name, params, _layout_error)
 
 
 def _patch(owner: Any, name: str, make: Wrap, params: tuple[str, ...] = ()) -> None:
-    original = _target(owner, name, params)
-    if getattr(original, _PATCHED, False):
-        return
-    patched = functools.wraps(original)(make(original))
-    setattr(patched, _PATCHED, True)
-    setattr(owner, name, patched)
+    patching.patch(owner, name, make, params, _layout_error)
 
 
 def install() -> None:
