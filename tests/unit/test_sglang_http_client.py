@@ -74,7 +74,9 @@ def test_payload_is_an_empty_list_per_rank(sglang):
 def test_pause_modes_without_release(sglang, mode):
     SglangHttpClient(sglang.url, pause=mode).update(2)
     assert sglang.requests[0] == ("/pause_generation", {"mode": mode.value})
-    assert sglang.routes() == UPDATE_ROUTES
+    # SGLang refuses to flush while requests run, and KEEP leaves them in the running batch.
+    routes = [r for r in UPDATE_ROUTES if not (mode is PauseMode.KEEP and r == "/flush_cache")]
+    assert sglang.routes() == routes
 
 
 def test_no_pause(sglang):

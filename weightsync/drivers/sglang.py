@@ -11,7 +11,9 @@ One version, in order (optional steps in brackets)::
                                                  receive the bytes from weightsync's sender
     POST /end_weight_update {}
     [POST /resume_memory_occupation {"tags": ["kv_cache"]}]
-    POST /flush_cache                            the prefix cache holds KV of the old weights
+    [POST /flush_cache]                          the prefix cache holds KV of the old weights
+                                                 (not with KEEP: SGLang refuses while requests
+                                                 run; their KV stays the old version's)
     POST /update_weight_version {"new_version"}
     [POST /continue_generation {}]
 
@@ -55,7 +57,9 @@ class PauseMode(enum.Enum):
     WAIT = "retract"
     """They wait in the queue and are recomputed with the new weights after the update."""
     KEEP = "in_place"
-    """They stay in the running batch with their KV (computed with the old weights)."""
+    """They stay in the running batch with their KV (computed with the old weights); the prefix
+    cache is not flushed (SGLang refuses while requests run), so new requests may reuse prefixes
+    the old weights computed (``kv_cache_epoch`` reports them)."""
 
 
 class SglangUpdateError(WeightSyncError):
@@ -192,7 +196,10 @@ class SglangHttpClient:
             self._step("end_weight_update", "/end_weight_update", {})
             if self.release_kv_cache:
                 self._step("resume_kv_cache", "/resume_memory_occupation", _KV)
-            self._step("flush_cache", "/flush_cache", {})
+            if self.pause is not PauseMode.KEEP:
+                # SGLang flushes only with no request running; kept requests still are, and the
+                # radix cache keeps their old-version KV (kv_cache_epoch says so).
+                self._step("flush_cache", "/flush_cache", {})
             self._step(
                 "set_weight_version",
                 "/update_weight_version",
