@@ -193,7 +193,8 @@ def test_wheel_metadata_version_license_extras(wheel):
     )
     assert "weightsync = weightsync.app.cli:main" in entry
     assert "weightsync-sender = weightsync.app.cli:sender_main" in entry
-    assert "weightsync = weightsync.receiver.vllm_plugin:register" in entry
+    assert "[vllm.general_plugins]\nweightsync = weightsync.receiver.vllm_plugin:register" in entry
+    assert "[sglang.srt.plugins]\nweightsync = weightsync.receiver.sglang_plugin:register" in entry
 
 
 @pytest.mark.packaging
