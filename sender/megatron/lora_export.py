@@ -10,20 +10,24 @@ megatron-core 0.16.1 has no LoRA modules; the layout below is Megatron-Bridge's
   ``<module>.to_wrap.weight`` for the frozen base (the name tables drop ``.to_wrap.``, as
   Bridge's own ``_get_lora_unwrapped_name`` does) and ``<module>.adapter.linear_in.weight``
   (A) / ``<module>.adapter.linear_out.weight`` (B). No adapter biases.
-- Column-parallel targets (``linear_qkv``, ``linear_fc1``): ``linear_in`` is a
-  ``ColumnParallelLinear(in, r, gather_output=True)``, so A is **split on its rank dim**:
-  local ``[r/TP, in]``, partition_dim 0 (not replicated). ``linear_out`` is a
+- Column-parallel targets (``linear_qkv``, ``linear_fc1``, a gated delta net's ``in_proj``):
+  ``linear_in`` is a ``ColumnParallelLinear(in, r, gather_output=True)``, so A is **split on
+  its rank dim**: local ``[r/TP, in]``, partition_dim 0 (not replicated). ``linear_out`` is a
   ``ColumnParallelLinear(r, out)``: local ``[out/TP, r]``, rows aligned with the base shard's
-  rows, i.e. the QKV group layout for ``linear_qkv`` and ``[gate_r; up_r]`` for a gated
-  ``linear_fc1`` (Bridge's ``_split_fused_fc1_linear_out_weight`` de-interleaves per TP shard).
-- Row-parallel targets (``linear_proj``, ``linear_fc2``): ``linear_in`` is a
-  ``RowParallelLinear(in, r, input_is_parallel=True)``: local ``[r, in/TP]``, partition_dim 1;
-  ``linear_out`` is again a ``ColumnParallelLinear(r, out, gather_output=True)``: local
-  ``[out/TP, r]``, partition_dim 0 (**split, not replicated**; ``LoRAMerge.merge`` gathers it).
+  rows, i.e. the QKV group layout for ``linear_qkv`` (with the output gate's rows for gated
+  attention), ``[gate_r; up_r]`` for a gated ``linear_fc1`` (Bridge's
+  ``_split_fused_fc1_linear_out_weight`` de-interleaves per TP shard) and the per-key-head
+  sections for ``in_proj``. So lora_B is placed by the base weight's own rule.
+- Row-parallel targets (``linear_proj``, ``linear_fc2``, the GDN's ``out_proj``):
+  ``linear_in`` is a ``RowParallelLinear(in, r, input_is_parallel=True)``: local
+  ``[r, in/TP]``, partition_dim 1; ``linear_out`` is again a ``ColumnParallelLinear(r, out,
+  gather_output=True)``: local ``[out/TP, r]``, partition_dim 0 (**split, not replicated**;
+  ``LoRAMerge.merge`` gathers it).
 - Scale ``alpha / r`` (``ParallelLinearAdapter``), the same as PEFT's ``lora_alpha / r``
   without rsLoRA. Bridge's HF export maps ``linear_in`` -> ``lora_A`` and ``linear_out`` ->
   ``lora_B``; a packed target's lora_A goes unchanged to every HF module it feeds
-  (q/k/v, gate/up) and its lora_B is split like the base weight.
+  (q/k/v, gate/up, the GDN's ``in_proj_qkv`` / ``_z`` / ``_b`` / ``_a``) and its lora_B is
+  split like the base weight.
 
 HF names are PEFT's ``save_pretrained`` names (``base_model.model.<hf module>.lora_A.weight``),
 which vLLM's and SGLang's adapter loaders read. Not covered (a PlanError names the parameter):
@@ -36,7 +40,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from weightsync.buckets import TensorSpec
 from weightsync.errors import PlanError
@@ -46,16 +50,29 @@ from .dims import ModelDims
 from .name_table import NameTable
 from .name_templates import ParamMapping
 from .pieces import CopyPiece
-from .rules import ColumnRule, GatedFc1Rule, Placed, QKVRule, RowRule, Rule, ShardContext
+from .rules import (
+    ColumnRule,
+    GatedFc1Rule,
+    HeadSectionsRule,
+    Placed,
+    QKVRule,
+    RowRule,
+    Rule,
+    ShardContext,
+)
 from .shards import ShardMeta
 
 TARGETS = {
     "linear_qkv": "self_attention.linear_qkv",
     "linear_proj": "self_attention.linear_proj",
+    "in_proj": "self_attention.in_proj",
+    "out_proj": "self_attention.out_proj",
     "linear_fc1": "mlp.linear_fc1",
     "linear_fc2": "mlp.linear_fc2",
 }
-"""Bridge ``LoRA.target_modules`` names -> module path inside a decoder layer (manifest order)."""
+"""Bridge ``LoRA.target_modules`` names -> module path inside a decoder layer (manifest order);
+``in_proj`` / ``out_proj`` are the gated delta net's (Qwen3-Next / Qwen3.5 linear-attention
+layers), which Bridge wraps when named in ``target_modules``."""
 
 _ADAPTER = re.compile(
     r"^decoder\.layers\.(\d+)\.(" + "|".join(re.escape(p) for p in TARGETS.values()) + r")"
@@ -139,10 +156,11 @@ def adapter_rules(base: Rule, r: int, param: str) -> tuple[Rule, Rule]:
     cols = base.shapes[0][1]
     if isinstance(base, RowRule):
         return RowRule(a_names, ((r, cols),)), ColumnRule(b_names, ((rows[0], r),))
-    if isinstance(base, (QKVRule, GatedFc1Rule, ColumnRule)):
-        # lora_B rows follow the base weight's rows, so the base rule's split is reused as is.
+    if isinstance(base, (QKVRule, GatedFc1Rule, HeadSectionsRule, ColumnRule)):
+        # lora_B rows follow the base weight's rows: the base rule, with its layout fields
+        # (QKV output gate, GDN sections), places them; only names and widths change.
         a_rule = SharedColumnRule(a_names, tuple((r, cols) for _ in a_names))
-        return a_rule, type(base)(b_names, tuple((row, r) for row in rows))
+        return a_rule, replace(base, hf=b_names, shapes=tuple((row, r) for row in rows))
     raise PlanError(
         f"LoRA adapter parameter {param!r}: its base weight uses {type(base).__name__}, which "
         "has no LoRA rule"

@@ -1,13 +1,20 @@
 """Megatron-Bridge LoRA adapters -> HF PEFT tensors, on synthetic shards (no megatron module).
 
 The per-rank tensors are cut from full (TP=1) Megatron tensors the way Bridge shards them
-(see ``weightsync/sender/megatron/lora.py``); the expected HF tensors are computed here
+(see ``weightsync/sender/megatron/lora_export.py``); the expected HF tensors are computed here
 independently of the library's rules (group-wise QKV slicing, gate/up halves).
+
+Qwen3.5 (gated full attention and gated delta net layers): the reference merges
+``alpha/r * B @ A`` into the Megatron base weights and converts the merged model with the base
+conversion (checked against megatron-core's modules in
+``tests/integration/test_megatron_qwen3_next.py``); transformers + PEFT must give its logits.
+vLLM and SGLang cannot run a gated delta net on CPU (Triton kernels), so no engine serves it here.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import peft
 import pytest
@@ -52,8 +59,10 @@ def hf_config():
 
 # --- full Megatron tensors and Bridge's TP cut -----------------------------------------------
 # kind: how TP splits it. "col": dim 0; "gated": per-rank [gate_r; up_r]; "row": dim 1;
-# "rep": replicated. Adapters: A of column targets is "col" (rank dim), of row targets "row";
-# every B is split like its base weight's rows ("gated" for fc1, else "col").
+# "rep": replicated; a tuple of row counts: sections, each split on dim 0 (a gated delta net's
+# in_proj / conv1d: rank r holds [q_r; k_r; v_r; ...]). Adapters: A of column targets is "col"
+# (rank dim), of row targets "row"; every B is split like its base weight's rows ("gated" for
+# fc1, the sections for in_proj, else "col").
 
 
 def full_model(seed: int, targets=TARGETS) -> dict[str, tuple[torch.Tensor, str]]:
@@ -94,8 +103,9 @@ def cut(tensor: torch.Tensor, split: str, rank: int, tp: int) -> torch.Tensor:
     if split == "row":
         return tensor.chunk(tp, dim=1)[rank].clone()
     if split == "gated":
-        gate, up = tensor.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
+        split = (tensor.shape[0] // 2,) * 2
+    if isinstance(split, tuple):
+        return torch.cat([s.chunk(tp)[rank] for s in tensor.split(split)]).clone()
     return tensor.chunk(tp, dim=0)[rank].clone()
 
 
@@ -106,7 +116,7 @@ def rank_states(full, tp: int):
         for name, (tensor, split) in full.items():
             local = cut(tensor, split, rank, tp)
             layer = int(name.split(".")[2]) if name.startswith("decoder.layers.") else None
-            pdim = {"col": 0, "gated": 0, "row": 1}.get(split)
+            pdim = 0 if isinstance(split, tuple) else {"col": 0, "gated": 0, "row": 1}.get(split)
             meta = ShardMeta(name, 0, layer, "float32", tuple(local.shape), pdim)
             metas.append(meta)
             tensors[meta.key] = local
@@ -114,12 +124,13 @@ def rank_states(full, tp: int):
     return states
 
 
-def export(states, export_settings=None):
+def export(states, export_settings=None, config=None):
     """The offline converter with the adapter, plus rank 0's plan (for the adapter config)."""
     settings = export_settings or LoraExport("sql", ALPHA)
+    config = config or hf_config()
     topology, (metas, _) = next(iter(states.items()))
-    plan = plan_rank(metas, topology, hf_config(), lora=settings)
-    out = convert_megatron_to_hf(states, hf_config(), lora=settings)
+    plan = plan_rank(metas, topology, config, lora=settings)
+    out = convert_megatron_to_hf(states, config, lora=settings)
     return plan, {k: v.clone() for k, v in out.items()}
 
 
@@ -311,3 +322,193 @@ def test_adapter_shape_contradicting_config_names_it():
     ]
     with pytest.raises(PlanError, match=r"layers\.1\.self_attention\.linear_qkv\.adapter"):
         plan_rank(bad, RankTopology(0, 2), hf_config(), lora=LoraExport("x", 8))
+
+
+# --- Qwen3.5: gated full attention + gated delta net (GDN) layers ------------------------------
+
+Q35_HEADS, Q35_KV, Q35_HD = 4, 2, 16
+K_HEADS, V_HEADS, K_DIM, V_DIM, CONV = 2, 4, 32, 32, 4
+Q35_PATHS = {**PATHS, "in_proj": "self_attention.in_proj", "out_proj": "self_attention.out_proj"}
+GDN_QKV = (K_HEADS * K_DIM, K_HEADS * K_DIM, V_HEADS * V_DIM)
+"""Rows of the GDN's q, k, v sections (``conv1d``; ``in_proj`` adds z, beta, alpha)."""
+IN_PROJ = (*GDN_QKV, V_HEADS * V_DIM, V_HEADS, V_HEADS)
+
+
+def qwen3_5_config():
+    """Layer 0 a gated delta net, layer 1 gated full attention (two query groups)."""
+    from tests.sweeps.archs import _HYBRID, Arch
+    from tests.sweeps.archs import tiny_config as sweep_config
+
+    overrides = dict(
+        hidden_size=H,
+        intermediate_size=FFN,
+        vocab_size=VOCAB,
+        num_attention_heads=Q35_HEADS,
+        num_key_value_heads=Q35_KV,
+        head_dim=Q35_HD,
+        linear_num_key_heads=K_HEADS,
+        linear_num_value_heads=V_HEADS,
+        linear_key_head_dim=K_DIM,
+        linear_value_head_dim=V_DIM,
+        linear_conv_kernel_dim=CONV,
+    )
+    return sweep_config(Arch("qwen3_5_text", {**_HYBRID, **overrides}))
+
+
+def qwen3_5_model(seed: int) -> dict[str, tuple[torch.Tensor, object]]:
+    """Full Megatron tensors of a Qwen3.5 model with Bridge LoRA on every target kind it has
+    (see :func:`full_model`)."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def t(*shape):
+        return torch.randn(shape, generator=gen) * 0.3
+
+    qkv = Q35_KV * (2 * Q35_HEADS // Q35_KV + 2) * Q35_HD  # q and gate rows per group, k, v
+    mixers = {  # kind: (base shape, base split, A split, B split), A is [R, base columns]
+        0: {
+            "in_proj": ((sum(IN_PROJ), H), IN_PROJ, "col", IN_PROJ),
+            "out_proj": ((H, V_HEADS * V_DIM), "row", "row", "col"),
+        },
+        1: {
+            "linear_qkv": ((qkv, H), "col", "col", "col"),
+            "linear_proj": ((H, Q35_HEADS * Q35_HD), "row", "row", "col"),
+        },
+    }
+    mlp = {
+        "linear_fc1": ((2 * FFN, H), "gated", "col", "gated"),
+        "linear_fc2": ((H, FFN), "row", "row", "col"),
+    }
+    out = {"embedding.word_embeddings.weight": (t(VOCAB, H), "col")}
+    for i, mixer in mixers.items():
+        p = f"decoder.layers.{i}."
+        out[p + "input_layernorm.weight"] = (t(H), "rep")
+        s = p + "self_attention."
+        if i == 0:
+            out[s + "conv1d.weight"] = (t(sum(GDN_QKV), 1, CONV), GDN_QKV)
+            out[s + "dt_bias"] = (t(V_HEADS), "col")
+            out[s + "A_log"] = (t(V_HEADS), "col")
+            out[s + "out_norm.weight"] = (t(V_DIM), "rep")
+        else:
+            out[s + "q_layernorm.weight"] = (t(Q35_HD), "rep")
+            out[s + "k_layernorm.weight"] = (t(Q35_HD), "rep")
+        out[p + "pre_mlp_layernorm.weight"] = (t(H), "rep")
+        for kind, (shape, split, a_split, b_split) in {**mixer, **mlp}.items():
+            out[p + Q35_PATHS[kind] + ".to_wrap.weight"] = (t(*shape), split)
+            a = p + Q35_PATHS[kind] + ".adapter."
+            out[a + "linear_in.weight"] = (t(R, shape[1]), a_split)
+            out[a + "linear_out.weight"] = (t(shape[0], R), b_split)
+    out["decoder.final_layernorm.weight"] = (t(H), "rep")
+    out["output_layer.weight"] = (t(VOCAB, H), "col")
+    return out
+
+
+def merged_megatron(full) -> dict[str, tuple[torch.Tensor, object]]:
+    """The adapter-free Megatron model with Bridge's ``W + alpha/r * B @ A`` merged in."""
+    merged = {}
+    for name, (tensor, split) in full.items():
+        if ".adapter." in name:
+            continue
+        if ".to_wrap." in name:
+            module = name.removesuffix(".to_wrap.weight")
+            a = full[module + ".adapter.linear_in.weight"][0]
+            b = full[module + ".adapter.linear_out.weight"][0]
+            name, tensor = module + ".weight", tensor + ALPHA / R * (b @ a)
+        merged[name] = (tensor, split)
+    return merged
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_tp1():
+    full = qwen3_5_model(seed=11)
+    return full, export(rank_states(full, 1), config=qwen3_5_config())
+
+
+def test_qwen3_5_adapter_covers_gated_attention_gdn_and_mlp(qwen3_5_tp1):
+    _, (plan, exported) = qwen3_5_tp1
+    _, lora = split_out(exported)
+    assert set(lora) == set(plan.lora.tensor_names)
+    attn, gdn = ["q", "k", "v", "o"], ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"]
+    assert plan.lora.config["target_modules"] == sorted(
+        [f"{x}_proj" for x in attn] + [*gdn, "out_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    shapes = {s.name: s.shape for s in plan.manifest}
+    p = "base_model.model.model.layers."
+    # q_proj carries each head's query and output-gate rows.
+    assert shapes[p + "1.self_attn.q_proj.lora_B.weight"] == (2 * Q35_HEADS * Q35_HD, R)
+    assert shapes[p + "0.linear_attn.in_proj_qkv.lora_B.weight"] == (sum(GDN_QKV), R)
+    assert shapes[p + "0.linear_attn.in_proj_b.lora_B.weight"] == (V_HEADS, R)
+    assert shapes[p + "0.linear_attn.out_proj.lora_A.weight"] == (R, V_HEADS * V_DIM)
+    assert not [n for n in lora if ".0.self_attn." in n or ".1.linear_attn." in n]
+
+
+def test_qwen3_5_tp2_export_is_bit_identical_to_tp1(qwen3_5_tp1):
+    full, (_, one) = qwen3_5_tp1
+    _, two = export(rank_states(full, 2), config=qwen3_5_config())
+    assert one.keys() == two.keys()
+    for name in one:
+        assert torch.equal(one[name], two[name]), name
+
+
+def test_qwen3_5_peft_adapter_matches_merged_megatron_weights(qwen3_5_tp1):
+    from transformers import Qwen3_5ForCausalLM
+
+    full, (plan, exported) = qwen3_5_tp1
+    base, lora = split_out(exported)
+    config = qwen3_5_config()
+    model = Qwen3_5ForCausalLM(config).eval()
+    model.load_state_dict(base, strict=True)
+    reference = Qwen3_5ForCausalLM(config).eval()
+    merged = convert_megatron_to_hf(rank_states(merged_megatron(full), 1), config)
+    reference.load_state_dict(merged, strict=True)
+
+    settings = {k: v for k, v in plan.lora.config.items() if k != "peft_type"}
+    peft_model = peft.get_peft_model(model, peft.LoraConfig(**settings)).eval()
+    result = peft.set_peft_model_state_dict(peft_model, lora)
+    assert not result.unexpected_keys
+    assert not [k for k in result.missing_keys if "lora_" in k]
+
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(12))
+    with torch.no_grad():
+        want = reference(ids).logits
+        got = peft_model(ids).logits
+        with peft_model.disable_adapter():
+            base_logits = peft_model(ids).logits
+    # Same math, different float32 summation order (see the Qwen2 test above).
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(base_logits, want, atol=1e-3)  # the adapter really matters
+
+    # The comparison sees the output gate's row layout: lora_B with each head's query and gate
+    # rows swapped gives other logits.
+    q_b = "base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"
+    swapped = lora[q_b].reshape(Q35_HEADS, 2, Q35_HD, R).flip(1).reshape(-1, R)
+    peft.set_peft_model_state_dict(peft_model, {**lora, q_b: swapped})
+    with torch.no_grad():
+        assert not torch.allclose(peft_model(ids).logits, want, atol=1e-3)
+
+
+def test_qwen3_5_unsupported_adapters_are_refused_naming_them():
+    (metas, _), *_ = rank_states(qwen3_5_model(seed=13), 1).values()
+    unsupported = (  # Bridge wraps these when target_modules names them; no HF PEFT rule here
+        "mtp.layers.0.transformer_layer.self_attention.linear_qkv",
+        "decoder.layers.1.mlp.shared_experts.linear_fc1",
+    )
+    for module in unsupported:
+        name = module + ".adapter.linear_in.weight"
+        extra = ShardMeta(name, 0, 2 if module.startswith("mtp") else 1, "float32", (R, H), 0)
+        with pytest.raises(PlanError, match=re.escape(repr(name)) + ".*no rule"):
+            plan_rank([*metas, extra], RankTopology(), qwen3_5_config(), lora=LoraExport("x", 8))
+    gdn_lora_on_attention_layer = ShardMeta(
+        "decoder.layers.1.self_attention.in_proj.adapter.linear_in.weight",
+        0,
+        1,
+        "float32",
+        (R, H),
+        0,
+    )
+    with pytest.raises(PlanError, match=r"layers\.1\.self_attention\.in_proj.*no HF counterpart"):
+        plan_rank(
+            [*metas, gdn_lora_on_attention_layer],
+            RankTopology(),
+            qwen3_5_config(),
+            lora=LoraExport("x", 8),
+        )
