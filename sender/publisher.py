@@ -235,7 +235,8 @@ class Publisher:
 
     def _stream_for(self, device: torch.device) -> _PublishStream:
         """The open Publish stream (one per publisher rank, kept across versions), opened
-        again for another device or after a failure."""
+        again for another device, after a failure, or once it ended between versions (its
+        sender restarted: the channel reaches the new one, the old stream never will)."""
         hello = pb.PublisherHello(
             publisher_id=self.publisher_id,
             rank=self.rank,
@@ -243,7 +244,9 @@ class Publisher:
             device=str(device),
             device_uuid=device_uuid(device),
         )
-        if self._stream is not None and self._stream.hello != hello:
+        if self._stream is not None and (
+            self._stream.hello != hello or self._stream.replies.done()
+        ):
             self._drop_stream()
         if self._stream is None:
             self._stream = _PublishStream(self._stub, hello)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import os
 import re
@@ -36,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from tests.support.models import tiny_config
+from tests.support.models import digests, holder_module, tiny_config
+from tests.support.processes import Outcome, Reporter, Reports
 
 SEQ = 12
 ROUTED_SCALING = 2.5
@@ -736,3 +738,78 @@ def held_versions(receiver, model: torch.nn.Module, versions: int, timeout_s: fl
     yield held
     thread.join(timeout_s)
     assert not errors, errors
+
+
+# --- receivers on other hosts, each in its own process ------------------------------------------
+
+
+def receiving_model(case: ModelCase) -> torch.nn.Module:
+    """What a receiver of ``case``'s HF tensors holds: the transformers model, or for an MoE
+    case a holder of the per-expert checkpoint names (transformers fuses experts in the
+    module)."""
+    import transformers
+
+    from weightsync.sender.megatron import hf_manifest
+
+    config = hf_config(case)
+    if case.experts:
+        return holder_module({s.name: torch.zeros(s.shape) for s in hf_manifest(config, "float32")})
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+class _LostSender(logging.Handler):
+    """Reports each sender a receiver's connection lost (the warning it logs once the
+    version in flight is bound to fail on it)."""
+
+    def __init__(self, out: Reporter, rid: str) -> None:
+        super().__init__(logging.WARNING)
+        self.out, self.rid = out, rid
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if " lost the sender at " in message:
+            self.out.put(Outcome(self.rid, "lost", 0, {}, message))
+
+
+def _receiver_main(addresses: list[str], rid: str, case_name: str, host: str, reports: str):
+    os.environ["WEIGHTSYNC_HOST_ID"] = host  # before the hello, which names the host
+    from weightsync.errors import WeightSyncError
+    from weightsync.receiver import TorchReceiver
+
+    out = Reporter(reports)
+    logging.getLogger("weightsync.receiver").addHandler(_LostSender(out, rid))
+    model = receiving_model(CASE_BY_NAME[case_name])
+    receiver = TorchReceiver(model, addresses, receiver_id=rid)
+    begin, began = receiver.target.begin, [0]
+
+    def report_begin(manifest) -> None:
+        began[0] = manifest.version
+        out.put(Outcome(rid, "began", manifest.version, {}, ""))
+        begin(manifest)
+
+    receiver.target.begin = report_begin
+    out.put(Outcome(rid, "ready", 0, {}, ""))
+    while True:
+        try:
+            version = receiver.sync()
+            out.put(Outcome(rid, "applied", version, digests(model), ""))
+        except WeightSyncError as e:
+            out.put(Outcome(rid, type(e).__name__, began[0], digests(model), str(e)))
+
+
+def start_receiver(addresses: list[str], rid: str, case_name: str, host: str, out: Reports):
+    """A receiver process on host ``host`` (``WEIGHTSYNC_HOST_ID``) holding
+    ``receiving_model`` of ``case_name``, registered with every sender of ``addresses``, that
+    syncs until it is ended. Reports to ``out``: ``ready`` once
+    registered, ``began`` (the version) once a version's parts are joined and about to be
+    written, ``lost`` (the message) when it loses a sender, and after each sync ``applied``
+    or the error's type name (with the version it began), with the model's ``digests``."""
+    import multiprocessing
+
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_receiver_main,
+        daemon=True,
+        args=(addresses, rid, case_name, host, out.path),
+    )
+    proc.start()
+    return proc

@@ -59,8 +59,9 @@ class Outcome(NamedTuple):
     error: str
 
 
-def sender_process(address: str) -> subprocess.Popen:
-    """A real `weightsync-sender` daemon, ready once its health check answers."""
+def sender_process(address: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A real `weightsync-sender` daemon, ready once its health check answers; ``env`` is
+    set in its environment (e.g. ``WEIGHTSYNC_HOST_ID``)."""
     proc = subprocess.Popen(
         [
             os.path.join(os.path.dirname(sys.executable), "weightsync-sender"),
@@ -71,8 +72,14 @@ def sender_process(address: str) -> subprocess.Popen:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, **(env or {})},
     )
-    channel, _ = connect(address, timeout_s=30)
+    try:
+        channel, _ = connect(address, timeout_s=30)
+    except BaseException:
+        proc.kill()  # not left serving after its test gave up on it
+        proc.wait()
+        raise
     channel.close()
     return proc
 
