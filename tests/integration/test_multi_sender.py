@@ -8,8 +8,10 @@ part (``Publisher.publish(part=...)``), and two receivers with host ids "engine-
 "engine-b" (``TorchReceiver(model, [address_a, address_b])``), which get the bytes by
 broadcast over gloo. The same kill before any byte of the version was written, with a Megatron
 trainer spanning hosts (PP=2 and EP=2), and versions split over two senders applying bit for
-bit, are in ``test_megatron_hosts.py``. Last, a publisher kept across its sender's restart
-between versions publishes the next version to the new sender.
+bit, are in ``test_megatron_hosts.py``. A sender SIGSTOPped mid-version fails the version the
+same way once the keepalives notice (its socket stays open), and heals when it resumes. Last, a
+publisher kept across its sender's restart between versions publishes the next version to the
+new sender.
 """
 
 from __future__ import annotations
@@ -219,6 +221,52 @@ def test_a_sender_killed_mid_version_fails_it_everywhere_and_the_next_version_he
     rig.applied_everywhere(3)
     for rid in RECEIVERS:
         assert not rig.inbox.find(rid, "applied", 2), f"{rid} applied version 2"
+
+
+@pytest.mark.timeout(300)
+def test_a_stopped_sender_fails_the_version_everywhere_and_heals_once_it_resumes(rig):
+    """SIGSTOP, not a kill: the stopped sender's socket stays open, so only the control
+    plane's keepalives (10 s + 5 s) tell the receivers it is gone; they must not wait for it
+    for ever with half a version written."""
+    rig.publish([1, 2])
+    rig.applied_everywhere(1)
+    rig.inbox.wait(
+        lambda seen: all(rig.inbox.find(rid, "loading", 2) for rid in RECEIVERS),
+        60,
+        "version 2 never loaded on every receiver",
+    )
+    victim = rig.senders[0]
+    os.kill(victim.pid, signal.SIGSTOP)
+    try:
+        rig.inbox.wait(
+            lambda seen: all(
+                any(o.state not in ("loading", "ready") for o in _of(seen, rid, 2))
+                for rid in RECEIVERS
+            ),
+            60,
+            "the receivers still wait for the stopped sender",
+        )
+    finally:
+        os.kill(victim.pid, signal.SIGCONT)
+    for rid in RECEIVERS:
+        (got,) = [o for o in _of(rig.inbox.seen, rid, 2) if o.state not in ("loading", "ready")]
+        assert got.state == "TransportError", got.error
+        assert got.error.startswith(
+            f"version 2 failed on receiver {rid}: part 0 of 2 from sender trainer-a at "
+            f"{rig.addresses[0]}"
+        ), got.error
+    assert rig.published(1, 2)[0] == "ReceiverFailedError"
+    assert rig.published(0, 2)[0] != "published"
+    # The resumed sender takes the receivers back; the next version applies everywhere.
+    rig.wait_registered(0)
+    rig.publish([3])
+    for index in range(len(SENDERS)):
+        assert rig.published(index, 3) == ("published", "")
+    rig.applied_everywhere(3)
+
+
+def _of(seen, rid: str, version: int) -> list[Outcome]:
+    return [o for _, o in seen if (o.receiver_id, o.version) == (rid, version)]
 
 
 def test_a_publisher_kept_across_a_sender_restart_publishes_to_the_new_sender(sock_dir):

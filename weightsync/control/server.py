@@ -23,6 +23,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightSync"].full_name
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
+    # gRPC 1.85 waits for a keepalive ping's ack this long (default 60 s), whatever
+    # keepalive_timeout_ms says: without it a SIGSTOPped peer went unnoticed for a minute.
+    ("grpc.http2.ping_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.max_receive_message_length", 256 * 1024 * 1024),
