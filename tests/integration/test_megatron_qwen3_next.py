@@ -474,22 +474,16 @@ def vllm_with_draft(directory: Path, load_format: str):
     ``method: "mtp"``), the draft model from the draft ``ModelConfig``: ``dummy`` (random
     weights) or ``safetensors`` (the checkpoint)."""
     from vllm.config import set_current_vllm_config
-    from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
 
-    from tests.sweeps.test_vllm_sweep import _init_distributed
+    from tests.sweeps.test_vllm_sweep import _init_distributed, _vllm_config
 
     _init_distributed()
-    config = EngineArgs(
-        model=str(directory),
-        dtype="float32",
-        load_format=load_format,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=128,
-        seed=0,
+    config = _vllm_config(
+        directory,
+        load_format,
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},
-    ).create_engine_config()
+    )
     draft_config = config.speculative_config.draft_model_config
     with set_current_vllm_config(config):
         loader = get_model_loader(config.load_config)

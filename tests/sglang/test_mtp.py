@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.sglang import install_cpu_shims
+from tests.support.sglang import check_target_and_draft, install_cpu_shims, sglang_load
 
 install_cpu_shims()  # before transformers or SGLang import torchvision
 
 from tests.support import drive, manifest_of  # noqa: E402
 from tests.sweeps.archs import ARCHS, BUCKET_BYTES, differing, live_tensors, tiny_config  # noqa: E402
-from weightsync.errors import NameResolutionError  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 
@@ -69,16 +68,6 @@ def mtp_checkpoint(model_type: str, path: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """The target model and its draft model, which serves the target's embedding and lm_head
-    as SGLang's speculative worker arranges (``set_embed_and_head``, less its CUDA calls)."""
-    main, draft = _build(model_type, draft=False), _build(model_type, draft=True)
-    del draft.model.embed_tokens.weight, draft.lm_head.weight
-    draft.model.embed_tokens.weight = main.model.embed_tokens.weight
-    draft.lm_head.weight = main.lm_head.weight
-    return main, draft
-
-
 def _build(model_type: str, draft: bool) -> torch.nn.Module:
     import importlib
 
@@ -103,38 +92,16 @@ def _build(model_type: str, draft: bool) -> torch.nn.Module:
     return model
 
 
-def _sglang_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
-    from sglang.srt.model_loader.loader import DefaultModelLoader
-
-    with torch.no_grad():
-        DefaultModelLoader.load_weights_and_postprocess(
-            model, ((n, t.clone()) for n, t in tensors.items()), torch.device("cpu")
-        )
-    return model
-
-
 @pytest.mark.parametrize("model_type", sorted(DRAFTS))
 def test_a_version_loads_target_and_draft_like_sglang(model_type, tmp_path):
-    from weightsync.receiver.sglang.target import SglangWeightTarget
-
     tensors = mtp_checkpoint(model_type, tmp_path)
-    main, draft = _pair(model_type)
-    target = SglangWeightTarget(main, "cpu", draft=draft)
-    drive(target, manifest_of(1, tensors), tensors, BUCKET_BYTES)
-    want_main, want_draft = _pair(model_type)
-    _sglang_load(want_main, tensors)
-    _sglang_load(want_draft, tensors)
-    for got, want in ((main, want_main), (draft, want_draft)):
-        wrong = differing(live_tensors(got).items(), live_tensors(want).items())
-        assert not wrong, f"{len(wrong)} tensors differ from SGLang's own load: {wrong[:4]}"
+    _, draft = check_target_and_draft(
+        lambda is_draft: _build(model_type, draft=is_draft),
+        tensors,
+        (f"{MTP}no_such_proj.weight", f"{MTP}enorm.weight"),
+        r"NextN.*no_such_proj",
+    )
     assert not any((t == SENTINEL).all() for t in live_tensors(draft).values())
-
-    bad = {**tensors, f"{MTP}no_such_proj.weight": tensors[f"{MTP}enorm.weight"]}
-    before = {n: t.clone() for n, t in {**live_tensors(main), **live_tensors(draft)}.items()}
-    with pytest.raises(NameResolutionError, match=r"NextN.*no_such_proj"):
-        drive(target, manifest_of(2, bad), bad, BUCKET_BYTES)
-    after = {**live_tensors(main), **live_tensors(draft)}
-    assert not differing(after.items(), before.items()), "a refused version wrote"
 
 
 def test_without_a_draft_model_the_mtp_layer_is_ignored(tmp_path, caplog):
@@ -146,5 +113,5 @@ def test_without_a_draft_model_the_mtp_layer_is_ignored(tmp_path, caplog):
         drive(SglangWeightTarget(main, "cpu"), manifest_of(1, tensors), tensors, BUCKET_BYTES)
     warned = [r.getMessage() for r in caplog.records if "no draft model" in r.getMessage()]
     assert len(warned) == 1 and "version 1" in warned[0] and MTP in warned[0]
-    want = _sglang_load(_build("glm4_moe", draft=False), tensors)
+    want = sglang_load(_build("glm4_moe", draft=False), tensors)
     assert not differing(live_tensors(main).items(), live_tensors(want).items())

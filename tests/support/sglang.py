@@ -32,8 +32,10 @@ import sys
 import tempfile
 import threading
 import types
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import pytest
 import torch
 
 from tests.support.models import tiny_config
@@ -289,3 +291,63 @@ class FakeSglang:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# --- MTP: a target model and its draft model ------------------------------------------------
+
+
+def draft_pair(build: Callable[[bool], torch.nn.Module]) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The target model (``build(False)``) and its draft model (``build(True)``), which serves
+    the target's embedding and lm_head as SGLang's speculative worker arranges
+    (``set_embed_and_head``, less its CUDA calls)."""
+    main, draft = build(False), build(True)
+    del draft.model.embed_tokens.weight, draft.lm_head.weight
+    draft.model.embed_tokens.weight = main.model.embed_tokens.weight
+    draft.lm_head.weight = main.lm_head.weight
+    return main, draft
+
+
+def sglang_load(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """``model`` loaded by SGLang's own loader from ``tensors``."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    with torch.no_grad():
+        DefaultModelLoader.load_weights_and_postprocess(
+            model, ((n, t.clone()) for n, t in tensors.items()), torch.device("cpu")
+        )
+    return model
+
+
+def check_target_and_draft(
+    build: Callable[[bool], torch.nn.Module],
+    tensors: dict[str, torch.Tensor],
+    bad: tuple[str, str],
+    refusal: str,
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A version through ``SglangWeightTarget(main, draft=...)`` leaves both models equal to
+    SGLang's own load of ``tensors``; a next version adding ``bad`` (an unknown name, and the
+    name of the tensor it copies) is refused (``NameResolutionError`` matching ``refusal``)
+    without a write. Returns the models."""
+    from tests.support import drive, manifest_of
+    from tests.sweeps.archs import BUCKET_BYTES, differing, live_tensors
+    from weightsync.errors import NameResolutionError
+    from weightsync.receiver.sglang.target import SglangWeightTarget
+
+    main, draft = draft_pair(build)
+    target = SglangWeightTarget(main, "cpu", draft=draft)
+    drive(target, manifest_of(1, tensors), tensors, BUCKET_BYTES)
+    want_main, want_draft = draft_pair(build)
+    for got, want in (
+        (main, sglang_load(want_main, tensors)),
+        (draft, sglang_load(want_draft, tensors)),
+    ):
+        wrong = differing(live_tensors(got).items(), live_tensors(want).items())
+        assert not wrong, f"{len(wrong)} tensors differ from SGLang's own load: {wrong[:4]}"
+    bad_name, like = bad
+    bad_version = {**tensors, bad_name: tensors[like]}
+    before = {n: t.clone() for n, t in {**live_tensors(main), **live_tensors(draft)}.items()}
+    with pytest.raises(NameResolutionError, match=refusal):
+        drive(target, manifest_of(2, bad_version), bad_version, BUCKET_BYTES)
+    after = {**live_tensors(main), **live_tensors(draft)}
+    assert not differing(after.items(), before.items()), "a refused version wrote"
+    return main, draft

@@ -45,7 +45,7 @@ KNOWN = {
 """Architectures vLLM builds and loads here but weightsync does not receive yet, and why."""
 
 
-def _vllm_config(path: Path, load_format: str):
+def _vllm_config(path: Path, load_format: str, **engine_args):
     from vllm.engine.arg_utils import EngineArgs
 
     return EngineArgs(
@@ -56,6 +56,7 @@ def _vllm_config(path: Path, load_format: str):
         enforce_eager=True,
         max_model_len=128,
         seed=0,
+        **engine_args,
     ).create_engine_config()
 
 
