@@ -122,24 +122,30 @@ def sglang_engine(
     """
     install_cpu_shims()
     import sglang
+    from sglang.srt.runtime_context import ParallelContext, RuntimeContext, use_context
 
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     engine = None
-    try:
-        with _environment(child_environment(env)):
-            engine = sglang.Engine(model_path=str(model_path), **{**CPU_ARGS, **server_args})
-        yield engine
-    finally:
-        if engine is not None:
-            engine.shutdown()
-        # A failed start leaves children too; SGLang's shutdown kills them only when it ran.
-        spawned = [
-            child for child in psutil.Process().children(recursive=True) if child.pid not in before
-        ]
-        for child in spawned:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                child.kill()
-        psutil.wait_procs(spawned, timeout=EXIT_TIMEOUT_S)
+    # The engine publishes its server args (device "cpu"...) process-wide: in a context of its
+    # own, model classes built in this process after it see the one the tests published.
+    with use_context(RuntimeContext(parallel=ParallelContext())):
+        try:
+            with _environment(child_environment(env)):
+                engine = sglang.Engine(model_path=str(model_path), **{**CPU_ARGS, **server_args})
+            yield engine
+        finally:
+            if engine is not None:
+                engine.shutdown()
+            # A failed start leaves children too; SGLang's shutdown kills them only when it ran.
+            spawned = [
+                child
+                for child in psutil.Process().children(recursive=True)
+                if child.pid not in before
+            ]
+            for child in spawned:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+            psutil.wait_procs(spawned, timeout=EXIT_TIMEOUT_S)
 
 
 def greedy(
