@@ -154,6 +154,43 @@ class Rig:
             interval=0.2,
         )
 
+    def loading_everywhere(self, version: int) -> None:
+        """Every receiver wrote part of ``version`` (so each reports its weights dirty if the
+        version then fails)."""
+        self.inbox.wait(
+            lambda seen: all(self.inbox.find(rid, "loading", version) for rid in RECEIVERS),
+            60,
+            f"version {version} never loaded on every receiver",
+        )
+
+    def ends(self, version: int, message: str) -> list[Outcome]:
+        """Each receiver's outcome of ``version`` (``RECEIVERS`` order), once all reported."""
+
+        def reported(seen) -> list[Outcome] | None:
+            got = [
+                next(
+                    (
+                        o
+                        for _, o in seen
+                        if (o.receiver_id, o.version) == (rid, version)
+                        and o.state not in ("loading", "ready")
+                    ),
+                    None,
+                )
+                for rid in RECEIVERS
+            ]
+            return got if all(got) else None
+
+        return self.inbox.wait(reported, 60, message)
+
+    def heals(self, version: int) -> None:
+        """Once the receivers are back with trainer-a, ``version`` applies everywhere."""
+        self.wait_registered(0)
+        self.publish([version])
+        for index in range(len(SENDERS)):
+            assert self.published(index, version) == ("published", "")
+        self.applied_everywhere(version)
+
     def close(self) -> None:
         stop_children([*self.publishers, *self.receivers], self.senders)
         self.out.close()
@@ -169,43 +206,28 @@ def rig(sock_dir, monkeypatch):
         rig.close()
 
 
-@pytest.mark.timeout(300)
-def test_a_sender_killed_mid_version_fails_it_everywhere_and_the_next_version_heals(rig):
-    rig.publish([1, 2])
-    rig.applied_everywhere(1)
-    # Both receivers wrote part of version 2: each must then report its weights dirty.
-    rig.inbox.wait(
-        lambda seen: all(rig.inbox.find(rid, "loading", 2) for rid in RECEIVERS),
-        60,
-        "version 2 never loaded on every receiver",
-    )
-    victim = rig.senders[0]
-    os.kill(victim.pid, signal.SIGKILL)
-    victim.wait(10)
-
-    # Every receiver fails version 2, naming the killed sender; none commits it.
-    def outcome(rid: str) -> Outcome | None:
-        return next(
-            (
-                o
-                for _, o in rig.inbox.seen
-                if (o.receiver_id, o.version) == (rid, 2) and o.state != "loading"
-            ),
-            None,
-        )
-
-    rig.inbox.wait(
-        lambda seen: all(outcome(rid) for rid in RECEIVERS),
-        60,
-        "the receivers did not report version 2's end",
-    )
-    failed = [outcome(rid) for rid in RECEIVERS]
-    for got in failed:
+def assert_failed_naming_trainer_a(rig: Rig, outcomes: list[Outcome]) -> None:
+    for got in outcomes:
         assert got.state == "TransportError", got.error
         assert got.error.startswith(
             f"version 2 failed on receiver {got.receiver_id}: part 0 of 2 from sender "
             f"trainer-a at {rig.addresses[0]}"
         ), got.error
+
+
+@pytest.mark.timeout(300)
+def test_a_sender_killed_mid_version_fails_it_everywhere_and_the_next_version_heals(rig):
+    rig.publish([1, 2])
+    rig.applied_everywhere(1)
+    rig.loading_everywhere(2)
+    victim = rig.senders[0]
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.wait(10)
+
+    # Every receiver fails version 2, naming the killed sender; none commits it.
+    failed = rig.ends(2, "the receivers did not report version 2's end")
+    assert_failed_naming_trainer_a(rig, failed)
+    for got in failed:
         assert "weights are dirty" in got.error
     # The surviving sender's publisher learns that version 2 failed.
     state, error = rig.published(1, 2)
@@ -214,11 +236,7 @@ def test_a_sender_killed_mid_version_fails_it_everywhere_and_the_next_version_he
     assert rig.published(0, 2)[0] != "published"
     # The killed sender restarts on the same address; the receivers register again.
     rig.senders.append(rig.start_sender(0))
-    rig.wait_registered(0)
-    rig.publish([3])
-    for index in range(len(SENDERS)):
-        assert rig.published(index, 3) == ("published", "")
-    rig.applied_everywhere(3)
+    rig.heals(3)
     for rid in RECEIVERS:
         assert not rig.inbox.find(rid, "applied", 2), f"{rid} applied version 2"
 
@@ -230,43 +248,18 @@ def test_a_stopped_sender_fails_the_version_everywhere_and_heals_once_it_resumes
     for ever with half a version written."""
     rig.publish([1, 2])
     rig.applied_everywhere(1)
-    rig.inbox.wait(
-        lambda seen: all(rig.inbox.find(rid, "loading", 2) for rid in RECEIVERS),
-        60,
-        "version 2 never loaded on every receiver",
-    )
+    rig.loading_everywhere(2)
     victim = rig.senders[0]
     os.kill(victim.pid, signal.SIGSTOP)
     try:
-        rig.inbox.wait(
-            lambda seen: all(
-                any(o.state not in ("loading", "ready") for o in _of(seen, rid, 2))
-                for rid in RECEIVERS
-            ),
-            60,
-            "the receivers still wait for the stopped sender",
-        )
+        failed = rig.ends(2, "the receivers still wait for the stopped sender")
     finally:
         os.kill(victim.pid, signal.SIGCONT)
-    for rid in RECEIVERS:
-        (got,) = [o for o in _of(rig.inbox.seen, rid, 2) if o.state not in ("loading", "ready")]
-        assert got.state == "TransportError", got.error
-        assert got.error.startswith(
-            f"version 2 failed on receiver {rid}: part 0 of 2 from sender trainer-a at "
-            f"{rig.addresses[0]}"
-        ), got.error
+    assert_failed_naming_trainer_a(rig, failed)
     assert rig.published(1, 2)[0] == "ReceiverFailedError"
     assert rig.published(0, 2)[0] != "published"
     # The resumed sender takes the receivers back; the next version applies everywhere.
-    rig.wait_registered(0)
-    rig.publish([3])
-    for index in range(len(SENDERS)):
-        assert rig.published(index, 3) == ("published", "")
-    rig.applied_everywhere(3)
-
-
-def _of(seen, rid: str, version: int) -> list[Outcome]:
-    return [o for _, o in seen if (o.receiver_id, o.version) == (rid, version)]
+    rig.heals(3)
 
 
 def test_a_publisher_kept_across_a_sender_restart_publishes_to_the_new_sender(sock_dir):
