@@ -30,8 +30,8 @@ _role = "process"
 _file = None
 _gpu_pending: list[tuple[Any, str, dict, tuple[Any, int]]] = []
 """(event, name, fields, its device's anchor) recorded and not yet written."""
-_gpu_streams: dict[Any, Any] = {}
-_gpu_anchors: dict[Any, tuple[Any, int]] = {}
+_gpu_clocks: dict[Any, tuple[Any, tuple[Any, int]]] = {}
+"""Per device: the trace stream, and the anchor (an event and its perf_counter_ns)."""
 
 
 def set_role(role: str) -> None:
@@ -58,13 +58,13 @@ def gpu_mark(event: str, device, after: Callable[[], None] | None = None, **fiel
     import torch
 
     with _lock:
-        stream = _gpu_streams.get(device)
-        if stream is None:
-            stream = _gpu_streams[device] = torch.cuda.Stream(device)
+        if device not in _gpu_clocks:
+            stream = torch.cuda.Stream(device)
             anchor = torch.cuda.Event(enable_timing=True)
             anchor.record(stream)
             anchor.synchronize()
-            _gpu_anchors[device] = (anchor, time.perf_counter_ns())
+            _gpu_clocks[device] = (stream, (anchor, time.perf_counter_ns()))
+        stream, anchor_at = _gpu_clocks[device]
     stream.wait_stream(torch.cuda.current_stream(device))
     if after is not None:
         with torch.cuda.stream(stream):
@@ -72,7 +72,7 @@ def gpu_mark(event: str, device, after: Callable[[], None] | None = None, **fiel
     done = torch.cuda.Event(enable_timing=True)
     done.record(stream)
     with _lock:
-        _gpu_pending.append((done, event, {**fields, "gpu": str(device)}, _gpu_anchors[device]))
+        _gpu_pending.append((done, event, {**fields, "gpu": str(device)}, anchor_at))
 
 
 def flush_gpu(block: bool = True) -> None:
