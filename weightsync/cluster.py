@@ -256,12 +256,18 @@ def _receivers(
     return out
 
 
+Built = tuple[tuple[ModelTensor, ...], list[Source], list[Receiver]]
+"""What :func:`cluster` derives: the manifest, the sources and the receivers."""
+
+
 def plan_cluster(topo: Topology, config: Mapping[str, Any]) -> TopologyPlan:
     """The plan the senders would run for ``topo`` (``config``: the model's HF config)."""
-    tensors, sources, receivers = cluster(topo, config)
-    return plan_topology(
-        tensors, sources, receivers, topo.links.rates(), broadcast=topo.transfer == "broadcast"
-    )
+    return plan_built(topo, cluster(topo, config))
+
+
+def plan_built(topo: Topology, built: Built) -> TopologyPlan:
+    """:func:`plan_cluster` of an already derived ``cluster(topo, config)``."""
+    return plan_topology(*built, topo.links.rates(), broadcast=topo.transfer == "broadcast")
 
 
 @dataclass(frozen=True)
@@ -296,16 +302,16 @@ class RuntimeEstimate:
         return "every engine GPU taking the whole model through its NIC"
 
 
-def runtime_estimate(topo: Topology, config: Mapping[str, Any]) -> RuntimeEstimate:
-    """The multi-host runtime's cost for ``topo``: the parts its senders would send (the same
-    :func:`~weightsync.parts.plan_parts` the Megatron publishers run) and the bytes each link
-    carries.
+def runtime_estimate(topo: Topology, built: Built) -> RuntimeEstimate:
+    """The multi-host runtime's cost for ``topo`` (``built``: its ``cluster(topo, config)``):
+    the parts its senders would send (the same :func:`~weightsync.parts.plan_parts` the
+    Megatron publishers run) and the bytes each link carries.
 
     Raises:
         PlanError: a tensor no one trainer host holds whole (a TP group spanning hosts), as the
             publishers would refuse it.
     """
-    tensors, sources, _ = cluster(topo, config)
+    tensors, sources, _ = built
     boxes: dict[str, dict[str, set[Box]]] = defaultdict(lambda: defaultdict(set))
     for source in sources:
         for piece in source.pieces:

@@ -164,8 +164,9 @@ def test_every_trainer_host_sends_and_balances_the_copies_it_shares():
 
 def test_the_runtime_as_built_sends_each_stage_from_its_host_whole_to_every_engine_gpu():
     t = topo(TRAINER, ENGINES)
-    run = runtime_estimate(t, MOE)
-    tensors, _, _ = cluster(t, MOE)
+    built = cluster(t, MOE)
+    run = runtime_estimate(t, built)
+    tensors, _, _ = built
     assert run.parts.hosts == ("trainer-0", "trainer-1")  # a PP stage per host
     assert run.parts.owner["model.embed_tokens.weight"] == "trainer-0"
     assert run.parts.owner["lm_head.weight"] == "trainer-1"
@@ -179,7 +180,7 @@ def test_the_runtime_as_built_sends_each_stage_from_its_host_whole_to_every_engi
 
 def test_the_runtime_as_built_balances_parts_over_hosts_holding_copies():
     t = topo(dict(hosts=4, gpus_per_host=2, tp=1, pp=1, ep=1), dict(ENGINES, ep=1))
-    run = runtime_estimate(t, GQA)
+    run = runtime_estimate(t, cluster(t, GQA))
     sent = [run.parts.bytes_of(h) for h in run.parts.hosts]
     largest = max(x.nbytes for x in cluster(t, GQA)[0])
     assert len(sent) == 4 and max(sent) - min(sent) <= largest

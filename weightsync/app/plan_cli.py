@@ -20,7 +20,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from weightsync.app import output
-from weightsync.cluster import GB, Topology, plan_cluster, runtime_estimate
+from weightsync.cluster import GB, RuntimeEstimate, Topology, cluster, plan_built, runtime_estimate
 from weightsync.errors import ConfigError
 from weightsync.model_shapes import MODEL_TYPES, PRESETS, model_tensors, total_params
 from weightsync.topology import TopologyPlan
@@ -125,8 +125,8 @@ def describe(error: ValidationError) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     path = Path(args.topology)
     topo, config = load_topology(path)
-    plan = plan_cluster(topo, config)
-    print_plan(path, topo, config, plan)
+    built = cluster(topo, config)  # once: for a 1T model it is most of the run
+    print_plan(path, topo, config, plan_built(topo, built), runtime_estimate(topo, built))
     return 0
 
 
@@ -134,7 +134,13 @@ def _gb(n: float) -> str:
     return f"{n / GB:,.2f}"
 
 
-def print_plan(path: Path, topo: Topology, config: dict[str, Any], plan: TopologyPlan) -> None:
+def print_plan(
+    path: Path,
+    topo: Topology,
+    config: dict[str, Any],
+    plan: TopologyPlan,
+    run: RuntimeEstimate,
+) -> None:
     t, e = topo.trainer, topo.engines
     tensors = model_tensors(config, fp8=e.dtype == "fp8")
     model = topo.model.preset or topo.model.config
@@ -174,14 +180,13 @@ def print_plan(path: Path, topo: Topology, config: dict[str, Any], plan: Topolog
         f"predicted: {plan.predicted_s:.3f} s, bound by {plan.bottleneck or 'nothing'}",
         f"floor: {plan.floor_s:.3f} s, bound by {plan.floor_bound}",
         f"ratio: {ratio:.2f}x the floor",
-        f"as built: {_as_built(topo, config, plan.floor_s)}",
+        f"as built: {_as_built(run, plan.floor_s)}",
     ]
     print("\n".join(lines), flush=True)  # plain lines: never wrapped, whatever the width
 
 
-def _as_built(topo: Topology, config: dict[str, Any], floor_s: float) -> str:
+def _as_built(run: RuntimeEstimate, floor_s: float) -> str:
     """The runtime's cost today, beside the plan: its senders do not send slices yet."""
-    run = runtime_estimate(topo, config)
     host, part = run.busiest_part
     ratio = f" ({run.predicted_s / floor_s:.1f}x the floor)" if floor_s else ""
     return (
