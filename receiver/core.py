@@ -26,6 +26,8 @@ What the receiver keeps across versions (each keyed so that a hit is the same by
   dropped at 16.
 - ``ReceiverCore._validated``: the (manifest key, ``target.generation``) last accepted;
   replaced when either changes (a target bumps ``generation`` when it loads another model).
+- ``ReceiverCore._kept``: the boxes declared in each verdict, by (manifest key,
+  ``target.generation``); all dropped at 16.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from weightsync.receiver.parts import ArrivedPart, check_part, join_parts, refus
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import WeightTarget
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import ManifestCache, describe, error_to_pb
+from weightsync.wire import ManifestCache, boxes_to_pb, describe, error_to_pb
 
 # Long enough for a loaded machine to deliver the last "applied" when a receiver is dropped
 # or its process exits unclosed: losing it makes the sender report a version this receiver
@@ -196,6 +198,7 @@ class ReceiverCore:
         self.last_error: WeightSyncError | None = None
         self._manifests = ManifestCache()
         self._validated: tuple[bytes, int] | None = None
+        self._kept: dict[tuple[bytes, int], list[pb.TensorBox]] = {}
         """(manifest key, target generation) the target last accepted: the same tensor list
         for the same model need not be checked again."""
         self._load_lock = threading.Lock()
@@ -297,14 +300,32 @@ class ReceiverCore:
             if error is e:
                 raise
             raise error from e
-        self._verdict(link, version, None)
+        self._verdict(link, version, None, self._keeps(manifest, key))
         return self._apply(link, manifest)
 
-    def _verdict(self, link: Link, version: int, error: WeightSyncError | None) -> None:
-        verdict = pb.ManifestVerdict(version=version, accepted=error is None)
+    def _verdict(
+        self,
+        link: Link,
+        version: int,
+        error: WeightSyncError | None,
+        keeps: list[pb.TensorBox] | None = None,
+    ) -> None:
+        verdict = pb.ManifestVerdict(version=version, accepted=error is None, keeps=keeps)
         if error is not None:
             verdict.error.CopyFrom(error_to_pb(error))
         link.connection.send(pb.ReceiverMessage(verdict=verdict))
+
+    def _keeps(self, manifest: VersionManifest, key: bytes) -> list[pb.TensorBox]:
+        """The boxes of ``manifest``'s tensors the target keeps (after validating), declared
+        in the verdict so the sender plans this receiver's bytes."""
+        cached = (key, self.target.generation)
+        if cached not in self._kept:
+            if len(self._kept) >= 16:
+                self._kept.clear()
+            kept = self.target.kept()
+            names = {spec.name for spec in manifest.tensors} if kept else set()
+            self._kept[cached] = boxes_to_pb({n: b for n, b in kept.items() if n in names})
+        return self._kept[cached]
 
     def _refuse(self, links: Sequence[Link], version: int, e: Exception) -> WeightSyncError:
         """Reject ``version`` before any write, telling the senders of ``links``; returns the
@@ -580,8 +601,8 @@ class ReceiverCore:
             if error is e:
                 raise
             raise error from e
-        for link in self._links:
-            self._verdict(link, run.version, None)
+        for link, part, key in zip(self._links, arrived, keys, strict=True):
+            self._verdict(link, run.version, None, self._keeps(part.manifest, key))
         return self._apply_parts(run, arrived, union)
 
     def _superseded(self, link: Link, stale: int, newer: int) -> None:

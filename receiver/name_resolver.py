@@ -28,6 +28,8 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError, NameResolutionError
+from weightsync.receiver.reads import LoaderReads, bounding
+from weightsync.topology_model import Box
 
 ShardId = str | int
 
@@ -52,6 +54,9 @@ class ResolvedName:
     loaded_with: frozenset[str] = frozenset()
     """Other checkpoint names the model loads in the same call (SGLang's DeepSeek concatenates
     ``q_a_proj`` and ``kv_a_proj_with_mqa``): they must reach ``load_weights`` together."""
+    box: Box | None = None
+    """The part of the checkpoint tensor this rank's loaders read (a TP shard), or None for
+    all of it; learned by :func:`resolve_by_loading` (:mod:`.reads`)."""
 
     @property
     def module_name(self) -> str:
@@ -442,7 +447,13 @@ class _Traced(torch.Tensor):
         )
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **kwargs)
+        if _reads is not None:
+            _reads.after(getattr(func, "__name__", ""), (args, kwargs), out)
         return tree_map_only(torch.Tensor, lambda t: _traced(t, sources), out)
+
+
+_reads: LoaderReads | None = None
+"""The running dry run's reads (one dry run at a time: the model's loaders are swapped)."""
 
 
 def _traced(tensor: torch.Tensor, sources: frozenset[str]) -> _Traced:
@@ -475,8 +486,10 @@ class _DryRun:
         self.refused: dict[str, str] = {}  # the model's own code refused the name
         self.params = [_Param(n, p, (loading or {}).get(n, p)) for n, p in model.named_parameters()]
         # Experts of one fused parameter differ only in their index: one real loader run per
-        # (parameter, shard, shape, dtype) checks them all (18k names in a 48x128 MoE).
-        self.checked: dict[tuple[object, ...], tuple[str | None, object]] = {}
+        # (parameter, shard, shape, dtype) checks them all (18k names in a 48x128 MoE), and
+        # what it read of its input stands for what the others' would.
+        self.checked: dict[tuple[object, ...], tuple[str | None, object, Box | None]] = {}
+        self.reads = LoaderReads((s.name, t) for s, t in zip(self.specs, self.inputs, strict=True))
 
     def _recorder(self, entry: _Param) -> Callable:
         def record(param: torch.Tensor, loaded_weight: torch.Tensor, *args, **kwargs) -> object:
@@ -493,7 +506,9 @@ class _DryRun:
                 key = (entry.name, shard, loaded_weight.shape, loaded_weight.dtype)
             if expert is None or key not in self.checked:
                 self.checked[key] = self._check(entry, loaded_weight, args, kwargs)
-            error, result = self.checked[key]
+            else:
+                self._reuse_read(loaded_weight, self.checked[key][2])
+            error, result, _ = self.checked[key]
             for name in names:
                 self.hits.setdefault(name, []).append(
                     ResolvedName(name, entry.name, shard, expert, bound.get("weight_name"))
@@ -509,15 +524,26 @@ class _DryRun:
 
         return record
 
-    @staticmethod
     def _check(
-        entry: _Param, loaded: torch.Tensor, args: tuple, kwargs: dict
-    ) -> tuple[str | None, object]:
-        """The real loader on the meta parameter: (why it refused or None, what it returned)."""
-        try:
-            return None, entry.loader(entry.meta, loaded, *args, **kwargs)
-        except _LOADER_ERRORS as e:
-            return str(e) or type(e).__name__, False
+        self, entry: _Param, loaded: torch.Tensor, args: tuple, kwargs: dict
+    ) -> tuple[str | None, object, Box | None]:
+        """The real loader on the meta parameter: why it refused (or None), what it returned
+        and what it read of ``loaded`` when that is a whole input."""
+        name = self.reads.input_name(loaded)
+        with self.reads.capturing() as got:
+            try:
+                result: tuple[str | None, object] = (
+                    None,
+                    entry.loader(entry.meta, loaded, *args, **kwargs),
+                )
+            except _LOADER_ERRORS as e:
+                result = (str(e) or type(e).__name__, False)
+        return (*result, bounding(box for n, box in got if n == name) if name else None)
+
+    def _reuse_read(self, loaded: torch.Tensor, box: Box | None) -> None:
+        name = self.reads.input_name(loaded)
+        if name is not None and box is not None:
+            self.reads.add(name, box)
 
     def _feed(self, start: int) -> Iterator[tuple[str, torch.Tensor]]:
         for i in range(start, len(self.specs)):
@@ -526,8 +552,10 @@ class _DryRun:
         self.current = None
 
     def run(self) -> None:
+        global _reads
         for entry in self.params:
             entry.install(self._recorder(entry))
+        _reads = self.reads
         try:
             start = 0
             while start < len(self.specs):
@@ -543,6 +571,7 @@ class _DryRun:
                     self.refused.setdefault(name, f"{type(e).__name__}: {e}")
                     start = self.position + 1
         finally:
+            _reads = None
             self.current = None
             for entry in self.params:
                 entry.restore()
@@ -683,8 +712,13 @@ def _checked(run: _DryRun) -> dict[str, ResolvedName]:
     for names in by_call.values():
         for name in names if len(names) > 1 else ():
             partners[name] = partners.get(name, frozenset()) | (names - {name})
+    shapes = {spec.name: spec.shape for spec in run.specs}
     return {
-        name: _summary(hits, partners.get(name, frozenset())) for name, hits in run.hits.items()
+        name: replace(
+            _summary(hits, partners.get(name, frozenset())),
+            box=run.reads.kept(name, shapes[name]),
+        )
+        for name, hits in run.hits.items()
     }
 
 
@@ -695,6 +729,20 @@ def _summary(hits: list[ResolvedName], loaded_with: frozenset[str]) -> ResolvedN
     if len(hits) > 1 and len({hit.expert_id for hit in hits}) > 1:
         return replace(first, expert_id=None, expert_weight_name=None)
     return first
+
+
+def kept_boxes(*resolved: Mapping[str, ResolvedName]) -> dict[str, Box]:
+    """The boxes a rank keeps of the names its models resolved (a target model and its
+    draft): a name any model loads whole is kept whole, else the box holding every model's."""
+    boxes: dict[str, list[Box]] = {}
+    whole: set[str] = set()
+    for names in resolved:
+        for name, hit in names.items():
+            if hit.box is None:
+                whole.add(name)
+            else:
+                boxes.setdefault(name, []).append(hit.box)
+    return {name: bounding(b) for name, b in boxes.items() if name not in whole}
 
 
 def is_mtp_name(name: str, num_hidden_layers: int) -> bool:

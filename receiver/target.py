@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import ClassVar
 
 import torch
@@ -13,6 +13,7 @@ from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.regions import CopyBatch
+from weightsync.topology_model import Box
 
 
 class WeightTarget(ABC):
@@ -50,6 +51,12 @@ class WeightTarget(ABC):
             NameResolutionError: a name the model lacks (the message names it).
             ManifestMismatchError: a shape or dtype differing from the live parameter.
         """
+
+    def kept(self) -> Mapping[str, Box]:
+        """After :meth:`validate`: the tensors of that manifest this rank keeps only a box of
+        (an engine TP rank's shard, as its loaders slice them), declared to the sender. A
+        tensor not listed is kept whole; the default keeps everything whole."""
+        return {}
 
     @abstractmethod
     def begin(self, manifest: VersionManifest) -> None:

@@ -7,6 +7,9 @@ a peer GPU, the bytes balanced over the source GPUs so no one GPU's outbound lin
 node. Boxes stay whole: a direct entry is one whole tensor read from one copy.
 
 A receiver maps every storage its announcement lists, so each gets only the storages it reads.
+A receiver that declared the boxes it keeps (an engine TP rank: ``ManifestVerdict.keeps``) is
+planned for those: its route bytes count its shard, and its entries stay whole tensors, which its
+own loaders narrow as they copy (so only the shard's bytes move).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightsync.buckets import plan_direct
-from weightsync.topology import Piece, Receiver, Source, plan_topology, whole_box
+from weightsync.topology import Box, Piece, Receiver, Source, plan_topology, whole_box
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb
 
@@ -31,6 +34,8 @@ _WHOLE = 1 << 62
 
 ReceiverGpus = tuple[tuple[str, str], ...]
 """(receiver id, GPU UUID) of every receiver that reads direct, sorted."""
+Keeps = Mapping[str, Mapping[str, Box]]
+"""By receiver id: the boxes it declared it keeps of tensors it keeps only part of."""
 
 
 @dataclass(frozen=True)
@@ -45,8 +50,11 @@ class DirectRead:
     """Bytes by route: "local" (a copy on its own GPU) and "peer" (another GPU)."""
 
 
-def plan_direct_reads(tensors: TensorPlan, receivers: ReceiverGpus) -> dict[str, DirectRead]:
-    """Every receiver's :class:`DirectRead` (none when nothing goes direct).
+def plan_direct_reads(
+    tensors: TensorPlan, receivers: ReceiverGpus, keeps: Keeps | None = None
+) -> dict[str, DirectRead]:
+    """Every receiver's :class:`DirectRead` (none when nothing goes direct); ``keeps``: the
+    boxes each receiver declared (a receiver not in it keeps every tensor whole).
 
     A receiver with no GPU UUID, or on a GPU no copy is on, reads from peers; an empty tensor
     from its lowest rank's copy (nothing moves, the planner leaves it out).
@@ -62,11 +70,15 @@ def plan_direct_reads(tensors: TensorPlan, receivers: ReceiverGpus) -> dict[str,
             pieces[c.rank].append(Piece(spec.name, whole_box(spec.shape)))
             gpu_of[c.rank] = c.gpu or f"rank {c.rank}"  # CPU copies: none is a receiver's GPU
     sources = [Source(rank, gpu_of[rank], _HOST, tuple(ps)) for rank, ps in pieces.items()]
-    readers = [Receiver(rid, gpu or f"receiver {rid}", _HOST) for rid, gpu in receivers]
+    keeps = keeps or {}
+    readers = [
+        Receiver(rid, gpu or f"receiver {rid}", _HOST, _needs(specs, keeps.get(rid)))
+        for rid, gpu in receivers
+    ]
     plan = plan_topology(specs, sources, readers, split_min_bytes=_WHOLE)
-    chosen: dict[str, dict[str, tuple[int, str]]] = defaultdict(dict)
+    chosen: dict[str, dict[str, tuple[int, str, int]]] = defaultdict(dict)
     for t in plan.transfers:
-        chosen[t.receiver][t.tensor] = (t.source, t.route)
+        chosen[t.receiver][t.tensor] = (t.source, t.route, t.nbytes)
     reads = {}
     for rid, _ in receivers:
         index: dict[int, int] = {}  # the offer's source index -> this receiver's
@@ -74,31 +86,44 @@ def plan_direct_reads(tensors: TensorPlan, receivers: ReceiverGpus) -> dict[str,
         routes = {"local": 0, "peer": 0}
         for spec in specs:
             copies = tensors.copies[spec.name]
-            rank, route = chosen[rid].get(spec.name, (copies[0].rank, ""))
+            rank, route, nbytes = chosen[rid].get(spec.name, (copies[0].rank, "", 0))
             copy = next(c for c in copies if c.rank == rank)
             located.append((spec, index.setdefault(copy.source, len(index)), copy.offset))
             if route:
-                routes[route] += spec.nbytes
+                routes[route] += nbytes
         bucket = plan_direct(located, direct.index, direct.is_last)
         sources_read = tuple(tensors.direct_sources[i] for i in index)
         reads[rid] = DirectRead(bucket_to_pb(bucket), sources_read, routes)
     return reads
 
 
+def _needs(specs: list, boxes: Mapping[str, Box] | None) -> tuple[Piece, ...]:
+    """A receiver's pieces: every direct tensor, whole or the box it declared (none declared:
+    the planner's default, every tensor whole)."""
+    if not boxes:
+        return ()
+    return tuple(Piece(s.name, boxes.get(s.name) or whole_box(s.shape)) for s in specs)
+
+
 class DirectReads:
-    """Memo of :func:`plan_direct_reads`. Key: the tensor plan (by identity; the tensor plans'
-    memo keeps it while its layout is in use) and the receivers' GPUs; the last
-    ``max_entries`` are kept."""
+    """Memo of :func:`plan_direct_reads`. Key: the tensor plan and each receiver's declared
+    boxes (by identity: the tensor plans' memo keeps a plan while its layout is in use, a
+    receiver's record replaces its boxes only when they change) and the receivers' GPUs; the
+    last ``max_entries`` are kept."""
 
     def __init__(self, max_entries: int = 4) -> None:
         self._max = max_entries
-        self._reads: OrderedDict[tuple, tuple[TensorPlan, dict[str, DirectRead]]] = OrderedDict()
+        self._reads: OrderedDict[tuple, tuple[tuple, dict[str, DirectRead]]] = OrderedDict()
 
-    def __call__(self, tensors: TensorPlan, receivers: ReceiverGpus) -> dict[str, DirectRead]:
-        key = (id(tensors), receivers)
+    def __call__(
+        self, tensors: TensorPlan, receivers: ReceiverGpus, keeps: Keeps | None = None
+    ) -> dict[str, DirectRead]:
+        keeps = keeps or {}
+        held = (tensors, *(keeps.get(rid) for rid, _ in receivers))
+        key = (tuple(map(id, held)), receivers)
         hit = self._reads.get(key)
-        if hit is None or hit[0] is not tensors:
-            hit = self._reads[key] = (tensors, plan_direct_reads(tensors, receivers))
+        if hit is None or any(a is not b for a, b in zip(hit[0], held, strict=True)):
+            hit = self._reads[key] = (held, plan_direct_reads(tensors, receivers, keeps))
             while len(self._reads) > self._max:
                 self._reads.popitem(last=False)
         self._reads.move_to_end(key)

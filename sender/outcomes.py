@@ -26,7 +26,7 @@ from weightsync.sender.records import APPLIED, FAILED, PENDING, Outcome, Receive
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import SlotPool
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import error_to_pb
+from weightsync.wire import boxes_from_pb, error_to_pb
 
 log = logging.getLogger("weightsync.sender")
 
@@ -98,6 +98,8 @@ class Outcomes:
             timeout = self._settings.ack_timeout_s
             if kind == "verdict":
                 outcome.got("verdict", timeout)
+                if body.accepted and not self._declared(run, conn, body.keeps):
+                    return
                 if not body.accepted:
                     # Rejected before any write: it still holds its previous weights.
                     conn.state = "dirty" if conn.dirty else "idle"
@@ -207,6 +209,21 @@ class Outcomes:
         self._metrics.receiver_failed(rid)
         self.maybe_complete(run)
         self._cond.notify_all()
+
+    def _declared(self, run: VersionRun, conn: ReceiverConn, keeps: list[pb.TensorBox]) -> bool:
+        """Take the boxes an accepting verdict declares; a malformed one fails the receiver
+        in ``run`` and returns False."""
+        try:
+            boxes = (
+                boxes_from_pb(keeps, {t.name: t for t in run.manifest.tensors}, conn.receiver_id)
+                if keeps
+                else {}
+            )
+        except ProtocolError as e:
+            self.fail(run, conn.receiver_id, e)
+            return False
+        conn.declare(boxes, run.manifest.tensors)
+        return True
 
     def _fail_dirty(self, run: VersionRun, conn: ReceiverConn, error: pb.ErrorDetail) -> None:
         """The receiver failed after writing: its weights match no version until the next."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from weightsync.buckets import Bucket, BucketPlan, plan_buckets, plan_direct
 from weightsync.config import SenderSettings
 from weightsync.manifest import VersionManifest
-from weightsync.sender.direct_reads import DirectRead, ReceiverGpus, plan_direct_reads
+from weightsync.sender.direct_reads import DirectRead, Keeps, ReceiverGpus, plan_direct_reads
 from weightsync.sender.offer import Copy, Offer, OfferKey
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb
@@ -86,7 +86,7 @@ PlanTensors = Callable[
     [VersionManifest, Mapping[int, pb.BeginVersion], bool, int, Mapping[int, str], str],
     TensorPlan,
 ]
-PlanReads = Callable[[TensorPlan, ReceiverGpus], Mapping[str, DirectRead]]
+PlanReads = Callable[[TensorPlan, ReceiverGpus, Keeps], Mapping[str, DirectRead]]
 
 
 def plan_version(
@@ -119,7 +119,8 @@ def plan_version(
     reads: Mapping[str, DirectRead] = {}
     if tensors.direct is not None:
         at = tuple(sorted((c.receiver_id, c.device_uuid) for c in connected))
-        reads = (reads_of or plan_direct_reads)(tensors, at)
+        keeps = {c.receiver_id: c.keeps for c in connected if c.keeps}
+        reads = (reads_of or plan_direct_reads)(tensors, at, keeps)
     routes = dict.fromkeys(ROUTES, 0)
     for read in reads.values():
         for route, n in read.route_bytes.items():

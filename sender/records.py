@@ -12,10 +12,12 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
 from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.planner import TensorPlan
+from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -48,6 +50,25 @@ class ReceiverConn:
     dirty: bool = False
     """Some bucket of a failed version was written: its weights match no version."""
     last_error: str = ""
+    keeps: Mapping[str, Box] = field(default_factory=dict)
+    """The boxes of tensors it keeps only part of, from its last accepted verdict (replaced
+    only when they change: the direct-read plans are memoized by this object)."""
+    kept_bytes: int = 0
+    """Bytes of its last accepted version it keeps."""
+    _counted: object = field(default=None, repr=False)
+    """The tensor list ``kept_bytes`` counts (manifests of one layout share it)."""
+
+    def declare(self, keeps: Mapping[str, Box], specs: Sequence[TensorSpec]) -> None:
+        """Take the boxes of an accepted verdict for the version of ``specs``."""
+        if keeps == self.keeps and specs is self._counted:
+            return
+        self.keeps, self._counted = keeps, specs
+        self.kept_bytes = sum(
+            spec.nbytes
+            if spec.name not in keeps
+            else keeps[spec.name].numel * spec.torch_dtype.itemsize
+            for spec in specs
+        )
 
     def send(self, msg: pb.Announcement | None) -> None:
         if self.connected or msg is None:

@@ -234,6 +234,7 @@ class Registry:
                         state=c.state,
                         last_error=c.last_error,
                         data_path=c.data_path,
+                        kept_bytes=c.kept_bytes,
                     )
                     for c in sorted(self._receivers.values(), key=lambda c: c.receiver_id)
                 ],

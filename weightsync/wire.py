@@ -13,6 +13,7 @@ from weightsync.errors import ProtocolError
 from weightsync.limits import check_manifest
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region
+from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -151,6 +152,44 @@ def regions_from_pb(
         view = flat.narrow(0, p.offset, nbytes).view(dtype).as_strided(size, stride)
         out.setdefault(p.name, []).append(Region(tuple(p.dst_start), view))
     return out
+
+
+def boxes_to_pb(boxes: Mapping[str, Box]) -> list[pb.TensorBox]:
+    return [
+        pb.TensorBox(name=name, start=list(box.start), size=list(box.size))
+        for name, box in boxes.items()
+    ]
+
+
+def boxes_from_pb(
+    msgs: Sequence[pb.TensorBox], specs: Mapping[str, TensorSpec], who: str
+) -> dict[str, Box]:
+    """The boxes ``who`` (a receiver) keeps, each checked to lie in its tensor of ``specs``.
+
+    Raises:
+        ProtocolError: naming the first box of a tensor not in the version or outside it.
+    """
+    boxes = {}
+    for msg in msgs:
+        spec = specs.get(msg.name)
+        start, size = tuple(msg.start), tuple(msg.size)
+        fits = (
+            spec is not None
+            and len(start) == len(size) == len(spec.shape)
+            and all(
+                0 <= a and 0 <= n and a + n <= d
+                for a, n, d in zip(start, size, spec.shape, strict=True)
+            )
+        )
+        if not fits:
+            shape = "not in the version" if spec is None else f"shape {list(spec.shape)}"
+            raise ProtocolError(
+                f"{who} declared it keeps start={list(start)} size={list(size)} of "
+                f"{msg.name!r} ({shape}): not a box of that tensor; upgrade the receiver to "
+                "the sender's weightsync version"
+            )
+        boxes[msg.name] = Box(start, size)
+    return boxes
 
 
 def error_to_pb(error: BaseException, tensor: str = "") -> pb.ErrorDetail:

@@ -34,6 +34,7 @@ from weightsync.receiver.lora_accumulator import LoraAccumulator, check_adapter
 from weightsync.receiver.name_resolver import (
     ResolvedName,
     is_mtp_name,
+    kept_boxes,
     live_tensors,
     mtp_names_left,
     refuse_unknown,
@@ -41,6 +42,7 @@ from weightsync.receiver.name_resolver import (
 )
 from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes
 from weightsync.receiver.target import WeightTarget
+from weightsync.topology_model import Box
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,7 @@ class SglangWeightTarget(WeightTarget):
         self._main = _ModelLoad(model)
         self._draft = _ModelLoad(draft) if draft is not None else None
         self._ignored: list[str] = []
+        self._kept: dict[str, Box] = {}
         self._lora: LoraAccumulator | None = None
         self._restored = False
 
@@ -176,6 +179,10 @@ class SglangWeightTarget(WeightTarget):
             check_expert_shapes(self._draft.model, [s for s in base if s.name in draft], draft)
             self._draft.resolved = draft
         self._ignored = ignored
+        self._kept = kept_boxes(main, draft)
+
+    def kept(self) -> dict[str, Box]:
+        return self._kept
 
     def _validate_lora(self, spec: LoraAdapterSpec, version: int) -> None:
         if self.lora_loader is None:

@@ -31,6 +31,7 @@ from weightsync.receiver.lora_accumulator import LoraAccumulator
 from weightsync.receiver.name_resolver import (
     NameResolver,
     ResolvedName,
+    kept_boxes,
     live_tensors,
     mtp_names_left,
     refuse_unknown,
@@ -38,6 +39,7 @@ from weightsync.receiver.name_resolver import (
 )
 from weightsync.receiver.target import WeightTarget
 from weightsync.receiver.vllm.lora_store import LoraStore
+from weightsync.topology_model import Box
 
 logger = logging.getLogger(__name__)
 
@@ -264,6 +266,7 @@ class VllmWeightTarget(WeightTarget):
         self._main = _ModelLoad(model, model_config)
         self._draft = _ModelLoad(*draft) if draft is not None else None
         self._ignored: list[str] = []
+        self._kept: dict[str, Box] = {}
         self._lora: LoraAccumulator | None = None
 
     @property
@@ -351,6 +354,10 @@ class VllmWeightTarget(WeightTarget):
         if self._draft is not None:
             self._draft.accept(draft, draft_view, shapes)
         self._ignored = ignored
+        self._kept = kept_boxes(main, draft)
+
+    def kept(self) -> dict[str, Box]:
+        return self._kept
 
     def begin(self, manifest: VersionManifest) -> None:
         if self._ignored and self._draft is None:

@@ -17,6 +17,7 @@ from weightsync.sender.planner import (
     plan_version,
 )
 from weightsync.sender.records import ReceiverConn
+from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
 
 GPU0, GPU1 = "GPU-0000", "GPU-1111"
@@ -243,3 +244,31 @@ def test_tp_shards_of_dp_replicas_are_packed_once_each():
     tensors = plan_tensors(MANIFEST, begins, False, 1024, gpus, "GPU-0")
     assert tensors.sender_packs and list(tensors.pack_from) == [0, 1]
     assert all(len(b.pieces) == 4 for b in tensors.pack_from.values())
+
+
+def test_a_receiver_that_declared_its_shard_is_planned_for_its_shard():
+    """An engine TP rank's verdict declared half of w0 and w1: its route bytes count those
+    halves; its entries stay whole tensors (its loaders narrow them as they copy)."""
+    begins, gpus = replicas(2)
+    receivers = [receiver("r0", gpu="GPU-0"), receiver("r1", gpu="GPU-1")]
+    halves = {"w0": Box((32,), (32,)), "w1": Box((0,), (32,))}
+    receivers[1].declare(halves, MANIFEST.tensors)
+    assert receivers[1].kept_bytes == 1024 - 2 * 128
+    memo = DirectReads()
+    p = plan_version(
+        MANIFEST, begins, receivers, SETTINGS_1K, Staging("cuda_ipc", gpus[0]), gpus=gpus,
+        reads_of=memo,
+    )  # fmt: skip
+    assert p.direct_reads["r1"].route_bytes == {"local": 1024 - 2 * 128, "peer": 0}
+    assert p.direct_reads["r0"].route_bytes == {"local": 1024, "peer": 0}
+    assert [e.tensor.name for e in p.direct_reads["r1"].layout.entries] == ["w0", "w1", "w2", "w3"]
+    # Declared again unchanged, its record keeps the same boxes: the memo's plan is reused;
+    # declared otherwise, it is planned again.
+    tensors = plan_tensors(MANIFEST, begins, True, 1024, gpus, "GPU-0")
+    at = (("r0", "GPU-0"), ("r1", "GPU-1"))
+    first = memo(tensors, at, {"r1": receivers[1].keeps})
+    receivers[1].declare(dict(halves), MANIFEST.tensors)
+    assert memo(tensors, at, {"r1": receivers[1].keeps}) is first
+    receivers[1].declare({"w0": halves["w0"]}, MANIFEST.tensors)
+    assert receivers[1].kept_bytes == 1024 - 128
+    assert memo(tensors, at, {"r1": receivers[1].keeps})["r1"].route_bytes["local"] == 1024 - 128

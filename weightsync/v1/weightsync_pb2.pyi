@@ -260,15 +260,27 @@ class ReceiverHello(_message.Message):
     dirty: bool
     def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ...) -> None: ...
 
+class TensorBox(_message.Message):
+    __slots__ = ("name", "start", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    start: _containers.RepeatedScalarFieldContainer[int]
+    size: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., start: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class ManifestVerdict(_message.Message):
-    __slots__ = ("version", "accepted", "error")
+    __slots__ = ("version", "accepted", "error", "keeps")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_FIELD_NUMBER: _ClassVar[int]
     version: int
     accepted: bool
     error: ErrorDetail
-    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+    keeps: _containers.RepeatedCompositeFieldContainer[TensorBox]
+    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., keeps: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ...) -> None: ...
 
 class BucketAck(_message.Message):
     __slots__ = ("version", "index", "ok", "error", "read_event")
@@ -405,7 +417,7 @@ class PublisherStatus(_message.Message):
     def __init__(self, publisher_id: _Optional[str] = ..., ranks_connected: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class ReceiverStatus(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error", "data_path")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error", "data_path", "kept_bytes")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -415,6 +427,7 @@ class ReceiverStatus(_message.Message):
     STATE_FIELD_NUMBER: _ClassVar[int]
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
+    KEPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -424,7 +437,8 @@ class ReceiverStatus(_message.Message):
     state: str
     last_error: str
     data_path: str
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., data_path: _Optional[str] = ...) -> None: ...
+    kept_bytes: int
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., data_path: _Optional[str] = ..., kept_bytes: _Optional[int] = ...) -> None: ...
 
 class ReceiverOutcome(_message.Message):
     __slots__ = ("receiver_id", "state", "error", "applied_at_unix_s")
