@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ConfigError
-from weightsync.model_shapes import FP8_BLOCK, ModelTensor, model_tensors
+from weightsync.model_shapes import FP8_BLOCK, VOCAB_PADDING, ModelTensor, model_tensors
 from weightsync.parts import PartsPlan, plan_parts
 from weightsync.topology import (
     Box,
@@ -178,6 +178,10 @@ def _box(
         rows = shape[0] // heads
         head = rank * heads // world
         return Box((head * rows, *(0,) * (len(shape) - 1)), (rows, *shape[1:]))
+    if split == "vocab":
+        per = -(-(-(-shape[0] // VOCAB_PADDING) * VOCAB_PADDING) // world)
+        lo = min(rank * per, shape[0])
+        return Box((lo, *(0,) * (len(shape) - 1)), (min(lo + per, shape[0]) - lo, *shape[1:]))
     return shard_box(shape, 0 if split == "column" else 1, rank, world)
 
 
@@ -272,34 +276,38 @@ def plan_built(topo: Topology, built: Built) -> TopologyPlan:
 
 @dataclass(frozen=True)
 class RuntimeEstimate:
-    """What the multi-host runtime as built moves for a cluster: a sender per trainer host
-    (:func:`weightsync.parts.plan_parts` gives each HF tensor to one host holding a whole copy),
-    each broadcasting its part, whole tensors, through one staging GPU to every engine rank on
-    another host (NCCL's ring: each member takes every byte in once and passes it on once).
-    Engine ranks do not yet take only the slices they keep, so each engine GPU's NIC carries
-    the whole model: this, not :func:`plan_cluster`'s slice plan, is what a sync costs today."""
+    """What the multi-host runtime as built moves for a cluster, from its second version on: a
+    sender per trainer host (:func:`weightsync.parts.plan_parts` gives each HF tensor to one host
+    holding a whole copy), each packing its part on one staging GPU and broadcasting, to every
+    group of engine ranks that keep the same boxes (``sender/slices.py``: the same TP rank of
+    every replica), the boxes of its part that group keeps (NCCL's ring: each member takes its
+    bytes in once and passes them on once). The first version goes whole, while the ranks
+    declare what they keep. Unlike :func:`plan_cluster`'s plan, a box is not relayed between
+    engine hosts, and each trainer host sends from one GPU's NIC."""
 
     parts: PartsPlan
-    nbytes: int
-    """The version's bytes: every engine GPU takes all of them."""
+    sent: Mapping[str, int]
+    """Bytes each trainer host's sender sends (all its groups' boxes of its part)."""
+    taken: int
+    """Bytes the engine GPU that keeps the most takes in."""
     nic_bytes_per_s: float
 
     @property
     def busiest_part(self) -> tuple[str, int]:
         """The trainer host sending the most, and its bytes (out of its staging GPU's NIC)."""
-        host = max(self.parts.hosts, key=lambda h: (self.parts.bytes_of(h), h))
-        return host, self.parts.bytes_of(host)
+        host = max(self.sent, key=lambda h: (self.sent[h], h))
+        return host, self.sent[host]
 
     @property
     def predicted_s(self) -> float:
-        return max(self.nbytes, self.busiest_part[1]) / self.nic_bytes_per_s
+        return max(self.taken, self.busiest_part[1]) / self.nic_bytes_per_s
 
     @property
     def bound(self) -> str:
-        host, part = self.busiest_part
-        if part >= self.nbytes:
-            return f"trainer host {host}'s sender sending every tensor from one GPU"
-        return "every engine GPU taking the whole model through its NIC"
+        host, sent = self.busiest_part
+        if sent >= self.taken:
+            return f"trainer host {host}'s sender sending its part's slices from one GPU"
+        return "the engine GPU keeping the most taking its slices through its NIC"
 
 
 def runtime_estimate(topo: Topology, built: Built) -> RuntimeEstimate:
@@ -311,7 +319,7 @@ def runtime_estimate(topo: Topology, built: Built) -> RuntimeEstimate:
         PlanError: a tensor no one trainer host holds whole (a TP group spanning hosts), as the
             publishers would refuse it.
     """
-    tensors, sources, _ = built
+    tensors, sources, receivers = built
     boxes: dict[str, dict[str, set[Box]]] = defaultdict(lambda: defaultdict(set))
     for source in sources:
         for piece in source.pieces:
@@ -326,4 +334,15 @@ def runtime_estimate(topo: Topology, built: Built) -> RuntimeEstimate:
         copies[t.name] = whole or [set(held)]
     manifest = [TensorSpec(t.name, t.dtype, t.shape) for t in tensors]
     parts = plan_parts(manifest, copies)
-    return RuntimeEstimate(parts, sum(t.nbytes for t in tensors), topo.links.nic_gb_s * GB)
+    host_of = {spec.name: host for host, specs in parts.parts.items() for spec in specs}
+    itemsize = {t.name: t.nbytes // whole_box(t.shape).numel for t in tensors}
+    whole = tuple(Piece(t.name, whole_box(t.shape)) for t in tensors)
+    sent: dict[str, int] = dict.fromkeys(parts.hosts, 0)
+    taken = 0
+    # Ranks that keep the same boxes form one group: each sender sends it its boxes once.
+    # (Replicas share their ranks' needs: compare each distinct tuple once.)
+    for needs in set({id(r.needs): r.needs or whole for r in receivers}.values()):
+        for piece in needs:
+            sent[host_of[piece.tensor]] += piece.box.numel * itemsize[piece.tensor]
+        taken = max(taken, sum(p.box.numel * itemsize[p.tensor] for p in needs))
+    return RuntimeEstimate(parts, sent, taken, topo.links.nic_gb_s * GB)

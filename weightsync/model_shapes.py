@@ -6,10 +6,12 @@ Architectures: dense GQA decoders (``llama``, ``mistral``, ``qwen2``, ``qwen3``)
 Multi-token-prediction layers are left out (engines load them only for speculative decoding).
 
 Each :class:`ModelTensor` says how tensor parallelism splits it (``split``): ``column`` along
-dim 0 (q/k/v, gate/up, vocab), ``row`` along dim 1 (o, down), ``replicated`` whole on every
-rank (norms, routers, MLA's down projections). FP8 (``fp8=True``): the decoder layers' linear
-weights are 1 byte per parameter, each with a float32 ``weight_scale_inv`` of one value per
-128 x 128 block (the DeepSeek-V3 checkpoint format); embeddings, norms and routers keep their dtype.
+dim 0 (q/k/v, gate/up), ``vocab`` along dim 0 after padding the vocabulary to a multiple of
+:data:`VOCAB_PADDING` (embedding, lm_head), ``row`` along dim 1 (o, down), ``replicated`` whole
+on every rank (norms, routers, MLA's down projections). FP8 (``fp8=True``): the decoder layers'
+linear weights are 1 byte per parameter, each with a float32 ``weight_scale_inv`` of one value
+per 128 x 128 block (the DeepSeek-V3 checkpoint format); embeddings, norms and routers keep
+their dtype.
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from typing import Any, Literal
 
 from weightsync.errors import ConfigError
 
-Split = Literal["replicated", "column", "row"]
+Split = Literal["replicated", "column", "row", "vocab"]
 FP8_BLOCK = 128
+VOCAB_PADDING = 64
+"""vLLM's and SGLang's ``DEFAULT_VOCAB_PADDING_SIZE``: a vocab-parallel embedding pads its
+rows to a multiple of it, then splits the padded rows evenly."""
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1}
 
 
@@ -142,7 +147,7 @@ def model_tensors(
     vocab = _positive(config, "vocab_size")
     layers = _positive(config, "num_hidden_layers")
     b = _Builder(dtype, fp8)
-    b.plain("model.embed_tokens.weight", (vocab, hidden), "column")
+    b.plain("model.embed_tokens.weight", (vocab, hidden), "vocab")
     for i in range(layers):
         p = f"model.layers.{i}"
         b.plain(f"{p}.input_layernorm.weight", (hidden,), layer=i)
@@ -154,7 +159,7 @@ def model_tensors(
         _mlp(b, config, str(model_type), p, i, hidden)
     b.plain("model.norm.weight", (hidden,))
     if not config.get("tie_word_embeddings", False):
-        b.plain("lm_head.weight", (vocab, hidden), "column")
+        b.plain("lm_head.weight", (vocab, hidden), "vocab")
     return tuple(b.out)
 
 
@@ -216,6 +221,8 @@ def _mlp(b: _Builder, cfg: Mapping[str, Any], model_type: str, p: str, i: int, h
         return
     ffn = _positive(cfg, "moe_intermediate_size")
     key = "n_routed_experts" if model_type in _MLA else "num_experts"
+    if key not in cfg and "num_local_experts" in cfg:
+        key = "num_local_experts"  # how transformers 5 saves Qwen3-MoE's num_experts
     experts = _positive(cfg, key)
     b.plain(f"{p}.mlp.gate.weight", (experts, hidden), layer=i)
     # DeepSeek-V3 / Kimi-K2 route with a learned bias (noaux_tc); DeepSeek-V2 without.

@@ -99,8 +99,10 @@ def install_cpu_shims() -> None:
 _initialized = False
 
 
-def init_sglang() -> None:
-    """A world-size-1 gloo group and SGLang's published topology; SGLang layers need both."""
+def init_sglang(world_size: int = 1, rank: int = 0, rendezvous: str | None = None) -> None:
+    """A gloo group of ``world_size`` processes, all of one TP group (this one TP rank
+    ``rank``), and SGLang's published topology; SGLang layers need both. ``rendezvous``: a
+    file every process of the group names (a fresh one by default: world size 1 only)."""
     global _initialized
     if _initialized:
         return
@@ -115,20 +117,20 @@ def init_sglang() -> None:
     from sglang.srt.server_args import ServerArgs
 
     # A file rendezvous: no port to pick (SGLang's own test helper uses a fixed one).
-    store = os.path.join(tempfile.mkdtemp(prefix="ws-sgl-"), "rendezvous")
+    store = rendezvous or os.path.join(tempfile.mkdtemp(prefix="ws-sgl-"), "rendezvous")
     init_distributed_environment(
-        world_size=1,
-        rank=0,
-        local_rank=0,
+        world_size=world_size,
+        rank=rank,
+        local_rank=rank,
         backend="gloo",
         distributed_init_method=f"file://{store}",
     )
     # What sglang.test.test_utils.publish_build_topology does (that module imports datasets).
     reset_context()
     publish(
-        ServerArgs(model_path="dummy", tp_size=1, ep_size=1, pp_size=1),
+        ServerArgs(model_path="dummy", tp_size=world_size, ep_size=1, pp_size=1),
         role="test",
-        ranks=SpawnRanks(world_rank=0),
+        ranks=SpawnRanks(world_rank=rank),
     )
     get_parallel().override_permanently(world_group=parallel_state._WORLD)
     initialize_model_parallel(backend="gloo")
@@ -136,8 +138,9 @@ def init_sglang() -> None:
     _initialized = True
 
 
-def build(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """``(sglang_model, hf_model)`` for a tiny float32 config of ``arch``."""
+def build(arch: str, **fields: object) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(sglang_model, hf_model)`` for a tiny float32 config of ``arch`` (``fields`` override
+    its sizes)."""
     init_sglang()
     import transformers
 
@@ -145,11 +148,13 @@ def build(arch: str) -> tuple[torch.nn.Module, torch.nn.Module]:
         from sglang.srt.models.qwen2 import Qwen2ForCausalLM as Sgl
     elif arch == "llama":
         from sglang.srt.models.llama import LlamaForCausalLM as Sgl
+    elif arch == "qwen3":
+        from sglang.srt.models.qwen3 import Qwen3ForCausalLM as Sgl
     elif arch == "qwen3_moe":
         from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM as Sgl
     else:
         raise ValueError(f"unknown arch {arch!r}")
-    config = tiny_config(arch)
+    config = tiny_config(arch, **fields)
     config.dtype = torch.float32
     hf_cls = getattr(transformers, config.architectures[0])
     torch.manual_seed(0)
