@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from weightsync import trace
+from weightsync.buckets import TensorSpec
 from weightsync.errors import (
     ConfigError,
     ProtocolError,
@@ -120,6 +121,8 @@ class _PartsRun:
     """A part failed after the writes began: the others read on (their senders and broadcast
     groups keep in step) but load nothing more."""
     version: int = 0
+    specs: Sequence[TensorSpec] = ()
+    """The version's tensors (every part's), set before any part is told to go."""
 
     def __post_init__(self) -> None:
         self.replies = [queue.Queue() for _ in range(self.links)]
@@ -423,7 +426,7 @@ class ReceiverCore:
 
     def _apply(self, link: Link, manifest: VersionManifest) -> int:
         version = manifest.version
-        reads = VersionReads(version)
+        reads = VersionReads(version, manifest.tensors)
         index = -1
         try:
             self._begin(manifest)
@@ -506,7 +509,7 @@ class ReceiverCore:
             run.events.put((i, "failed", e, ""))
             return
         version, where = run.version, ""
-        reads = VersionReads(version)
+        reads = VersionReads(version, run.specs)
         try:
             while True:
                 msg = self._next(link, run, f"bucket of version {version}", in_version=True)
@@ -638,6 +641,7 @@ class ReceiverCore:
         for every sender."""
         failure: tuple[int, str, Exception] | None = None
         """(link, where in its part, what failed); link -1: the target's begin or commit."""
+        run.specs = union.tensors
         try:
             try:
                 self._begin(union)

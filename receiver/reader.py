@@ -7,11 +7,12 @@ or a landing buffer it was broadcast into (:mod:`.broadcast`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, entry_view
+from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, TensorSpec, entry_view
 from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.errors import ChecksumError, ProtocolError, TransportError
 from weightsync.receiver.target import WeightTarget
@@ -27,9 +28,11 @@ Named = list[tuple[str, torch.Tensor]]
 
 @dataclass(frozen=True)
 class BucketViews:
-    """A bucket's whole tensors as views of its buffer, and the entries that are chunks."""
+    """A bucket's whole tensors as views of its buffer, its boxes of tensors (views too), and
+    the entries that are chunks."""
 
     whole: Named
+    boxed: list[tuple[BucketEntry, torch.Tensor]]
     chunked: list[BucketEntry]
 
 
@@ -59,11 +62,39 @@ class VersionReads:
     """What one version's buckets leave to finish: chunked tensors being reassembled,
     checksums queued behind the reads, and the devices whose streams did the reading."""
 
-    def __init__(self, version: int) -> None:
+    def __init__(self, version: int, specs: Sequence[TensorSpec] = ()) -> None:
         self.version = version
+        self._specs = specs
+        self._by_name: dict[str, TensorSpec] | None = None
         self.assembler = ChunkAssembler()
         self.devices: set[torch.device] = set()
         self._sums: list[tuple[Bucket, torch.Tensor]] = []
+
+    def unbox(self, entry: BucketEntry, data: torch.Tensor) -> tuple[str, torch.Tensor]:
+        """The whole tensor ``data`` is a box of (:attr:`BucketEntry.box_start`), filled only
+        there: the receiver declared that its loaders read nothing else of it.
+
+        Raises:
+            ProtocolError: the tensor is not in the version or the box does not fit in it.
+        """
+        if self._by_name is None:
+            self._by_name = {spec.name: spec for spec in self._specs}
+        spec = self._by_name.get(entry.name)
+        start, size = entry.box_start, entry.spec.shape
+        if (
+            spec is None
+            or len(start) != len(spec.shape)
+            or len(size) != len(spec.shape)
+            or any(a + n > d for a, n, d in zip(start, size, spec.shape, strict=True))
+        ):
+            raise ProtocolError(
+                f"version {self.version}: a box at {list(start)} of shape {list(size)} does "
+                f"not fit {entry.name!r} ({'not in the version' if spec is None else spec.shape})"
+            )
+        full = torch.empty(spec.shape, dtype=spec.torch_dtype, device=data.device)
+        box = full[tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))]
+        box.copy_(data, non_blocking=True)
+        return entry.name, full
 
     def checksum(self, bucket: Bucket, buffer: torch.Tensor) -> None:
         self._sums.append((bucket, row_sums(buffer, bucket.nbytes)))
@@ -146,7 +177,7 @@ class BucketReader:
             views = self._views.get(key) or self._cache(
                 key, self._view(self._layouts(msg.layout, layout), sources)
             )
-            return BucketLoad(views.whole, [], sources)
+            return BucketLoad(views.whole + self._unboxed(views, reads), [], sources)
         bucket = self._layouts(msg.layout, layout)
         buffer = landed if landed is not None else self._packed_buffer(msg, bucket)
         if self.verify_checksums:
@@ -156,18 +187,35 @@ class BucketReader:
         else:
             key = (layout, (msg.buffer.buffer_id,))
             views = self._views.get(key) or self._cache(key, self._view(bucket, [buffer]))
-        if self.chunks_in_place:
-            chunks = [(e, buffer[e.offset : e.offset + e.nbytes]) for e in views.chunked]
-            return BucketLoad(views.whole, chunks, [buffer])
-        assembled = [(e.name, reads.assembler.add(buffer, e)) for e in views.chunked]
-        complete = [(name, t) for name, t in assembled if t is not None]
-        return BucketLoad(views.whole + complete, [], [buffer])
+        whole = views.whole + self._unboxed(views, reads)
+        chunks = []
+        for entry in views.chunked:
+            # Chunks of a box are reassembled into the box first: a target that writes chunks
+            # in place writes chunks of whole tensors.
+            if self.chunks_in_place and not entry.box_start:
+                chunks.append((entry, buffer[entry.offset : entry.offset + entry.nbytes]))
+                continue
+            done = reads.assembler.add(buffer, entry)
+            if done is not None:
+                whole.append(reads.unbox(entry, done) if entry.box_start else (entry.name, done))
+        return BucketLoad(whole, chunks, [buffer])
+
+    @staticmethod
+    def _unboxed(views: BucketViews, reads: VersionReads) -> Named:
+        return [reads.unbox(entry, data) for entry, data in views.boxed]
 
     @staticmethod
     def _view(bucket: Bucket, sources: list[torch.Tensor]) -> BucketViews:
-        entries = bucket.entries
-        whole = [(e.name, entry_view(sources[e.source], e)) for e in entries if not e.is_chunked]
-        return BucketViews(whole, [e for e in entries if e.is_chunked])
+        whole, boxed = [], []
+        for e in bucket.entries:
+            if e.is_chunked:
+                continue
+            view = entry_view(sources[e.source], e)
+            if e.box_start:
+                boxed.append((e, view))
+            else:
+                whole.append((e.name, view))
+        return BucketViews(whole, boxed, [e for e in bucket.entries if e.is_chunked])
 
     def _cache(self, key: tuple[bytes, tuple[str, ...]], views: BucketViews) -> BucketViews:
         if len(self._views) >= _MAX_CACHED_VIEWS:

@@ -1,9 +1,9 @@
 """The sender's end of the broadcast data path (the receivers' end: ``receiver/broadcast.py``).
 
-One private group (``weightsync.transports.broadcast``) whose rank 0 is the sender and whose
-other ranks are the receivers that get broadcasts; it is kept while its members and device
-stay the same, and rebuilt otherwise. A broadcast that fails fails the broadcast receivers,
-never the version: receivers that map the staging buffers go on.
+Private groups (``weightsync.transports.broadcast``) whose rank 0 is the sender and whose other
+ranks are receivers that get broadcasts; they are kept while their members and device stay
+the same, and rebuilt otherwise. A broadcast that fails fails its group's receivers, never the
+version: receivers that map the staging buffers, and the other groups, go on.
 """
 
 from __future__ import annotations
@@ -20,10 +20,17 @@ from weightsync.sender.slots import Slot
 from weightsync.transports.broadcast import BroadcastGroup, GroupSpec
 from weightsync.v1 import weightsync_pb2 as pb
 
+Members = tuple[str, ...]
+"""The receivers of one group, in rank order (rank 0 is the sender)."""
+
 
 class SenderBroadcast:
-    """Invites, connects and feeds the group; ``cond`` is the sender's lock (see ``outcomes.py``);
-    ``registry`` says who gets broadcasts, ``outcomes`` fails them when the group does."""
+    """Invites, connects and feeds the groups; ``cond`` is the sender's lock (see
+    ``outcomes.py``); ``registry`` says who gets broadcasts, ``outcomes`` fails them when their
+    group does.
+
+    One group for the broadcast receivers that get the staged buckets, and one per slice group
+    (``slices.py``: receivers that keep the same boxes get buckets of those boxes)."""
 
     def __init__(
         self,
@@ -35,80 +42,101 @@ class SenderBroadcast:
     ) -> None:
         self._store_host, self._timeout_s = store_host, timeout_s
         self._cond, self._registry, self._outcomes = cond, registry, outcomes
-        self._group: BroadcastGroup | None = None
-        self._members: tuple[str, ...] = ()
+        self._groups: dict[Members, BroadcastGroup | None] = {}
+        """Each group by its members; None until built (or when it failed)."""
         self._device: torch.device | None = None
-        self._invited: tuple[GroupSpec, object] | None = None
-        """The group hosted but not yet built: its spec and rendezvous store."""
+        self._invited: list[tuple[Members, GroupSpec, object]] = []
+        """The groups hosted but not yet built: their members, spec and rendezvous store."""
 
-    @property
-    def group_id(self) -> str:
-        return self._group.spec.group_id if self._group else ""
+    def group_id(self, members: Members) -> str:
+        group = self._groups.get(members)
+        return group.spec.group_id if group else ""
+
+    def staged_members(self, run: VersionRun) -> Members:
+        """The group of ``run``'s broadcast receivers in no slice group: they get the staged
+        buckets (lock held)."""
+        sliced = {rid for g in run.slices for rid in g.members}
+        return tuple(r for r in self._registry.broadcast_members(run) if r not in sliced)
+
+    def groups_of(self, run: VersionRun) -> list[Members]:
+        """The groups ``run`` needs: :meth:`staged_members`, then each slice group's."""
+        return [m for m in (self.staged_members(run), *(g.members for g in run.slices)) if m]
 
     def invite(self, run: VersionRun, device: torch.device) -> None:
-        """Send each broadcast receiver of ``run`` its join message if the group must be
-        (re)built for them (lock held). A rendezvous that cannot be hosted fails them."""
-        members = tuple(self._registry.broadcast_members(run))
-        if not members or (members == self._members and device == self._device and self._group):
+        """Send each broadcast receiver of ``run`` its join message if its group must be
+        (re)built (lock held). A rendezvous that cannot be hosted fails the group's members."""
+        wanted = self.groups_of(run)
+        built = all(self._groups.get(m) is not None for m in wanted)
+        if set(wanted) == set(self._groups) and device == self._device and built:
             return
         self.close()
-        try:
-            spec, store = BroadcastGroup.host(
-                len(members) + 1, device, self._store_host, self._timeout_s
-            )
-        except TransportError as e:
-            self._fail_members(run, e)
-            return
-        self._invited = (spec, store)
-        self._members, self._device = members, device
-        for rank, rid in enumerate(members, start=1):
-            self._registry.receiver(rid).send(pb.Announcement(join=spec.join_message(rank)))
+        self._device = device
+        for members in wanted:
+            try:
+                spec, store = BroadcastGroup.host(
+                    len(members) + 1, device, self._store_host, self._timeout_s
+                )
+            except TransportError as e:
+                self._fail(run, members, e)
+                continue
+            self._groups[members] = None
+            self._invited.append((members, spec, store))
+            for rank, rid in enumerate(members, start=1):
+                self._registry.receiver(rid).send(pb.Announcement(join=spec.join_message(rank)))
 
     def connect(self, run: VersionRun) -> None:
-        """Build rank 0 of an invited group: blocks until every member joined (gloo), or fails
-        them."""
-        if self._invited is None:
-            return
-        (spec, store), self._invited = self._invited, None
-        try:
-            self._group = BroadcastGroup(spec, 0, self._device, store=store)
-        except TransportError as e:
-            self._members = ()
-            self._fail_members(run, e)
+        """Build rank 0 of every invited group: blocks until each member joined (gloo), or
+        fails them."""
+        invited, self._invited = self._invited, []
+        for members, spec, store in invited:
+            try:
+                self._groups[members] = BroadcastGroup(spec, 0, self._device, store=store)
+            except TransportError as e:
+                self._groups.pop(members, None)
+                self._fail(run, members, e)
 
-    def send(self, run: VersionRun, slot: Slot, nbytes: int) -> None:
-        """Queue the broadcast of the slot's bucket; packing into the slot again waits for it
-        (:meth:`finish`)."""
+    def send(self, run: VersionRun, slot: Slot, nbytes: int, members: Members) -> None:
+        """Queue the broadcast of the slot's bucket to ``members``' group; packing into the
+        slot again waits for it (:meth:`finish`)."""
+        group = self._groups.get(members)
         try:
-            if self._group is None:
+            if group is None:
                 raise TransportError("no broadcast group: its members failed to join")
             try:
-                slot.broadcast = self._group.broadcast(slot.buffer.tensor[:nbytes])
+                slot.broadcast = (members, group.broadcast(slot.buffer.tensor[:nbytes]))
             except TransportError:
-                self.close()
+                self._close(members)
                 raise
         except TransportError as e:
-            self._fail_members(run, e)
+            self._fail(run, members, e)
 
     def finish(self, run: VersionRun, slot: Slot) -> bool:
         """Wait for the slot's broadcast, if one is queued (NCCL: a stream wait only); returns
         whether one was."""
-        work, slot.broadcast = slot.broadcast, None
-        if work is None:
+        queued, slot.broadcast = slot.broadcast, None
+        if queued is None:
             return False
+        members, work = queued
         try:
             work.wait()
         except TransportError as e:
-            self.close()
-            self._fail_members(run, e)
+            self._close(members)
+            self._fail(run, members, e)
         return True
 
     def close(self) -> None:
-        if self._group is not None:
-            self._group.close()
-        self._group, self._members, self._invited = None, (), None
+        for members in list(self._groups):
+            self._close(members)
+        self._invited = []
 
-    def _fail_members(self, run: VersionRun, error: TransportError) -> None:
+    def _close(self, members: Members) -> None:
+        group = self._groups.pop(members, None)
+        if group is not None:
+            group.close()
+
+    def _fail(self, run: VersionRun, members: Members, error: TransportError) -> None:
         with self._cond:
-            for rid in self._registry.broadcast_members(run):
-                self._outcomes.fail(run, rid, error)
+            active = set(run.active())
+            for rid in members:
+                if rid in active:
+                    self._outcomes.fail(run, rid, error)

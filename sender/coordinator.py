@@ -42,6 +42,7 @@ from weightsync.sender.packing import MappedOffers
 from weightsync.sender.planner import Staging, TensorPlans, plan_version
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
 from weightsync.sender.registry import Registry
+from weightsync.sender.slices import SlicePlans
 from weightsync.sender.slots import Slot, SlotPool
 from weightsync.transports import resolve_transport
 from weightsync.transports.broadcast import host_id
@@ -85,6 +86,7 @@ class Coordinator:
         self._tensor_plans = TensorPlans()
         """Tensor plans by (manifest, offer, direct, bucket size); the last 4 are kept."""
         self._direct_reads = DirectReads()
+        self._slice_plans = SlicePlans()
         """Each receiver's direct bucket by (tensor plan, receivers' GPUs); the last 4."""
         self._mapped_offers = MappedOffers()
         """Offered memory mapped here, by offer; the last 4 are kept (cleared at close)."""
@@ -242,6 +244,7 @@ class Coordinator:
             self._tensor_plans.memo(manifest_key, offered),
             gpus,
             self._direct_reads,
+            self._slice_plans,
         )
         self.registry.set_data_paths(plan.data_paths)
         self.registry.staging_uuid = device_uuid(device)
@@ -259,6 +262,7 @@ class Coordinator:
             notify_done=any(b.wait_applied for b in begins.values()),
             direct_reads=plan.direct_reads,
             route_bytes=plan.route_bytes,
+            slices=plan.slices,
         )
 
     def on_packed(self, run: VersionRun, rank: RankConn, packed: pb.BucketPacked) -> None:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -25,15 +26,40 @@ from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.config import SenderSettings
 from weightsync.errors import SyncTimeoutError, WeightSyncError
 from weightsync.metrics import SenderMetrics
-from weightsync.sender.broadcast import SenderBroadcast
+from weightsync.sender.broadcast import Members, SenderBroadcast
 from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.packing import pack_bucket
 from weightsync.sender.planner import BROADCAST, MAP
-from weightsync.sender.records import RunAborted, VersionRun
+from weightsync.sender.records import ReceiverConn, RunAborted, VersionRun
+from weightsync.sender.slices import SliceGroup
 from weightsync.sender.slots import Slot, SlotPool
 from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
+
+
+class _Send(NamedTuple):
+    """One bucket to pack and send: a staged bucket (``group`` None: to the receivers that map
+    and those that get the staged buckets by broadcast) or a slice group's."""
+
+    bucket: Bucket
+    layout: pb.BucketLayout
+    group: SliceGroup | None
+
+
+def _sends(run: VersionRun) -> list[_Send]:
+    """Every bucket of ``run`` to send, in order: the staged ones (unless every receiver is in
+    a slice group), then each slice group's."""
+    sliced = {rid for g in run.slices for rid in g.members}
+    everyone_sliced = bool(run.slices) and set(run.outcomes) <= sliced
+    staged = () if everyone_sliced else run.tensors.staged.buckets
+    sends = [_Send(b, run.tensors.layouts[b.index], None) for b in staged]
+    for group in run.slices:
+        sends += [
+            _Send(b, layout, group)
+            for b, layout in zip(group.plan.buckets, group.layouts, strict=True)
+        ]
+    return sends
 
 
 class VersionDriver:
@@ -59,25 +85,26 @@ class VersionDriver:
     def drive(self, run: VersionRun, device: torch.device) -> None:
         with self._one_at_a_time:
             clock = _PublisherClock(self._settings)
-            issued: deque[tuple[Bucket, Slot]] = deque()
+            issued: deque[tuple[_Send, Slot]] = deque()
             try:
                 self._start(run, device)
                 self._broadcast.connect(run)
-                todo = deque(run.tensors.staged.buckets)
+                todo = deque(_sends(run))
                 while issued or todo:
                     # Every free slot gets the next bucket at once, so packing never waits for
                     # an announcement round trip between buckets.
                     self._issue_packs(run, issued, todo, clock)
-                    bucket, slot = issued[0]
+                    send, slot = issued[0]
                     if run.regions is not None:
                         self._before_reuse(run, slot, device, on_stream=device.type == "cuda")
-                        pack_bucket(run, bucket, slot)
-                    elif not self._wait_packed_or_slot(run, bucket, todo, clock):
+                        pack_bucket(run, send.bucket, slot)
+                    elif not self._wait_packed_or_slot(run, send.bucket, todo, clock):
                         continue
                     issued.popleft()
-                    self._packed(run, bucket, slot, device)
-                    if self._announce(run, slot, run.tensors.layouts[bucket.index]):
-                        self._broadcast.send(run, slot, bucket.nbytes)
+                    self._packed(run, send.bucket, slot, device)
+                    members = self._announce(run, slot, send)
+                    if members:
+                        self._broadcast.send(run, slot, send.bucket.nbytes, members)
                 self._end(run, device)
                 self._staged(run)
             except RunAborted:
@@ -99,11 +126,17 @@ class VersionDriver:
                 # ends, failing the next one.
                 raise RunAborted()
             self._ensure_slots(run, device)
-            start = pb.Announcement(
-                start=pb.VersionStart(
-                    manifest=run.manifest_pb, num_buckets=len(run.tensors.staged.buckets)
-                )
-            )
+            counts = {rid: len(g.plan.buckets) for g in run.slices for rid in g.members}
+            starts: dict[int, pb.Announcement] = {}
+
+            def start(conn: ReceiverConn) -> pb.Announcement:
+                n = counts.get(conn.receiver_id, len(run.tensors.staged.buckets))
+                if n not in starts:
+                    starts[n] = pb.Announcement(
+                        start=pb.VersionStart(manifest=run.manifest_pb, num_buckets=n)
+                    )
+                return starts[n]
+
             self._outcomes.open_version(run, start)
             self._broadcast.invite(run, device)
             trace.mark("sender.start", version=run.version)
@@ -114,7 +147,8 @@ class VersionDriver:
 
     def _ensure_slots(self, run: VersionRun, device: torch.device) -> None:
         """Slots on ``device`` that hold the largest bucket (reallocated once all are free)."""
-        need = max((b.nbytes for b in run.tensors.staged.buckets), default=0) or 256
+        buckets = [*run.tensors.staged.buckets, *(b for g in run.slices for b in g.plan.buckets)]
+        need = max((b.nbytes for b in buckets), default=0) or 256
         if self._slots.fits(need, device):
             return
         self._wait(
@@ -184,21 +218,19 @@ class VersionDriver:
                 )
             fresh = []
             while todo and (slot := self._slots.claim()) is not None:
-                bucket = todo.popleft()
-                issued.append((bucket, slot))
-                fresh.append((bucket, slot))
-                trace.mark("sender.issue", index=bucket.index)
+                send = todo.popleft()
+                issued.append((send, slot))
+                fresh.append((send, slot))
+                trace.mark("sender.issue", index=send.bucket.index)
         if run.regions is not None:
             return  # the driver packs each itself when its turn comes
         if fresh:
             clock.asked()
-        for bucket, slot in fresh:
+        for send, slot in fresh:
             self._before_reuse(run, slot, torch.device(slot.device), on_stream=False)
             pack = pb.SenderReply(
                 pack=pb.PackBucket(
-                    version=run.version,
-                    layout=run.tensors.layouts[bucket.index],
-                    buffer=slot.buffer.handle,
+                    version=run.version, layout=send.layout, buffer=slot.buffer.handle
                 )
             )
             for rank in run.ranks.values():
@@ -226,7 +258,7 @@ class VersionDriver:
             return packed()
 
     def _release_publishers(
-        self, run: VersionRun, issued: deque[tuple[Bucket, Slot]], device: torch.device
+        self, run: VersionRun, issued: deque[tuple[_Send, Slot]], device: torch.device
     ) -> None:
         """``run`` ended early, every receiver having failed: the publishers are told at once
         (``staged``, and ``done`` when they wait for it) instead of packing buckets nobody
@@ -238,7 +270,7 @@ class VersionDriver:
         deadline = time.monotonic() + self._settings.stall_timeout_s
         with self._cond:
             if run.regions is None:
-                asked = {bucket.index for bucket, _ in issued}
+                asked = {send.bucket.index for send, _ in issued}
                 while any(not (r.left or asked <= r.packed) for r in run.ranks.values()):
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -261,11 +293,23 @@ class VersionDriver:
         trace.mark("sender.checksum_queued", index=bucket.index)
         trace.gpu_mark("sender.gpu_packed", device, index=bucket.index)
 
-    def _announce(self, run: VersionRun, slot: Slot, layout: pb.BucketLayout) -> bool:
-        """Announce a packed bucket; returns whether broadcast receivers wait for its bytes."""
+    def _announce(self, run: VersionRun, slot: Slot, send: _Send) -> Members:
+        """Announce a packed bucket to its receivers; returns the broadcast group that waits
+        for its bytes (empty: none)."""
+        layout = send.layout
         with self._cond:
             if run.done:
                 raise RunAborted()
+            if send.group is None:
+                members = self._broadcast.staged_members(run)
+                sliced = {rid for g in run.slices for rid in g.members}
+
+                def to(rid: str) -> bool:
+                    return rid not in sliced
+
+            else:
+                members = send.group.members
+                to = set(members).__contains__
             mapped = pb.Announcement(
                 bucket=pb.BucketAnnouncement(
                     version=run.version,
@@ -276,20 +320,21 @@ class VersionDriver:
             )
             sent = pb.Announcement(
                 bucket=pb.BucketAnnouncement(
-                    version=run.version, layout=layout, group_id=self._broadcast.group_id
+                    version=run.version, layout=layout, group_id=self._broadcast.group_id(members)
                 )
             )
             conns = self._outcomes.address(
                 run,
                 f"bucket:{layout.index}",
                 lambda c: sent if c.data_path == BROADCAST else mapped,
+                to,
             )
             readers = {c.receiver_id for c in conns if c.data_path == MAP}
             slot.announced(run.version, layout.index, readers)
             trace.mark("sender.announce", index=layout.index)
             self._metrics.bucket_announced(layout.nbytes)
             self._cond.notify_all()
-            return any(c.data_path == BROADCAST for c in conns)
+            return members if any(c.data_path == BROADCAST for c in conns) else ()
 
     def _end(self, run: VersionRun, device: torch.device) -> None:
         """Tell receivers the version has no more buckets, with every bucket's checksum; they
@@ -300,8 +345,16 @@ class VersionDriver:
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         trace.flush_gpu()
-        buckets = run.tensors.staged.buckets
-        checksums = finish_all([run.sums[b.index] for b in buckets], [b.nbytes for b in buckets])
+        sent = [s.bucket for s in _sends(run)]
+        values = dict(
+            zip(
+                [b.index for b in sent],
+                finish_all([run.sums[b.index] for b in sent], [b.nbytes for b in sent]),
+                strict=True,
+            )
+        )
+        # By index; 0 for the staged buckets nobody took (every receiver in a slice group).
+        checksums = [values.get(i, 0) for i in range(max(values, default=-1) + 1)]
         end = pb.Announcement(
             end=pb.VersionEnd(
                 version=run.version, checksum_algorithm=ALGORITHM, checksums=checksums

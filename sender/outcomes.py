@@ -133,10 +133,15 @@ class Outcomes:
     # ---- versions ----
 
     def address(
-        self, run: VersionRun, expect: str, message: Callable[[ReceiverConn], pb.Announcement]
+        self,
+        run: VersionRun,
+        expect: str,
+        message: Callable[[ReceiverConn], pb.Announcement],
+        to: Callable[[str], bool] | None = None,
     ) -> list[ReceiverConn]:
-        """Send every receiver still in ``run`` its ``message``; each owes ``expect`` back."""
-        conns = [self._registry.receiver(rid) for rid in run.active()]
+        """Send every receiver still in ``run`` (those ``to`` accepts) its ``message``; each
+        owes ``expect`` back."""
+        conns = [self._registry.receiver(rid) for rid in run.active() if to is None or to(rid)]
         for conn in conns:
             outcome = run.outcomes[conn.receiver_id]
             outcome.expect(expect, self._settings.ack_timeout_s)
@@ -144,7 +149,9 @@ class Outcomes:
             conn.send(message(conn))
         return conns
 
-    def open_version(self, run: VersionRun, start: pb.Announcement) -> None:
+    def open_version(
+        self, run: VersionRun, start: Callable[[ReceiverConn], pb.Announcement]
+    ) -> None:
         """Address ``run`` to every connected receiver; one that cannot open the staging
         transport fails at once."""
         for conn in self._registry.receivers():
@@ -163,7 +170,7 @@ class Outcomes:
                 continue
             outcome.expect("verdict", self._settings.ack_timeout_s)
             conn.state = "applying"
-            conn.send(start)
+            conn.send(start(conn))
 
     def expire(self, now: float) -> None:
         """Fail every receiver that owes a reply past its deadline, and close its stream

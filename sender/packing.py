@@ -72,11 +72,16 @@ def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> None:
         ChecksumError: a shared-memory slot does not hold what was copied into it (names the
             tensor).
     """
-    # The copies' views are worked out once per (plan, regions, slot, bucket): with thousands
-    # of small tensors (MoE experts) building them cost more than launching the copies.
+    # The copies' views are worked out once per (plan, regions, slices, slot, bucket): with
+    # thousands of small tensors (MoE experts) building them cost more than the copies.
     copies = slot.copies
-    if copies is None or copies.plan is not run.tensors or copies.regions is not run.regions:
-        copies = slot.copies = PackCopies(run.tensors, run.regions)
+    if (
+        copies is None
+        or copies.plan is not run.tensors
+        or copies.regions is not run.regions
+        or copies.slices is not run.slices
+    ):
+        copies = slot.copies = PackCopies(run.tensors, run.regions, run.slices)
     try:
         batch = copies.by_bucket.get(bucket.index)
         if batch is None:

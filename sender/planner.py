@@ -28,6 +28,7 @@ from weightsync.config import SenderSettings
 from weightsync.manifest import VersionManifest
 from weightsync.sender.direct_reads import DirectRead, Keeps, ReceiverGpus, plan_direct_reads
 from weightsync.sender.offer import Copy, Offer, OfferKey
+from weightsync.sender.slices import SliceGroup, plan_slices
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb
 
@@ -80,6 +81,8 @@ class Plan:
     """Each connected receiver's own direct bucket (none when nothing goes direct)."""
     route_bytes: Mapping[str, int]
     """Bytes every connected receiver together takes by each of :data:`ROUTES`."""
+    slices: tuple[SliceGroup, ...] = ()
+    """Broadcast receivers that keep only boxes, grouped by those boxes (``slices.py``)."""
 
 
 PlanTensors = Callable[
@@ -87,6 +90,7 @@ PlanTensors = Callable[
     TensorPlan,
 ]
 PlanReads = Callable[[TensorPlan, ReceiverGpus, Keeps], Mapping[str, DirectRead]]
+PlanSlices = Callable[[TensorPlan, Keeps], tuple[SliceGroup, ...]]
 
 
 def plan_version(
@@ -98,13 +102,17 @@ def plan_version(
     tensors_of: PlanTensors | None = None,
     gpus: Mapping[int, str] | None = None,
     reads_of: PlanReads | None = None,
+    slices_of: PlanSlices | None = None,
 ) -> Plan:
     """The plan of one version; ``offers`` are the publisher ranks' begin messages by rank,
     ``gpus`` their GPUs' UUIDs by rank.
 
     Tensors go direct only when a publisher allows it, the sender stages with CUDA IPC and
     every connected receiver maps. ``tensors_of``: :func:`plan_tensors` (default) or its memo;
-    ``reads_of``: :func:`~weightsync.sender.direct_reads.plan_direct_reads` or its memo.
+    ``reads_of``: :func:`~weightsync.sender.direct_reads.plan_direct_reads` or its memo;
+    ``slices_of``: :func:`~weightsync.sender.slices.plan_slices` (the default) or its memo.
+    Broadcast receivers get slices only where the sender packs (it packs their boxes from the
+    offered regions; a publisher packs whole buckets only).
     """
     paths = data_paths(receivers, settings.transport, staging.device_uuid)
     connected = [c for c in receivers if c.connected]
@@ -121,15 +129,26 @@ def plan_version(
         at = tuple(sorted((c.receiver_id, c.device_uuid) for c in connected))
         keeps = {c.receiver_id: c.keeps for c in connected if c.keeps}
         reads = (reads_of or plan_direct_reads)(tensors, at, keeps)
+    slices: tuple[SliceGroup, ...] = ()
+    keeps = {
+        c.receiver_id: c.keeps for c in connected if c.keeps and paths[c.receiver_id] == BROADCAST
+    }
+    if keeps and tensors.sender_packs:
+        slices = (slices_of or _plan_slices)(tensors, keeps)
+    sliced = {rid: g.plan.total_bytes for g in slices for rid in g.members}
     routes = dict.fromkeys(ROUTES, 0)
     for read in reads.values():
         for route, n in read.route_bytes.items():
             routes[route] += n
     for c in connected:
-        routes["staged" if paths[c.receiver_id] == MAP else "broadcast"] += (
-            tensors.staged.total_bytes
+        routes["staged" if paths[c.receiver_id] == MAP else "broadcast"] += sliced.get(
+            c.receiver_id, tensors.staged.total_bytes
         )
-    return Plan(paths, tensors, reads, routes)
+    return Plan(paths, tensors, reads, routes, slices)
+
+
+def _plan_slices(tensors: TensorPlan, keeps: Keeps) -> tuple[SliceGroup, ...]:
+    return plan_slices(tensors.staged, keeps, len(tensors.layouts))
 
 
 def data_paths(

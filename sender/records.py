@@ -17,6 +17,7 @@ from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
 from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.planner import TensorPlan
+from weightsync.sender.slices import SliceGroup
 from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -147,6 +148,9 @@ class VersionRun:
     """Each receiver's own direct bucket, from its nearest copies (as planned)."""
     route_bytes: Mapping[str, int] = field(default_factory=dict)
     """Bytes the receivers take by each route (``planner.ROUTES``), as planned."""
+    slices: tuple[SliceGroup, ...] = ()
+    """Broadcast receivers that get buckets of the boxes they keep instead of the staged
+    buckets (``slices.py``)."""
     direct_readers: set[str] = field(default_factory=set)
     """Receivers still copying the direct tensors out of the publishers' memory."""
     sums: dict[int, object] = field(default_factory=dict)

@@ -41,11 +41,13 @@ class ReadEvent:
 @dataclass
 class PackCopies:
     """The sender's pack copies into one slot, by bucket index, for one (bucket plan, mapped
-    regions) pair: both cached objects, compared by identity (the same while layout and offer
-    stay). Dropped with the slot, replaced when the pair changes."""
+    regions, slice groups): cached objects, compared by identity (the same while layout, offer
+    and receivers' boxes stay). Dropped with the slot, replaced when one changes."""
 
     plan: TensorPlan
     regions: Mapping[str, Sequence[Region]]
+    slices: tuple
+    """The version's slice groups (``slices.py``), whose buckets follow the plan's."""
     by_bucket: dict[int, CopyBatch] = field(default_factory=dict)
 
 
@@ -64,8 +66,9 @@ class Slot:
     """Receivers that have not acked the bucket (not even queued their reads)."""
     read_events: list[ReadEvent] = field(default_factory=list)
     """Receivers' queued reads, to finish before packing into the slot again."""
-    broadcast: PendingBroadcast | None = None
-    """The bucket's broadcast, to finish before packing into the slot again."""
+    broadcast: tuple[tuple[str, ...], PendingBroadcast] | None = None
+    """The bucket's broadcast (its group's members, the pending work), to finish before
+    packing into the slot again."""
     packing: bool = False
     copies: PackCopies | None = None
 

@@ -16,7 +16,7 @@ Rules (one planner, one rule for oversize tensors):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,6 +82,10 @@ class BucketEntry:
     num_chunks: int = 1
     source: int = 0
     """Direct buckets only: which of the publisher's storages ``offset`` points into."""
+    box_start: tuple[int, ...] = ()
+    """Set: the entry is a box of tensor ``name`` (what one engine rank keeps), starting here
+    in the tensor, shaped like ``spec`` (the box's shape; its name and dtype are the
+    tensor's). Chunks are then chunks of the box."""
 
     @property
     def name(self) -> str:
@@ -135,9 +139,15 @@ def _chunks(spec: TensorSpec, cap: int) -> list[tuple[int, int]]:
 
 
 def plan_buckets(
-    specs: Iterable[TensorSpec], bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
+    specs: Iterable[TensorSpec],
+    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES,
+    *,
+    first_index: int = 0,
+    box_starts: Mapping[str, tuple[int, ...]] | None = None,
 ) -> BucketPlan:
-    """Plan ``specs`` (in order) into buckets of at most ``bucket_size_bytes``.
+    """Plan ``specs`` (in order) into buckets of at most ``bucket_size_bytes``, indexed from
+    ``first_index``. ``box_starts``: the specs named there are boxes of their tensors, starting
+    there (:attr:`BucketEntry.box_start`).
 
     Raises:
         PlanError: duplicate names. ConfigError: a cap that is not a multiple of 256.
@@ -145,6 +155,7 @@ def plan_buckets(
     cap = check_bucket_size(bucket_size_bytes)
     manifest = tuple(specs)
     check_manifest(manifest)
+    box_starts = box_starts or {}
     buckets: list[list[BucketEntry]] = [[]]
     used = 0
     for spec in manifest:
@@ -155,7 +166,15 @@ def plan_buckets(
                 buckets.append([])
                 offset = 0
             buckets[-1].append(
-                BucketEntry(spec, offset, nbytes, tensor_offset, chunk_index, len(pieces))
+                BucketEntry(
+                    spec,
+                    offset,
+                    nbytes,
+                    tensor_offset,
+                    chunk_index,
+                    len(pieces),
+                    box_start=box_starts.get(spec.name, ()),
+                )
             )
             used = offset + nbytes
     if not buckets[-1] and len(buckets) > 1:
@@ -163,7 +182,8 @@ def plan_buckets(
     out = []
     for i, entries in enumerate(buckets):
         end = max((e.offset + e.nbytes for e in entries), default=0)
-        out.append(Bucket(i, tuple(entries), align_up(end), i == len(buckets) - 1))
+        last = i == len(buckets) - 1
+        out.append(Bucket(first_index + i, tuple(entries), align_up(end), last))
     return BucketPlan(manifest, tuple(out), cap)
 
 

@@ -65,20 +65,25 @@ def region_copies(
     first, stop = entry_rows(entry)
     raw = buffer[entry.offset : entry.offset + entry.nbytes].view(spec.torch_dtype)
     region_view = raw.view((stop - first, *spec.shape[1:])) if spec.shape else raw.view(())
+    if not spec.shape:
+        return [(region_view, region.source) for region in regions]
+    # The entry's elements in the HF tensor: rows [first, stop) of its box (the whole tensor
+    # unless the entry is a box of it), every element of the other dims.
+    base = entry.box_start or (0,) * len(spec.shape)
+    lo_e = (base[0] + first, *base[1:])
+    hi_e = (base[0] + stop, *(b + n for b, n in zip(base[1:], spec.shape[1:], strict=True)))
     pairs = []
     for region in regions:
         src = region.source
-        if not spec.shape:
-            pairs.append((region_view, src))
+        lo = tuple(map(max, lo_e, region.dst_start))
+        hi = tuple(min(h, a + n) for h, a, n in zip(hi_e, region.dst_start, src.shape, strict=True))
+        if any(a >= b for a, b in zip(lo, hi, strict=True)):
             continue
-        start0, size0 = region.dst_start[0], src.shape[0]
-        lo, hi = max(start0, first), min(start0 + size0, stop)
-        if lo >= hi:
-            continue
-        dst = region_view.narrow(0, lo - first, hi - lo)
-        for dim in range(1, len(spec.shape)):
-            dst = dst.narrow(dim, region.dst_start[dim], src.shape[dim])
-        pairs.append((dst, src.narrow(0, lo - start0, hi - lo)))
+        dst = region_view
+        for dim, (a, b) in enumerate(zip(lo, hi, strict=True)):
+            dst = dst.narrow(dim, a - lo_e[dim], b - a)
+            src = src.narrow(dim, a - region.dst_start[dim], b - a)
+        pairs.append((dst, src))
     return pairs
 
 

@@ -81,6 +81,7 @@ def bucket_to_pb(bucket: Bucket) -> pb.BucketLayout:
                 chunk_index=e.chunk_index,
                 num_chunks=e.num_chunks,
                 source=e.source,
+                box_start=list(e.box_start),
             )
             for e in bucket.entries
         ],
@@ -97,6 +98,7 @@ def bucket_from_pb(msg: pb.BucketLayout) -> Bucket:
             e.chunk_index,
             e.num_chunks,
             e.source,
+            tuple(e.box_start),
         )
         for e in msg.entries
     )

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support import TinyNet, digests, step, sync_in_thread
+from tests.support.publishers import offered_copy
 from tests.support.waiting import wait_until
 from weightsync.errors import ChecksumError, WeightSyncError
 from weightsync.receiver import TorchReceiver
@@ -25,21 +26,6 @@ BROKEN = "proj"
 def flip_first_element(dst: torch.Tensor) -> None:
     bits = dst.view(torch.int16).view(-1)
     bits[0] ^= 1
-
-
-def shm_tensors(trainer: torch.nn.Module):
-    """``trainer``'s state in a shm buffer this process allocated: offered to the sender,
-    which then packs every bucket itself."""
-    from weightsync.transports import get_transport
-
-    store = get_transport("shm").allocate(1 << 16, torch.device("cpu"))
-    tensors, offset = {}, 0
-    for name, t in trainer.state_dict().items():
-        nbytes = t.numel() * t.element_size()
-        tensors[name] = store.tensor[offset : offset + nbytes].view(t.dtype).view(t.shape)
-        tensors[name].copy_(t)
-        offset += (nbytes + 255) // 256 * 256
-    return store, tensors
 
 
 def sabotage_publisher(monkeypatch) -> None:
@@ -80,7 +66,7 @@ def test_a_pack_that_writes_wrong_bytes_fails_the_version_naming_the_tensor(
     model = TinyNet(seed=1)
     receiver = TorchReceiver(model, sender.address, receiver_id="r")
     trainer = TinyNet(seed=2)
-    store, tensors = shm_tensors(trainer) if packer == "sender" else (None, None)
+    store, tensors = offered_copy(trainer.state_dict()) if packer == "sender" else (None, None)
     publisher = Publisher(sender.address)
     t, results = sync_in_thread(receiver, n=3)
 

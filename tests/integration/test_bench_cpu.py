@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 
 from tests.support.bench import bench
+from weightsync.app.bench.engine_like import engine_shard
+from weightsync.app.bench.hosts import stage_of
+from weightsync.app.bench.models import hf_specs, model_shape
 
 
 def test_cpu_bench_measures_every_row_and_receivers_are_bit_exact(tmp_path):
@@ -60,11 +64,14 @@ def test_cpu_bench_moe_layouts_through_fused_experts(tmp_path):
 
 def test_cpu_bench_hosts_case_two_senders_and_one_bit_exact(tmp_path):
     """The hosts case (issue 12) on CPU: two "hosts" by WEIGHTSYNC_HOST_ID, a sender process
-    and a publisher process (a PP stage) per host, one receiver per host registered with both
-    senders; then one sender sending everything. Every version bit-exact in both cases."""
+    and a publisher process (a PP stage, in shm it offers) per host, one receiver per host
+    registered with both senders; then one sender sending everything. Engines TP=2 (host a's
+    receiver is rank 0, host b's rank 1): from version 2 on each sender broadcasts the other
+    host's receiver only its shard of its part. Every version bit-exact in both cases."""
     code = bench(
         ["--model", "tiny", "--device", "cpu", "--tp", "", "--no-baselines", "--no-floors"]
-        + ["--hosts", "2", "--versions", "2", "--warmup", "0", "--out", str(tmp_path)]
+        + ["--hosts", "2", "--engine-tp", "2", "--versions", "2", "--warmup", "0"]
+        + ["--out", str(tmp_path)]
     )
     assert code == 0
     data = json.loads((tmp_path / "bench-tiny.json").read_text())
@@ -74,5 +81,21 @@ def test_cpu_bench_hosts_case_two_senders_and_one_bit_exact(tmp_path):
         row = rows[name]
         assert row["bit_exact"] is True and not row["failed"], row
         assert len(row["samples_s"]) == 2 and row["x_floor"] > 0, row
-        assert row["transport"] == "shm + gloo" and row["placement"] == "2 hosts: 2 engines"
+        assert row["transport"] == "shm + gloo"
+        assert row["placement"] == "2 hosts: 2 engines TP=2"
+    shape = model_shape("tiny")
+    specs = hf_specs(shape)
+
+    def kept(rank: int, stage: int | None = None) -> int:
+        return sum(
+            math.prod(engine_shard(s.name, s.shape, 2, rank).shape_of(s.shape))
+            * s.torch_dtype.itemsize
+            for s in specs
+            if stage is None or stage_of(s.name, shape.layers) == stage
+        )
+
+    sliced = kept(1, stage=0) + kept(0, stage=1)
+    assert sliced < sum(s.nbytes for s in specs) / 2 + 4096  # half, norms and router whole
     assert rows["two senders"]["note"].startswith("a sender per host, at once: parts ")
+    assert rows["two senders"]["note"].endswith(f"; {sliced:,} bytes broadcast")
+    assert rows["one sender"]["note"].endswith(f"; {kept(1):,} bytes broadcast")

@@ -9,6 +9,7 @@ import time
 import torch
 
 from tests.support import TinyNet, digests, step, sync_in_thread
+from tests.support.publishers import offered_copy
 from weightsync.receiver import ReceiverCore, TorchReceiver
 from weightsync.receiver.torch_receiver import TorchModuleTarget
 from weightsync.sender import Publisher, Sender
@@ -80,15 +81,8 @@ def test_the_sender_packs_offered_shared_memory_itself_and_the_publisher_never_p
 
     monkeypatch.setattr(publisher_module, "pack_entry", never)
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as sender:
-        store = get_transport("shm").allocate(1 << 16, torch.device("cpu"))
+        store, tensors = offered_copy(TinyNet(seed=3).state_dict())
         try:
-            reference = TinyNet(seed=3).state_dict()
-            tensors, offset = {}, 0
-            for name, t in reference.items():
-                nbytes = t.numel() * t.element_size()
-                view = store.tensor[offset : offset + nbytes].view(t.dtype).view(t.shape)
-                tensors[name] = view.copy_(t)
-                offset += (nbytes + 255) // 256 * 256
             model = TinyNet(seed=1)
             receiver = TorchReceiver(model, sender.address)
             publisher = Publisher(sender.address)

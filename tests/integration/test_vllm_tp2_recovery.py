@@ -20,16 +20,14 @@ vllm = pytest.importorskip("vllm")
 
 from tests.support import random_weights, unix_sender  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
-    hf_config,
     hf_reference,
     random_checkpoint,
     server_greedy,
+    shard_bytes,
     vllm_server,
 )
-from weightsync.cluster import tp_box  # noqa: E402
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
 from weightsync.errors import ReceiverFailedError, SyncTimeoutError  # noqa: E402
-from weightsync.model_shapes import model_tensors  # noqa: E402
 from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -55,14 +53,6 @@ def server(tmp_path_factory):
             yield root, base_url, str(model), template
 
 
-def shard_bytes(template: dict[str, torch.Tensor], rank: int, world: int) -> int:
-    """Bytes of ``template`` TP rank ``rank`` of ``world`` keeps, by ``weightsync.cluster``."""
-    tensors = model_tensors(hf_config(KIND).to_dict(), dtype="float32")
-    by_name = {t.name: t for t in tensors}
-    assert set(by_name) == set(template)
-    return sum(tp_box(t, rank, world, by_name).numel * 4 for t in tensors)
-
-
 def serves(server, weights: dict[str, torch.Tensor], version: int) -> None:
     root, base_url, model, _ = server
     assert VllmServerClient(base_url).weight_version() == str(version)
@@ -82,7 +72,7 @@ def test_a_rejected_version_then_a_good_one_at_tp2(server, sender_address):
         # Each rank declared the shard its own loaders keep: the bytes of the boxes the
         # planner's model of vLLM's TP split gives (half of each sharded tensor, norms whole).
         kept = {r.receiver_id: r.kept_bytes for r in publisher.status().receivers}
-        assert kept == {f"tp2-rank{r}": shard_bytes(template, r, 2) for r in (0, 1)}
+        assert kept == {f"tp2-rank{r}": shard_bytes(KIND, template, r, 2) for r in (0, 1)}
         assert kept["tp2-rank0"] < sum(t.nbytes for t in good.values())
 
         # Both ranks reject the manifest: one error, naming each rank's.

@@ -5,11 +5,29 @@ publisher id, as the ranks of one trainer."""
 from __future__ import annotations
 
 import multiprocessing as mp
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 
 from tests.support.models import TinyNet, step
+
+
+def offered_copy(tensors: Mapping[str, torch.Tensor]):
+    """``tensors`` copied into one shm buffer this process allocated, as a trainer offering
+    its memory holds them: the sender maps it and packs every bucket itself. Returns the
+    buffer (release it with the shm transport) and the copies by name."""
+    from weightsync.transports import get_transport
+
+    sizes = [(t.numel() * t.element_size() + 255) // 256 * 256 for t in tensors.values()]
+    store = get_transport("shm").allocate(max(sum(sizes), 256), torch.device("cpu"))
+    copies, offset = {}, 0
+    for (name, t), size in zip(tensors.items(), sizes, strict=True):
+        nbytes = t.numel() * t.element_size()
+        copies[name] = store.tensor[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        copies[name].copy_(t)
+        offset += size
+    return store, copies
 
 
 class Published(NamedTuple):
@@ -33,12 +51,7 @@ def _publisher_main(address, publisher_id, rank, world_size, seed, versions, out
     # Replicas offer the same memory: the sender must pack from one copy, never ask a rank.
     publisher_module.pack_entry = never
     trainer = TinyNet(seed)
-    store = get_transport("shm").allocate(1 << 16, torch.device("cpu"))
-    tensors, offset = {}, 0
-    for name, t in trainer.state_dict().items():
-        nbytes = t.numel() * t.element_size()
-        tensors[name] = store.tensor[offset : offset + nbytes].view(t.dtype).view(t.shape)
-        offset += (nbytes + 255) // 256 * 256
+    store, tensors = offered_copy(trainer.state_dict())
     publisher = Publisher(address, publisher_id=publisher_id, rank=rank, world_size=world_size)
     try:
         for version in versions:

@@ -56,5 +56,6 @@ def published(parts: SenderParts, version: int, wait_applied: bool = False) -> V
     with parts.cond:
         parts.history.check_version(version)
         parts.history.add_run(run)
-        parts.outcomes.open_version(run, pb.Announcement(start=pb.VersionStart()))
+        start = pb.Announcement(start=pb.VersionStart())
+        parts.outcomes.open_version(run, lambda _: start)
     return run

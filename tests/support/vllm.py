@@ -51,6 +51,18 @@ def save_checkpoint(kind: str, path: Path, weights: dict[str, torch.Tensor]) -> 
     return path
 
 
+def shard_bytes(kind: str, template: dict[str, torch.Tensor], rank: int, world: int) -> int:
+    """Bytes of ``template`` (float32) TP rank ``rank`` of ``world`` keeps, by
+    ``weightsync.cluster``'s model of vLLM's TP split."""
+    from weightsync.cluster import tp_box
+    from weightsync.model_shapes import model_tensors
+
+    tensors = model_tensors(hf_config(kind).to_dict(), dtype="float32")
+    by_name = {t.name: t for t in tensors}
+    assert set(by_name) == set(template)
+    return sum(tp_box(t, rank, world, by_name).numel * 4 for t in tensors)
+
+
 def random_checkpoint(kind: str, path: Path, seed: int = 0):
     """A checkpoint of ``kind`` with random weights at ``path``; returns ``path`` and the
     template (checkpoint names and shapes) to make more weights from."""
@@ -70,6 +82,9 @@ def hf_reference(kind: str, path: Path, weights: dict[str, torch.Tensor]) -> lis
 def hf_greedy(
     model: torch.nn.Module, prompts: Sequence[Sequence[int]] = PROMPTS
 ) -> list[list[int]]:
+    """Greedy tokens past any end-of-sequence token, as the engines are asked (``ignore_eos``):
+    a random model that picks EOS early would otherwise stop transformers only."""
+    model.generation_config.eos_token_id = None
     outputs = []
     with torch.no_grad():
         for prompt in prompts:

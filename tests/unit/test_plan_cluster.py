@@ -162,29 +162,43 @@ def test_every_trainer_host_sends_and_balances_the_copies_it_shares():
     assert min(sent) > 0 and max(sent) <= 1.2 * min(sent)
 
 
-def test_the_runtime_as_built_sends_each_stage_from_its_host_whole_to_every_engine_gpu():
+def test_the_runtime_as_built_sends_each_stage_from_its_host_sliced_per_engine_rank():
+    """Engines TP=4 x 2 replicas: each trainer host sends its stage's boxes once to each of the
+    4 TP rank groups (2 members each); an engine GPU takes only its slice."""
     t = topo(TRAINER, ENGINES)
     built = cluster(t, MOE)
     run = runtime_estimate(t, built)
-    tensors, _, _ = built
+    tensors, _, receivers = built
     assert run.parts.hosts == ("trainer-0", "trainer-1")  # a PP stage per host
     assert run.parts.owner["model.embed_tokens.weight"] == "trainer-0"
     assert run.parts.owner["lm_head.weight"] == "trainer-1"
     assert run.parts.owner["model.layers.3.mlp.experts.7.down_proj.weight"] == "trainer-1"
-    assert run.nbytes == sum(x.nbytes for x in tensors)
-    # Every engine GPU takes every byte, far more than its slice in the plan.
-    assert run.predicted_s == run.nbytes / (t.links.nic_gb_s * 1e9)
-    assert run.bound == "every engine GPU taking the whole model through its NIC"
-    assert run.predicted_s > 2 * plan_cluster(t, MOE).predicted_s
+    by_name = {x.name: x for x in tensors}
+
+    def nbytes(piece) -> int:
+        x = by_name[piece.tensor]
+        return piece.box.numel * x.nbytes // whole_box(x.shape).numel
+
+    kept = {r.id: sum(map(nbytes, r.needs)) for r in receivers}
+    assert run.taken == max(kept.values()) < sum(x.nbytes for x in tensors) / 2
+    ranks = {r.id.split("/")[1]: r.needs for r in receivers}  # one group per TP rank
+    assert len(ranks) == 4
+    assert sum(run.sent.values()) == sum(sum(map(nbytes, n)) for n in ranks.values())
+    # Replicated tensors (norms, routers, MLA's down projections) go to every group.
+    assert sum(run.sent.values()) > sum(x.nbytes for x in tensors)
+    assert run.predicted_s == max(run.taken, *run.sent.values()) / (t.links.nic_gb_s * 1e9)
+    host, sent = run.busiest_part
+    assert run.bound == f"trainer host {host}'s sender sending its part's slices from one GPU"
+    assert run.predicted_s >= plan_cluster(t, MOE).predicted_s
 
 
 def test_the_runtime_as_built_balances_parts_over_hosts_holding_copies():
     t = topo(dict(hosts=4, gpus_per_host=2, tp=1, pp=1, ep=1), dict(ENGINES, ep=1))
     run = runtime_estimate(t, cluster(t, GQA))
-    sent = [run.parts.bytes_of(h) for h in run.parts.hosts]
+    parts = [run.parts.bytes_of(h) for h in run.parts.hosts]
     largest = max(x.nbytes for x in cluster(t, GQA)[0])
-    assert len(sent) == 4 and max(sent) - min(sent) <= largest
-    assert sum(sent) == run.nbytes
+    assert len(parts) == 4 and max(parts) - min(parts) <= largest
+    assert sum(parts) == sum(x.nbytes for x in cluster(t, GQA)[0])
 
 
 def test_layouts_that_do_not_fit_are_refused_naming_the_field():

@@ -45,6 +45,28 @@ def test_pack_regions_gathers_pieces_into_buckets_bit_exact(cap):
         )
 
 
+@pytest.mark.parametrize("cap", [256, 512, 4096])
+@pytest.mark.parametrize(
+    ("start", "size"), [((3, 2), (5, 4)), ((0, 4), (12, 4)), ((6, 0), (6, 8)), ((11, 7), (1, 1))]
+)
+def test_a_box_of_a_tensor_packs_from_the_regions_that_cross_it(cap, start, size):
+    """A slice group's bucket holds only a box of ``w`` (across both ranks' columns), chunked
+    by the box's rows when it does not fit."""
+    regions, tensors, _ = _gathered(cap)
+    spec = TensorSpec("w", "float32", size)
+    plan = plan_buckets([spec], cap, first_index=5, box_starts={"w": start})
+    assert plan.buckets[0].index == 5 and plan.buckets[-1].is_last
+    assembler, out = ChunkAssembler(), {}
+    for bucket in plan.buckets:
+        assert all(e.box_start == start for e in bucket.entries)
+        buffer = torch.zeros(cap, dtype=torch.uint8)
+        for entry in bucket.entries:
+            pack_regions(buffer, entry, regions[entry.name])
+        out.update(dict(unpack_bucket(buffer, bucket, assembler)))
+    want = tensors["w"][start[0] : start[0] + size[0], start[1] : start[1] + size[1]]
+    assert torch.equal(out["w"], want)
+
+
 def test_pack_regions_casts_to_the_manifest_dtype():
     src = torch.randn(4, 8)
     spec = TensorSpec("w", "bfloat16", (4, 8))

@@ -272,3 +272,26 @@ def test_a_receiver_that_declared_its_shard_is_planned_for_its_shard():
     receivers[1].declare({"w0": halves["w0"]}, MANIFEST.tensors)
     assert receivers[1].kept_bytes == 1024 - 128
     assert memo(tensors, at, {"r1": receivers[1].keeps})["r1"].route_bytes["local"] == 1024 - 128
+
+
+def test_remote_receivers_keeping_the_same_boxes_share_a_slice_group():
+    """Two replicas' TP rank 0 keep w0[0:32], rank 1 w0[32:64]; a TP=1 engine keeps all. Each
+    TP rank's group gets buckets of its boxes (numbered after the staged ones'), the TP=1
+    engine and the local receiver the staged buckets."""
+    first, second = {"w0": Box((0,), (32,))}, {"w0": Box((32,), (32,))}
+    far = [receiver(rid, remote=True) for rid in ("a0", "b0", "a1", "b1", "whole")]
+    for conn, boxes in zip(far, (first, first, second, second, {}), strict=False):
+        conn.declare(boxes, MANIFEST.tensors)
+    p = plan(EVERY_TENSOR, [*far, receiver("near")])
+    assert [g.members for g in p.slices] == [("a0", "b0"), ("a1", "b1")]
+    staged = len(p.tensors.layouts)
+    for i, (group, start) in enumerate(zip(p.slices, (0, 32), strict=True)):
+        assert [b.index for b in group.plan.buckets] == [staged + i]
+        (w0, *rest) = group.plan.buckets[0].entries
+        assert (w0.name, w0.box_start, w0.spec.shape) == ("w0", (start,), (32,))
+        assert [e.name for e in rest] == ["w1", "w2", "w3"] and not any(e.box_start for e in rest)
+        assert group.layouts[0].entries[0].box_start == [start]
+    assert p.route_bytes["broadcast"] == 4 * (1024 - 128) + 1024
+    assert p.route_bytes["staged"] == 1024
+    # Boxes are sent only where the sender packs: a publisher packs whole buckets.
+    assert plan(WHOLE_W1_W3, far).slices == ()

@@ -5,7 +5,8 @@ The shell around :func:`weightsync.cluster.plan_cluster` (the same
 JSON) and the model's config, plan, print the bytes per link class, the busiest NIC and NVLink,
 the predicted time, the floor and what bounds each; then what the multi-host runtime as built
 would take for the same cluster (:func:`weightsync.cluster.runtime_estimate`: its senders send
-whole tensors, not yet the slices this plan moves).
+each engine TP rank group its slices, from one GPU per trainer host, without the relaying
+between engine hosts this plan does).
 """
 
 from __future__ import annotations
@@ -186,11 +187,12 @@ def print_plan(
 
 
 def _as_built(run: RuntimeEstimate, floor_s: float) -> str:
-    """The runtime's cost today, beside the plan: its senders do not send slices yet."""
-    host, part = run.busiest_part
-    ratio = f" ({run.predicted_s / floor_s:.1f}x the floor)" if floor_s else ""
+    """The runtime's cost today, beside the plan."""
+    host, sent = run.busiest_part
+    ratio = f" ({run.predicted_s / floor_s:.2f}x the floor)" if floor_s else ""
     return (
-        f"{len(run.parts.hosts)} sender(s), one per trainer host (largest part {_gb(part)} GB, "
-        f"{host}), each broadcasting whole tensors to every engine GPU: "
+        f"{len(run.parts.hosts)} sender(s), one per trainer host, each broadcasting its part's "
+        f"slices to every group of engine ranks keeping the same ones (most sent: "
+        f"{_gb(sent)} GB, {host}; most taken by an engine GPU: {_gb(run.taken)} GB): "
         f"{run.predicted_s:.3f} s, bound by {run.bound}{ratio}"
     )

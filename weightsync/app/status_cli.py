@@ -62,8 +62,8 @@ def message_json(reply, indent: int | None) -> str:
 
 def _status_tables(reply, address: str, last: int) -> list:
     receivers = output.table(
-        "id", "engine", "rank", "device", "data path", "connected", "applied", "state",
-        "last error", title="receivers", right=("rank", "applied"),
+        "id", "engine", "rank", "device", "data path", "MB kept", "connected", "applied",
+        "state", "last error", title="receivers", right=("rank", "MB kept", "applied"),
     )  # fmt: skip
     for r in reply.receivers:
         output.add_row(
@@ -73,6 +73,8 @@ def _status_tables(reply, address: str, last: int) -> list:
             str(r.rank),
             r.device,
             r.data_path,
+            # What it keeps (its TP shard) of the last version it accepted; "-": none yet.
+            f"{r.kept_bytes / 1e6:.1f}" if r.kept_bytes else "-",
             str(r.connected),
             str(r.applied_version),
             r.state,

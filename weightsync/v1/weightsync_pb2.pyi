@@ -93,7 +93,7 @@ class BufferHandle(_message.Message):
     def __init__(self, buffer_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., cuda_ipc: _Optional[_Union[CudaIpcHandle, _Mapping]] = ...) -> None: ...
 
 class BucketEntry(_message.Message):
-    __slots__ = ("tensor", "offset", "nbytes", "tensor_offset", "chunk_index", "num_chunks", "source")
+    __slots__ = ("tensor", "offset", "nbytes", "tensor_offset", "chunk_index", "num_chunks", "source", "box_start")
     TENSOR_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class BucketEntry(_message.Message):
     CHUNK_INDEX_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BOX_START_FIELD_NUMBER: _ClassVar[int]
     tensor: TensorSpec
     offset: int
     nbytes: int
@@ -108,7 +109,8 @@ class BucketEntry(_message.Message):
     chunk_index: int
     num_chunks: int
     source: int
-    def __init__(self, tensor: _Optional[_Union[TensorSpec, _Mapping]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., source: _Optional[int] = ...) -> None: ...
+    box_start: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensor: _Optional[_Union[TensorSpec, _Mapping]] = ..., offset: _Optional[int] = ..., nbytes: _Optional[int] = ..., tensor_offset: _Optional[int] = ..., chunk_index: _Optional[int] = ..., num_chunks: _Optional[int] = ..., source: _Optional[int] = ..., box_start: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BucketLayout(_message.Message):
     __slots__ = ("index", "is_last", "nbytes", "entries")

@@ -55,7 +55,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         help="node case: engines TP=T x N/T; each engine rank keeps vLLM's shard of every "
-        "tensor and reads only those bytes (the floor copies that share)",
+        "tensor and reads only those bytes (the floor copies that share). Hosts case: device "
+        "i's engine is TP rank i %% T and declares its shard, so senders broadcast it only that",
     )
     p.add_argument(
         "--hosts",

@@ -37,6 +37,7 @@ from weightsync.errors import ConfigError, ManifestMismatchError, NameResolution
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.target import InPlaceTarget
 from weightsync.regions import CopyBatch, entry_rows
+from weightsync.topology_model import Box
 
 _EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
 _ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
@@ -59,6 +60,13 @@ class EngineShard:
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor if self.dim is None else tensor.narrow(self.dim, self.start, self.length)
+
+    def box(self, shape: tuple[int, ...]) -> Box | None:
+        """The box of a tensor of ``shape`` this is (None: all of it)."""
+        if self.dim is None:
+            return None
+        start = tuple(self.start if d == self.dim else 0 for d in range(len(shape)))
+        return Box(start, self.shape_of(shape))
 
 
 def engine_shard(name: str, shape: tuple[int, ...], tp: int, rank: int) -> EngineShard:
@@ -163,6 +171,7 @@ class EngineLikeTarget(InPlaceTarget):
         self._slices: dict[str, torch.Tensor] = {}
         """Resolved live slices by HF name; never dropped (the bench's parameters never move)."""
         self._shards: dict[str, EngineShard] = {}
+        self._kept: dict[str, Box] = {}
 
     def shard(self, name: str, shape: tuple[int, ...]) -> EngineShard:
         """What this engine rank keeps of HF tensor ``name`` of ``shape``."""
@@ -222,6 +231,7 @@ class EngineLikeTarget(InPlaceTarget):
         return rows.narrow(0, sum(sizes[:index]), sizes[index])
 
     def validate(self, manifest: VersionManifest) -> None:
+        kept = {}
         for spec in manifest.tensors:
             live = self.resolve(spec.name)
             try:
@@ -235,6 +245,14 @@ class EngineLikeTarget(InPlaceTarget):
                     f"{spec.dtype}{of} but the model holds {tuple(live.shape)} "
                     f"{dtype_name(live.dtype)}"
                 )
+            box = self.shard(spec.name, spec.shape).box(spec.shape)
+            if box is not None:
+                kept[spec.name] = box
+        self._kept = kept
+
+    def kept(self) -> dict[str, Box]:
+        """Its TP shards, as vLLM's loaders would keep them (declared to the sender)."""
+        return self._kept
 
     def live_tensor(self, name: str) -> torch.Tensor:
         return self.resolve(name)

