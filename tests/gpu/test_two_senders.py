@@ -20,12 +20,25 @@ pytestmark = [
 ]
 
 
-def test_two_senders_at_once_are_bit_exact_on_gpus():
+@pytest.mark.parametrize(
+    ("model", "layers", "engine_tp"),
+    [("qwen2.5-7b", 4, 1), ("qwen2.5-7b", 4, 2), ("tiny-moe", None, 2)],
+)
+def test_two_senders_at_once_are_bit_exact_on_gpus(model, layers, engine_tp):
+    """With engines TP=2 (GPU 0's receiver rank 0, GPU 1's rank 1) each sender broadcasts
+    the other host's receiver only its shard, over NCCL, from the second version on."""
     from weightsync.app.bench.hosts import measure_hosts, summary
     from weightsync.app.bench.models import model_shape
 
-    run = measure_hosts(model_shape("qwen2.5-7b", layers=4), 2, 2, 1, 90.0)
+    shape = model_shape(model, layers=layers)
+    run = measure_hosts(shape, 2, 2, 1, 90.0, engine_tp)
     print(summary(run))
     assert run.bit_exact
     assert len(run.two_senders_s) == 2 and len(run.one_sender_s) == 2
     assert all(a > 0 and b > 0 for a, b in zip(run.two_senders_s, run.one_sender_s, strict=True))
+    # Two senders: each part crosses once to the other host's receiver (whole, or its shard).
+    crossed, _ = run.broadcast_bytes
+    if engine_tp == 1:
+        assert crossed == run.nbytes
+    else:
+        assert run.nbytes * 0.45 < crossed < run.nbytes * 0.55
