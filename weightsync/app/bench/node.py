@@ -50,8 +50,7 @@ class NodeRun:
     def rows(self) -> list[Row]:
         layout = f"TP=1 x DP={self.gpus}"
         placement = node_placement(self.gpus, self.engine_tp)
-        # Route bytes count what the plan handed each receiver (whole tensors); a TP rank
-        # reads only its shard of them.
+        # Route bytes count what each receiver keeps: a TP rank declares its shard.
         routes = ", ".join(f"{k} {n / 1e9:.1f} GB" for k, n in self.route_bytes.items() if n)
         return [
             Row(FLOOR, NODE_FLOOR, "-", layout, placement, self.kept_nbytes, self.floor_s),
