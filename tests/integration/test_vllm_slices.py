@@ -11,8 +11,6 @@ transformers generates with the same weights.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 vllm = pytest.importorskip("vllm")
@@ -21,10 +19,9 @@ from tests.support import random_weights, unix_sender  # noqa: E402
 from tests.support.publishers import offered_copy  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     hf_reference,
-    random_checkpoint,
     server_greedy,
     shard_bytes,
-    vllm_server,
+    tp2_server,
 )
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
 from weightsync.sender import Publisher  # noqa: E402
@@ -45,13 +42,8 @@ def sender_address():
 def server(tmp_path_factory, sender_address):
     """The server; the sender (started first) keeps this process's own host id."""
     root = tmp_path_factory.mktemp("slices")
-    model, template = random_checkpoint(KIND, root / "model")
-    with pytest.MonkeyPatch.context() as env:
-        cpus = sorted(os.sched_getaffinity(0))
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
-        env.setenv("WEIGHTSYNC_HOST_ID", "engine-host")
-        with vllm_server(model, root / "server.log", "--tensor-parallel-size", "2") as base_url:
-            yield root, base_url, str(model), template
+    with tp2_server(root, KIND, WEIGHTSYNC_HOST_ID="engine-host") as running:
+        yield running
 
 
 def test_remote_tp_ranks_get_only_their_shards_by_broadcast(server, sender_address):

