@@ -7,7 +7,7 @@ or a landing buffer it was broadcast into (:mod:`.broadcast`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,9 +46,15 @@ class BucketLoad:
     """Chunks of tensors larger than a bucket, for a target that writes them in place."""
     buffers: list[torch.Tensor]
     """The buffers these read."""
+    key: Hashable = None
+    """Set when ``tensors`` are the reader's kept views of a mapped buffer (the same objects
+    whenever the key repeats): the target may work out its writes once."""
 
     def write(self, target: WeightTarget) -> None:
-        target.load(self.tensors)
+        if self.key is None:
+            target.load(self.tensors)
+        else:
+            target.load_views(self.key, self.tensors)
         for entry, data in self.chunks:
             target.load_chunk(entry, data)
 
@@ -177,11 +183,14 @@ class BucketReader:
             views = self._views.get(key) or self._cache(
                 key, self._view(self._layouts(msg.layout, layout), sources)
             )
+            if not views.boxed:
+                return BucketLoad(views.whole, [], sources, key)
             return BucketLoad(views.whole + self._unboxed(views, reads), [], sources)
         bucket = self._layouts(msg.layout, layout)
         buffer = landed if landed is not None else self._packed_buffer(msg, bucket)
         if self.verify_checksums:
             reads.checksum(bucket, buffer)
+        key = None
         if landed is not None:
             views = self._view(bucket, [buffer])
         else:
@@ -198,7 +207,9 @@ class BucketReader:
             done = reads.assembler.add(buffer, entry)
             if done is not None:
                 whole.append(reads.unbox(entry, done) if entry.box_start else (entry.name, done))
-        return BucketLoad(whole, chunks, [buffer])
+        # Only the kept views themselves may be loaded by key (not boxes or assembled tensors).
+        kept = key is not None and len(whole) == len(views.whole)
+        return BucketLoad(whole, chunks, [buffer], key if kept else None)
 
     @staticmethod
     def _unboxed(views: BucketViews, reads: VersionReads) -> Named:

@@ -257,12 +257,10 @@ class EngineLikeTarget(InPlaceTarget):
     def live_tensor(self, name: str) -> torch.Tensor:
         return self.resolve(name)
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        if self.model.tp == 1:
-            return super().load(tensors)
-        CopyBatch.of(
+    def copies(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> CopyBatch:
+        return CopyBatch.of(
             (self.resolve(name), self.shard(name, tuple(t.shape)).of(t)) for name, t in tensors
-        ).run()
+        )
 
     def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
         if self.model.tp == 1:
