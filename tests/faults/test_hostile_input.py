@@ -374,6 +374,40 @@ def test_a_receivers_long_error_text_is_shortened_in_status(sender):
     publisher.close()
 
 
+@pytest.mark.parametrize(
+    ("box", "why"),
+    [
+        (pb.TensorBox(name="w", start=[2], size=[3]), "shape [4]"),
+        (pb.TensorBox(name="w", start=[0, 0], size=[1, 1]), "shape [4]"),
+        (pb.TensorBox(name="nope", start=[0], size=[1]), "not in the version"),
+    ],
+)
+def test_a_verdict_declaring_a_box_outside_its_tensor_fails_that_receiver(sender, box, why):
+    """An accepting verdict's ``keeps`` must be boxes of the version's tensors: one that is not
+    fails the receiver in that version, naming the tensor; the sender plans nothing from it."""
+    raw = raw_receiver(sender.address)
+    assert raw.first() == "welcome"
+    publisher = Publisher(sender.address)
+    publisher.publish({"w": torch.ones(4)}, 1)
+    assert next(raw.replies).WhichOneof("kind") == "start"
+    raw.send(pb.ReceiverMessage(verdict=pb.ManifestVerdict(version=1, accepted=True, keeps=[box])))
+    # The bucket and the end may be on their way already; then the abort.
+    kinds = [next(raw.replies).WhichOneof("kind")]
+    while kinds[-1] != "abort" and len(kinds) < 4:
+        kinds.append(next(raw.replies).WhichOneof("kind"))
+    assert kinds[-1] == "abort", kinds
+    (outcome,) = status_within(sender.address).versions[-1].receivers
+    assert outcome.state == "failed" and outcome.error.code == "ProtocolError"
+    assert outcome.error.message.startswith(
+        f"raw declared it keeps start={list(box.start)} size={list(box.size)} of {box.name!r} "
+        f"({why})"
+    ), outcome.error.message
+    (status,) = status_within(sender.address).receivers
+    assert status.kept_bytes == 0
+    raw.close()
+    publisher.close()
+
+
 def test_a_lora_config_too_deep_is_refused_before_any_rpc():
     with pytest.raises(ConfigError) as refused:
         LoraAdapterSpec("a", "[" * 40 + "]" * 40, ())

@@ -533,3 +533,32 @@ def test_a_receiver_of_one_sender_refuses_a_part_before_any_write(stage):
     )
     assert target.calls == [] and connection.kinds() == ["verdict"]
     assert connection.sent[0].verdict.error.code == "PlanError"
+
+
+def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fit_is_refused():
+    """A slice bucket's entry is a box of its tensor: the receiver hands the target a tensor of
+    the manifest's shape holding the box where it belongs (the rest is never read)."""
+    reads = VersionReads(3, [TensorSpec("w", "float32", (4, 6))])
+    box = (
+        plan_buckets([TensorSpec("w", "float32", (2, 3))], 1024, box_starts={"w": (1, 2)})
+        .buckets[0]
+        .entries[0]
+    )
+    data = torch.arange(6, dtype=torch.float32).view(2, 3)
+    name, full = reads.unbox(box, data)
+    assert name == "w" and full.shape == (4, 6)
+    assert torch.equal(full[1:3, 2:5], data)
+    outside = (
+        plan_buckets([TensorSpec("w", "float32", (2, 3))], 1024, box_starts={"w": (3, 2)})
+        .buckets[0]
+        .entries[0]
+    )
+    with pytest.raises(ProtocolError, match=r"version 3: a box at \[3, 2\] of shape \[2, 3\]"):
+        reads.unbox(outside, data)
+    unknown = (
+        plan_buckets([TensorSpec("v", "float32", (2, 3))], 1024, box_starts={"v": (0, 0)})
+        .buckets[0]
+        .entries[0]
+    )
+    with pytest.raises(ProtocolError, match="does not fit 'v' \\(not in the version\\)"):
+        reads.unbox(unknown, data)
