@@ -53,3 +53,18 @@ def test_dp_sources_each_gpu_reads_its_own_copy_against_the_floor(engine_tp):
     # Each receiver declared its shard (engine_like's kept()): the plan counts what it keeps.
     assert run.route_bytes["local"] == n * run.kept_nbytes and run.route_bytes["peer"] == 0
     assert run.kept_nbytes < run.nbytes / engine_tp * 1.01
+
+
+@pytest.mark.parametrize("engine_tp", [1, 2])
+def test_a_moe_model_reaches_every_engine_rank_bit_exact(engine_tp):
+    """The same node case on the tiny MoE shape (fused experts, sharded per expert at TP=2)."""
+    from weightsync.app.bench.models import model_shape
+    from weightsync.app.bench.node import measure_node, summary
+
+    n = torch.cuda.device_count()
+    if n % engine_tp:
+        pytest.skip(f"engines TP={engine_tp} need a multiple of {engine_tp} GPUs, not {n}")
+    run = measure_node(model_shape("tiny-moe"), n, 2, 1, 2, 120, engine_tp)
+    print("\n" + summary(run))
+    assert run.bit_exact
+    assert run.route_bytes["local"] == n * run.kept_nbytes and run.route_bytes["peer"] == 0
