@@ -123,6 +123,40 @@ class WeightsState:
     """A version is being written: how it ends (applied or dirty) is not known yet."""
 
 
+class KeptLayouts:
+    """The layouts one stream announced, by ``layout_key``: a direct bucket announced again
+    with its key only gets them back here (the receiver said ``layout_keys`` in its hello)."""
+
+    _MAX = 16
+
+    def __init__(self) -> None:
+        self._known: dict[bytes, pb.BucketAnnouncement] = {}
+
+    def complete(self, msg: pb.Announcement) -> pb.Announcement:
+        """``msg`` with its layout and sources, or an abort of its version when the key is
+        unknown (a sender bug: the version fails here, naming it)."""
+        if msg.WhichOneof("kind") != "bucket" or not msg.bucket.layout_key:
+            return msg
+        bucket = msg.bucket
+        if bucket.HasField("layout"):
+            if len(self._known) >= self._MAX:
+                self._known.clear()
+            self._known[bucket.layout_key] = bucket
+            return msg
+        known = self._known.get(bucket.layout_key)
+        if known is None:
+            reason = pb.ErrorDetail(
+                code="ProtocolError",
+                message=f"version {bucket.version}: a bucket announced by layout key "
+                f"{bucket.layout_key.hex()}, which this stream never announced; upgrade the "
+                "sender",
+            )
+            return pb.Announcement(abort=pb.VersionAbort(version=bucket.version, reason=reason))
+        bucket.layout.CopyFrom(known.layout)
+        bucket.sources.extend(known.sources)
+        return msg
+
+
 def receiver_hello(
     device: torch.device,
     *,
@@ -141,6 +175,7 @@ def receiver_hello(
         device_uuid=device_uuid(device),
         transports=list(transports),
         host_id=host_id(),
+        layout_keys=True,
     )
 
 
@@ -210,13 +245,14 @@ class GrpcConnection:
     def _pump(self) -> None:
         backoff_s = 0.5
         while True:
+            layouts = KeptLayouts()  # the sender's record of what it sent is per stream too
             try:
                 for msg in self._stream:
                     trace.mark("receiver.arrived", kind=msg.WhichOneof("kind"))
                     if msg.WhichOneof("kind") == "join":
                         self._on_join(msg.join)
                     else:
-                        self._inbox.put(msg)
+                        self._inbox.put(layouts.complete(msg))
                 reason = "the sender ended the stream"
             except grpc.RpcError as e:
                 reason = e.details() or str(e.code())

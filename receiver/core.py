@@ -18,7 +18,10 @@ What the receiver keeps across versions (each keyed so that a hit is the same by
 - ``BucketReader._mapped`` (one reader per sender): mapped buffers, by buffer id; never
   dropped (ids are unique).
 - ``BucketReader._events``: other processes' CUDA events, by handle; never dropped.
-- ``BucketReader._layouts``: parsed bucket layouts, by layout bytes; all dropped at 512.
+- ``BucketReader._layouts``: parsed bucket layouts, by layout bytes (or layout key); all
+  dropped at 512.
+- ``KeptLayouts`` (one per stream, in the connection's pump): direct buckets' layouts by
+  ``layout_key``, so a bucket announced by key alone gets them back; all dropped at 16.
 - ``BucketReader._views``: a bucket's tensor views, by (layout bytes, buffer ids); all dropped
   at 256. Broadcast buckets are viewed afresh (landing buffers are replaced when they grow).
 - ``BucketReader._release_event``: one CUDA event, re-recorded behind every staged bucket.

@@ -162,8 +162,8 @@ class BucketReader:
         self._mapped = MappedBuffers()
         self._events = EventCache()
         self._layouts = ParseCache(bucket_from_pb)
-        self._views: dict[tuple[bytes, tuple[str, ...]], BucketViews] = {}
-        """Views by (layout bytes, buffer ids): mapped buffers stay mapped, so their views
+        self._views: dict[Hashable, BucketViews] = {}
+        """Views by (layout bytes or key, buffer ids): mapped buffers stay mapped, so their views
         are built once, not every version (thousands of them for MoE experts cost ms)."""
         self._release_event: tuple[torch.cuda.Event, bytes] | None = None
         """Recorded behind each staged bucket's reads on our GPU; the sender waits for it."""
@@ -176,7 +176,8 @@ class BucketReader:
         ``landed``: the buffer a broadcast bucket was received into (None otherwise); its
         views are not cached, since landing buffers are replaced when they grow.
         """
-        layout = msg.layout.SerializeToString()
+        # A layout key names the layout and sources alike (cheaper than the layout's bytes).
+        layout = ("key", msg.layout_key) if msg.layout_key else msg.layout.SerializeToString()
         if msg.sources:
             sources = [self._mapped.get(h) for h in msg.sources]
             key = (layout, tuple(h.buffer_id for h in msg.sources))
@@ -228,7 +229,7 @@ class BucketReader:
                 whole.append((e.name, view))
         return BucketViews(whole, boxed, [e for e in bucket.entries if e.is_chunked])
 
-    def _cache(self, key: tuple[bytes, tuple[str, ...]], views: BucketViews) -> BucketViews:
+    def _cache(self, key: Hashable, views: BucketViews) -> BucketViews:
         if len(self._views) >= _MAX_CACHED_VIEWS:
             self._views.clear()  # what repeats every version is back after one version
         self._views[key] = views

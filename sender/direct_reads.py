@@ -14,6 +14,7 @@ own loaders narrow as they copy (so only the shard's bytes move).
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class DirectRead:
     """Only the storages this receiver reads."""
     route_bytes: Mapping[str, int]
     """Bytes by route: "local" (a copy on its own GPU) and "peer" (another GPU)."""
+    key: bytes = b""
+    """An id of ``layout`` and ``sources`` (``BucketAnnouncement.layout_key``)."""
 
 
 def plan_direct_reads(
@@ -93,7 +96,11 @@ def plan_direct_reads(
                 routes[route] += nbytes
         bucket = plan_direct(located, direct.index, direct.is_last)
         sources_read = tuple(tensors.direct_sources[i] for i in index)
-        reads[rid] = DirectRead(bucket_to_pb(bucket), sources_read, routes)
+        layout = bucket_to_pb(bucket)
+        digest = hashlib.blake2b(layout.SerializeToString(), digest_size=16)
+        for handle in sources_read:
+            digest.update(handle.SerializeToString())
+        reads[rid] = DirectRead(layout, sources_read, routes, digest.digest())
     return reads
 
 

@@ -51,6 +51,10 @@ class ReceiverConn:
     dirty: bool = False
     """Some bucket of a failed version was written: its weights match no version."""
     last_error: str = ""
+    layout_keys: bool = False
+    """It keeps announced layouts by key (``ReceiverHello.layout_keys``)."""
+    layouts_sent: set[bytes] = field(default_factory=set)
+    """The layout keys sent to it with their layout on this stream (its registration)."""
     keeps: Mapping[str, Box] = field(default_factory=dict)
     """The boxes of tensors it keeps only part of, from its last accepted verdict (replaced
     only when they change: the direct-read plans are memoized by this object)."""

@@ -29,7 +29,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.manifest import VersionManifest, VersionPartSpec, plan_digest
-from weightsync.receiver.connection import Inbox, SenderLost
+from weightsync.receiver.connection import Inbox, KeptLayouts, SenderLost
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import WeightTarget
@@ -562,3 +562,28 @@ def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fi
     )
     with pytest.raises(ProtocolError, match="does not fit 'v' \\(not in the version\\)"):
         reads.unbox(unknown, data)
+
+
+def test_a_direct_bucket_announced_by_key_gets_its_layout_back_on_its_stream_only():
+    """The sender sends a direct bucket's 339-entry layout once per stream, then its key
+    alone (``ReceiverHello.layout_keys``); a key the stream never announced fails that
+    version here with a ProtocolError abort instead of reading nothing."""
+    layout = bucket_to_pb(plan_buckets([TensorSpec("w", "float32", (4,))], 1024).buckets[0])
+    source = pb.BufferHandle(buffer_id="storage", nbytes=4096)
+    full = pb.Announcement(
+        bucket=pb.BucketAnnouncement(version=1, layout=layout, sources=[source], layout_key=b"k")
+    )
+    kept = KeptLayouts()
+    assert kept.complete(full) is full
+    again = kept.complete(pb.Announcement(bucket=pb.BucketAnnouncement(version=2, layout_key=b"k")))
+    assert (again.bucket.version, again.bucket.layout, list(again.bucket.sources)) == (
+        2,
+        layout,
+        [source],
+    )
+    unknown = KeptLayouts().complete(
+        pb.Announcement(bucket=pb.BucketAnnouncement(version=3, layout_key=b"k"))
+    )
+    assert unknown.WhichOneof("kind") == "abort" and unknown.abort.version == 3
+    assert unknown.abort.reason.code == "ProtocolError"
+    assert "layout key 6b, which this stream never announced" in unknown.abort.reason.message

@@ -229,6 +229,9 @@ def test_direct_reads_are_planned_once_per_tensor_plan_and_receivers():
     assert memo(tensors, at) is first
     assert memo(tensors, (("r0", "GPU-1"),)) is not first
     assert first == plan_direct_reads(tensors, at)
+    # Each read's layout key names its layout and sources: equal when planned again, distinct
+    # for another copy (a receiver keeps layouts by key).
+    assert len(first["r0"].key) == 16 and first["r0"].key != first["r1"].key
 
 
 def test_tp_shards_of_dp_replicas_are_packed_once_each():

@@ -241,7 +241,7 @@ class SenderReply(_message.Message):
     def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ..., done: _Optional[_Union[VersionStatus, _Mapping]] = ...) -> None: ...
 
 class ReceiverHello(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class ReceiverHello(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
     DIRTY_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_KEYS_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -260,7 +261,8 @@ class ReceiverHello(_message.Message):
     host_id: str
     applied_version: int
     dirty: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ...) -> None: ...
+    layout_keys: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ...) -> None: ...
 
 class TensorBox(_message.Message):
     __slots__ = ("name", "start", "size")
@@ -335,20 +337,22 @@ class VersionStart(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ...) -> None: ...
 
 class BucketAnnouncement(_message.Message):
-    __slots__ = ("version", "layout", "buffer", "group_id", "sources", "ready_event")
+    __slots__ = ("version", "layout", "buffer", "group_id", "sources", "ready_event", "layout_key")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
     version: int
     layout: BucketLayout
     buffer: BufferHandle
     group_id: str
     sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
     ready_event: bytes
-    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., ready_event: _Optional[bytes] = ...) -> None: ...
+    layout_key: bytes
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., layout_key: _Optional[bytes] = ...) -> None: ...
 
 class GroupJoin(_message.Message):
     __slots__ = ("group_id", "store_host", "store_port", "rank", "world_size", "backend", "timeout_s")
