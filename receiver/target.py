@@ -129,8 +129,9 @@ class InPlaceTarget(WeightTarget):
     def load_views(self, key: Hashable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         # Working out the batch costs about a millisecond per version for a 7B model's 339
         # tensors, on the path before the copies start: once per bucket of mapped views. A
-        # subclass that overrides load (to wrap or watch it) keeps getting every call there.
-        if type(self).load is not InPlaceTarget.load:
+        # load replaced (by a subclass or on the instance, to wrap or watch it) keeps getting
+        # every call.
+        if getattr(self.load, "__func__", None) is not InPlaceTarget.load:
             return self.load(tensors)
         if self._batches is None:
             self._batches = {}
