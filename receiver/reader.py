@@ -16,6 +16,7 @@ from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, TensorSpec, 
 from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.errors import ChecksumError, ProtocolError, TransportError
 from weightsync.receiver.target import WeightTarget
+from weightsync.topology_model import fits
 from weightsync.transports import MappedBuffers
 from weightsync.transports.cuda_ipc import EventCache, new_event
 from weightsync.v1 import weightsync_pb2 as pb
@@ -87,12 +88,7 @@ class VersionReads:
             self._by_name = {spec.name: spec for spec in self._specs}
         spec = self._by_name.get(entry.name)
         start, size = entry.box_start, entry.spec.shape
-        if (
-            spec is None
-            or len(start) != len(spec.shape)
-            or len(size) != len(spec.shape)
-            or any(a + n > d for a, n, d in zip(start, size, spec.shape, strict=True))
-        ):
+        if spec is None or not fits(start, size, spec.shape):
             raise ProtocolError(
                 f"version {self.version}: a box at {list(start)} of shape {list(size)} does "
                 f"not fit {entry.name!r} ({'not in the version' if spec is None else spec.shape})"

@@ -55,8 +55,7 @@ class SenderBroadcast:
     def staged_members(self, run: VersionRun) -> Members:
         """The group of ``run``'s broadcast receivers in no slice group: they get the staged
         buckets (lock held)."""
-        sliced = {rid for g in run.slices for rid in g.members}
-        return tuple(r for r in self._registry.broadcast_members(run) if r not in sliced)
+        return tuple(r for r in self._registry.broadcast_members(run) if r not in run.sliced)
 
     def groups_of(self, run: VersionRun) -> list[Members]:
         """The groups ``run`` needs: :meth:`staged_members`, then each slice group's."""

@@ -50,8 +50,7 @@ class _Send(NamedTuple):
 def _sends(run: VersionRun) -> list[_Send]:
     """Every bucket of ``run`` to send, in order: the staged ones (unless every receiver is in
     a slice group), then each slice group's."""
-    sliced = {rid for g in run.slices for rid in g.members}
-    everyone_sliced = bool(run.slices) and set(run.outcomes) <= sliced
+    everyone_sliced = bool(run.slices) and set(run.outcomes) <= run.sliced
     staged = () if everyone_sliced else run.tensors.staged.buckets
     sends = [_Send(b, run.tensors.layouts[b.index], None) for b in staged]
     for group in run.slices:
@@ -306,10 +305,9 @@ class VersionDriver:
                 raise RunAborted()
             if send.group is None:
                 members = self._broadcast.staged_members(run)
-                sliced = {rid for g in run.slices for rid in g.members}
 
                 def to(rid: str) -> bool:
-                    return rid not in sliced
+                    return rid not in run.sliced
 
             else:
                 members = send.group.members

@@ -11,6 +11,7 @@ import queue
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
@@ -180,6 +181,11 @@ class VersionRun:
     def manifest_pb(self) -> pb.Manifest:
         """The wire manifest as the first rank sent it (every rank's is the same)."""
         return self.ranks[min(self.ranks)].begin.manifest
+
+    @cached_property
+    def sliced(self) -> frozenset[str]:
+        """The receivers in a slice group (they get its buckets, not the staged ones)."""
+        return frozenset(rid for g in self.slices for rid in g.members)
 
     def active(self) -> list[str]:
         """Receivers still taking part (not failed, not yet applied)."""

@@ -47,6 +47,7 @@ from weightsync.topology_model import (
     LinkRates,
     Route,
     busiest,
+    fits,
     floor,
     merge_boxes,
     route_links,
@@ -209,9 +210,8 @@ def _check_box(what: str, name: str, box: Box, specs: dict[str, _Spec]) -> None:
     spec = specs.get(name)
     if spec is None:
         raise PlanError(f"{what} names tensor {name!r}, which is not in the manifest")
-    shape = spec.shape
-    if len(box.start) != len(shape) or any(b > s for b, s in zip(box.stop, shape, strict=True)):
-        raise PlanError(f"{what}: box {box} of tensor {name!r} is outside its shape {shape}")
+    if not fits(box.start, box.size, spec.shape):
+        raise PlanError(f"{what}: box {box} of tensor {name!r} is outside its shape {spec.shape}")
 
 
 def _validate(

@@ -81,6 +81,14 @@ class Box:
         return "[" + ", ".join(f"{a}:{b}" for a, b in zip(self.start, self.stop, strict=True)) + "]"
 
 
+def fits(start: Sequence[int], size: Sequence[int], shape: Sequence[int]) -> bool:
+    """Whether ``start`` and ``size`` (from anywhere: any lengths, any signs) are a box of a
+    tensor of ``shape``."""
+    return len(start) == len(size) == len(shape) and all(
+        0 <= a and 0 <= n and a + n <= d for a, n, d in zip(start, size, shape, strict=True)
+    )
+
+
 def whole_box(shape: Sequence[int]) -> Box:
     """The box of a whole tensor of ``shape``."""
     return Box((0,) * len(shape), tuple(shape))

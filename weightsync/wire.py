@@ -13,7 +13,7 @@ from weightsync.errors import ProtocolError
 from weightsync.limits import check_manifest
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region
-from weightsync.topology_model import Box
+from weightsync.topology_model import Box, fits
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -175,15 +175,7 @@ def boxes_from_pb(
     for msg in msgs:
         spec = specs.get(msg.name)
         start, size = tuple(msg.start), tuple(msg.size)
-        fits = (
-            spec is not None
-            and len(start) == len(size) == len(spec.shape)
-            and all(
-                0 <= a and 0 <= n and a + n <= d
-                for a, n, d in zip(start, size, spec.shape, strict=True)
-            )
-        )
-        if not fits:
+        if spec is None or not fits(start, size, spec.shape):
             shape = "not in the version" if spec is None else f"shape {list(spec.shape)}"
             raise ProtocolError(
                 f"{who} declared it keeps start={list(start)} size={list(size)} of "

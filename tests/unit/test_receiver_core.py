@@ -555,6 +555,14 @@ def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fi
     )
     with pytest.raises(ProtocolError, match=r"version 3: a box at \[3, 2\] of shape \[2, 3\]"):
         reads.unbox(outside, data)
+    # A negative start would slice from the end: refused, not written elsewhere.
+    negative = (
+        plan_buckets([TensorSpec("w", "float32", (2, 3))], 1024, box_starts={"w": (-1, 0)})
+        .buckets[0]
+        .entries[0]
+    )
+    with pytest.raises(ProtocolError, match=r"a box at \[-1, 0\] of shape \[2, 3\]"):
+        reads.unbox(negative, data)
     unknown = (
         plan_buckets([TensorSpec("v", "float32", (2, 3))], 1024, box_starts={"v": (0, 0)})
         .buckets[0]
