@@ -91,9 +91,9 @@ class Publisher:
         """The last offer's wire form, by the identity of the regions mapping described."""
         self._layouts = ParseCache(bucket_from_pb)
         """Bucket layouts by their bytes; cleared when 512 are held."""
-        self._published: tuple[tuple, tuple[TensorSpec, ...], dict] | None = None
-        """``publish``'s specs and regions, by (name, dtype, shape, address, stride) of every
-        tensor; replaced when any of those changes."""
+        self._published: tuple[tuple, VersionManifest, dict] | None = None
+        """``publish``'s manifest (checked once) and regions, by its LoRA spec, its part and
+        (name, dtype, shape, address, stride) of every tensor; replaced when any changes."""
         self._manifest: tuple[VersionManifest, pb.Manifest] | None = None
         """The last wire manifest, by the identity of its tensor list (and its LoRA spec)."""
 
@@ -128,12 +128,16 @@ class Publisher:
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         tensors = dict(items)
         # One pass decides whether last version's specs and regions still describe these.
-        key = tuple((n, t.dtype, t.shape, t.data_ptr(), t.stride()) for n, t in tensors.items())
+        key = (
+            lora,
+            part,
+            tuple((n, t.dtype, t.shape, t.data_ptr(), t.stride()) for n, t in tensors.items()),
+        )
         if self._published is None or self._published[0] != key:
             specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
-            self._published = (key, specs, whole(tensors))
-        _, specs, regions = self._published
-        manifest = VersionManifest(version, specs, lora, part)
+            self._published = (key, VersionManifest(version, specs, lora, part), whole(tensors))
+        _, published, regions = self._published
+        manifest = published.at(version)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from weightsync.buckets import TensorSpec, check_manifest
 from weightsync.errors import PlanError
@@ -74,10 +76,7 @@ class VersionManifest:
     """Set when this is one sender's share of a version split over several senders."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.version <= MAX_VERSION:
-            raise PlanError(
-                f"Manifest.version {self.version} is out of range; versions are 1..{MAX_VERSION}"
-            )
+        _check_version(self.version)
         check_manifest(self.tensors)
         if self.lora is not None:
             names = {t.name for t in self.tensors}
@@ -92,9 +91,24 @@ class VersionManifest:
     def lora_names(self) -> frozenset[str]:
         return frozenset(self.lora.tensor_names) if self.lora else frozenset()
 
-    @property
+    @cached_property
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    def at(self, version: int) -> VersionManifest:
+        """These tensors as ``version``, without checking them again (the same list comes
+        every version; checking thousands of names each time costs milliseconds)."""
+        _check_version(version)
+        twin = copy.copy(self)
+        object.__setattr__(twin, "version", version)
+        return twin
+
+
+def _check_version(version: int) -> None:
+    if not 1 <= version <= MAX_VERSION:
+        raise PlanError(
+            f"Manifest.version {version} is out of range; versions are 1..{MAX_VERSION}"
+        )
 
 
 def plan_digest(parts: Sequence[Sequence[TensorSpec]]) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
@@ -234,4 +233,4 @@ class ManifestCache:
     def __call__(self, msg: pb.Manifest) -> tuple[VersionManifest, bytes]:
         """The manifest and its version-free key (equal keys: the same tensors)."""
         key = manifest_key(msg)
-        return dataclasses.replace(self._parsed(msg, key=key), version=msg.version), key
+        return self._parsed(msg, key=key).at(msg.version), key
