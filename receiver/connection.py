@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,6 +22,7 @@ import torch
 from weightsync import trace
 from weightsync.control.client import connect
 from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError
+from weightsync.stream_keys import KeptByKey
 from weightsync.transports.broadcast import host_id
 from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
@@ -123,38 +124,61 @@ class WeightsState:
     """A version is being written: how it ends (applied or dirty) is not known yet."""
 
 
-class KeptLayouts:
-    """The layouts one stream announced, by ``layout_key``: a direct bucket announced again
-    with its key only gets them back here (the receiver said ``layout_keys`` in its hello)."""
-
-    _MAX = 16
+class KeptByStream:
+    """The direct layouts and the manifests one stream announced, by ``layout_key`` and
+    ``manifest_key`` (the receiver said ``layout_keys`` and ``manifest_keys`` in its hello):
+    one announced again by its key alone gets its contents back here."""
 
     def __init__(self) -> None:
-        self._known: dict[bytes, pb.BucketAnnouncement] = {}
+        self._layouts: KeptByKey[pb.BucketAnnouncement] = KeptByKey()
+        self._manifests: KeptByKey[pb.Manifest] = KeptByKey()
 
     def complete(self, msg: pb.Announcement) -> pb.Announcement:
-        """``msg`` with its layout and sources, or an abort of its version when the key is
-        unknown (a sender bug: the version fails here, naming it)."""
-        if msg.WhichOneof("kind") != "bucket" or not msg.bucket.layout_key:
-            return msg
-        bucket = msg.bucket
-        if bucket.HasField("layout"):
-            if len(self._known) >= self._MAX:
-                self._known.clear()
-            self._known[bucket.layout_key] = bucket
-            return msg
-        known = self._known.get(bucket.layout_key)
-        if known is None:
-            reason = pb.ErrorDetail(
-                code="ProtocolError",
-                message=f"version {bucket.version}: a bucket announced by layout key "
-                f"{bucket.layout_key.hex()}, which this stream never announced; upgrade the "
-                "sender",
-            )
-            return pb.Announcement(abort=pb.VersionAbort(version=bucket.version, reason=reason))
-        bucket.layout.CopyFrom(known.layout)
-        bucket.sources.extend(known.sources)
+        """``msg`` with its contents, or an abort of its version when its key is unknown (a
+        sender bug: the version fails here, naming it)."""
+        kind = msg.WhichOneof("kind")
+        if kind == "bucket" and msg.bucket.layout_key:
+            bucket = msg.bucket
+            if bucket.HasField("layout"):
+                self._layouts.keep(bucket.layout_key, bucket)
+                return msg
+            known = self._layouts.get(bucket.layout_key)
+            if known is None:
+                return _unknown(
+                    bucket.version, f"a bucket announced by layout key {bucket.layout_key.hex()}"
+                )
+            bucket.layout.CopyFrom(known.layout)
+            bucket.sources.extend(known.sources)
+        elif kind == "start" and msg.start.manifest_key:
+            start = msg.start
+            # A manifest is never empty (both ends refuse one), so no tensors: by key alone.
+            if start.manifest.tensors:
+                self._manifests.keep(start.manifest_key, start.manifest)
+                return msg
+            manifest = self._manifests.get(start.manifest_key)
+            version = start.manifest.version
+            if manifest is None:
+                return _unknown(version, f"a manifest announced by key {start.manifest_key.hex()}")
+            start.manifest.CopyFrom(manifest)
+            start.manifest.version = version
         return msg
+
+
+def _unknown(version: int, what: str) -> pb.Announcement:
+    reason = pb.ErrorDetail(
+        code="ProtocolError",
+        message=f"version {version}: {what}, which this stream never announced; upgrade the sender",
+    )
+    return pb.Announcement(abort=pb.VersionAbort(version=version, reason=reason))
+
+
+def _items(msg: pb.Announcement) -> Iterator[pb.Announcement]:
+    """``msg``, or the announcements of a batch in order."""
+    if msg.WhichOneof("kind") == "batch":
+        for item in msg.batch.items:
+            yield from _items(item)
+    else:
+        yield msg
 
 
 def receiver_hello(
@@ -176,6 +200,8 @@ def receiver_hello(
         transports=list(transports),
         host_id=host_id(),
         layout_keys=True,
+        manifest_keys=True,
+        batches=True,
     )
 
 
@@ -245,14 +271,15 @@ class GrpcConnection:
     def _pump(self) -> None:
         backoff_s = 0.5
         while True:
-            layouts = KeptLayouts()  # the sender's record of what it sent is per stream too
+            kept = KeptByStream()  # the sender's record of what it sent is per stream too
             try:
                 for msg in self._stream:
-                    trace.mark("receiver.arrived", kind=msg.WhichOneof("kind"))
-                    if msg.WhichOneof("kind") == "join":
-                        self._on_join(msg.join)
-                    else:
-                        self._inbox.put(layouts.complete(msg))
+                    for item in _items(msg):
+                        trace.mark("receiver.arrived", kind=item.WhichOneof("kind"))
+                        if item.WhichOneof("kind") == "join":
+                            self._on_join(item.join)
+                        else:
+                            self._inbox.put(kept.complete(item))
                 reason = "the sender ended the stream"
             except grpc.RpcError as e:
                 reason = e.details() or str(e.code())

@@ -20,13 +20,14 @@ What the receiver keeps across versions (each keyed so that a hit is the same by
 - ``BucketReader._events``: other processes' CUDA events, by handle; never dropped.
 - ``BucketReader._layouts``: parsed bucket layouts, by layout bytes (or layout key); all
   dropped at 512.
-- ``KeptLayouts`` (one per stream, in the connection's pump): direct buckets' layouts by
-  ``layout_key``, so a bucket announced by key alone gets them back; all dropped at 16.
+- ``KeptByStream`` (one per stream, in the connection's pump): direct buckets' layouts by
+  ``layout_key`` and manifests by ``manifest_key``, so one announced by key alone gets them
+  back; dropped at 16 of each as the sender counts them (``weightsync.stream_keys``).
 - ``BucketReader._views``: a bucket's tensor views, by (layout bytes, buffer ids); all dropped
   at 256. Broadcast buckets are viewed afresh (landing buffers are replaced when they grow).
 - ``BucketReader._release_event``: one CUDA event, re-recorded behind every staged bucket.
-- ``ReceiverCore._manifests``: parsed manifests, by their bytes without the version; all
-  dropped at 16.
+- ``ReceiverCore._manifests``: parsed manifests, by ``manifest_key`` (an id of their bytes
+  without the version: the sender's, or worked out here); all dropped at 16.
 - ``ReceiverCore._validated``: the (manifest key, ``target.generation``) last accepted;
   replaced when either changes (a target bumps ``generation`` when it loads another model).
 - ``ReceiverCore._kept``: the boxes declared in each verdict, by (manifest key,
@@ -298,7 +299,7 @@ class ReceiverCore:
         try:
             # Parsing bounds every field too: a manifest past a bound is rejected like one
             # that does not fit the model, before any write.
-            manifest, key = self._manifests(msg.start.manifest)
+            manifest, key = self._manifests(msg.start.manifest, msg.start.manifest_key)
             refuse_split(manifest, link.address)
             self._validate(manifest, key)
         except Exception as e:
@@ -594,7 +595,7 @@ class ReceiverCore:
         arrived, keys = [], []
         try:
             for i in range(len(self._links)):
-                manifest, key = self._manifests(started[i].manifest)
+                manifest, key = self._manifests(started[i].manifest, started[i].manifest_key)
                 arrived.append(ArrivedPart(self._links[i].address, manifest))
                 check_part(arrived[-1], self.addresses)
                 keys.append(len(key).to_bytes(8, "little") + key)

@@ -126,15 +126,20 @@ class VersionDriver:
                 raise RunAborted()
             self._ensure_slots(run, device)
             counts = {rid: len(g.plan.buckets) for g in run.slices for rid in g.members}
-            starts: dict[int, pb.Announcement] = {}
+            starts: dict[tuple[int, bool], pb.Announcement] = {}
 
             def start(conn: ReceiverConn) -> pb.Announcement:
                 n = counts.get(conn.receiver_id, len(run.tensors.staged.buckets))
-                if n not in starts:
-                    starts[n] = pb.Announcement(
-                        start=pb.VersionStart(manifest=run.manifest_pb, num_buckets=n)
+                # A receiver that holds the manifest gets its key and version alone.
+                whole = not conn.manifest_keys or conn.manifests_sent.needs(run.manifest_key)
+                if (n, whole) not in starts:
+                    manifest = run.manifest_pb if whole else pb.Manifest(version=run.version)
+                    starts[n, whole] = pb.Announcement(
+                        start=pb.VersionStart(
+                            manifest=manifest, num_buckets=n, manifest_key=run.manifest_key
+                        )
                     )
-                return starts[n]
+                return starts[n, whole]
 
             self._outcomes.open_version(run, start)
             self._broadcast.invite(run, device)
@@ -179,10 +184,9 @@ class VersionDriver:
             # Listing every tensor again costs the sender and each receiver about a
             # millisecond per version for a 7B model: a receiver that keeps layouts gets the
             # key alone once it has the layout.
-            if not conn.layout_keys or read.key not in conn.layouts_sent:
+            if not conn.layout_keys or conn.layouts_sent.needs(read.key):
                 bucket.layout.CopyFrom(read.layout)
                 bucket.sources.extend(read.sources)
-                conn.layouts_sent.add(read.key)
             return pb.Announcement(bucket=bucket)
 
         for conn in self._outcomes.address(run, f"bucket:{direct.index}", own):

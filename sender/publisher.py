@@ -186,13 +186,18 @@ class Publisher:
                 "publish at least one"
             )
         trace.mark("publish", version=version, rank=self.rank)
-        begin = pb.BeginVersion(wait_applied=wait)
-        begin.manifest.CopyFrom(self._manifest_pb(manifest))
-        begin.manifest.version = version
-        if regions:
-            self._offer(begin, regions)
-        begin.allow_direct = direct
+        whole = (self._manifest_pb(manifest), self._offer(regions) if regions else None, direct)
         stream = self._stream_for(device)
+        begin = pb.BeginVersion(wait_applied=wait)
+        if stream.repeats and stream.last is not None and _same(stream.last, whole):
+            begin.repeat = True
+        else:
+            begin.manifest.CopyFrom(whole[0])
+            if whole[1] is not None:
+                begin.MergeFrom(whole[1])
+            begin.allow_direct = direct
+            stream.last = whole
+        begin.manifest.version = version
         stream.requests.put(pb.PublisherMessage(begin=begin))
         staged: pb.VersionStaged | None = None
         done: pb.VersionStatus | None = None
@@ -206,7 +211,9 @@ class Publisher:
             for reply in stream.replies:
                 kind = reply.WhichOneof("kind")
                 trace.mark(f"publisher.{kind}", version=version)
-                if kind == "pack" and reply.pack.version == version:
+                if kind == "welcome":
+                    stream.repeats = reply.welcome.repeats
+                elif kind == "pack" and reply.pack.version == version:
                     self._pack_one(reply.pack, pack, stream.requests, device)
                 elif kind == "staged" and reply.staged.version == version:
                     staged, staged_s = reply.staged, time.monotonic() - start
@@ -277,11 +284,12 @@ class Publisher:
             self._manifest = cached = (manifest, manifest_to_pb(manifest))
         return cached[1]
 
-    def _offer(self, begin: pb.BeginVersion, regions: Mapping[str, Sequence[Region]]) -> None:
-        """Describe ``regions``: once per mapping (by identity, so callers pass the same one
-        while their tensors stay put); each storage is exported once (Megatron keeps
-        parameters in a few large buffers). Only tensors other processes can map are offered:
-        CUDA memory, or a staging buffer this process allocated (shm)."""
+    def _offer(self, regions: Mapping[str, Sequence[Region]]) -> pb.BeginVersion:
+        """A begin's ``sources`` and ``pieces`` describing ``regions``: worked out once per
+        mapping (by identity, so callers pass the same one while their tensors stay put); each
+        storage is exported once (Megatron keeps parameters in a few large buffers). Only
+        tensors other processes can map are offered: CUDA memory, or a staging buffer this
+        process allocated (shm)."""
         if self._offered is None or self._offered[0] is not regions:
             offered = regions
             regions = {
@@ -315,7 +323,7 @@ class Publisher:
 
             offer.pieces.extend(regions_to_pb(regions, locate))
             self._offered = (offered, offer)
-        begin.MergeFrom(self._offered[1])
+        return self._offered[1]
 
     def _pack_one(
         self, msg: pb.PackBucket, pack: PackFn, requests: queue.Queue, device: torch.device
@@ -383,10 +391,23 @@ class _PublishStream:
         self.requests: queue.Queue = queue.Queue()
         self.requests.put(pb.PublisherMessage(hello=hello))
         self.replies = stub.Publish(iter(self.requests.get, None))
+        self.repeats = False
+        """The sender takes ``BeginVersion.repeat`` (its welcome said so)."""
+        self.last: _Whole | None = None
+        """What the last whole begin on this stream carried."""
 
     def close(self) -> None:
         self.requests.put(None)
         self.replies.cancel()
+
+
+_Whole = tuple[pb.Manifest, pb.BeginVersion | None, bool]
+"""What a whole begin carries: the wire manifest (any version), the offer, allow_direct."""
+
+
+def _same(a: _Whole, b: _Whole) -> bool:
+    """The same begin but its version: the cached wire messages are the same objects."""
+    return a[0] is b[0] and a[1] is b[1] and a[2] == b[2]
 
 
 def _raise_for_failures(status: pb.VersionStatus) -> None:

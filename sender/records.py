@@ -19,6 +19,7 @@ from weightsync.regions import Region
 from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.planner import TensorPlan
 from weightsync.sender.slices import SliceGroup
+from weightsync.stream_keys import SentKeys
 from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -54,8 +55,14 @@ class ReceiverConn:
     last_error: str = ""
     layout_keys: bool = False
     """It keeps announced layouts by key (``ReceiverHello.layout_keys``)."""
-    layouts_sent: set[bytes] = field(default_factory=set)
-    """The layout keys sent to it with their layout on this stream (its registration)."""
+    manifest_keys: bool = False
+    """It keeps announced manifests by key (``ReceiverHello.manifest_keys``)."""
+    batches: bool = False
+    """It takes several announcements in one message (``ReceiverHello.batches``)."""
+    layouts_sent: SentKeys = field(default_factory=SentKeys)
+    """The layout keys it holds, sent with their layout on this stream (its registration)."""
+    manifests_sent: SentKeys = field(default_factory=SentKeys)
+    """The manifest keys it holds, likewise."""
     keeps: Mapping[str, Box] = field(default_factory=dict)
     """The boxes of tensors it keeps only part of, from its last accepted verdict (replaced
     only when they change: the direct-read plans are memoized by this object)."""
@@ -110,6 +117,8 @@ class RankConn:
     """Its stream ended: it packs nothing more."""
     offer: bytes = b""
     """Its part of the version's offer key (``offer.rank_offer``)."""
+    wait_applied: bool = False
+    """It waits for the version to be applied (``BeginVersion.wait_applied``)."""
 
 
 @dataclass
@@ -156,6 +165,8 @@ class VersionRun:
     slices: tuple[SliceGroup, ...] = ()
     """Broadcast receivers that get buckets of the boxes they keep instead of the staged
     buckets (``slices.py``)."""
+    manifest_key: bytes = b""
+    """An id of the manifest without its version (``VersionStart.manifest_key``)."""
     direct_readers: set[str] = field(default_factory=set)
     """Receivers still copying the direct tensors out of the publishers' memory."""
     sums: dict[int, object] = field(default_factory=dict)
@@ -177,10 +188,17 @@ class VersionRun:
     def done(self) -> bool:
         return self.state in ("complete", "failed")
 
-    @property
+    @cached_property
     def manifest_pb(self) -> pb.Manifest:
-        """The wire manifest as the first rank sent it (every rank's is the same)."""
-        return self.ranks[min(self.ranks)].begin.manifest
+        """The wire manifest at this version, as the first rank sent it (every rank's is the
+        same; a rank that repeated its last begin sent it for an earlier version)."""
+        sent = self.ranks[min(self.ranks)].begin.manifest
+        if sent.version == self.version:
+            return sent
+        msg = pb.Manifest()
+        msg.CopyFrom(sent)
+        msg.version = self.version
+        return msg
 
     @cached_property
     def sliced(self) -> frozenset[str]:

@@ -73,7 +73,8 @@ class Registry:
                 device_uuid=hello.device_uuid,
             )
             conn.applied_version, conn.dirty = hello.applied_version, hello.dirty
-            conn.layout_keys = hello.layout_keys
+            conn.layout_keys, conn.manifest_keys = hello.layout_keys, hello.manifest_keys
+            conn.batches = hello.batches
             conn.state = "dirty" if hello.dirty else "idle"
             conn.data_path = data_paths([conn], self._settings.transport, self.staging_uuid)[rid]
             self._receivers[rid] = conn

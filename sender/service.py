@@ -22,7 +22,7 @@ from weightsync.limits import (
     check_publisher_message,
     check_receiver_message,
 )
-from weightsync.sender.coordinator import Coordinator
+from weightsync.sender.coordinator import Coordinator, StreamBegin
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
@@ -45,6 +45,31 @@ def _next(requests: Iterator, kind: str, context: grpc.ServicerContext):
 
 def _abort(context: grpc.ServicerContext, error: WeightSyncError):
     context.abort(grpc_code_for(error), rpc_details(error))
+
+
+MAX_BATCH = 64
+"""Announcements sent in one message at most."""
+_MORE = object()
+
+
+def take_queued(
+    outbox: queue.Queue, most: int
+) -> tuple[list[pb.Announcement], WeightSyncError | object | None]:
+    """The announcements to send next: the first to come, and up to ``most`` in all of those
+    queued behind it (one round trip for a version's start, direct bucket and end instead of
+    three), with what stopped the take: an error to end the stream with, None (the stream is
+    over) or another sentinel (take again)."""
+    items: list[pb.Announcement] = []
+    item = outbox.get()
+    while isinstance(item, pb.Announcement):
+        items.append(item)
+        if len(items) >= most:
+            return items, _MORE
+        try:
+            item = outbox.get_nowait()
+        except queue.Empty:
+            return items, _MORE
+    return items, item
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServicer):
@@ -73,6 +98,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 bucket_size_bytes=self._co.settings.bucket_size_bytes,
                 transport=self._co.settings.transport,
                 last_version=self._co.last_version,
+                repeats=True,
             )
         )
         while True:
@@ -91,6 +117,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         the rank is left nowhere once it ends; a message refused ends the stream with its
         error and abandons the version it was packing."""
         version, run, rank = 0, None, None
+        last = StreamBegin()
         why = "closed its stream"
         left: WeightSyncError = ProtocolError(f"publisher rank {hello.rank} closed its stream")
         try:
@@ -100,7 +127,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                     self._check_previous_over(hello, version, run, rank, msg.begin)
                     version = msg.begin.manifest.version
                     run, rank = None, None
-                    run, rank = self._co.join(hello, msg.begin, outbox)
+                    run, rank = self._co.join(hello, msg.begin, outbox, last)
                     continue
                 # Ranks that joined before the last one got no run; it exists by their packing.
                 current = run or self._co.run_of(version)
@@ -164,14 +191,19 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         ).start()
         yield pb.Announcement(welcome=pb.ReceiverWelcome(receiver_id=conn.receiver_id))
         while True:
-            item = conn.outbox.get()
-            if item is None:
+            items, end = take_queued(conn.outbox, MAX_BATCH if conn.batches else 1)
+            if items:
+                if trace.enabled:
+                    kinds = ",".join(item.WhichOneof("kind") for item in items)
+                    trace.mark("sender.yield", receiver=conn.receiver_id, kind=kinds)
+                if len(items) == 1:
+                    yield items[0]
+                else:
+                    yield pb.Announcement(batch=pb.AnnouncementBatch(items=items))
+            if end is None:
                 return
-            if isinstance(item, WeightSyncError):
-                _abort(context, item)
-            if trace.enabled:
-                trace.mark("sender.yield", receiver=conn.receiver_id, kind=item.WhichOneof("kind"))
-            yield item
+            if isinstance(end, WeightSyncError):
+                _abort(context, end)
 
     def _consume_receiver(self, conn: ReceiverConn, requests) -> None:
         """Read a receiver's stream; a message refused ends it with the error (the receiver

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Hashable, Mapping, Sequence
 
 import torch
@@ -216,21 +217,23 @@ class ParseCache:
 
 
 def manifest_key(msg: pb.Manifest) -> bytes:
-    """The manifest's bytes without its version, which changes every time."""
+    """An id of the manifest without its version, which changes every time (a digest of the
+    rest of its bytes: equal keys, the same tensors, LoRA adapter and part)."""
     unversioned = pb.Manifest()
     unversioned.CopyFrom(msg)
     unversioned.version = 0
-    return unversioned.SerializeToString()
+    return hashlib.blake2b(unversioned.SerializeToString(), digest_size=16).digest()
 
 
 class ManifestCache:
-    """Parses a manifest once per tensor list (key: :func:`manifest_key`, the bytes without the
-    version, which alone changes between versions); emptied whenever it holds 16."""
+    """Parses a manifest once per tensor list (key: :func:`manifest_key`, which leaves out the
+    version, the one field that changes between versions); emptied whenever it holds 16."""
 
     def __init__(self, max_entries: int = 16) -> None:
         self._parsed = ParseCache(manifest_from_pb, max_entries)
 
-    def __call__(self, msg: pb.Manifest) -> tuple[VersionManifest, bytes]:
-        """The manifest and its version-free key (equal keys: the same tensors)."""
-        key = manifest_key(msg)
+    def __call__(self, msg: pb.Manifest, key: bytes = b"") -> tuple[VersionManifest, bytes]:
+        """The manifest and its key: ``key`` where the sender gave one (its
+        :func:`manifest_key`, ``VersionStart.manifest_key``), else worked out here."""
+        key = key or manifest_key(msg)
         return self._parsed(msg, key=key).at(msg.version), key

@@ -245,6 +245,21 @@ def test_two_begins_on_one_stream_refuse_the_second_and_abandon_the_first(sender
     assert time.monotonic() - started < 5
 
 
+def test_a_repeat_begin_on_a_stream_with_no_whole_begin_is_refused(sender):
+    raw = raw_publisher(sender.address)
+    raw.send(
+        pb.PublisherMessage(begin=pb.BeginVersion(manifest=pb.Manifest(version=1), repeat=True))
+    )
+    assert raw.outcome() == (
+        ["welcome"],
+        PRECONDITION,
+        "ProtocolError: BeginVersion of version 1 repeats the last begin on this stream, but no "
+        "begin on it carried a manifest yet; send it whole",
+    )
+    raw.close()
+    assert_nothing_joining(sender)
+
+
 def test_a_packed_index_past_the_versions_buckets_is_refused(sender):
     raw = raw_publisher(sender.address)
     raw.send(begin(1))

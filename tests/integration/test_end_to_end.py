@@ -57,3 +57,52 @@ def test_publish_without_wait_returns_once_staged_and_tensors_may_change(sender)
     assert applied == [1]
     for name, t_ in model.state_dict().items():
         assert torch.equal(t_, snapshot[name]), name
+
+
+def test_later_versions_repeat_the_begin_and_send_the_manifest_by_key(sender, monkeypatch):
+    """From version 2 the publisher repeats its last begin (no manifest, no offer) and the
+    receiver gets the manifest as its key alone; each side kept them for its stream, so every
+    version still lands exactly."""
+    from weightsync.receiver import TorchReceiver
+    from weightsync.receiver.connection import KeptByStream
+
+    starts = []
+    complete = KeptByStream.complete
+
+    def recording(self, msg):
+        if msg.WhichOneof("kind") == "start":
+            starts.append((msg.start.manifest.version, len(msg.start.manifest.tensors)))
+        return complete(self, msg)
+
+    monkeypatch.setattr(KeptByStream, "complete", recording)
+    model, trainer = TinyNet(seed=5), TinyNet(seed=6)
+    receiver = TorchReceiver(model, sender.address)
+    publisher = Publisher(sender.address)
+    begins = []
+    for version in (1, 2, 3):
+        step(trainer, version)
+        t, applied = sync_in_thread(receiver)
+        publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=30)
+        t.finish(30)
+        assert applied == [version]
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, trainer.state_dict()[name]), (version, name)
+        if version == 1:
+            requests = publisher._stream.requests
+            monkeypatch.setattr(requests, "put", _recorded(requests.put, begins))
+    assert [
+        (m.begin.repeat, len(m.begin.manifest.tensors))
+        for m in begins
+        if m.WhichOneof("kind") == "begin"
+    ] == [(True, 0)] * 2
+    n = len(trainer.state_dict())
+    assert starts == [(1, n), (2, 0), (3, 0)]
+    receiver.close()
+
+
+def _recorded(put, into: list):
+    def recording(msg):
+        into.append(msg)
+        put(msg)
+
+    return recording

@@ -29,7 +29,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.manifest import VersionManifest, VersionPartSpec, plan_digest
-from weightsync.receiver.connection import Inbox, KeptLayouts, SenderLost
+from weightsync.receiver.connection import Inbox, KeptByStream, SenderLost
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import WeightTarget
@@ -581,7 +581,7 @@ def test_a_direct_bucket_announced_by_key_gets_its_layout_back_on_its_stream_onl
     full = pb.Announcement(
         bucket=pb.BucketAnnouncement(version=1, layout=layout, sources=[source], layout_key=b"k")
     )
-    kept = KeptLayouts()
+    kept = KeptByStream()
     assert kept.complete(full) is full
     again = kept.complete(pb.Announcement(bucket=pb.BucketAnnouncement(version=2, layout_key=b"k")))
     assert (again.bucket.version, again.bucket.layout, list(again.bucket.sources)) == (
@@ -589,9 +589,31 @@ def test_a_direct_bucket_announced_by_key_gets_its_layout_back_on_its_stream_onl
         layout,
         [source],
     )
-    unknown = KeptLayouts().complete(
+    unknown = KeptByStream().complete(
         pb.Announcement(bucket=pb.BucketAnnouncement(version=3, layout_key=b"k"))
     )
     assert unknown.WhichOneof("kind") == "abort" and unknown.abort.version == 3
     assert unknown.abort.reason.code == "ProtocolError"
     assert "layout key 6b, which this stream never announced" in unknown.abort.reason.message
+
+
+def test_a_manifest_announced_by_key_gets_its_tensors_back_at_its_own_version():
+    """A manifest the stream sent with its tensors once comes later as its key and version
+    alone (``ReceiverHello.manifest_keys``); an unknown key aborts that version."""
+    whole = manifest_to_pb(VersionManifest(1, (TensorSpec("w", "float32", (4,)),)))
+    kept = KeptByStream()
+    first = pb.Announcement(start=pb.VersionStart(manifest=whole, manifest_key=b"m"))
+    assert kept.complete(first) is first
+    again = kept.complete(
+        pb.Announcement(start=pb.VersionStart(manifest=pb.Manifest(version=5), manifest_key=b"m"))
+    )
+    assert again.start.manifest.version == 5
+    assert list(again.start.manifest.tensors) == list(whole.tensors)
+    assert whole.version == 1  # the kept copy stays as it came
+    unknown = KeptByStream().complete(
+        pb.Announcement(start=pb.VersionStart(manifest=pb.Manifest(version=6), manifest_key=b"m"))
+    )
+    assert (unknown.WhichOneof("kind"), unknown.abort.version) == ("abort", 6)
+    assert "a manifest announced by key 6d, which this stream never announced" in (
+        unknown.abort.reason.message
+    )

@@ -167,18 +167,20 @@ class SourcePiece(_message.Message):
     def __init__(self, name: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., size: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dst_start: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeginVersion(_message.Message):
-    __slots__ = ("manifest", "sources", "wait_applied", "pieces", "allow_direct")
+    __slots__ = ("manifest", "sources", "wait_applied", "pieces", "allow_direct", "repeat")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     WAIT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     ALLOW_DIRECT_FIELD_NUMBER: _ClassVar[int]
+    REPEAT_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
     wait_applied: bool
     pieces: _containers.RepeatedCompositeFieldContainer[SourcePiece]
     allow_direct: bool
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., wait_applied: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[SourcePiece, _Mapping]]] = ..., allow_direct: _Optional[bool] = ...) -> None: ...
+    repeat: bool
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., wait_applied: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[SourcePiece, _Mapping]]] = ..., allow_direct: _Optional[bool] = ..., repeat: _Optional[bool] = ...) -> None: ...
 
 class BucketPacked(_message.Message):
     __slots__ = ("version", "index")
@@ -201,14 +203,16 @@ class PublisherMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[PublisherHello, _Mapping]] = ..., begin: _Optional[_Union[BeginVersion, _Mapping]] = ..., packed: _Optional[_Union[BucketPacked, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class PublisherWelcome(_message.Message):
-    __slots__ = ("bucket_size_bytes", "transport", "last_version")
+    __slots__ = ("bucket_size_bytes", "transport", "last_version", "repeats")
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPEATS_FIELD_NUMBER: _ClassVar[int]
     bucket_size_bytes: int
     transport: str
     last_version: int
-    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ...) -> None: ...
+    repeats: bool
+    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ..., repeats: _Optional[bool] = ...) -> None: ...
 
 class PackBucket(_message.Message):
     __slots__ = ("version", "layout", "buffer")
@@ -241,7 +245,7 @@ class SenderReply(_message.Message):
     def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ..., done: _Optional[_Union[VersionStatus, _Mapping]] = ...) -> None: ...
 
 class ReceiverHello(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys", "batches", "manifest_keys")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +256,8 @@ class ReceiverHello(_message.Message):
     APPLIED_VERSION_FIELD_NUMBER: _ClassVar[int]
     DIRTY_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_KEYS_FIELD_NUMBER: _ClassVar[int]
+    BATCHES_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_KEYS_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -262,7 +268,9 @@ class ReceiverHello(_message.Message):
     applied_version: int
     dirty: bool
     layout_keys: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ...) -> None: ...
+    batches: bool
+    manifest_keys: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ..., batches: _Optional[bool] = ..., manifest_keys: _Optional[bool] = ...) -> None: ...
 
 class TensorBox(_message.Message):
     __slots__ = ("name", "start", "size")
@@ -329,12 +337,14 @@ class ReceiverWelcome(_message.Message):
     def __init__(self, receiver_id: _Optional[str] = ...) -> None: ...
 
 class VersionStart(_message.Message):
-    __slots__ = ("manifest", "num_buckets")
+    __slots__ = ("manifest", "num_buckets", "manifest_key")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     NUM_BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_KEY_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     num_buckets: int
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ...) -> None: ...
+    manifest_key: bytes
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ..., manifest_key: _Optional[bytes] = ...) -> None: ...
 
 class BucketAnnouncement(_message.Message):
     __slots__ = ("version", "layout", "buffer", "group_id", "sources", "ready_event", "layout_key")
@@ -391,20 +401,28 @@ class VersionAbort(_message.Message):
     def __init__(self, version: _Optional[int] = ..., reason: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class Announcement(_message.Message):
-    __slots__ = ("welcome", "start", "bucket", "end", "abort", "join")
+    __slots__ = ("welcome", "start", "bucket", "end", "abort", "join", "batch")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     welcome: ReceiverWelcome
     start: VersionStart
     bucket: BucketAnnouncement
     end: VersionEnd
     abort: VersionAbort
     join: GroupJoin
-    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ..., join: _Optional[_Union[GroupJoin, _Mapping]] = ...) -> None: ...
+    batch: AnnouncementBatch
+    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ..., join: _Optional[_Union[GroupJoin, _Mapping]] = ..., batch: _Optional[_Union[AnnouncementBatch, _Mapping]] = ...) -> None: ...
+
+class AnnouncementBatch(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[Announcement]
+    def __init__(self, items: _Optional[_Iterable[_Union[Announcement, _Mapping]]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
