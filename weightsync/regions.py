@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync import copy_kernel
 from weightsync.buckets import BucketEntry
 from weightsync.errors import PlanError
 
@@ -104,20 +105,27 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 @dataclass(frozen=True)
 class CopyBatch:
-    """``(destination, source)`` copies issued with as few launches as torch allows: the small
-    same-device ones in one ``torch._foreach_copy_`` (fused per dtype on CUDA), so MoE models
-    with thousands of tensors pay for bytes, not for a Python loop of launches. Build it once
+    """``(destination, source)`` copies issued with as few launches as possible, so MoE models
+    with thousands of tensors pay for bytes, not for a Python loop of launches: contiguous
+    same-GPU copies in one launch per GPU where CuPy is installed (:mod:`.copy_kernel`), else
+    the small ones in one ``torch._foreach_copy_`` (fused per dtype on CUDA). Build it once
     and :meth:`run` it every version (views follow the memory, not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
     srcs: tuple[torch.Tensor, ...]
     one_by_one: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     """Large copies, casts, and copies across devices."""
+    chunked: tuple[copy_kernel.ChunkedCopies, ...] = ()
+    """One launch per GPU of its contiguous copies."""
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
         small, single = [], []
+        by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
+            if copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
+                by_gpu.setdefault(dst.device, []).append((dst, src))
+                continue
             bits = _BITS.get(dst.element_size())
             batched = (
                 bits is not None
@@ -134,10 +142,13 @@ class CopyBatch:
         # Largest first: while the GPU copies the big ones, the launches of the rest are
         # queued behind them, instead of the GPU idling between small copies' launches.
         single.sort(key=lambda pair: pair[0].nbytes, reverse=True)
-        return cls(tuple(d for d, _ in small), tuple(s for _, s in small), tuple(single))
+        chunked = tuple(copy_kernel.ChunkedCopies(p) for p in by_gpu.values())
+        return cls(tuple(d for d, _ in small), tuple(s for _, s in small), tuple(single), chunked)
 
     @torch.no_grad()
     def run(self) -> None:
+        for copies in self.chunked:
+            copies.run()
         if self.dsts:
             torch._foreach_copy_(list(self.dsts), list(self.srcs), non_blocking=True)
         for dst, src in self.one_by_one:

@@ -29,3 +29,43 @@ def test_batched_copies_of_byte_buffer_views_are_bit_exact(dtype):
     CopyBatch.of(pairs).run()
     torch.cuda.synchronize()
     assert torch.equal(dst_flat[:offset], src_flat[:offset])
+
+
+def test_one_launch_copies_every_contiguous_view_bit_for_bit_aligned_or_not():
+    """The batched kernel (with CuPy): views at odd element offsets (2-byte aligned), sizes
+    that are no multiple of 16, and copies of many chunks, between two byte buffers."""
+    pytest.importorskip("cupy")
+    from weightsync import copy_kernel
+
+    g = torch.Generator("cuda").manual_seed(1)
+    src_flat = torch.empty(24 << 20, dtype=torch.uint8, device="cuda").random_(0, 256, generator=g)
+    dst_flat = torch.zeros_like(src_flat)
+    pairs, offset, covered = [], 0, []
+    for n, skew in (
+        (7168, 0),
+        (1026, 2),
+        (65536, 6),
+        (3 << 20, 0),
+        (9 * copy_kernel.CHUNK_BYTES + 34, 2),
+    ):
+        offset += skew
+        pairs.append(
+            (
+                dst_flat[offset : offset + n].view(torch.bfloat16),
+                src_flat[offset : offset + n].view(torch.bfloat16),
+            )
+        )
+        covered.append((offset, offset + n))
+        offset += n
+    batch = CopyBatch.of(pairs)
+    assert len(batch.chunked) == 1 and not batch.dsts and not batch.one_by_one
+    for _ in range(2):  # the table is built once and copies again
+        dst_flat.zero_()
+        batch.run()
+        torch.cuda.synchronize()
+        for a, b in covered:
+            assert torch.equal(dst_flat[a:b], src_flat[a:b]), (a, b)
+        gaps = torch.ones_like(dst_flat, dtype=torch.bool)
+        for a, b in covered:
+            gaps[a:b] = False
+        assert not dst_flat[gaps].any()  # nothing written outside the views
