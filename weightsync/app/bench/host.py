@@ -18,8 +18,9 @@ def machine(device: torch.device) -> str:
 
 def check_memory(nbytes: int, bucket: int) -> None:
     # cuda:0 holds the trainer shards, the HF-tensor copies (floor twin and baseline source),
-    # the colocated receiver's model and the staging buffers at once.
-    need = 3 * nbytes + 2 * bucket
+    # the colocated receiver's model and the staging buffers at once; for a moment also the
+    # flat-copy floor's twin of the shards.
+    need = 4 * nbytes + 2 * bucket
     free, _ = torch.cuda.mem_get_info(0)
     if need > free:
         raise ConfigError(

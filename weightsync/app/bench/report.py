@@ -12,6 +12,8 @@ from rich.table import Table
 FLOOR, BASELINE, WEIGHTSYNC = "floor", "baseline", "weightsync"
 SAME, OTHER = "same GPU", "other GPU"
 PER_TENSOR, LOCKSTEP, D2D = "per-tensor IPC", "lockstep bucket", "d2d copy"
+FLAT = "flat copy"
+"""Floor: one copy of the trainer's whole flat buffer on its GPU (no per-tensor launches)."""
 NODE_FLOOR = "every GPU its share"
 """The node case's floor: every GPU copying its share from its own memory at once."""
 HOSTS_FLOOR = "one broadcast"
@@ -122,6 +124,12 @@ class Report:
                 add(f"{label}: x floor", x["x_floor"], 2.3, True)
             if r.transport == "nccl":
                 add(f"{label}: x broadcast floor", x["x_floor"], 1.3, True)
+                add(f"{label}: x broadcast floor (issue 11)", x["x_floor"], 1.15, True)
+            flat = self._find(FLOOR, FLAT)
+            if r.placement == SAME and flat:
+                # Issue 11: one GPU within 1.3x one flat copy (dense), 2x (MoE).
+                limit = 2.0 if self.meta.get("moe") else 1.3
+                add(f"{label}: x one flat copy (issue 11)", r.seconds / flat, limit, True)
             add(f"{label}: speed-up over per-tensor IPC", x["x_per_tensor"], 4.0, False)
             add(f"{label}: speed-up over lockstep bucket", x["x_lockstep"], 2.5, False)
             if bucket:

@@ -24,6 +24,7 @@ from weightsync.app.bench.models import hf_specs, model_shape
 from weightsync.app.bench.report import (
     BASELINE,
     D2D,
+    FLAT,
     FLOOR,
     LOCKSTEP,
     OTHER,
@@ -250,6 +251,10 @@ def _floor_and_baselines(cfg: BenchConfig, shards: TrainerShards, workers: _Work
     if cfg.floors:
         samples = floors.d2d_copy(list(views.values()), list(copies.values()), cfg.versions)
         rows.append(Row(FLOOR, D2D, "-", "HF tensors", placement, nbytes, tuple(samples)))
+        twins = [flat.clone() for flat in shards.flats]
+        samples = floors.d2d_copy(shards.flats, twins, cfg.versions)
+        del twins
+        rows.append(Row(FLOOR, FLAT, "-", "one buffer", placement, nbytes, tuple(samples)))
     if not cfg.baselines:
         return rows
     link = workers.links[placement]
