@@ -5,6 +5,8 @@ flat copy: the 4,719 tensors of a 30B-A3B-shaped MoE model took 12 ms against 7.
 copy of the same bytes on H200. Here every copy is cut into chunks of :data:`CHUNK_BYTES`, a
 table of (source, destination, bytes) per chunk is built once on the GPU, and one launch copies
 them all, a CUDA block per chunk, 16 bytes per load where both ends are 16-byte aligned.
+Callers give it the small copies only: a large one is faster as its own ``copy_`` (the 7B
+model's 339 tensors went from 12.1 to 12.8 ms a version through this kernel alone).
 
 CuPy is optional (no extra installs it: its wheel is per CUDA major, ``cupy-cuda12x`` or
 ``cupy-cuda13x``); without it, on CPU, or with ``WEIGHTSYNC_COPY_KERNEL=0`` (to compare),
@@ -35,8 +37,16 @@ extern "C" __global__ void copy_chunks(const unsigned long long* table) {
     if ((((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0) {
         const uint4* s = (const uint4*)src;
         uint4* d = (uint4*)dst;
-        const unsigned long long n16 = n >> 4;
-        for (unsigned long long i = threadIdx.x; i < n16; i += blockDim.x) d[i] = s[i];
+        const unsigned long long n16 = n >> 4, step = blockDim.x;
+        unsigned long long i = threadIdx.x;
+        for (; i + 3 * step < n16; i += 4 * step) {  // four loads in flight per thread
+            const uint4 a = s[i], b = s[i + step], c = s[i + 2 * step], e = s[i + 3 * step];
+            d[i] = a;
+            d[i + step] = b;
+            d[i + 2 * step] = c;
+            d[i + 3 * step] = e;
+        }
+        for (; i < n16; i += step) d[i] = s[i];
         done = n16 << 4;
     }
     for (unsigned long long i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];

@@ -106,10 +106,10 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 @dataclass(frozen=True)
 class CopyBatch:
     """``(destination, source)`` copies issued with as few launches as possible, so MoE models
-    with thousands of tensors pay for bytes, not for a Python loop of launches: contiguous
-    same-GPU copies in one launch per GPU where CuPy is installed (:mod:`.copy_kernel`), else
-    the small ones in one ``torch._foreach_copy_`` (fused per dtype on CUDA). Build it once
-    and :meth:`run` it every version (views follow the memory, not its contents)."""
+    with thousands of tensors pay for bytes, not for a Python loop of launches: the small ones
+    in one launch per GPU where CuPy is installed (:mod:`.copy_kernel`: contiguous, same GPU),
+    else in one ``torch._foreach_copy_`` (fused per dtype on CUDA). Build it once and
+    :meth:`run` it every version (views follow the memory, not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
     srcs: tuple[torch.Tensor, ...]
@@ -123,7 +123,8 @@ class CopyBatch:
         small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
-            if copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
+            small_copy = dst.nbytes <= FOREACH_MAX_BYTES
+            if small_copy and copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
                 by_gpu.setdefault(dst.device, []).append((dst, src))
                 continue
             bits = _BITS.get(dst.element_size())
