@@ -35,6 +35,9 @@ class BroadcastReceiver:
         """Recorded on the side stream after the loads from each landing buffer."""
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._recv = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.landings = 0
+        """Landing buffers allocated so far: views of one stay valid, and may be kept across
+        versions, while this is unchanged."""
 
     def join(self, join: pb.GroupJoin) -> None:
         """Join the group ``join`` names, leaving the previous one (runs on the pump thread)."""
@@ -85,6 +88,7 @@ class BroadcastReceiver:
         if self._landing[which].numel() < nbytes:
             self.synchronize()  # the old buffer may still be read on the side stream
             self._landing[which] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.landings += 1
             if self._recv is not None:
                 self._recv.wait_stream(torch.cuda.current_stream(self.device))
         elif self._loaded[which] is not None and self._recv is not None:

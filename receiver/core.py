@@ -23,8 +23,10 @@ What the receiver keeps across versions (each keyed so that a hit is the same by
 - ``KeptByStream`` (one per stream, in the connection's pump): direct buckets' layouts by
   ``layout_key`` and manifests by ``manifest_key``, so one announced by key alone gets them
   back; dropped at 16 of each as the sender counts them (``weightsync.stream_keys``).
-- ``BucketReader._views``: a bucket's tensor views, by (layout bytes, buffer ids); all dropped
-  at 256. Broadcast buckets are viewed afresh (landing buffers are replaced when they grow).
+- ``BucketReader._views``: a bucket's tensor views, by (layout bytes, buffer ids or landing
+  buffer); all dropped at 256, a landing buffer's when it is replaced (it grew:
+  ``BroadcastReceiver.landings`` changed), and the target's writes worked out for them with
+  them (``WeightTarget.forget_views``).
 - ``BucketReader._release_event``: one CUDA event, re-recorded behind every staged bucket.
 - ``ReceiverCore._manifests``: parsed manifests, by ``manifest_key`` (an id of their bytes
   without the version: the sender's, or worked out here); all dropped at 16.
@@ -89,6 +91,8 @@ class Link:
     it comes, is refused at once with this error."""
     pending: pb.Announcement | None = None
     """A start taken from the connection but left unanswered (the sync() gave up first)."""
+    landings: int = 0
+    """``broadcast.landings`` when its landing buffers' views were last kept."""
 
 
 def _leave(links: list[Link], flush_timeout_s: float) -> None:
@@ -371,6 +375,11 @@ class ReceiverCore:
         read_event = b""
         with link.broadcast.reading(bucket) as landed:
             if load:
+                if landed is not None and link.landings != link.broadcast.landings:
+                    # A landing buffer was replaced: views of the old one are kept no longer.
+                    link.reader.forget_landed()
+                    self.target.forget_views()
+                    link.landings = link.broadcast.landings
                 prepared = link.reader.prepare(bucket, reads, landed)
                 with self._load_lock:
                     self._touched = True

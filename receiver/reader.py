@@ -159,8 +159,11 @@ class BucketReader:
         self._events = EventCache()
         self._layouts = ParseCache(bucket_from_pb)
         self._views: dict[Hashable, BucketViews] = {}
-        """Views by (layout bytes or key, buffer ids): mapped buffers stay mapped, so their views
-        are built once, not every version (thousands of them for MoE experts cost ms)."""
+        """Views by (layout bytes or key, buffer ids or landing buffer): mapped buffers stay
+        mapped and landing buffers are reused, so their views are built once, not every
+        version (thousands of them for MoE experts cost ms)."""
+        self._landed: set[Hashable] = set()
+        """The keys in ``_views`` of landing buffers' views."""
         self._release_event: tuple[torch.cuda.Event, bytes] | None = None
         """Recorded behind each staged bucket's reads on our GPU; the sender waits for it."""
 
@@ -187,12 +190,14 @@ class BucketReader:
         buffer = landed if landed is not None else self._packed_buffer(msg, bucket)
         if self.verify_checksums:
             reads.checksum(bucket, buffer)
-        key = None
         if landed is not None:
-            views = self._view(bucket, [buffer])
+            # A landing buffer is reused for every bucket of its index until it is replaced
+            # (the core then calls forget_landed): its views are kept like a mapped buffer's.
+            key: Hashable = (layout, ("landed", landed.data_ptr()))
+            self._landed.add(key)
         else:
             key = (layout, (msg.buffer.buffer_id,))
-            views = self._views.get(key) or self._cache(key, self._view(bucket, [buffer]))
+        views = self._views.get(key) or self._cache(key, self._view(bucket, [buffer]))
         whole = views.whole + self._unboxed(views, reads)
         chunks = []
         for entry in views.chunked:
@@ -207,6 +212,12 @@ class BucketReader:
         # Only the kept views themselves may be loaded by key (not boxes or assembled tensors).
         kept = key is not None and len(whole) == len(views.whole)
         return BucketLoad(whole, chunks, [buffer], key if kept else None)
+
+    def forget_landed(self) -> None:
+        """Drop the views of landing buffers (one was replaced; the old may be freed)."""
+        for key in self._landed:
+            self._views.pop(key, None)
+        self._landed.clear()
 
     @staticmethod
     def _unboxed(views: BucketViews, reads: VersionReads) -> Named:
@@ -228,6 +239,7 @@ class BucketReader:
     def _cache(self, key: Hashable, views: BucketViews) -> BucketViews:
         if len(self._views) >= _MAX_CACHED_VIEWS:
             self._views.clear()  # what repeats every version is back after one version
+            self._landed.clear()
         self._views[key] = views
         return views
 

@@ -72,6 +72,11 @@ class WeightTarget(ABC):
         key. The default loads them."""
         self.load(tensors)
 
+    def forget_views(self) -> None:
+        """The views :meth:`load_views` had are not coming again (their buffer was replaced):
+        drop what was kept for them, and with it the buffer. The default keeps nothing."""
+        return
+
     def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
         """Write ``data``, the bytes ``entry.tensor_offset`` to ``+ entry.nbytes`` of tensor
         ``entry.name``, in place. Called only when ``chunks_in_place``; ``data`` is a view of a
@@ -141,6 +146,9 @@ class InPlaceTarget(WeightTarget):
                 self._batches.clear()
             batch = self._batches[key] = self.copies(tensors)
         batch.run()
+
+    def forget_views(self) -> None:
+        self._batches = None
 
     def copies(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> CopyBatch:
         """The copies that load ``tensors``: small ones in one launch, not one each

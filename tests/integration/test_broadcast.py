@@ -59,3 +59,35 @@ def test_remote_host_gets_broadcast_while_local_maps_and_a_dying_remote_fails_al
         local = [r for r in next_outcomes(out, 4) if r[0] == "local"]
         assert [(r[1], r[2]) for r in local] == [("applied", 1), ("applied", 2), ("applied", 3)]
         assert local[-1][3] == digests(trainer)
+
+
+def test_views_of_a_landing_buffer_are_kept_until_a_bigger_bucket_replaces_it(sock_dir):
+    """A broadcast bucket lands in one of two reused buffers: its views and the target's
+    copies are worked out once and used again every version (4,719 of them cost an MoE model
+    tens of milliseconds a version), and dropped, with the old buffer, when a bigger bucket
+    replaces it. Every version lands exactly."""
+    import torch
+
+    from tests.support import holder_module, sync_in_thread
+    from weightsync.receiver import TorchReceiver
+
+    model = holder_module({"a": torch.zeros(64), "b": torch.zeros(600)})
+    with Sender("127.0.0.1:0", bucket_size_bytes=4096, transport="nccl") as sender:
+        receiver = TorchReceiver(model, sender.address)
+        publisher = Publisher(sender.address)
+        (link,) = receiver._links
+        batches = []
+        for version, names in ((1, "a"), (2, "ab"), (3, "ab")):
+            sent = {n: torch.randn(64 if n == "a" else 600) for n in names}
+            t, applied = sync_in_thread(receiver)
+            publisher.publish(sent, version, wait=True, timeout_s=60)
+            t.finish(60)
+            assert applied == [version]
+            for name, tensor in sent.items():
+                assert torch.equal(model.state_dict()[name], tensor), (version, name)
+            landed = [k for k in link.reader._views if k[1][0] == "landed"]
+            assert len(landed) == 1, landed
+            batches.append(receiver.target._batches[landed[0]])
+        assert link.broadcast.landings == 2  # version 2's bucket is bigger: the buffer grew
+        assert batches[2] is batches[1] and batches[1] is not batches[0]
+        receiver.close()
