@@ -121,6 +121,10 @@ class MegatronPublisher:
         self._sends = self.parts.tensors_of(self.host_id)
         """This host's tensors (one tuple, so the wire manifest is converted once)."""
         self._part = self.parts.part_of(self.host_id)
+        self._manifest = (
+            VersionManifest(1, self._sends, self.plan.lora, self._part) if self._sends else None
+        )
+        """This host's manifest, checked once; each version is it at that version."""
         self.device = next(iter(self._tensors.values())).device
         self._direct = direct
         model_type = getattr(hf_config, "model_type", "model")
@@ -154,7 +158,7 @@ class MegatronPublisher:
             raise ConfigError(f"version must be >= 1, got {version}")
         if not self._sends:
             return PublishResult(version, 0.0, 0)
-        manifest = VersionManifest(version, self._sends, self.plan.lora, self._part)
+        manifest = self._manifest.at(version)
         regions = self._current_regions()
 
         what = f"version {version}, rank {self.publisher.rank}"
