@@ -303,7 +303,7 @@ class ReceiverCore:
         try:
             # Parsing bounds every field too: a manifest past a bound is rejected like one
             # that does not fit the model, before any write.
-            manifest, key = self._manifests(msg.start.manifest, msg.start.manifest_key)
+            manifest, key = self._manifest(link, msg.start)
             refuse_split(manifest, link.address)
             self._validate(manifest, key)
         except Exception as e:
@@ -313,6 +313,14 @@ class ReceiverCore:
             raise error from e
         self._verdict(link, version, None, self._keeps(manifest, key))
         return self._apply(link, manifest)
+
+    def _manifest(self, link: Link, start: pb.VersionStart) -> tuple[VersionManifest, bytes]:
+        """The version's manifest and its key; a manifest sent by key alone is taken from the
+        stream's copy only when the cache let it go."""
+        msg = start.manifest
+        if start.manifest_key and not msg.tensors and start.manifest_key not in self._manifests:
+            msg = link.connection.kept.manifest(start)
+        return self._manifests(msg, start.manifest_key)
 
     def _verdict(
         self,
@@ -368,17 +376,26 @@ class ReceiverCore:
         self.target.begin(manifest)
 
     def _bucket(
-        self, link: Link, bucket: pb.BucketAnnouncement, reads: VersionReads, load: bool
+        self,
+        link: Link,
+        bucket: pb.BucketAnnouncement,
+        version: int,
+        reads: VersionReads,
+        load: bool,
     ) -> None:
         """Read one bucket into the model (``load``) or only take part in its transfer (its
-        version already failed here: the sender and its broadcast group go on in step)."""
+        version already failed here: the sender and its broadcast group go on in step).
+        ``bucket`` has its layout (:meth:`KeptByStream.bucket`: it may be an announcement of an
+        earlier version); ``version``: the one it was announced for now."""
         read_event = b""
         with link.broadcast.reading(bucket) as landed:
             if load:
                 if landed is not None and link.landings != link.broadcast.landings:
                     # A landing buffer was replaced: views of the old one are kept no longer.
+                    # Under the load lock: another sender's part may be loading meanwhile.
                     link.reader.forget_landed()
-                    self.target.forget_views()
+                    with self._load_lock:
+                        self.target.forget_views()
                     link.landings = link.broadcast.landings
                 prepared = link.reader.prepare(bucket, reads, landed)
                 with self._load_lock:
@@ -390,7 +407,7 @@ class ReceiverCore:
                 read_event = link.reader.release(bucket, prepared, reads)
         trace.mark("receiver.queued", index=bucket.layout.index)
         ack = pb.BucketAck(
-            version=bucket.version, index=bucket.layout.index, ok=True, read_event=read_event
+            version=version, index=bucket.layout.index, ok=True, read_event=read_event
         )
         link.connection.send(pb.ReceiverMessage(ack=ack))
 
@@ -448,8 +465,9 @@ class ReceiverCore:
                 kind = msg.WhichOneof("kind")
                 trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
-                    index = msg.bucket.layout.index
-                    self._bucket(link, msg.bucket, reads, load=True)
+                    bucket = link.connection.kept.bucket(msg.bucket)
+                    index = bucket.layout.index
+                    self._bucket(link, bucket, msg.bucket.version, reads, load=True)
                 elif kind == "end":
                     self._end(link, reads, msg.end)
                     return self._commit(manifest)
@@ -529,8 +547,10 @@ class ReceiverCore:
                 kind = msg.WhichOneof("kind")
                 trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
-                    where = f"its bucket {msg.bucket.layout.index}"
-                    self._bucket(link, msg.bucket, reads, load=not run.failed.is_set())
+                    bucket = link.connection.kept.bucket(msg.bucket)
+                    where = f"its bucket {bucket.layout.index}"
+                    load = not run.failed.is_set()
+                    self._bucket(link, bucket, msg.bucket.version, reads, load=load)
                     where = f"after {where}"
                 elif kind == "end":
                     if not run.failed.is_set():
@@ -604,7 +624,7 @@ class ReceiverCore:
         arrived, keys = [], []
         try:
             for i in range(len(self._links)):
-                manifest, key = self._manifests(started[i].manifest, started[i].manifest_key)
+                manifest, key = self._manifest(self._links[i], started[i])
                 arrived.append(ArrivedPart(self._links[i].address, manifest))
                 check_part(arrived[-1], self.addresses)
                 keys.append(len(key).to_bytes(8, "little") + key)

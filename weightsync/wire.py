@@ -206,6 +206,9 @@ class ParseCache:
         self._parse, self._max = parse, max_entries
         self._cache: dict[bytes, object] = {}
 
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._cache
+
     def __call__(self, msg, key: Hashable | None = None):
         key = msg.SerializeToString() if key is None else key
         hit = self._cache.get(key)
@@ -231,6 +234,9 @@ class ManifestCache:
 
     def __init__(self, max_entries: int = 16) -> None:
         self._parsed = ParseCache(manifest_from_pb, max_entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._parsed
 
     def __call__(self, msg: pb.Manifest, key: bytes = b"") -> tuple[VersionManifest, bytes]:
         """The manifest and its key: ``key`` where the sender gave one (its

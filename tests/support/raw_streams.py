@@ -14,7 +14,7 @@ import grpc
 
 from tests.support.waiting import wait_until
 from weightsync.control.client import connect
-from weightsync.receiver.connection import Inbox, SenderLost
+from weightsync.receiver.connection import Inbox, KeptByStream, SenderLost
 from weightsync.v1 import weightsync_pb2 as pb
 
 Outcome = tuple[list[str], grpc.StatusCode, str]
@@ -117,10 +117,11 @@ class MemoryConnection:
         self.inbox = Inbox(self.receiver_id, "memory:")
         self.sent: list[pb.ReceiverMessage] = []
         self.closed = False
+        self.kept = KeptByStream()
 
     def announce(self, *items: pb.Announcement | SenderLost) -> None:
         for item in items:
-            self.inbox.put(item)
+            self.inbox.put(self.kept.complete(item) if isinstance(item, pb.Announcement) else item)
 
     def next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
         return self.inbox.next(deadline, waiting_for, in_version)

@@ -16,6 +16,7 @@ from weightsync.buckets import (
     byte_view,
     pack_entry,
     plan_buckets,
+    plan_direct,
 )
 from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.errors import (
@@ -583,12 +584,10 @@ def test_a_direct_bucket_announced_by_key_gets_its_layout_back_on_its_stream_onl
     )
     kept = KeptByStream()
     assert kept.complete(full) is full
-    again = kept.complete(pb.Announcement(bucket=pb.BucketAnnouncement(version=2, layout_key=b"k")))
-    assert (again.bucket.version, again.bucket.layout, list(again.bucket.sources)) == (
-        2,
-        layout,
-        [source],
-    )
+    by_key = pb.Announcement(bucket=pb.BucketAnnouncement(version=2, layout_key=b"k"))
+    assert kept.complete(by_key) is by_key  # nothing copied into it
+    known = kept.bucket(by_key.bucket)
+    assert (known.layout, list(known.sources)) == (layout, [source])
     unknown = KeptByStream().complete(
         pb.Announcement(bucket=pb.BucketAnnouncement(version=3, layout_key=b"k"))
     )
@@ -607,8 +606,10 @@ def test_a_manifest_announced_by_key_gets_its_tensors_back_at_its_own_version():
     again = kept.complete(
         pb.Announcement(start=pb.VersionStart(manifest=pb.Manifest(version=5), manifest_key=b"m"))
     )
-    assert again.start.manifest.version == 5
-    assert list(again.start.manifest.tensors) == list(whole.tensors)
+    assert not again.start.manifest.tensors  # nothing copied into it
+    manifest = kept.manifest(again.start)
+    assert manifest.version == 5
+    assert list(manifest.tensors) == list(whole.tensors)
     assert whole.version == 1  # the kept copy stays as it came
     unknown = KeptByStream().complete(
         pb.Announcement(start=pb.VersionStart(manifest=pb.Manifest(version=6), manifest_key=b"m"))
@@ -617,3 +618,42 @@ def test_a_manifest_announced_by_key_gets_its_tensors_back_at_its_own_version():
     assert "a manifest announced by key 6d, which this stream never announced" in (
         unknown.abort.reason.message
     )
+
+
+def test_a_direct_version_announced_by_keys_alone_reads_the_kept_layout_in_place():
+    """From the second version the sender sends the manifest and the direct bucket by their
+    keys alone: the core reads the layout and sources kept for the stream (nothing copied into
+    the announcement), acks the bucket for the version being read and loads every byte."""
+    tensors = {"a": torch.randn(4, 8), "b": torch.randn(64)}
+    specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
+    source = get_transport("shm").allocate(1024, CPU)  # the trainer memory read in place
+    offsets = {"a": 0, "b": 256}
+    located = [(spec, 0, offsets[spec.name]) for spec in specs]
+    layout = bucket_to_pb(plan_direct(located, index=0, is_last=True))
+    target = Recorder({n: torch.zeros_like(t) for n, t in tensors.items()})
+    core, connection = core_for(target)
+    try:
+        for version in (1, 2):
+            for name, t in tensors.items():
+                t.add_(version)
+                byte_view(source.tensor)[offsets[name] : offsets[name] + t.nbytes].copy_(
+                    byte_view(t)
+                )
+            start = pb.VersionStart(num_buckets=0, manifest_key=b"m")
+            bucket = pb.BucketAnnouncement(version=version, layout_key=b"k")
+            if version == 1:
+                start.manifest.CopyFrom(manifest_to_pb(VersionManifest(version, specs)))
+                bucket.layout.CopyFrom(layout)
+                bucket.sources.append(source.handle)
+            start.manifest.version = version
+            connection.announce(
+                pb.Announcement(start=start),
+                pb.Announcement(bucket=bucket),
+                pb.Announcement(end=pb.VersionEnd(version=version)),
+            )
+            assert core.sync(timeout=5) == version
+            assert same(target.live, tensors)
+            ack = connection.sent[-2].ack
+            assert (ack.version, ack.index, ack.ok) == (version, 0, True)
+    finally:
+        get_transport("shm").release(source)
