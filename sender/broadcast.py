@@ -100,7 +100,9 @@ class SenderBroadcast:
         group = self._groups.get(members)
         try:
             if group is None:
-                raise TransportError("no broadcast group: its members failed to join")
+                raise TransportError(
+                    f"no broadcast group for {group_name(run, members)}: its members failed to join"
+                )
             try:
                 slot.broadcast = (members, group.broadcast(slot.buffer.tensor[:nbytes]))
             except TransportError:
@@ -139,3 +141,13 @@ class SenderBroadcast:
             for rid in members:
                 if rid in active:
                     self._outcomes.fail(run, rid, error)
+
+
+def group_name(run: VersionRun, members: Members) -> str:
+    """How errors name a broadcast group of ``run``: the staged buckets' group or a slice
+    group, and its receivers."""
+    which = next(
+        (f"slice group {i}" for i, g in enumerate(run.slices) if g.members == members),
+        "the staged buckets' group",
+    )
+    return f"{which} (receivers {', '.join(members)})"
