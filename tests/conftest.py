@@ -29,6 +29,16 @@ def sender(sock_dir):
         yield s
 
 
+@pytest.fixture(scope="module")
+def sender_address():
+    """A sender for a module's engine server, started before it (64 KiB buckets; a 120 s ack
+    timeout, for engines on two CPU cores). Modules that need other settings define their own."""
+    from tests.support import unix_sender
+
+    with unix_sender(bucket_size_bytes=64 * 1024, ack_timeout_s=120) as s:
+        yield s.address
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _no_vllm_groups_left():
     """Every test module leaves vLLM's process-wide parallel groups as it found them: none.

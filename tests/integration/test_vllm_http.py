@@ -7,7 +7,7 @@ import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from tests.support import random_weights, unix_sender  # noqa: E402
+from tests.support import random_weights  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     hf_reference,
     random_checkpoint,
@@ -21,12 +21,6 @@ from weightsync.sender import Publisher  # noqa: E402
 pytestmark = pytest.mark.vllm
 
 KIND = "llama"
-
-
-@pytest.fixture(scope="module")
-def sender_address():
-    with unix_sender(bucket_size_bytes=64 * 1024, ack_timeout_s=120) as s:
-        yield s.address
 
 
 @pytest.fixture(scope="module")
