@@ -16,8 +16,9 @@ import grpc
 import torch
 
 from weightsync import trace
-from weightsync.buckets import Bucket, TensorSpec, pack_entry
+from weightsync.buckets import Bucket, TensorSpec, align_up, pack_entry
 from weightsync.checksum import verify_entry
+from weightsync.config import ALIGNMENT_BYTES
 from weightsync.control.client import connect
 from weightsync.errors import (
     ConfigError,
@@ -28,8 +29,8 @@ from weightsync.errors import (
 )
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region, whole
-from weightsync.transports import MappedBuffers
-from weightsync.transports.base import own_handle, register_own
+from weightsync.transports import MappedBuffers, get_transport
+from weightsync.transports.base import StagingBuffer, own_handle, register_own
 from weightsync.transports.cuda_ipc import device_uuid, export_handle
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
@@ -377,6 +378,21 @@ class Publisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def shm_tensors(specs: Sequence[TensorSpec]) -> tuple[StagingBuffer, dict[str, torch.Tensor]]:
+    """Tensors shaped as ``specs``, in one shm buffer this process allocates, each at a
+    256-byte aligned offset. A CPU trainer that keeps its weights there offers them to a sender
+    on its host, which maps them and packs every bucket itself (and can slice them), as it
+    does CUDA memory. Release the buffer with ``get_transport("shm").release``."""
+    sizes = [align_up(s.nbytes) for s in specs]
+    store = get_transport("shm").allocate(max(sum(sizes), ALIGNMENT_BYTES), torch.device("cpu"))
+    tensors, offset = {}, 0
+    for spec, size in zip(specs, sizes, strict=True):
+        raw = store.tensor[offset : offset + spec.nbytes]
+        tensors[spec.name] = raw.view(spec.torch_dtype).view(spec.shape)
+        offset += size
+    return store, tensors
 
 
 def placement_key(tensors: Mapping[str, torch.Tensor]) -> tuple:

@@ -17,16 +17,12 @@ def offered_copy(tensors: Mapping[str, torch.Tensor]):
     """``tensors`` copied into one shm buffer this process allocated, as a trainer offering
     its memory holds them: the sender maps it and packs every bucket itself. Returns the
     buffer (release it with the shm transport) and the copies by name."""
-    from weightsync.transports import get_transport
+    from weightsync.buckets import TensorSpec
+    from weightsync.sender.publisher import shm_tensors
 
-    sizes = [(t.numel() * t.element_size() + 255) // 256 * 256 for t in tensors.values()]
-    store = get_transport("shm").allocate(max(sum(sizes), 256), torch.device("cpu"))
-    copies, offset = {}, 0
-    for (name, t), size in zip(tensors.items(), sizes, strict=True):
-        nbytes = t.numel() * t.element_size()
-        copies[name] = store.tensor[offset : offset + nbytes].view(t.dtype).view(t.shape)
+    store, copies = shm_tensors([TensorSpec.of(name, t) for name, t in tensors.items()])
+    for name, t in tensors.items():
         copies[name].copy_(t)
-        offset += size
     return store, copies
 
 

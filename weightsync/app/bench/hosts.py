@@ -141,15 +141,9 @@ def _offered(specs: tuple[TensorSpec, ...], device: torch.device):
     the tensors and the shm buffer to release (None on CUDA)."""
     if device.type == "cuda":
         return _tensors(specs, device), None
-    from weightsync.transports import get_transport
+    from weightsync.sender.publisher import shm_tensors
 
-    sizes = [(s.nbytes + 255) // 256 * 256 for s in specs]
-    store = get_transport("shm").allocate(max(sum(sizes), 256), device)
-    tensors, offset = {}, 0
-    for spec, size in zip(specs, sizes, strict=True):
-        raw = store.tensor[offset : offset + spec.nbytes]
-        tensors[spec.name] = raw.view(spec.torch_dtype).view(spec.shape)
-        offset += size
+    store, tensors = shm_tensors(specs)
     return tensors, store
 
 
