@@ -142,7 +142,9 @@ class KeptByStream:
 
     def complete(self, msg: pb.Announcement) -> pb.Announcement:
         """Keep what ``msg`` sends with its key; ``msg`` itself, or an abort of its version
-        when it names a key this stream never sent (a sender bug: the version fails here)."""
+        for a bucket whose layout key this stream never sent (a sender bug: the version fails
+        here). A start whose manifest key is unknown goes on: the core refuses it in its
+        verdict, naming the key (:meth:`manifest`)."""
         kind = msg.WhichOneof("kind")
         if kind == "bucket" and msg.bucket.layout_key:
             bucket = msg.bucket
@@ -152,16 +154,9 @@ class KeptByStream:
                 return _unknown(
                     bucket.version, f"a bucket announced by layout key {bucket.layout_key.hex()}"
                 )
-        elif kind == "start" and msg.start.manifest_key:
-            start = msg.start
-            # A manifest is never empty (both ends refuse one), so no tensors: by key alone.
-            if start.manifest.tensors:
-                self._manifests.keep(start.manifest_key, start.manifest)
-            elif self._manifests.get(start.manifest_key) is None:
-                return _unknown(
-                    start.manifest.version,
-                    f"a manifest announced by key {start.manifest_key.hex()}",
-                )
+        elif kind == "start" and msg.start.manifest_key and msg.start.manifest.tensors:
+            # A manifest is never empty (both ends refuse one): no tensors is by key alone.
+            self._manifests.keep(msg.start.manifest_key, msg.start.manifest)
         return msg
 
     def bucket(self, bucket: pb.BucketAnnouncement) -> pb.BucketAnnouncement:
@@ -186,7 +181,8 @@ class KeptByStream:
         alone).
 
         Raises:
-            ProtocolError: the key is kept no longer (the stream it came on has ended).
+            ProtocolError: this stream holds no manifest of that key (it never sent it, or
+                the stream it came on has ended).
         """
         if not start.manifest_key or start.manifest.tensors:
             return start.manifest
@@ -194,8 +190,9 @@ class KeptByStream:
         version = start.manifest.version
         if known is None:
             raise ProtocolError(
-                f"version {version}: the manifest of key {start.manifest_key.hex()} is kept no "
-                "longer (its stream ended)"
+                f"version {version}: a manifest announced by key {start.manifest_key.hex()}, "
+                "which this stream does not hold (never sent with its tensors, or its stream "
+                "ended); upgrade the sender"
             )
         manifest = pb.Manifest()
         manifest.CopyFrom(known)

@@ -598,7 +598,9 @@ def test_a_direct_bucket_announced_by_key_gets_its_layout_back_on_its_stream_onl
 
 def test_a_manifest_announced_by_key_gets_its_tensors_back_at_its_own_version():
     """A manifest the stream sent with its tensors once comes later as its key and version
-    alone (``ReceiverHello.manifest_keys``); an unknown key aborts that version."""
+    alone (``ReceiverHello.manifest_keys``); a start by a key the stream never sent is
+    refused in the verdict at once, naming the key (it had been dropped as a stray abort,
+    leaving the sender to time the receiver out)."""
     whole = manifest_to_pb(VersionManifest(1, (TensorSpec("w", "float32", (4,)),)))
     kept = KeptByStream()
     first = pb.Announcement(start=pb.VersionStart(manifest=whole, manifest_key=b"m"))
@@ -611,13 +613,18 @@ def test_a_manifest_announced_by_key_gets_its_tensors_back_at_its_own_version():
     assert manifest.version == 5
     assert list(manifest.tensors) == list(whole.tensors)
     assert whole.version == 1  # the kept copy stays as it came
-    unknown = KeptByStream().complete(
+    target = Recorder({"w": torch.zeros(4)})
+    core, connection = core_for(target)
+    connection.announce(
         pb.Announcement(start=pb.VersionStart(manifest=pb.Manifest(version=6), manifest_key=b"m"))
     )
-    assert (unknown.WhichOneof("kind"), unknown.abort.version) == ("abort", 6)
-    assert "a manifest announced by key 6d, which this stream never announced" in (
-        unknown.abort.reason.message
-    )
+    why = "version 6: a manifest announced by key 6d, which this stream does not hold"
+    with pytest.raises(ProtocolError, match=why):
+        core.sync(timeout=5)
+    (verdict,) = [m.verdict for m in connection.sent]
+    assert (verdict.version, verdict.accepted) == (6, False)
+    assert why in verdict.error.message
+    assert target.calls == []
 
 
 def test_a_direct_version_announced_by_keys_alone_reads_the_kept_layout_in_place():
