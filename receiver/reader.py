@@ -15,7 +15,7 @@ import torch
 from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, TensorSpec, entry_view
 from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.errors import ChecksumError, ProtocolError, TransportError
-from weightsync.receiver.target import WeightTarget
+from weightsync.receiver.target import TensorBox, WeightTarget
 from weightsync.topology_model import fits
 from weightsync.transports import MappedBuffers
 from weightsync.transports.cuda_ipc import EventCache, new_event
@@ -48,14 +48,19 @@ class BucketLoad:
     buffers: list[torch.Tensor]
     """The buffers these read."""
     key: Hashable = None
-    """Set when ``tensors`` are the reader's kept views of a mapped buffer (the same objects
-    whenever the key repeats): the target may work out its writes once."""
+    """Set when ``tensors`` and ``boxes`` are views of a mapped buffer's memory that are the
+    same whenever the key repeats: the target may work out its writes once."""
+    boxes: Sequence[TensorBox] = ()
+    """Boxes of tensors: pieces of a sharded trainer's tensors, or what this rank keeps."""
 
     def write(self, target: WeightTarget) -> None:
-        if self.key is None:
-            target.load(self.tensors)
-        else:
-            target.load_views(self.key, self.tensors)
+        if self.tensors or not self.boxes:
+            if self.key is None:
+                target.load(self.tensors)
+            else:
+                target.load_views(self.key, self.tensors)
+        if self.boxes:
+            target.load_boxes(self.key, self.boxes)
         for entry, data in self.chunks:
             target.load_chunk(entry, data)
 
@@ -71,21 +76,20 @@ class VersionReads:
 
     def __init__(self, version: int, specs: Sequence[TensorSpec] = ()) -> None:
         self.version = version
-        self._specs = specs
+        self.specs = specs
         self._by_name: dict[str, TensorSpec] | None = None
         self.assembler = ChunkAssembler()
         self.devices: set[torch.device] = set()
         self._sums: list[tuple[Bucket, torch.Tensor]] = []
 
-    def unbox(self, entry: BucketEntry, data: torch.Tensor) -> tuple[str, torch.Tensor]:
-        """The whole tensor ``data`` is a box of (:attr:`BucketEntry.box_start`), filled only
-        there: the receiver declared that its loaders read nothing else of it.
+    def box(self, entry: BucketEntry, data: torch.Tensor) -> TensorBox:
+        """``data`` as the box of its tensor that ``entry`` says (:attr:`BucketEntry.box_start`).
 
         Raises:
             ProtocolError: the tensor is not in the version or the box does not fit in it.
         """
         if self._by_name is None:
-            self._by_name = {spec.name: spec for spec in self._specs}
+            self._by_name = {spec.name: spec for spec in self.specs}
         spec = self._by_name.get(entry.name)
         start, size = entry.box_start, entry.spec.shape
         if spec is None or not fits(start, size, spec.shape):
@@ -93,10 +97,7 @@ class VersionReads:
                 f"version {self.version}: a box at {list(start)} of shape {list(size)} does "
                 f"not fit {entry.name!r} ({'not in the version' if spec is None else spec.shape})"
             )
-        full = torch.empty(spec.shape, dtype=spec.torch_dtype, device=data.device)
-        box = full[tuple(slice(a, a + n) for a, n in zip(start, size, strict=True))]
-        box.copy_(data, non_blocking=True)
-        return entry.name, full
+        return TensorBox(entry.name, spec.shape, start, data)
 
     def checksum(self, bucket: Bucket, buffer: torch.Tensor) -> None:
         self._sums.append((bucket, row_sums(buffer, bucket.nbytes)))
@@ -164,6 +165,9 @@ class BucketReader:
         version (thousands of them for MoE experts cost ms)."""
         self._landed: set[Hashable] = set()
         """The keys in ``_views`` of landing buffers' views."""
+        self._boxes: dict[Hashable, tuple[Sequence[TensorSpec], list[TensorBox]]] = {}
+        """By ``_views`` key of a mapped bucket: its boxes, and the tensor list they were
+        checked against."""
         self._release_event: tuple[torch.cuda.Event, bytes] | None = None
         """Recorded behind each staged bucket's reads on our GPU; the sender waits for it."""
 
@@ -183,9 +187,7 @@ class BucketReader:
             views = self._views.get(key) or self._cache(
                 key, self._view(self._layouts(msg.layout, layout), sources)
             )
-            if not views.boxed:
-                return BucketLoad(views.whole, [], sources, key)
-            return BucketLoad(views.whole + self._unboxed(views, reads), [], sources)
+            return BucketLoad(views.whole, [], sources, key, self._checked(key, views, reads))
         bucket = self._layouts(msg.layout, layout)
         buffer = landed if landed is not None else self._packed_buffer(msg, bucket)
         if self.verify_checksums:
@@ -198,7 +200,8 @@ class BucketReader:
         else:
             key = (layout, (msg.buffer.buffer_id,))
         views = self._views.get(key) or self._cache(key, self._view(bucket, [buffer]))
-        whole = views.whole + self._unboxed(views, reads)
+        whole = list(views.whole)
+        boxes = [reads.box(entry, data) for entry, data in views.boxed]
         chunks = []
         for entry in views.chunked:
             # Chunks of a box are reassembled into the box first: a target that writes chunks
@@ -208,10 +211,13 @@ class BucketReader:
                 continue
             done = reads.assembler.add(buffer, entry)
             if done is not None:
-                whole.append(reads.unbox(entry, done) if entry.box_start else (entry.name, done))
-        # Only the kept views themselves may be loaded by key (not boxes or assembled tensors).
-        kept = key is not None and len(whole) == len(views.whole)
-        return BucketLoad(whole, chunks, [buffer], key if kept else None)
+                if entry.box_start:
+                    boxes.append(reads.box(entry, done))
+                else:
+                    whole.append((entry.name, done))
+        # Only the kept views themselves may be loaded by key (not assembled tensors).
+        kept = len(whole) == len(views.whole) and len(boxes) == len(views.boxed)
+        return BucketLoad(whole, chunks, [buffer], key if kept else None, boxes)
 
     def forget_landed(self) -> None:
         """Drop the views of landing buffers (one was replaced; the old may be freed)."""
@@ -219,9 +225,15 @@ class BucketReader:
             self._views.pop(key, None)
         self._landed.clear()
 
-    @staticmethod
-    def _unboxed(views: BucketViews, reads: VersionReads) -> Named:
-        return [reads.unbox(entry, data) for entry, data in views.boxed]
+    def _checked(self, key: Hashable, views: BucketViews, reads: VersionReads) -> list[TensorBox]:
+        """The boxes of a mapped bucket's views, checked once per manifest's tensor list (a
+        direct bucket of a sharded trainer has hundreds, read every version)."""
+        if not views.boxed:
+            return []
+        hit = self._boxes.get(key)
+        if hit is None or hit[0] is not reads.specs:
+            hit = self._boxes[key] = (reads.specs, [reads.box(e, d) for e, d in views.boxed])
+        return hit[1]
 
     @staticmethod
     def _view(bucket: Bucket, sources: list[torch.Tensor]) -> BucketViews:
@@ -240,6 +252,7 @@ class BucketReader:
         if len(self._views) >= _MAX_CACHED_VIEWS:
             self._views.clear()  # what repeats every version is back after one version
             self._landed.clear()
+            self._boxes.clear()
         self._views[key] = views
         return views
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -14,6 +15,39 @@ from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.regions import CopyBatch
 from weightsync.topology_model import Box
+
+
+@dataclass(frozen=True)
+class TensorBox:
+    """``data`` fills the box of tensor ``name`` (of ``shape``) that starts at ``start``: a
+    piece of a tensor the trainer holds sharded, or the box of it this rank keeps."""
+
+    name: str
+    shape: tuple[int, ...]
+    start: tuple[int, ...]
+    data: torch.Tensor
+
+    @property
+    def box(self) -> Box:
+        return Box(self.start, tuple(self.data.shape))
+
+
+def assemble(boxes: Sequence[TensorBox]) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor ``boxes`` hold part of, of its whole shape, filled in its boxes only (the
+    rest is never read: the boxes cover what the rank keeps)."""
+    whole: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for b in boxes:
+            full = whole.get(b.name)
+            if full is None:
+                full = whole[b.name] = b.data.new_empty(b.shape)
+            full[_slices(b.box, (0,) * len(b.shape))].copy_(b.data, non_blocking=True)
+    return list(whole.items())
+
+
+def _slices(box: Box, origin: Sequence[int]) -> tuple[slice, ...]:
+    """``box`` as an index of a tensor whose first element is at ``origin``."""
+    return tuple(slice(a - o, b - o) for a, b, o in zip(box.start, box.stop, origin, strict=True))
 
 
 class WeightTarget(ABC):
@@ -71,6 +105,13 @@ class WeightTarget(ABC):
         mapped buffer's views, kept by the reader): a target may work out its writes once per
         key. The default loads them."""
         self.load(tensors)
+
+    def load_boxes(self, key: Hashable, boxes: Sequence[TensorBox]) -> None:
+        """Load tensors that come as boxes: the pieces of tensors a sharded trainer holds
+        (every piece of a tensor in one call), or the box of each this rank keeps. ``key`` as
+        for :meth:`load_views` (None: these are not coming again). The default loads each
+        tensor whole, filled in its boxes (:func:`assemble`)."""
+        self.load(assemble(boxes))
 
     def forget_views(self) -> None:
         """The views :meth:`load_views` had are not coming again (their buffer was replaced):
@@ -136,16 +177,43 @@ class InPlaceTarget(WeightTarget):
         # tensors, on the path before the copies start: once per bucket of mapped views. A
         # load replaced (by a subclass or on the instance, to wrap or watch it) keeps getting
         # every call.
-        if getattr(self.load, "__func__", None) is not InPlaceTarget.load:
+        if not self._copies_load():
             return self.load(tensors)
+        self._batch(key, lambda: self.copies(tensors)).run()
+
+    def load_boxes(self, key: Hashable, boxes: Sequence[TensorBox]) -> None:
+        """Each box straight into its part of the live tensor (no whole tensor assembled)."""
+        if not self._copies_load():
+            return super().load_boxes(key, boxes)
+        copies = (pair for b in boxes for pair in self.box_copies(b))
+        self._batch(None if key is None else ("boxes", key), lambda: CopyBatch.of(copies)).run()
+
+    def box_copies(self, piece: TensorBox) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The copy that writes what this rank keeps of ``piece`` (none when it keeps none of
+        it): ``live_tensor`` holds the box :meth:`kept` declares (default: all of it)."""
+        kept = self.kept().get(piece.name)
+        have = piece.box if kept is None else piece.box.intersect(kept)
+        if have is None:
+            return []
+        live = self.live_tensor(piece.name)
+        origin = (0,) * len(piece.shape) if kept is None else kept.start
+        return [(live[_slices(have, origin)], piece.data[_slices(have, piece.start)])]
+
+    def _copies_load(self) -> bool:
+        return getattr(self.load, "__func__", None) is InPlaceTarget.load
+
+    def _batch(self, key: Hashable, build: Callable[[], CopyBatch]) -> CopyBatch:
+        """The batch kept for ``key`` (built on first use; None: built, not kept)."""
+        if key is None:
+            return build()
         if self._batches is None:
             self._batches = {}
         batch = self._batches.get(key)
         if batch is None:
             if len(self._batches) >= self._MAX_BATCHES:
                 self._batches.clear()
-            batch = self._batches[key] = self.copies(tensors)
-        batch.run()
+            batch = self._batches[key] = build()
+        return batch
 
     def forget_views(self) -> None:
         self._batches = None

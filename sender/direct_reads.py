@@ -4,23 +4,25 @@ Pure: a function of the tensor plan (the whole copies every rank offered) and th
 receivers that map. Which copy each receiver reads is :func:`weightsync.topology.plan_topology`'s
 choice (the planner ``weightsync plan`` shares): the copy on the receiver's own GPU, else one on
 a peer GPU, the bytes balanced over the source GPUs so no one GPU's outbound link bounds the
-node. Boxes stay whole: a direct entry is one whole tensor read from one copy.
+node. A tensor no rank holds whole is read as the pieces that hold what the receiver needs
+(box entries, :attr:`~weightsync.buckets.BucketEntry.box_start`), each whole.
 
 A receiver maps every storage its announcement lists, so each gets only the storages it reads.
 A receiver that declared the boxes it keeps (an engine TP rank: ``ManifestVerdict.keeps``) is
-planned for those: its route bytes count its shard, and its entries stay whole tensors, which its
-own loaders narrow as they copy (so only the shard's bytes move).
+planned for those: its route bytes count its shard, and its entries stay whole tensors or
+pieces, which its own loaders narrow as they copy (so only the shard's bytes move).
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weightsync.buckets import plan_direct
+from weightsync.buckets import TensorSpec, plan_direct
+from weightsync.sender.offer import Copy
 from weightsync.topology import Box, Piece, Receiver, Source, plan_topology, whole_box
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb
@@ -60,17 +62,21 @@ def plan_direct_reads(
     boxes each receiver declared (a receiver not in it keeps every tensor whole).
 
     A receiver with no GPU UUID, or on a GPU no copy is on, reads from peers; an empty tensor
-    from its lowest rank's copy (nothing moves, the planner leaves it out).
+    from its lowest rank's copies (nothing moves, the planner leaves it out).
     """
     direct = tensors.direct
     if direct is None or not receivers:
         return {}
-    specs = [e.spec for e in direct.entries]
+    specs = tensors.direct_specs
     pieces: dict[int, list[Piece]] = defaultdict(list)
     gpu_of: dict[int, str] = {}
+    held: dict[tuple[str, int], list[Copy]] = defaultdict(list)
     for spec in specs:
+        shared: dict[Box, Piece] = {}  # DP replicas share piece objects (the planner's memo)
         for c in tensors.copies[spec.name]:
-            pieces[c.rank].append(Piece(spec.name, whole_box(spec.shape)))
+            piece = shared.get(c.box) or shared.setdefault(c.box, Piece(spec.name, c.box))
+            pieces[c.rank].append(piece)
+            held[spec.name, c.rank].append(c)
             gpu_of[c.rank] = c.gpu or f"rank {c.rank}"  # CPU copies: none is a receiver's GPU
     sources = [Source(rank, gpu_of[rank], _HOST, tuple(ps)) for rank, ps in pieces.items()]
     keeps = keeps or {}
@@ -79,22 +85,22 @@ def plan_direct_reads(
         for rid, gpu in receivers
     ]
     plan = plan_topology(specs, sources, readers, split_min_bytes=_WHOLE)
-    chosen: dict[str, dict[str, tuple[int, str, int]]] = defaultdict(dict)
+    chosen: dict[str, dict[str, list[tuple[Box, int, str, int]]]] = defaultdict(dict)
     for t in plan.transfers:
-        chosen[t.receiver][t.tensor] = (t.source, t.route, t.nbytes)
+        chosen[t.receiver].setdefault(t.tensor, []).append((t.box, t.source, t.route, t.nbytes))
     reads = {}
     for rid, _ in receivers:
         index: dict[int, int] = {}  # the offer's source index -> this receiver's
-        located = []
+        entries = []
         routes = {"local": 0, "peer": 0}
         for spec in specs:
-            copies = tensors.copies[spec.name]
-            rank, route, nbytes = chosen[rid].get(spec.name, (copies[0].rank, "", 0))
-            copy = next(c for c in copies if c.rank == rank)
-            located.append((spec, index.setdefault(copy.source, len(index)), copy.offset))
-            if route:
+            read: dict[Copy, None] = {}  # the copies holding what it reads, in plan order
+            for box, rank, route, nbytes in chosen[rid].get(spec.name, ()):
                 routes[route] += nbytes
-        bucket = plan_direct(located, direct.index, direct.is_last)
+                read.update((c, None) for c in held[spec.name, rank] if c.box.overlaps(box))
+            for c in read or lowest_copies(tensors.copies[spec.name]):
+                entries.append(located(spec, c, index.setdefault(c.source, len(index))))
+        bucket = plan_direct(entries, direct.index, direct.is_last)
         sources_read = tuple(tensors.direct_sources[i] for i in index)
         layout = bucket_to_pb(bucket)
         digest = hashlib.blake2b(layout.SerializeToString(), digest_size=16)
@@ -102,6 +108,25 @@ def plan_direct_reads(
             digest.update(handle.SerializeToString())
         reads[rid] = DirectRead(layout, sources_read, routes, digest.digest())
     return reads
+
+
+def lowest_copies(copies: Sequence[Copy]) -> list[Copy]:
+    """The lowest rank's copy of each box (``copies`` come by rank)."""
+    first: dict[Box, Copy] = {}
+    for c in copies:
+        first.setdefault(c.box, c)
+    return list(first.values())
+
+
+def located(
+    spec: TensorSpec, copy: Copy, source: int | None = None
+) -> tuple[TensorSpec, int, int, tuple[int, ...]]:
+    """The direct entry reading ``copy`` of ``spec`` (:func:`~weightsync.buckets.plan_direct`),
+    from ``source`` (default: the copy's own index in the offer)."""
+    source = copy.source if source is None else source
+    if copy.whole:
+        return spec, source, copy.offset, ()
+    return TensorSpec(spec.name, spec.dtype, copy.box.size), source, copy.offset, copy.box.start
 
 
 def _needs(specs: list, boxes: Mapping[str, Box] | None) -> tuple[Piece, ...]:

@@ -3,8 +3,10 @@
 Pure: built from the ranks' ``BeginVersion`` messages and the GPU each rank is on, no mapping
 and no I/O (the sender maps offered memory in ``packing.py``, only when the plan says it packs).
 
-Several ranks may offer the same tensor (DP replicas): every whole copy is kept, so receivers
-can each read their nearest one (``direct_reads.py``), while staging packs from one copy only.
+Several ranks may offer the same tensor (DP replicas): every copy is kept, so receivers can each
+read their nearest one (``direct_reads.py``), while staging packs from one copy only. A tensor
+no rank holds whole can still be read in place when contiguous pieces of it tile it (TP shards,
+Megatron's query groups): receivers then read its pieces.
 Every publisher rank is on the sender's host (it offers memory the sender maps), so a copy's
 place is its GPU.
 """
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
+from weightsync.topology_model import Box, fits, whole_box
 from weightsync.v1 import weightsync_pb2 as pb
 
 OfferKey = tuple[bytes, ...]
@@ -44,7 +47,8 @@ def rank_offer(begin: pb.BeginVersion, gpu: str) -> bytes:
 
 @dataclass(frozen=True)
 class Copy:
-    """One whole, contiguous copy of a tensor in a rank's storage."""
+    """A contiguous copy, in its own dtype, of a box of a tensor (the whole tensor, or a piece
+    of it) in a rank's storage."""
 
     rank: int
     source: int
@@ -52,15 +56,18 @@ class Copy:
     offset: int
     gpu: str
     """The rank's GPU UUID (empty for CPU memory)."""
+    box: Box
+    whole: bool = True
+    """``box`` is the whole tensor."""
 
 
 @dataclass(frozen=True)
 class Offer:
     sources: tuple[pb.BufferHandle, ...]
     """Every rank's storages, rank by rank (a copy's ``source`` indexes it)."""
-    whole: Mapping[str, tuple[Copy, ...]]
-    """Tensors offered as one whole contiguous piece of their own dtype: every such copy, by
-    rank."""
+    direct: Mapping[str, tuple[Copy, ...]]
+    """Tensors that can be read in place, with every copy to read them from, by rank: the
+    whole copies where a rank holds one, else contiguous pieces that tile the tensor."""
     pack_from: Mapping[int, pb.BeginVersion]
     """The begin messages with one piece per box of each tensor (DP replicas offer the same
     boxes: one copy is packed, the one on ``staging_gpu``, else the lowest rank's); ranks left
@@ -78,6 +85,7 @@ class Offer:
         sources: list[pb.BufferHandle] = []
         specs = {t.name: t for t in manifest.tensors}
         whole: dict[str, list[Copy]] = {}
+        parts: dict[str, list[Copy]] = {}
         # (tensor, box) -> (preference, rank, piece): the copy staging packs from.
         chosen: dict[tuple, tuple[tuple[bool, int], int, pb.SourcePiece]] = {}
         for rank in sorted(begins):
@@ -91,8 +99,15 @@ class Offer:
                 spec = specs.get(p.name)
                 if spec is None or p.dtype != spec.dtype:
                     continue
-                if tuple(p.size) == spec.shape and _contiguous(spec.shape, tuple(p.stride)):
-                    whole.setdefault(p.name, []).append(Copy(rank, base + p.source, p.offset, gpu))
+                size = tuple(p.size)
+                if not _contiguous(size, tuple(p.stride)):
+                    continue
+                if size == spec.shape:
+                    copy = Copy(rank, base + p.source, p.offset, gpu, whole_box(spec.shape))
+                    whole.setdefault(p.name, []).append(copy)
+                elif fits(box[1], size, spec.shape):  # else the pieces fail `covers`
+                    copy = Copy(rank, base + p.source, p.offset, gpu, Box(box[1], size), False)
+                    parts.setdefault(p.name, []).append(copy)
         kept: dict[int, list[pb.SourcePiece]] = {}
         for _, rank, p in chosen.values():
             kept.setdefault(rank, []).append(p)
@@ -100,7 +115,11 @@ class Offer:
             rank: pb.BeginVersion(sources=begins[rank].sources, pieces=kept[rank])
             for rank in sorted(kept)
         }
-        return cls(tuple(sources), {n: tuple(c) for n, c in whole.items()}, pack_from)
+        direct = {n: tuple(c) for n, c in whole.items()}
+        for name, copies in parts.items():
+            if name not in direct and _tiles(specs[name].shape, {c.box for c in copies}):
+                direct[name] = tuple(copies)
+        return cls(tuple(sources), direct, pack_from)
 
     def covers(self, specs: Mapping[str, TensorSpec]) -> bool:
         """Whether the pieces staging packs from fit their tensors and add up to every tensor
@@ -121,6 +140,23 @@ class Offer:
                     return False
                 left[p.name] -= math.prod(p.size)
         return not any(left.values())
+
+
+def _tiles(shape: tuple[int, ...], boxes: set[Box]) -> bool:
+    """Whether ``boxes`` (distinct: DP replicas' equal boxes count once) cover every element
+    of a tensor of ``shape`` once: inside it, no two overlapping, their sizes adding up."""
+    whole = whole_box(shape)
+    if not all(whole.contains(b) for b in boxes) or sum(b.numel for b in boxes) != whole.numel:
+        return False
+    # A sweep over dim 0: only boxes whose row ranges meet can overlap.
+    ordered = sorted(boxes)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1 :]:
+            if b.start[0] >= a.stop[0]:
+                break
+            if a.overlaps(b):
+                return False
+    return True
 
 
 def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:

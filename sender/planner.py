@@ -23,10 +23,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weightsync.buckets import Bucket, BucketPlan, plan_buckets, plan_direct
+from weightsync.buckets import Bucket, BucketPlan, TensorSpec, plan_buckets, plan_direct
 from weightsync.config import SenderSettings
 from weightsync.manifest import VersionManifest
-from weightsync.sender.direct_reads import DirectRead, Keeps, ReceiverGpus, plan_direct_reads
+from weightsync.sender.direct_reads import (
+    DirectRead,
+    Keeps,
+    ReceiverGpus,
+    located,
+    lowest_copies,
+    plan_direct_reads,
+)
 from weightsync.sender.offer import Copy, Offer, OfferKey
 from weightsync.sender.slices import SliceGroup, plan_slices
 from weightsync.v1 import weightsync_pb2 as pb
@@ -67,9 +74,11 @@ class TensorPlan:
     sender_packs: bool
     """The offered regions cover every staged tensor: the sender can pack every bucket."""
     copies: Mapping[str, tuple[Copy, ...]]
-    """Every whole copy of each direct tensor."""
+    """Every copy of each direct tensor: whole, or pieces that tile it."""
     pack_from: Mapping[int, pb.BeginVersion]
     """The offer reduced to one copy of each piece: what the sender maps and packs from."""
+    direct_specs: tuple[TensorSpec, ...]
+    """The direct tensors, in manifest order."""
 
 
 @dataclass(frozen=True)
@@ -179,16 +188,16 @@ def plan_tensors(
     """Stage every tensor, except, when ``direct``, those offered whole (read in place).
     ``gpus``: each rank's GPU UUID; staging packs from the copies on ``staging_gpu`` first."""
     offer = Offer.of(manifest, offers, gpus, staging_gpu)
-    copies = offer.whole if direct else {}
-    located = {name: (c[0].source, c[0].offset) for name, c in copies.items()}
-    staged = tuple(t for t in manifest.tensors if t.name not in located)
+    copies = offer.direct if direct else {}
+    staged = tuple(t for t in manifest.tensors if t.name not in copies)
     plan = plan_buckets(staged, bucket_size_bytes)
-    if located and not staged:
+    if copies and not staged:
         plan = BucketPlan((), (), plan.bucket_size_bytes)  # not even an empty bucket
     direct_bucket = None
-    if located:
+    direct_specs = tuple(t for t in manifest.tensors if t.name in copies)
+    if copies:
         direct_bucket = plan_direct(
-            [(t, *located[t.name]) for t in manifest.tensors if t.name in located],
+            [located(t, c) for t in direct_specs for c in lowest_copies(copies[t.name])],
             index=len(plan.buckets),
             is_last=not plan.buckets,
         )
@@ -196,7 +205,14 @@ def plan_tensors(
     specs = {e.spec.name: e.spec for b in plan.buckets for e in b.entries}
     sender_packs = bool(plan.buckets) and offer.covers(specs)
     return TensorPlan(
-        plan, direct_bucket, offer.sources, layouts, sender_packs, copies, offer.pack_from
+        plan,
+        direct_bucket,
+        offer.sources,
+        layouts,
+        sender_packs,
+        copies,
+        offer.pack_from,
+        direct_specs,
     )
 
 

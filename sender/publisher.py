@@ -172,7 +172,8 @@ class Publisher:
         per mapping object, so pass the same one while the tensors stay put): when the
         ranks' regions cover every staged tensor and the sender can map them, it packs the
         buckets itself and ``pack`` is not called. With ``direct``, receivers on this host
-        may read whole contiguous regions in place. The sender decides both per version.
+        may read in place the tensors that contiguous regions hold whole, or tile together
+        (TP shards of every rank). The sender decides both per version.
         """
         what = f"publish version {manifest.version} to {self.address}"
         version = manifest.version

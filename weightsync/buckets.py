@@ -191,14 +191,16 @@ def plan_buckets(
 
 
 def plan_direct(
-    located: Sequence[tuple[TensorSpec, int, int]], index: int, is_last: bool
+    located: Sequence[tuple[TensorSpec, int, int, tuple[int, ...]]], index: int, is_last: bool
 ) -> Bucket:
-    """A direct bucket: ``(spec, source, offset)`` entries read in place from the publisher.
+    """A direct bucket: ``(spec, source, offset, box_start)`` entries read in place from the
+    publisher (``box_start`` set: ``spec`` is the box of the tensor starting there, a piece).
 
     Nothing is staged, so there is no cap and no chunking; ``nbytes`` is the payload size.
     """
     entries = tuple(
-        BucketEntry(spec, offset, spec.nbytes, source=source) for spec, source, offset in located
+        BucketEntry(spec, offset, spec.nbytes, source=source, box_start=start)
+        for spec, source, offset, start in located
     )
     return Bucket(index, entries, sum(e.nbytes for e in entries), is_last)
 

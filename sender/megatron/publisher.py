@@ -50,8 +50,9 @@ class MegatronPublisher:
         export_mtp: send multi-token-prediction layers under the draft model's names.
         lora: export the Megatron-Bridge LoRA adapter the chunks carry (PEFT names and
             config, announced with each version); required when they carry one.
-        direct: offer tensors that are exactly one local shard (replicated norms, TP=1 layouts)
-            for receivers on this host to copy straight from trainer memory.
+        direct: let receivers on this host copy straight from trainer memory the tensors
+            whose pieces are contiguous in the shards (whole ones, or pieces that tile them:
+            TP shards, query groups), instead of the sender gathering them.
         group: the torch.distributed group of all trainer ranks for the one-time coverage
             check (default: the world). Only construction uses it, never ``publish``.
         host_id: this rank's host, which picks its sender (default: ``WEIGHTSYNC_HOST_ID``,
@@ -183,7 +184,7 @@ class MegatronPublisher:
 
     def _current_regions(self) -> dict[str, list[Region]]:
         """Each HF tensor's pieces as views of the live parameters: the sender packs from them
-        (receivers read whole ones, direct), and so does ``pack`` when the sender cannot map
+        (receivers read them in place, direct), and so does ``pack`` when the sender cannot map
         them. Taken again only when a parameter moved (a framework that offloads and reloads
         weights assigns new ``.data``); a new mapping makes the publisher offer them again."""
         ptrs = tuple(t.data_ptr() for t in self._tensors.values())

@@ -1,6 +1,7 @@
 """Megatron TP=2 with one trainer rank per GPU: each rank writes its shards by CUDA IPC into
-the sender's staging buffers on GPU 0; a TorchReceiver on GPU 0 must hold, bit for bit, the
-offline conversion of the same shards."""
+the sender's staging buffers on GPU 0, or (direct) the receiver reads the pieces of every
+tensor in place from both GPUs; a TorchReceiver on GPU 0 must hold, bit for bit, the offline
+conversion of the same shards."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ pytestmark = [
 ]
 
 
-def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir):
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
+def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir, direct):
     pytest.importorskip("megatron.core")
     transformers = pytest.importorskip("transformers")
     from tests.support import megatron as ms
@@ -42,7 +44,16 @@ def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir):
         )
         thread.start()
         states = ms.launch(
-            tmp_path, {"tp": 2, "pp": 1}, ms.publish_worker, "qwen2_bias", sender.address, True
+            tmp_path,
+            {"tp": 2, "pp": 1},
+            ms.publish_worker,
+            "qwen2_bias",
+            sender.address,
+            True,
+            None,
+            ms.VERSIONS,
+            True,
+            direct,
         )[0]
         thread.join(300)
         status = sender.coordinator.status()
@@ -55,7 +66,13 @@ def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir):
         "publishers:",
         [(p.publisher_id, p.world_size, p.device) for p in status.publishers],
     )
-    assert staging == {"cuda_ipc"}
+    last = status.versions[-1]
+    print("direct bytes:", last.direct_bytes, "of", last.total_bytes, dict(last.route_bytes))
+    if direct:  # every tensor's pieces tile it: nothing staged, half read from the peer GPU
+        assert last.direct_bytes == last.total_bytes and last.staged_bytes == 0
+        assert last.route_bytes["local"] > 0 and last.route_bytes["peer"] > 0
+    else:
+        assert staging == {"cuda_ipc"}
     assert [v.state for v in status.versions] == ["complete"] * ms.VERSIONS
     for version, state in enumerate(states):
         want = convert_megatron_to_hf(state, config)

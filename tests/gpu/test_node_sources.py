@@ -1,8 +1,10 @@
-"""A whole node, every trainer rank a source (issue 11): trainer TP=1 x DP=N, one publisher
-rank process per GPU each holding the whole model there, and N receiver processes, one per
-GPU (engine TP=1 x N), on the direct path: each receiver reads only its own GPU's copy. The
-floor, in the same run: every GPU copying the model from its own memory at once, in separate
-processes. The same case as ``weightsync bench --gpus N`` (``weightsync.app.bench.node``).
+"""A whole node, every trainer rank a source (issue 11): one publisher rank process per GPU,
+trainer TP=1 x DP=N (each holding the whole model there) or TP=2 x DP=N/2 (each a TP shard),
+and N receiver processes, one per GPU (engine TP=1 x N or TP=2 x N/2), on the direct path:
+with TP=1 each receiver reads only its own GPU's copy; with a TP=2 trainer, the shards' pieces
+in place, its own GPU's first. The floor, in the same run: every GPU copying its share from its
+own memory at once, in separate processes. The same case as ``weightsync bench --gpus N``
+(``weightsync.app.bench.node``).
 
 Run on a GPU machine (prints the timing and the floor)::
 
@@ -11,7 +13,8 @@ Run on a GPU machine (prints the timing and the floor)::
 Settings (environment): ``WS_NODE_GPUS`` (default: every GPU), ``WS_NODE_MODEL`` (a
 ``weightsync bench`` model, default ``qwen2.5-7b``), ``WS_NODE_LAYERS`` (default: all),
 ``WS_NODE_VERSIONS`` (measured, default 3, after one warm-up), ``WS_NODE_FLOOR_REPS``
-(default 5). The engines run TP=1 x N, then TP=2 x N/2 (each rank keeping vLLM's shard).
+(default 5). The engines run TP=1 x N, then TP=2 x N/2 (each rank keeping vLLM's shard), for
+each trainer.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("engine_tp", [1, 2])
-def test_dp_sources_each_gpu_reads_its_own_copy_against_the_floor(engine_tp):
+@pytest.mark.parametrize("trainer_tp", [1, 2], ids=["trainer TP=1", "trainer TP=2"])
+@pytest.mark.parametrize("engine_tp", [1, 2], ids=["engines TP=1", "engines TP=2"])
+def test_every_trainer_rank_is_a_source_each_gpu_reading_its_own_first(engine_tp, trainer_tp):
     from weightsync.app.bench.models import model_shape
     from weightsync.app.bench.node import measure_node, summary
 
     n = int(os.environ.get("WS_NODE_GPUS", "0")) or torch.cuda.device_count()
-    if n % engine_tp:
-        pytest.skip(f"engines TP={engine_tp} need a multiple of {engine_tp} GPUs, not {n}")
+    if n % engine_tp or n % trainer_tp:
+        pytest.skip(f"TP={max(engine_tp, trainer_tp)} needs a multiple of it GPUs, not {n}")
     shape = model_shape(
         os.environ.get("WS_NODE_MODEL", "qwen2.5-7b"),
         int(os.environ.get("WS_NODE_LAYERS", "0")) or None,
@@ -47,24 +51,38 @@ def test_dp_sources_each_gpu_reads_its_own_copy_against_the_floor(engine_tp):
         reps=int(os.environ.get("WS_NODE_FLOOR_REPS", "5")),
         timeout_s=300,
         engine_tp=engine_tp,
+        trainer_tp=trainer_tp,
     )
     print("\n" + summary(run))
     assert run.bit_exact
-    # Each receiver declared its shard (engine_like's kept()): the plan counts what it keeps.
-    assert run.route_bytes["local"] == n * run.kept_nbytes and run.route_bytes["peer"] == 0
+    assert_routes(run, engine_tp, trainer_tp)
+
+
+def assert_routes(run, engine_tp: int, trainer_tp: int) -> None:
+    """Each receiver declared its shard (engine_like's kept()): the plan counts what it keeps,
+    read from its own GPU wherever a copy is there."""
+    local, peer = run.route_bytes["local"], run.route_bytes["peer"]
+    assert local + peer == run.gpus * run.kept_nbytes
     assert run.kept_nbytes < run.nbytes / engine_tp * 1.01
+    if trainer_tp == 1:
+        assert peer == 0
+    elif engine_tp == trainer_tp:  # the same shards: only replicated norms come from a peer
+        assert peer < 0.01 * local
+    else:  # a whole engine reads the other TP rank's half from its GPU
+        assert abs(peer - local) < 0.01 * local
 
 
-@pytest.mark.parametrize("engine_tp", [1, 2])
-def test_a_moe_model_reaches_every_engine_rank_bit_exact(engine_tp):
+@pytest.mark.parametrize("trainer_tp", [1, 2], ids=["trainer TP=1", "trainer TP=2"])
+@pytest.mark.parametrize("engine_tp", [1, 2], ids=["engines TP=1", "engines TP=2"])
+def test_a_moe_model_reaches_every_engine_rank_bit_exact(engine_tp, trainer_tp):
     """The same node case on the tiny MoE shape (fused experts, sharded per expert at TP=2)."""
     from weightsync.app.bench.models import model_shape
     from weightsync.app.bench.node import measure_node, summary
 
     n = torch.cuda.device_count()
-    if n % engine_tp:
-        pytest.skip(f"engines TP={engine_tp} need a multiple of {engine_tp} GPUs, not {n}")
-    run = measure_node(model_shape("tiny-moe"), n, 2, 1, 2, 120, engine_tp)
+    if n % engine_tp or n % trainer_tp:
+        pytest.skip(f"TP={max(engine_tp, trainer_tp)} needs a multiple of it GPUs, not {n}")
+    run = measure_node(model_shape("tiny-moe"), n, 2, 1, 2, 120, engine_tp, trainer_tp)
     print("\n" + summary(run))
     assert run.bit_exact
-    assert run.route_bytes["local"] == n * run.kept_nbytes and run.route_bytes["peer"] == 0
+    assert_routes(run, engine_tp, trainer_tp)

@@ -646,9 +646,10 @@ def publish_worker(
     host_ids: list[str] | None = None,
     versions: int = VERSIONS,
     export_mtp: bool = True,
+    direct: bool = False,
 ):
     """Build the model, publish ``versions`` versions (weights change between them); rank 0
-    returns each version's gathered shards.
+    returns each version's gathered shards. ``direct``: the publisher's ``direct``.
 
     ``cuda``: move rank r's chunks to ``cuda:r`` after building, so shards travel by CUDA IPC.
     ``host_ids``: rank r claims host ``host_ids[r]`` (``address``: each host's sender).
@@ -663,7 +664,7 @@ def publish_worker(
         chunks = [chunk.to(f"cuda:{rank}") for chunk in chunks]
     host_id = host_ids[rank] if host_ids else None
     publisher = MegatronPublisher(
-        chunks, hf_config(case), address, host_id=host_id, export_mtp=export_mtp
+        chunks, hf_config(case), address, host_id=host_id, export_mtp=export_mtp, direct=direct
     )
     states = []
     for version in range(1, versions + 1):

@@ -93,6 +93,28 @@ def test_tp2_shards_assemble_back_to_the_hf_tensors(model):
         assert torch.equal(shards.assemble(recipe), hf[recipe.spec.name]), recipe.spec.name
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+def test_each_rank_offers_contiguous_pieces_of_its_own_shards_tiling_every_tensor(model):
+    """What one publisher rank of the node bench offers: only its shards' pieces, each
+    contiguous (receivers read them in place); the ranks' pieces together tile every tensor."""
+    layout = plan_layout(model_shape(model), 2)
+    shards = TrainerShards.allocate(layout, torch.device("cpu"), seed=0)
+    shards.fill(7)
+    owned = [{f.untyped_storage().data_ptr()} for f in shards.flats]
+    covered = {s.name: torch.zeros(s.shape, dtype=torch.int32) for s in layout.specs}
+    for rank in (0, 1):
+        for name, regions in shards.regions(rank).items():
+            for region in regions:
+                src = region.source
+                assert src.is_contiguous() and {src.untyped_storage().data_ptr()} == owned[rank]
+                box = tuple(
+                    slice(a, a + n) for a, n in zip(region.dst_start, src.shape, strict=True)
+                )
+                covered[name][box] += 1
+    assert all(bool((c == 1).all()) for c in covered.values())
+    assert shards.regions().keys() == covered.keys()
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_pack_gathers_into_buckets_that_unpack_to_the_assembled_tensors(tp):
     layout = plan_layout(model_shape("tiny-moe"), tp)

@@ -33,7 +33,8 @@ from weightsync.manifest import VersionManifest, VersionPartSpec, plan_digest
 from weightsync.receiver.connection import Inbox, KeptByStream, SenderLost
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.reader import BucketReader, VersionReads
-from weightsync.receiver.target import WeightTarget
+from weightsync.receiver.target import InPlaceTarget, WeightTarget, assemble
+from weightsync.topology_model import Box
 from weightsync.transports import get_transport
 from weightsync.transports.base import StagingBuffer
 from weightsync.v1 import weightsync_pb2 as pb
@@ -537,8 +538,8 @@ def test_a_receiver_of_one_sender_refuses_a_part_before_any_write(stage):
 
 
 def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fit_is_refused():
-    """A slice bucket's entry is a box of its tensor: the receiver hands the target a tensor of
-    the manifest's shape holding the box where it belongs (the rest is never read)."""
+    """A slice bucket's entry is a box of its tensor: by default the target is handed a tensor
+    of the manifest's shape holding the box where it belongs (the rest is never read)."""
     reads = VersionReads(3, [TensorSpec("w", "float32", (4, 6))])
     box = (
         plan_buckets([TensorSpec("w", "float32", (2, 3))], 1024, box_starts={"w": (1, 2)})
@@ -546,7 +547,9 @@ def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fi
         .entries[0]
     )
     data = torch.arange(6, dtype=torch.float32).view(2, 3)
-    name, full = reads.unbox(box, data)
+    piece = reads.box(box, data)
+    assert (piece.name, piece.shape, piece.start) == ("w", (4, 6), (1, 2))
+    [(name, full)] = assemble([piece])
     assert name == "w" and full.shape == (4, 6)
     assert torch.equal(full[1:3, 2:5], data)
     outside = (
@@ -555,7 +558,7 @@ def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fi
         .entries[0]
     )
     with pytest.raises(ProtocolError, match=r"version 3: a box at \[3, 2\] of shape \[2, 3\]"):
-        reads.unbox(outside, data)
+        reads.box(outside, data)
     # A negative start would slice from the end: refused, not written elsewhere.
     negative = (
         plan_buckets([TensorSpec("w", "float32", (2, 3))], 1024, box_starts={"w": (-1, 0)})
@@ -563,14 +566,89 @@ def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fi
         .entries[0]
     )
     with pytest.raises(ProtocolError, match=r"a box at \[-1, 0\] of shape \[2, 3\]"):
-        reads.unbox(negative, data)
+        reads.box(negative, data)
     unknown = (
         plan_buckets([TensorSpec("v", "float32", (2, 3))], 1024, box_starts={"v": (0, 0)})
         .buckets[0]
         .entries[0]
     )
     with pytest.raises(ProtocolError, match="does not fit 'v' \\(not in the version\\)"):
-        reads.unbox(unknown, data)
+        reads.box(unknown, data)
+
+
+class LiveTensors(InPlaceTarget):
+    """Writes each tensor in place into ``live`` (the part ``keeps`` says, where it says one),
+    recording the calls it gets."""
+
+    def __init__(self, live: dict[str, torch.Tensor], keeps: dict[str, Box] | None = None):
+        self.device, self.live, self.keeps, self.calls = CPU, live, keeps or {}, []
+
+    def validate(self, manifest: VersionManifest) -> None:
+        self.calls.append("validate")
+
+    def kept(self) -> dict[str, Box]:
+        return self.keeps
+
+    def live_tensor(self, name: str) -> torch.Tensor:
+        return self.live[name]
+
+    def load_boxes(self, key, boxes) -> None:
+        self.calls.append(("boxes", key is not None, len(boxes)))
+        super().load_boxes(key, boxes)
+
+
+@pytest.mark.parametrize("target_kind", ["whole tensors", "in place", "in place, one shard"])
+def test_a_direct_bucket_of_a_sharded_trainers_pieces_loads_every_byte(target_kind):
+    """A TP=2 trainer holds ``a`` as two column shards, ``b`` whole: the direct bucket reads
+    ``a``'s two pieces in place. A plain target gets ``a`` assembled whole; an in-place one
+    copies each piece straight into its part of the live tensor, the copies worked out once;
+    one that keeps a shard (an engine TP rank) copies only what it keeps."""
+    tensors = {"a": torch.randn(4, 8), "b": torch.randn(64)}
+    specs = {n: TensorSpec.of(n, t) for n, t in tensors.items()}
+    source = get_transport("shm").allocate(1024, CPU)  # both trainer ranks' memory
+    pieces = [("a", 0, (0, 0)), ("a", 128, (0, 4)), ("b", 256, ())]
+    located = [
+        (TensorSpec("a", "float32", (4, 4)) if start else specs[name], 0, offset, start)
+        for name, offset, start in pieces
+    ]
+    layout = bucket_to_pb(plan_direct(located, index=0, is_last=True))
+    shard = Box((0, 4), (4, 4))
+    live = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    if target_kind == "whole tensors":
+        target = Recorder(live)
+    elif target_kind == "in place":
+        target = LiveTensors(live)
+    else:
+        live["a"] = torch.zeros(4, 4)
+        target = LiveTensors(live, {"a": shard})
+    core, connection = core_for(target)
+    try:
+        for version in (1, 2):
+            for t in tensors.values():
+                t.add_(version)
+            for name, offset, start in pieces:
+                piece = tensors[name] if not start else tensors[name][:, start[1] : start[1] + 4]
+                data = byte_view(piece.contiguous())
+                byte_view(source.tensor)[offset : offset + data.numel()].copy_(data)
+            manifest = manifest_to_pb(VersionManifest(version, tuple(specs.values())))
+            bucket = pb.BucketAnnouncement(version=version, layout=layout, sources=[source.handle])
+            connection.announce(
+                pb.Announcement(start=pb.VersionStart(manifest=manifest, num_buckets=0)),
+                pb.Announcement(bucket=bucket),
+                pb.Announcement(end=pb.VersionEnd(version=version)),
+            )
+            assert core.sync(timeout=5) == version
+            want = dict(tensors)
+            if target_kind == "in place, one shard":
+                want["a"] = tensors["a"][:, 4:]
+            assert same(target.live, want)
+        if target_kind == "whole tensors":
+            assert target.loaded == [["b"], ["a"]] * 2  # the views, then the assembled tensor
+        else:
+            assert target.calls == ["validate", ("boxes", True, 2), ("boxes", True, 2)]
+            assert len(target._batches) == 2  # b's view and a's pieces: each worked out once
+    finally:
+        get_transport("shm").release(source)
 
 
 def test_a_direct_bucket_announced_by_key_gets_its_layout_back_on_its_stream_only():
@@ -635,7 +713,7 @@ def test_a_direct_version_announced_by_keys_alone_reads_the_kept_layout_in_place
     specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
     source = get_transport("shm").allocate(1024, CPU)  # the trainer memory read in place
     offsets = {"a": 0, "b": 256}
-    located = [(spec, 0, offsets[spec.name]) for spec in specs]
+    located = [(spec, 0, offsets[spec.name], ()) for spec in specs]
     layout = bucket_to_pb(plan_direct(located, index=0, is_last=True))
     target = Recorder({n: torch.zeros_like(t) for n, t in tensors.items()})
     core, connection = core_for(target)

@@ -41,7 +41,7 @@ WHOLE_W1_W3 = offer(
     piece("w1", 0, 64),
     piece("w3", 256, 64),
     piece("w0", 512, 32),
-    piece("w0", 768, 32, start=32),  # w0 in two pieces: staged; w2 not offered at all
+    piece("w0", 768, 32, start=32),  # w0 in two pieces that tile it; w2 not offered at all
 )
 EVERY_TENSOR = offer(
     piece("w0", 0, 32),
@@ -78,13 +78,42 @@ def test_nccl_broadcasts_to_every_receiver_but_the_one_on_the_staging_gpu():
     assert paths == {"same-gpu": MAP, "other-gpu": BROADCAST}
 
 
-def test_whole_contiguous_tensors_go_direct_and_the_rest_is_staged():
+def test_whole_contiguous_tensors_and_pieces_that_tile_one_go_direct_and_the_rest_is_staged():
     p = plan(WHOLE_W1_W3, [receiver("local")])
-    assert names([p.tensors.direct]) == ["w1", "w3"]
-    assert [e.offset for e in p.tensors.direct.entries] == [0, 256]
-    assert p.tensors.direct.index == len(p.tensors.staged.buckets)
-    assert names(p.tensors.staged.buckets) == ["w0", "w2"]
+    direct = p.tensors.direct
+    assert names([direct]) == ["w0", "w0", "w1", "w3"]
+    assert [(e.offset, e.box_start, e.spec.shape) for e in direct.entries] == [
+        (512, (0,), (32,)),
+        (768, (32,), (32,)),
+        (0, (), (64,)),
+        (256, (), (64,)),
+    ]
+    assert direct.nbytes == 3 * 256
+    assert direct.index == len(p.tensors.staged.buckets)
+    assert names(p.tensors.staged.buckets) == ["w2"]
     assert len(p.tensors.layouts) == len(p.tensors.staged.buckets) + 1
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        [piece("w0", 0, 32), piece("w0", 512, 16, start=48)],
+        [piece("w0", 0, 40), piece("w0", 512, 32, start=32)],
+        [piece("w0", 0, 32), piece("w0", 512, 32, start=32, dtype="bfloat16")],
+        [
+            piece("w0", 0, 32),
+            pb.SourcePiece(
+                name="w0", offset=512, dtype="float32", size=[32], stride=[2], dst_start=[32]
+            ),
+        ],
+    ],
+    ids=["a gap", "overlapping", "another dtype", "strided"],
+)
+def test_pieces_that_do_not_tile_a_tensor_in_its_own_dtype_are_staged(pieces):
+    every_other = [piece(f"w{i}", 1024 + 256 * i, 64) for i in (1, 2, 3)]
+    p = plan(offer(*pieces, *every_other), [receiver("local")])
+    assert names([p.tensors.direct]) == ["w1", "w2", "w3"]
+    assert names(p.tensors.staged.buckets) == ["w0"]
 
 
 NOT_ALLOWED = offer(*WHOLE_W1_W3[0].pieces, allow_direct=False)
@@ -109,7 +138,7 @@ def test_nothing_goes_direct_unless_allowed_over_cuda_ipc_and_every_receiver_map
 
 def test_a_disconnected_receiver_does_not_prevent_direct_reads():
     p = plan(WHOLE_W1_W3, [receiver("a"), receiver("gone", remote=True, connected=False)])
-    assert names([p.tensors.direct]) == ["w1", "w3"]
+    assert names([p.tensors.direct]) == ["w0", "w0", "w1", "w3"]
 
 
 def test_the_sender_packs_only_when_the_offer_covers_every_staged_tensor():
@@ -247,6 +276,63 @@ def test_tp_shards_of_dp_replicas_are_packed_once_each():
     tensors = plan_tensors(MANIFEST, begins, False, 1024, gpus, "GPU-0")
     assert tensors.sender_packs and list(tensors.pack_from) == [0, 1]
     assert all(len(b.pieces) == 4 for b in tensors.pack_from.values())
+
+
+def tp_dp(tp: int, dp: int) -> tuple[dict[int, pb.BeginVersion], dict[int, str]]:
+    """TP=``tp`` x DP=``dp`` ranks, rank ``r`` on ``GPU-r`` holding TP shard ``r % tp`` (dim 0)
+    of every tensor, allowed to be read in place."""
+    n = 64 // tp
+    begins = {
+        r: pb.BeginVersion(
+            sources=[pb.BufferHandle(buffer_id=f"storage-{r}", nbytes=4096)],
+            pieces=[piece(f"w{i}", 4 * n * i, n, start=n * (r % tp)) for i in range(4)],
+            allow_direct=True,
+        )
+        for r in range(tp * dp)
+    }
+    return begins, {r: f"GPU-{r}" for r in range(tp * dp)}
+
+
+def read_pieces(read) -> list[tuple[str, int, list[int]]]:
+    """Each entry of a receiver's direct bucket: (tensor, rank read from, box start)."""
+    return [
+        (e.tensor.name, int(read.sources[e.source].buffer_id.split("-")[1]), list(e.box_start))
+        for e in read.layout.entries
+    ]
+
+
+def plan_tp(tp: int, dp: int, receivers):
+    begins, gpus = tp_dp(tp, dp)
+    staging = Staging("cuda_ipc", gpus[0])
+    return plan_version(MANIFEST, begins, receivers, SETTINGS_1K, staging, gpus=gpus)
+
+
+def test_a_whole_engine_reads_every_tp_shard_in_place_from_its_nearest_copy():
+    """TP=2 x DP=2 trainer; engine ranks on GPUs 0 and 3 keep every tensor whole: each reads its
+    own GPU's shard locally and the other shard from a peer GPU, nothing staged."""
+    p = plan_tp(2, 2, [receiver("r0", gpu="GPU-0"), receiver("r3", gpu="GPU-3")])
+    assert p.tensors.staged.buckets == () and len(p.tensors.direct.entries) == 8
+    for rid, own, others in (("r0", 0, {1, 3}), ("r3", 3, {0, 2})):
+        read = read_pieces(p.direct_reads[rid])
+        assert [(n, s) for n, _, s in read] == [(f"w{i}", [s]) for i in range(4) for s in (0, 32)]
+        assert {rank for _, rank, (s,) in read if s == 32 * (own % 2)} == {own}  # its GPU's shard
+        assert {rank for _, rank, (s,) in read if s != 32 * (own % 2)} <= others  # a replica's
+    assert p.route_bytes == {"local": 1024, "peer": 1024, "staged": 0, "broadcast": 0}
+
+
+def test_an_engine_tp_rank_reads_only_the_shards_holding_its_own():
+    """TP=2 trainer, TP=2 engine: engine rank 1 (on GPU 0) keeps the second half of w0 and w1
+    and all of w2, w3 (replicated): it reads only trainer rank 1's half of w0 and w1."""
+    engine = [receiver("e0", gpu="GPU-0"), receiver("e1", gpu="GPU-0")]
+    second = {"w0": Box((32,), (32,)), "w1": Box((32,), (32,))}
+    engine[1].declare(second, MANIFEST.tensors)
+    p = plan_tp(2, 1, engine)
+    assert read_pieces(p.direct_reads["e1"]) == [
+        ("w0", 1, [32]), ("w1", 1, [32]), ("w2", 0, [0]), ("w2", 1, [32]), ("w3", 0, [0]),
+        ("w3", 1, [32]),
+    ]  # fmt: skip
+    assert p.direct_reads["e1"].route_bytes == {"local": 2 * 128, "peer": 4 * 128}
+    assert p.direct_reads["e0"].route_bytes == {"local": 512, "peer": 512}
 
 
 def test_a_receiver_that_declared_its_shard_is_planned_for_its_shard():

@@ -46,9 +46,17 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "--gpus",
         type=int,
         default=0,
-        help="also the node case on GPUs 0..N-1: trainer TP=1 x DP=N (a publisher rank "
-        "process per GPU), engines TP=1 x N (a receiver process per GPU), direct, against every "
-        "GPU copying its share at once (add --tp '' --no-baselines --no-floors for it alone)",
+        help="also the node case on GPUs 0..N-1: trainer TP=T x DP=N/T (a publisher rank "
+        "process per GPU, see --trainer-tp), engines TP=1 x N (a receiver process per GPU), "
+        "direct, against every GPU copying its share at once (add --tp '' --no-baselines "
+        "--no-floors for it alone)",
+    )
+    p.add_argument(
+        "--trainer-tp",
+        default="1",
+        help="node case: trainer TP sizes, comma-separated, one node run each (e.g. 1,2,4 on "
+        "4 GPUs: TP=1 x DP=4, TP=2 x DP=2, TP=4); rank r holds TP shard r %% T of every "
+        "tensor, whose pieces receivers read in place",
     )
     p.add_argument(
         "--engine-tp",
@@ -104,6 +112,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout_s,
         gpus=args.gpus,
         engine_tp=args.engine_tp,
+        trainer_tps=_ints(args.trainer_tp, "--trainer-tp"),
         hosts=args.hosts,
     )
 

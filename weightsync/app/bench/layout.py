@@ -11,8 +11,9 @@ than Megatron (``sender/megatron/`` holds the real rules) and independent of it:
 - embedding and lm_head split on vocab rows; norms, q/k norms and the router are replicated
   (every rank holds a copy; the HF tensor is read from rank 0's).
 
-With TP=1 every HF tensor is a contiguous row range of one shard, i.e. a view (the direct
-path's case); with TP=2 most bytes need a gather (the staged path's case).
+With TP=1 every HF tensor is a contiguous row range of one shard, i.e. a view; with TP=2 most
+HF tensors are several pieces, each contiguous: receivers read them in place (direct) or the
+sender gathers them into buckets (staged).
 
 Every tensor is viewed as 2-D ``[shape[0], prod(shape[1:])]`` (1-D tensors as ``[n, 1]``).
 """
@@ -168,6 +169,7 @@ class TrainerShards:
             s.key: flats[s.rank][s.offset : s.offset + s.numel].view(s.rows, s.cols)
             for s in layout.shards
         }
+        self._rank_of = {s.key: s.rank for s in layout.shards}
 
     @classmethod
     def allocate(cls, layout: TrainerLayout, device: torch.device, seed: int) -> TrainerShards:
@@ -194,14 +196,23 @@ class TrainerShards:
     def hf_views(self) -> dict[str, torch.Tensor]:
         return {r.spec.name: self.hf_view(r) for r in self.layout.recipes}
 
-    def regions(self) -> dict[str, list[Region]]:
+    def fill(self, seed: int) -> None:
+        """Random bytes, the same for the same seed on any GPU (the node bench's versions)."""
+        for rank, flat in enumerate(self.flats):
+            g = torch.Generator(flat.device).manual_seed(seed * 1000 + rank)
+            flat.view(torch.uint8).random_(0, 256, generator=g)
+
+    def regions(self, rank: int | None = None) -> dict[str, list[Region]]:
         """Every HF tensor's pieces as views of the shards, in the HF tensor's own shape
-        (what a publisher offers so the sender can gather them itself)."""
+        (what a publisher offers so the sender can gather them itself, or receivers read them
+        in place); ``rank``: only that rank's (what one rank of a multi-rank trainer offers)."""
         out = {}
         for recipe in self.layout.recipes:
             shape = recipe.spec.shape
             parts = []
             for p in recipe.pieces:
+                if rank is not None and self._rank_of[p.shard] != rank:
+                    continue
                 src = self.views[p.shard][p.src_row : p.src_row + p.rows]
                 if p.cols != recipe.cols and len(shape) != 2:
                     raise PlanError(
@@ -212,7 +223,8 @@ class TrainerShards:
                 else:
                     start = (p.dst_row,) + (0,) * (len(shape) - 1)
                     parts.append(Region(start, src.reshape(p.rows, *shape[1:])))
-            out[recipe.spec.name] = parts
+            if parts:
+                out[recipe.spec.name] = parts
         return out
 
     def assemble_rows(self, recipe: HfRecipe, dst: torch.Tensor, row0: int) -> None:

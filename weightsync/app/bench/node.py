@@ -1,12 +1,13 @@
 """The node case of ``weightsync bench --gpus N`` (issue 11): every trainer rank a source.
 
-Trainer TP=1 x DP=N: one publisher rank process per GPU, each holding the whole model there
-(as one flat buffer, like Megatron's parameter buffers). Engines TP=T x N/T: one receiver
-process per GPU holding an engine-like model (vLLM's packing and, for T > 1, its TP shards:
-``engine_like.engine_shard``). Direct path: each receiver should read what it keeps from the
-copy on its own GPU, and with T > 1 only its shard's bytes. The floor, in the same run: every
-GPU copying its share (the bytes its engine rank keeps) from its own memory at once, one
-process per GPU.
+Trainer TP=T x DP=N/T: one publisher rank process per GPU, rank r holding TP shard r % T of
+every tensor (:mod:`.layout`: one flat buffer per rank, like Megatron's parameter buffers;
+T=1: the whole model). Engines TP=E x N/E: one receiver process per GPU holding an engine-like
+model (vLLM's packing and, for E > 1, its TP shards: ``engine_like.engine_shard``). Direct
+path: each receiver should read what it keeps from the copies on its own GPU first (a tensor
+the trainer shards: its pieces, read in place), and with E > 1 only its shard's bytes. The
+floor, in the same run: every GPU copying its share (the bytes its engine rank keeps) from its
+own memory at once, one process per GPU.
 
 Timing: the sender's ``complete_s`` of each version (the last rank joined -> every receiver
 applied), median over the measured versions; the floor per repetition is its slowest GPU.
@@ -24,9 +25,11 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
+from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import FLOOR, NODE_FLOOR, WEIGHTSYNC, Row
 from weightsync.errors import ConfigError
+from weightsync.manifest import VersionManifest
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class NodeRun:
     gpus: int
     engine_tp: int
     nbytes: int
-    """Bytes of the model, which every GPU's trainer rank holds."""
+    """Bytes of the model."""
     kept_nbytes: int
     """Bytes one engine rank keeps (``nbytes`` / ``engine_tp``, replicated norms aside)."""
     applied_s: tuple[float, ...]
@@ -46,19 +49,23 @@ class NodeRun:
     route_bytes: dict[str, int]
     """The last version's bytes by route, all receivers together."""
     bit_exact: bool
+    trainer_tp: int = 1
+
+    @property
+    def layout(self) -> str:
+        return f"TP={self.trainer_tp} x DP={self.gpus // self.trainer_tp}"
 
     def rows(self) -> list[Row]:
-        layout = f"TP=1 x DP={self.gpus}"
         placement = node_placement(self.gpus, self.engine_tp)
         # Route bytes count what each receiver keeps: a TP rank declares its shard.
         routes = ", ".join(f"{k} {n / 1e9:.1f} GB" for k, n in self.route_bytes.items() if n)
         return [
-            Row(FLOOR, NODE_FLOOR, "-", layout, placement, self.kept_nbytes, self.floor_s),
+            Row(FLOOR, NODE_FLOOR, "-", self.layout, placement, self.kept_nbytes, self.floor_s),
             Row(
                 WEIGHTSYNC,
                 "direct",
                 "cuda_ipc",
-                layout,
+                self.layout,
                 placement,
                 self.kept_nbytes,
                 self.applied_s,
@@ -75,72 +82,73 @@ def node_placement(gpus: int, engine_tp: int = 1) -> str:
     return f"node: {gpus} GPUs" + (f", engines TP={engine_tp}" if engine_tp > 1 else "")
 
 
-def _model(shape: ModelShape, device: torch.device):
-    """One flat byte buffer and every HF tensor a view of it, back to back."""
-    specs = hf_specs(shape)
-    flat = torch.empty(sum(s.nbytes for s in specs), dtype=torch.uint8, device=device)
-    tensors, offset = {}, 0
-    for s in specs:
-        tensors[s.name] = flat[offset : offset + s.nbytes].view(s.torch_dtype).view(s.shape)
-        offset += s.nbytes
-    return flat, tensors
+def _shards(shape: ModelShape, trainer_tp: int, device: torch.device) -> TrainerShards:
+    """Every TP rank's flat buffer of a TP=``trainer_tp`` trainer, on ``device``: a publisher
+    offers its own rank's, a receiver assembles the expected tensors from all of them."""
+    layout = plan_layout(shape, trainer_tp)
+    flats = [torch.empty(n, dtype=torch.bfloat16, device=device) for n in layout.rank_numel]
+    return TrainerShards(layout, flats)
 
 
-def _fill(flat: torch.Tensor, version: int) -> None:
-    """Version ``version``'s bytes: the same on every GPU (one seed, one size)."""
-    flat.random_(0, 256, generator=torch.Generator(flat.device).manual_seed(version))
-
-
-def _mismatch(target: EngineLikeTarget, expected: dict[str, torch.Tensor], version: int) -> str:
+def _mismatch(target: EngineLikeTarget, shards: TrainerShards, version: int) -> str:
     """Empty when every tensor's kept part equals version ``version``'s, else which differ."""
     wrong = []
-    for name, full in expected.items():
+    for recipe in shards.layout.recipes:
+        name, full = recipe.spec.name, shards.assemble(recipe)
         kept = target.shard(name, tuple(full.shape)).of(full)
         if not torch.equal(target.resolve(name).view(torch.int16), kept.view(torch.int16)):
             wrong.append(name)
     return f"version {version}: {len(wrong)} tensor(s) differ, first {wrong[:3]}" if wrong else ""
 
 
-def _publisher(shape, rank: int, world: int, address: str, timeout_s: float, commands, out):
+def _publisher(shape, rank: int, world: int, trainer_tp: int, address, timeout_s, commands, out):
     from weightsync.sender import Publisher
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
-    flat, tensors = _model(shape, device)
+    shards = _shards(shape, trainer_tp, device)
+    regions, specs = shards.regions(rank % trainer_tp), shards.layout.specs
     with Publisher(address, publisher_id="node", rank=rank, world_size=world) as publisher:
         while (version := commands.get()) is not None:
-            _fill(flat, version)
+            shards.fill(version)
             torch.cuda.synchronize(device)
-            result = publisher.publish(
-                tensors, version, wait=True, timeout_s=timeout_s, direct=True
+            result = publisher.publish_packed(
+                VersionManifest(version, specs),
+                shards.pack,
+                device=device,
+                wait=True,
+                timeout_s=timeout_s,
+                regions=regions,
+                direct=True,
             )
             out.put(("published", rank, result.status.SerializeToString()))
 
 
 def _receiver(
-    shape, rank: int, engine_tp: int, address: str, versions, reps, timeout_s, barrier, out
+    shape, rank: int, tps: tuple[int, int], address: str, versions, reps, timeout_s, barrier, out
 ):
     from weightsync.receiver.core import ReceiverCore
 
+    trainer_tp, engine_tp = tps
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     model = EngineLikeModel(shape, device, tp=engine_tp, rank=rank % engine_tp)
     target = EngineLikeTarget(model)
-    expected_flat, expected = _model(shape, device)
+    expected = _shards(shape, trainer_tp, device)
     receiver = ReceiverCore(target, address, receiver_id=f"gpu{rank}")
     out.put(("ready", rank))
     for _ in range(versions):
         version = receiver.sync(timeout=timeout_s)
-        _fill(expected_flat, version)
+        expected.fill(version)
         out.put(("applied", rank, _mismatch(target, expected, version)))
     kept = sum(p.nbytes for p in model.parameters())
-    share = torch.empty(kept, dtype=torch.uint8, device=device)
+    share, source = (torch.empty(kept, dtype=torch.uint8, device=device) for _ in range(2))
     times = []
     for _ in range(reps + 1):  # the first is a warm-up
         barrier.wait()
         torch.cuda.synchronize(device)
         start = time.perf_counter()
-        share.copy_(expected_flat[:kept])
+        share.copy_(source)
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     out.put(("floor", rank, times[1:], kept))
@@ -166,12 +174,13 @@ def measure_node(
     reps: int,
     timeout_s: float,
     engine_tp: int = 1,
+    trainer_tp: int = 1,
 ) -> NodeRun:
-    """Run the node case on GPUs 0..``gpus``-1 with engines of TP ``engine_tp``: ``warmup`` +
-    ``versions`` versions, then ``reps`` floor repetitions.
+    """Run the node case on GPUs 0..``gpus``-1, a trainer of TP ``trainer_tp`` and engines of
+    TP ``engine_tp``: ``warmup`` + ``versions`` versions, then ``reps`` floor repetitions.
 
     Raises:
-        ConfigError: fewer GPUs than ``gpus``, or ``gpus`` not a multiple of ``engine_tp``.
+        ConfigError: fewer GPUs than ``gpus``, or ``gpus`` not a multiple of either TP size.
     """
     from weightsync.sender import Sender
     from weightsync.v1 import weightsync_pb2 as pb
@@ -180,6 +189,8 @@ def measure_node(
         raise ConfigError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
     if engine_tp < 1 or gpus % engine_tp:
         raise ConfigError(f"--engine-tp {engine_tp}: --gpus {gpus} must be a multiple of it")
+    if trainer_tp < 1 or gpus % trainer_tp:
+        raise ConfigError(f"--trainer-tp {trainer_tp}: --gpus {gpus} must be a multiple of it")
     total = warmup + versions
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(gpus)
@@ -189,12 +200,13 @@ def measure_node(
     try:
         with Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s) as sender:
             for r in range(gpus):
-                args = (shape, r, engine_tp, sender.address, total, reps, timeout_s, barrier, out)
+                tps = (trainer_tp, engine_tp)
+                args = (shape, r, tps, sender.address, total, reps, timeout_s, barrier, out)
                 procs.append(ctx.Process(target=_receiver, args=args, daemon=True))
                 procs[-1].start()
             _collect(out, {"ready": gpus}, timeout_s)
             for r in range(gpus):
-                args = (shape, r, gpus, sender.address, timeout_s, commands[r], out)
+                args = (shape, r, gpus, trainer_tp, sender.address, timeout_s, commands[r], out)
                 procs.append(ctx.Process(target=_publisher, args=args, daemon=True))
                 procs[-1].start()
             statuses, exact = [], True
@@ -227,6 +239,7 @@ def measure_node(
         tuple(max(f[2][i] for f in floors) for i in range(reps)),
         dict(measured[-1].route_bytes),
         exact,
+        trainer_tp,
     )
 
 
@@ -235,8 +248,8 @@ def summary(run: NodeRun) -> str:
     applied = statistics.median(run.applied_s)
     floor = statistics.median(run.floor_s)
     return (
-        f"node: trainer TP=1 x DP={run.gpus}, engines TP={run.engine_tp} x "
-        f"{run.gpus // run.engine_tp}, {run.nbytes / 1e9:.2f} GB per trainer GPU, "
+        f"node: trainer {run.layout}, engines TP={run.engine_tp} x "
+        f"{run.gpus // run.engine_tp}, {run.nbytes / 1e9:.2f} GB, "
         f"{run.kept_nbytes / 1e9:.2f} GB kept per engine GPU, direct: applied "
         f"{applied * 1e3:.1f} ms (median of {len(run.applied_s)}), bit-exact {run.bit_exact}, "
         f"route bytes {run.route_bytes}\n"

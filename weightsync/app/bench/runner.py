@@ -76,6 +76,8 @@ class BenchConfig:
     """With N >= 1: also the node case on GPUs 0..N-1 (``node.py``)."""
     engine_tp: int = 1
     """The node case's engine TP size (``gpus`` a multiple of it)."""
+    trainer_tps: tuple[int, ...] = (1,)
+    """The node case's trainer TP sizes, one node run each (``gpus`` a multiple of each)."""
     hosts: int = 0
     """With N >= 1: also the hosts case on N GPUs as two hosts (``hosts.py``; CPU: two
     receivers)."""
@@ -93,6 +95,12 @@ class BenchConfig:
         if self.engine_tp < 1 or (self.gpus and self.gpus % self.engine_tp):
             raise ConfigError(
                 f"--engine-tp {self.engine_tp}: give a TP size that divides --gpus {self.gpus}"
+            )
+        bad = [tp for tp in self.trainer_tps if tp < 1 or (self.gpus and self.gpus % tp)]
+        if bad or not self.trainer_tps:
+            raise ConfigError(
+                f"--trainer-tp {bad[0] if bad else '(none)'}: give TP sizes that divide "
+                f"--gpus {self.gpus}"
             )
         if self.hosts and self.hosts % self.engine_tp:
             raise ConfigError(
@@ -206,11 +214,19 @@ def _run(cfg: BenchConfig, console) -> Report:
     finally:
         workers.close()
         shutil.rmtree(sock_dir, ignore_errors=True)
-    if cfg.gpus:  # after the single-GPU cases: their workers have given back their memory
+    # After the single-GPU cases: their workers have given back their memory.
+    for tp in cfg.trainer_tps if cfg.gpus else ():
         engines = f"TP={cfg.engine_tp} x {cfg.gpus // cfg.engine_tp}"
-        console.print(f"node: trainer TP=1 x DP={cfg.gpus}, engines {engines}")
+        console.print(f"node: trainer TP={tp} x DP={cfg.gpus // tp}, engines {engines}")
         node_run = node.measure_node(
-            shape, cfg.gpus, cfg.versions, cfg.warmup, cfg.versions, cfg.timeout_s, cfg.engine_tp
+            shape,
+            cfg.gpus,
+            cfg.versions,
+            cfg.warmup,
+            cfg.versions,
+            cfg.timeout_s,
+            cfg.engine_tp,
+            tp,
         )
         report.rows.extend(node_run.rows())
     if cfg.hosts:
@@ -319,13 +335,10 @@ def _mismatch_note(reply: CaseReply) -> str:
     return f"{len(reply.mismatches)} tensor(s) differ, first {reply.mismatches[0]}"
 
 
-def _skip_reason(case: str, tp: int, cuda: bool, gpus: int) -> str:
+def _skip_reason(case: str, cuda: bool, gpus: int) -> str:
 
-    if case == "direct":
-        if not cuda:
-            return "GPU only (a view of CUDA IPC-mapped trainer memory)"
-        if tp != 1:
-            return "this bench runs direct where every HF tensor is a view: TP=1"
+    if case == "direct" and not cuda:
+        return "GPU only (a view of CUDA IPC-mapped trainer memory)"
     if case in ("ipc-cross", "nccl") and gpus < 2:
         return "needs 2 GPUs"
     return ""
@@ -348,7 +361,7 @@ def _case(
     placement = OTHER if case in ("ipc-cross", "nccl") else (SAME if cuda else "cpu")
     name = "staged" if case == "ipc-cross" else case
     row = Row(WEIGHTSYNC, name, transport, layout.name, placement, layout.total_bytes)
-    skip = _skip_reason(case, layout.tp, cuda, gpus)
+    skip = _skip_reason(case, cuda, gpus)
     if skip:
         return replace(row, note=f"skipped: {skip}")
     link = workers.links[placement]
@@ -403,11 +416,11 @@ def _failed(row: Row, error: str) -> Row:
 
 
 def _publish_fn(publisher, case: str, shards: TrainerShards, timeout_s: float):
-    layout = shards.layout
+    layout, direct = shards.layout, case == "direct"
     if all(r.is_view for r in layout.recipes):
         views = shards.hf_views()
-        direct = case == "direct"
         return lambda v: publisher.publish(views, v, wait=True, timeout_s=timeout_s, direct=direct)
+    # TP > 1: receivers read the shards' pieces in place (direct), else the sender gathers.
     specs, regions = layout.specs, shards.regions()
     return lambda v: publisher.publish_packed(
         VersionManifest(v, specs),
@@ -416,4 +429,5 @@ def _publish_fn(publisher, case: str, shards: TrainerShards, timeout_s: float):
         wait=True,
         timeout_s=timeout_s,
         regions=regions,
+        direct=direct,
     )
