@@ -69,3 +69,37 @@ def test_one_launch_copies_every_contiguous_view_bit_for_bit_aligned_or_not():
         for a, b in covered:
             gaps[a:b] = False
         assert not dst_flat[gaps].any()  # nothing written outside the views
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_copies_from_another_gpu_are_pulled_row_by_row_into_boxes_bit_for_bit():
+    """Copies from GPU 1 into GPU 0 (with CuPy): a whole tensor, a column box of a row-major
+    weight into a contiguous one and back (a row-parallel shard), each pulled on GPU 0's side
+    stream beside a local copy; nothing written outside the boxes, again on a second run."""
+    pytest.importorskip("cupy")
+    g = torch.Generator("cuda:1").manual_seed(2)
+    far = torch.empty(64, 96, dtype=torch.int16, device="cuda:1").random_(generator=g)
+    far_shard = far[:, 32:64].contiguous()
+    near = torch.zeros(64, 96, dtype=torch.int16, device="cuda:0")
+    near_shard = torch.zeros(64, 32, dtype=torch.int16, device="cuda:0")
+    whole = torch.zeros(64, 96, dtype=torch.int16, device="cuda:0")
+    local_src = torch.arange(4096, dtype=torch.int16, device="cuda:0")
+    local_dst = torch.zeros_like(local_src)
+    pairs = [
+        (whole, far),
+        (near[:, 32:64], far_shard),
+        (near_shard, far[:, 32:64]),
+        (local_dst, local_src),
+    ]
+    batch = CopyBatch.of(pairs)
+    assert batch.pulls is not None and len(batch.pulls.pairs) == 3
+    for _ in range(2):
+        for t in (near, near_shard, whole, local_dst):
+            t.zero_()
+        batch.run()
+        torch.cuda.synchronize(0)
+        assert torch.equal(whole.cpu(), far.cpu())
+        assert torch.equal(near[:, 32:64].cpu(), far_shard.cpu())
+        assert not near[:, :32].any() and not near[:, 64:].any()
+        assert torch.equal(near_shard.cpu(), far_shard.cpu())
+        assert torch.equal(local_dst, local_src)

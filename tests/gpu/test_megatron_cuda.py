@@ -73,7 +73,12 @@ def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir, direct):
         assert last.route_bytes["local"] > 0 and last.route_bytes["peer"] > 0
     else:
         assert staging == {"cuda_ipc"}
-    assert [v.state for v in status.versions] == ["complete"] * ms.VERSIONS
+    why = [
+        (v.version, v.abandoned.message, [(o.receiver_id, o.error.message) for o in v.receivers])
+        for v in status.versions
+        if v.state != "complete"
+    ]
+    assert [v.state for v in status.versions] == ["complete"] * ms.VERSIONS, why
     for version, state in enumerate(states):
         want = convert_megatron_to_hf(state, config)
         for name, tensor in want.items():
