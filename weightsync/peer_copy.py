@@ -55,14 +55,26 @@ def pitched(t: torch.Tensor) -> tuple[int, int, int] | None:
     return (rows, width, pitch) if pitch >= width else None  # not rows that overlap
 
 
+def _rows(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``(rows, row_bytes, dst_pitch, src_pitch)`` copying ``src`` into ``dst`` row by row (a
+    contiguous side takes the other's rows), or None."""
+    d, s = pitched(dst), pitched(src)
+    if d is None or s is None:
+        return None
+    if d[0] == 1 and s[0] > 1:
+        d = (s[0], s[1], s[1])
+    elif s[0] == 1 and d[0] > 1:
+        s = (d[0], d[1], d[1])
+    return (d[0], d[1], d[2], s[2]) if d[:2] == s[:2] else None
+
+
 def can_pull(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether :class:`Pulls` copies ``src`` into ``dst``: two GPUs, the same bytes per row."""
+    """Whether :class:`Pulls` copies ``src`` into ``dst``: two GPUs, rows of the same bytes."""
     if not (dst.is_cuda and src.is_cuda) or dst.device == src.device or _runtime() is None:
         return False
     if dst.dtype != src.dtype or dst.shape != src.shape or dst.nbytes == 0:
         return False
-    d, s = pitched(dst), pitched(src)
-    return d is not None and s is not None and d[:2] == s[:2]
+    return _rows(dst, src) is not None
 
 
 class Pulls:
@@ -74,8 +86,7 @@ class Pulls:
         self.pairs = tuple(pairs)
         self._rows = []
         for dst, src in self.pairs:
-            rows, width, dpitch = pitched(dst)
-            spitch = pitched(src)[2]
+            rows, width, dpitch, spitch = _rows(dst, src)
             self._rows.append(
                 (dst.device, dst.data_ptr(), dpitch, src.data_ptr(), spitch, width, rows)
             )

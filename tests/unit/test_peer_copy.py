@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.peer_copy import can_pull, pitched
+from weightsync.peer_copy import _rows, can_pull, pitched
 
 W = torch.zeros(6, 8, 10, dtype=torch.bfloat16)
 
@@ -35,3 +35,11 @@ def test_overlapping_rows_and_boxes_of_three_strides_are_not_pitched():
 
 def test_nothing_on_cpu_is_pulled():
     assert not can_pull(torch.zeros(4), torch.zeros(4))
+
+
+def test_a_contiguous_side_takes_the_other_sides_rows():
+    shard = torch.zeros(48, 5, dtype=torch.bfloat16)
+    column = W.view(48, 10)[:, 5:]
+    assert _rows(column, shard) == (48, 10, 20, 10)
+    assert _rows(shard, column) == (48, 10, 10, 20)
+    assert _rows(W.view(48, 10)[:, :4], shard[:, :4].t().contiguous().t()) is None
