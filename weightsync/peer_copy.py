@@ -4,16 +4,17 @@ installed.
 torch runs a copy across GPUs on the *source* GPU's current stream. A receiver reading its
 peer's shard then queues its copies on the peer GPU, where the peer's own receiver (another
 process, another context) queues its own: on 2 x H200, two 7.6 GB copies in opposite
-directions took 38.5 ms that way against 19.5 ms with each issued by ``cudaMemcpy2DAsync`` on
-its destination's stream (bench of 2026-11-23). A pull needs both views "pitched": rows of
-contiguous bytes at a fixed stride (a whole tensor, or a box of a 2-D one, as a column shard
-of a row-parallel weight is); others keep torch's copy.
+directions took 38.5 ms that way against 19.5 ms with each issued by ``cudaMemcpyAsync`` on
+its destination's stream (2026-11-23). Contiguous copies only: ``cudaMemcpy2DAsync`` of a
+column shard's rows across GPUs was ten times slower than landing it whole and copying it
+into its box on the destination GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -32,49 +33,36 @@ def _runtime():
     return cupy
 
 
-def pitched(t: torch.Tensor) -> tuple[int, int, int] | None:
-    """``(rows, row_bytes, pitch_bytes)`` of a view whose elements are rows of contiguous
-    bytes ``pitch_bytes`` apart, or None."""
-    merged: list[list[int]] = []  # [size, stride] from the innermost dim out
-    for n, s in zip(reversed(t.shape), reversed(t.stride()), strict=True):
-        if n == 1:
-            continue
-        if merged and s == merged[-1][0] * merged[-1][1]:
-            merged[-1][0] *= n
-        else:
-            merged.append([n, s])
-    size = t.element_size()
-    if not merged:
-        return 1, size, size
-    if merged[0][1] != 1:
-        merged.insert(0, [1, 1])  # rows of one element
-    if len(merged) > 2:
-        return None
-    width = merged[0][0] * size
-    rows, pitch = (merged[1][0], merged[1][1] * size) if len(merged) == 2 else (1, width)
-    return (rows, width, pitch) if pitch >= width else None  # not rows that overlap
-
-
-def _rows(dst: torch.Tensor, src: torch.Tensor) -> tuple[int, int, int, int] | None:
-    """``(rows, row_bytes, dst_pitch, src_pitch)`` copying ``src`` into ``dst`` row by row (a
-    contiguous side takes the other's rows), or None."""
-    d, s = pitched(dst), pitched(src)
-    if d is None or s is None:
-        return None
-    if d[0] == 1 and s[0] > 1:
-        d = (s[0], s[1], s[1])
-    elif s[0] == 1 and d[0] > 1:
-        s = (d[0], d[1], d[1])
-    return (d[0], d[1], d[2], s[2]) if d[:2] == s[:2] else None
-
-
 def can_pull(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether :class:`Pulls` copies ``src`` into ``dst``: two GPUs, rows of the same bytes."""
-    if not (dst.is_cuda and src.is_cuda) or dst.device == src.device or _runtime() is None:
-        return False
-    if dst.dtype != src.dtype or dst.shape != src.shape or dst.nbytes == 0:
-        return False
-    return _rows(dst, src) is not None
+    """Whether :func:`pull` copies ``src`` into ``dst``: two GPUs, the same contiguous bytes."""
+    return (
+        dst.is_cuda
+        and src.is_cuda
+        and dst.device != src.device
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.is_contiguous()
+        and src.is_contiguous()
+        and dst.nbytes > 0
+        and _runtime() is not None
+    )
+
+
+def pull(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
+    """Copy ``src`` into ``dst`` on ``stream`` (default: the current one) of ``dst``'s GPU;
+    torch's copy where :func:`can_pull` does not allow it."""
+    if not can_pull(dst, src):
+        dst.copy_(src, non_blocking=True)
+        return
+    stream = stream or torch.cuda.current_stream(dst.device)
+    _memcpy(dst.device, dst.data_ptr(), src.device, src.data_ptr(), dst.nbytes, stream)
+
+
+def _memcpy(device, dst: int, peer, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:
+    cupy = _runtime()
+    _enable_peer(device.index, peer.index)
+    with cupy.cuda.Device(device.index):
+        cupy.cuda.runtime.memcpyAsync(dst, src, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream)
 
 
 class Pulls:
@@ -82,33 +70,19 @@ class Pulls:
     overlap the local copies queued meanwhile (build once: the addresses are kept, and the
     views that keep them alive; :meth:`start`, queue the rest, then :meth:`finish`)."""
 
-    def __init__(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.pairs = tuple(pairs)
-        self._rows = []
-        for dst, src in self.pairs:
-            rows, width, dpitch, spitch = _rows(dst, src)
-            self._rows.append(
-                (dst.device, dst.data_ptr(), dpitch, src.data_ptr(), spitch, width, rows)
-            )
-            _enable_peer(dst.device.index, src.device.index)
+        self._copies = [
+            (dst.device, dst.data_ptr(), src.device, src.data_ptr(), dst.nbytes)
+            for dst, src in self.pairs
+        ]
         self.devices = sorted({dst.device for dst, _ in self.pairs}, key=str)
 
     def start(self) -> None:
-        cupy = _runtime()
         for device in self.devices:
             _side(device).wait_stream(torch.cuda.current_stream(device))
-        for device, dst, dpitch, src, spitch, width, rows in self._rows:
-            with cupy.cuda.Device(device.index):
-                cupy.cuda.runtime.memcpy2DAsync(
-                    dst,
-                    dpitch,
-                    src,
-                    spitch,
-                    width,
-                    rows,
-                    _MEMCPY_DEFAULT,
-                    _side(device).cuda_stream,
-                )
+        for device, dst, peer, src, nbytes in self._copies:
+            _memcpy(device, dst, peer, src, nbytes, _side(device))
 
     def finish(self) -> None:
         """Order what comes after on each GPU's current stream behind the pulls."""
