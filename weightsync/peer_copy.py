@@ -5,9 +5,10 @@ torch runs a copy across GPUs on the *source* GPU's current stream. A receiver r
 peer's shard then queues its copies on the peer GPU, where the peer's own receiver (another
 process, another context) queues its own: on 2 x H200, two 7.6 GB copies in opposite
 directions took 38.5 ms that way against 19.5 ms with each issued by ``cudaMemcpyAsync`` on
-its destination's stream (2026-11-23). Contiguous copies only: ``cudaMemcpy2DAsync`` of a
-column shard's rows across GPUs was ten times slower than landing it whole and copying it
-into its box on the destination GPU.
+its destination's stream (2026-11-23). Contiguous copies only: a box (a column shard of a
+row-parallel weight) is copied by torch into a temporary on the destination GPU and from there
+into place; pulling its rows (``cudaMemcpy2DAsync``), or pulling it whole into a temporary on
+the destination's current stream, made the node case 6-8x slower on H200 (not understood yet).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def _runtime():
 
 
 def can_pull(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether :func:`pull` copies ``src`` into ``dst``: two GPUs, the same contiguous bytes."""
+    """Whether :class:`Pulls` copies ``src`` into ``dst``: two GPUs, the same contiguous
+    bytes."""
     return (
         dst.is_cuda
         and src.is_cuda
@@ -46,16 +48,6 @@ def can_pull(dst: torch.Tensor, src: torch.Tensor) -> bool:
         and dst.nbytes > 0
         and _runtime() is not None
     )
-
-
-def pull(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream | None = None) -> None:
-    """Copy ``src`` into ``dst`` on ``stream`` (default: the current one) of ``dst``'s GPU;
-    torch's copy where :func:`can_pull` does not allow it."""
-    if not can_pull(dst, src):
-        dst.copy_(src, non_blocking=True)
-        return
-    stream = stream or torch.cuda.current_stream(dst.device)
-    _memcpy(dst.device, dst.data_ptr(), src.device, src.data_ptr(), dst.nbytes, stream)
 
 
 def _memcpy(device, dst: int, peer, src: int, nbytes: int, stream: torch.cuda.Stream) -> None:

@@ -173,17 +173,12 @@ class CopyBatch:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    if dst.device == src.device:
-        dst.copy_(src, non_blocking=True)
+    if dst.device == src.device or (dst.is_contiguous() and src.is_contiguous()):
+        dst.copy_(src, non_blocking=True)  # across GPUs (no CuPy to pull it): torch's peer copy
         return
     # A strided copy across GPUs into memory this process mapped by CUDA IPC faults (seen on
     # H200: illegal address); a contiguous peer copy, then a local strided copy, does not.
-    land = (
-        dst if dst.is_contiguous() else torch.empty_like(dst, memory_format=torch.contiguous_format)
-    )
-    peer_copy.pull(land, src.contiguous())
-    if land is not dst:
-        dst.copy_(land, non_blocking=True)
+    dst.copy_(src.contiguous().to(dst.device, non_blocking=True), non_blocking=True)
 
 
 def whole(tensors: Mapping[str, torch.Tensor]) -> dict[str, list[Region]]:
