@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync import copy_kernel, peer_copy
+from weightsync import copy_kernel
 from weightsync.buckets import BucketEntry
 from weightsync.errors import PlanError
 
@@ -108,8 +108,7 @@ class CopyBatch:
     """``(destination, source)`` copies issued with as few launches as possible, so MoE models
     with thousands of tensors pay for bytes, not for a Python loop of launches: the small ones
     in one launch per GPU where CuPy is installed (:mod:`.copy_kernel`: contiguous, same GPU),
-    else in one ``torch._foreach_copy_`` (fused per dtype on CUDA); copies from another GPU
-    pulled by the destination GPU beside them (:mod:`.peer_copy`, with CuPy). Build it once and
+    else in one ``torch._foreach_copy_`` (fused per dtype on CUDA). Build it once and
     :meth:`run` it every version (views follow the memory, not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
@@ -118,17 +117,12 @@ class CopyBatch:
     """Large copies, casts, and copies across devices."""
     chunked: tuple[copy_kernel.ChunkedCopies, ...] = ()
     """One launch per GPU of its contiguous copies."""
-    pulls: peer_copy.Pulls | None = None
-    """Copies from other GPUs, pulled by the destination GPU beside the rest."""
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
-        small, single, pulls = [], [], []
+        small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in pairs:
-            if peer_copy.can_pull(dst, src):
-                pulls.append((dst, src))
-                continue
             small_copy = dst.nbytes <= FOREACH_MAX_BYTES
             if small_copy and copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
                 by_gpu.setdefault(dst.device, []).append((dst, src))
@@ -150,31 +144,21 @@ class CopyBatch:
         # queued behind them, instead of the GPU idling between small copies' launches.
         single.sort(key=lambda pair: pair[0].nbytes, reverse=True)
         chunked = tuple(copy_kernel.ChunkedCopies(p) for p in by_gpu.values())
-        return cls(
-            tuple(d for d, _ in small),
-            tuple(s for _, s in small),
-            tuple(single),
-            chunked,
-            peer_copy.Pulls(pulls) if pulls else None,
-        )
+        return cls(tuple(d for d, _ in small), tuple(s for _, s in small), tuple(single), chunked)
 
     @torch.no_grad()
     def run(self) -> None:
-        if self.pulls is not None:
-            self.pulls.start()
         for copies in self.chunked:
             copies.run()
         if self.dsts:
             torch._foreach_copy_(list(self.dsts), list(self.srcs), non_blocking=True)
         for dst, src in self.one_by_one:
             _copy(dst, src)
-        if self.pulls is not None:
-            self.pulls.finish()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.device == src.device or (dst.is_contiguous() and src.is_contiguous()):
-        dst.copy_(src, non_blocking=True)  # across GPUs (no CuPy to pull it): torch's peer copy
+        dst.copy_(src, non_blocking=True)  # across GPUs: one peer copy over NVLink
         return
     # A strided copy across GPUs into memory this process mapped by CUDA IPC faults (seen on
     # H200: illegal address); a contiguous peer copy, then a local strided copy, does not.
