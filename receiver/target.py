@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -32,17 +32,32 @@ class TensorBox:
         return Box(self.start, tuple(self.data.shape))
 
 
-def assemble(boxes: Sequence[TensorBox]) -> list[tuple[str, torch.Tensor]]:
+ASSEMBLE_BYTES = 256 << 20
+"""Tensors assembled from boxes are loaded in groups of about this many bytes: a direct bucket
+of a sharded trainer's pieces holds the whole model, which must not be assembled at once."""
+
+
+def assembled(boxes: Sequence[TensorBox]) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Each tensor ``boxes`` hold part of, of its whole shape, filled in its boxes only (the
-    rest is never read: the boxes cover what the rank keeps)."""
-    whole: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        for b in boxes:
-            full = whole.get(b.name)
-            if full is None:
-                full = whole[b.name] = b.data.new_empty(b.shape)
-            full[_slices(b.box, (0,) * len(b.shape))].copy_(b.data, non_blocking=True)
-    return list(whole.items())
+    rest is never read: the boxes cover what the rank keeps), in groups of about
+    :data:`ASSEMBLE_BYTES` (each group is freed once the next is asked for)."""
+    by_name: dict[str, list[TensorBox]] = {}
+    for b in boxes:
+        by_name.setdefault(b.name, []).append(b)
+    group: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, parts in by_name.items():
+        full = parts[0].data.new_empty(parts[0].shape)
+        with torch.no_grad():
+            for b in parts:
+                full[_slices(b.box, (0,) * len(b.shape))].copy_(b.data, non_blocking=True)
+        group.append((name, full))
+        size += full.nbytes
+        if size >= ASSEMBLE_BYTES:
+            yield group
+            group, size = [], 0
+    if group:
+        yield group
 
 
 def _slices(box: Box, origin: Sequence[int]) -> tuple[slice, ...]:
@@ -110,8 +125,9 @@ class WeightTarget(ABC):
         """Load tensors that come as boxes: the pieces of tensors a sharded trainer holds
         (every piece of a tensor in one call), or the box of each this rank keeps. ``key`` as
         for :meth:`load_views` (None: these are not coming again). The default loads each
-        tensor whole, filled in its boxes (:func:`assemble`)."""
-        self.load(assemble(boxes))
+        tensor whole, filled in its boxes (:func:`assembled`)."""
+        for group in assembled(boxes):
+            self.load(group)
 
     def forget_views(self) -> None:
         """The views :meth:`load_views` had are not coming again (their buffer was replaced):

@@ -30,10 +30,11 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.manifest import VersionManifest, VersionPartSpec, plan_digest
+from weightsync.receiver import target as target_module
 from weightsync.receiver.connection import Inbox, KeptByStream, SenderLost
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.reader import BucketReader, VersionReads
-from weightsync.receiver.target import InPlaceTarget, WeightTarget, assemble
+from weightsync.receiver.target import InPlaceTarget, WeightTarget, assembled
 from weightsync.topology_model import Box
 from weightsync.transports import get_transport
 from weightsync.transports.base import StagingBuffer
@@ -549,7 +550,7 @@ def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fi
     data = torch.arange(6, dtype=torch.float32).view(2, 3)
     piece = reads.box(box, data)
     assert (piece.name, piece.shape, piece.start) == ("w", (4, 6), (1, 2))
-    [(name, full)] = assemble([piece])
+    [[(name, full)]] = list(assembled([piece]))
     assert name == "w" and full.shape == (4, 6)
     assert torch.equal(full[1:3, 2:5], data)
     outside = (
@@ -574,6 +575,21 @@ def test_a_box_lands_in_a_tensor_of_the_manifests_shape_and_one_that_does_not_fi
     )
     with pytest.raises(ProtocolError, match="does not fit 'v' \\(not in the version\\)"):
         reads.box(unknown, data)
+
+
+def test_tensors_assembled_from_boxes_come_in_groups_of_bounded_size(monkeypatch):
+    """A direct bucket of a sharded trainer's pieces holds the whole model: it is assembled
+    and loaded a group at a time (about ASSEMBLE_BYTES each), every tensor whole and once."""
+    monkeypatch.setattr(target_module, "ASSEMBLE_BYTES", 100)
+    tensors = {f"w{i}": torch.arange(16.0) + i for i in range(3)}  # 64 bytes each
+    boxes = [
+        target_module.TensorBox(name, (16,), (start,), t[start : start + 8])
+        for name, t in tensors.items()
+        for start in (8, 0)
+    ]
+    groups = list(assembled(boxes))
+    assert [[name for name, _ in g] for g in groups] == [["w0", "w1"], ["w2"]]
+    assert all(torch.equal(full, tensors[name]) for g in groups for name, full in g)
 
 
 class LiveTensors(InPlaceTarget):
