@@ -131,14 +131,29 @@ class WeightsState:
 
 class KeptByStream:
     """The direct layouts and the manifests one stream announced, by ``layout_key`` and
-    ``manifest_key`` (the receiver said ``layout_keys`` and ``manifest_keys`` in its hello).
+    ``manifest_key`` (the receiver said ``layout_keys`` and ``manifest_keys`` in its hello),
+    and the boxes this receiver declared on it (:meth:`declare`).
     One announced again by its key alone stays so: the core takes its contents from here
     when it needs them (copying 4,719 layout entries into every version's announcement cost
     a millisecond on the path before the copies start)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keeps_same: bool = False) -> None:
         self._layouts: KeptByKey[pb.BucketAnnouncement] = KeptByKey()
         self._manifests: KeptByKey[pb.Manifest] = KeptByKey()
+        self._keeps_same = keeps_same
+        """The sender's welcome said it takes ``ManifestVerdict.keeps_same``."""
+        self._declared: object = None
+        """The boxes the last verdict on this stream that listed any listed."""
+
+    def declare(self, verdict: pb.ManifestVerdict, keeps: list[pb.TensorBox]) -> None:
+        """Put ``keeps`` (a list the core keeps per manifest: the same object while the boxes
+        are the same) into ``verdict``, or ``keeps_same`` when the last verdict on this stream
+        listed that very list and the sender takes it."""
+        if keeps and self._keeps_same and keeps is self._declared:
+            verdict.keeps_same = True
+            return
+        verdict.keeps.extend(keeps)
+        self._declared = keeps or None
 
     def complete(self, msg: pb.Announcement) -> pb.Announcement:
         """Keep what ``msg`` sends with its key; ``msg`` itself, or an abort of its version
@@ -300,6 +315,7 @@ class GrpcConnection:
                 f"register with the sender at {self.address}: {e.details()}"
             ) from None
         self._hello.receiver_id = first.welcome.receiver_id
+        self._welcome = first.welcome
         old = self._channel
         self._channel, self._requests, self._stream = channel, requests, stream
         if old is not None:
@@ -309,7 +325,7 @@ class GrpcConnection:
         backoff_s = 0.5
         while True:
             # The sender's record of what it sent is per stream too.
-            kept = self.kept = KeptByStream()
+            kept = self.kept = KeptByStream(self._welcome.keeps_same)
             try:
                 for msg in self._stream:
                     for item in _items(msg):

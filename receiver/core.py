@@ -306,12 +306,13 @@ class ReceiverCore:
             manifest, key = self._manifest(link, msg.start)
             refuse_split(manifest, link.address)
             self._validate(manifest, key)
+            keeps = self._keeps(manifest, key)  # the target's own code: may raise too
         except Exception as e:
             error = self._refuse([link], version, e)
             if error is e:
                 raise
             raise error from e
-        self._verdict(link, version, None, self._keeps(manifest, key))
+        self._verdict(link, version, None, keeps)
         return self._apply(link, manifest)
 
     def _manifest(self, link: Link, start: pb.VersionStart) -> tuple[VersionManifest, bytes]:
@@ -329,9 +330,11 @@ class ReceiverCore:
         error: WeightSyncError | None,
         keeps: list[pb.TensorBox] | None = None,
     ) -> None:
-        verdict = pb.ManifestVerdict(version=version, accepted=error is None, keeps=keeps)
+        verdict = pb.ManifestVerdict(version=version, accepted=error is None)
         if error is not None:
             verdict.error.CopyFrom(error_to_pb(error))
+        elif keeps is not None:
+            link.connection.kept.declare(verdict, keeps)
         link.connection.send(pb.ReceiverMessage(verdict=verdict))
 
     def _keeps(self, manifest: VersionManifest, key: bytes) -> list[pb.TensorBox]:
@@ -630,6 +633,9 @@ class ReceiverCore:
                 keys.append(len(key).to_bytes(8, "little") + key)
             union = join_parts(arrived)
             self._validate(union, b"".join(keys))
+            keeps = [
+                self._keeps(part.manifest, key) for part, key in zip(arrived, keys, strict=True)
+            ]
         except Exception as e:
             error = self._refuse(self._links, run.version, e)
             for reply in run.replies:
@@ -637,8 +643,8 @@ class ReceiverCore:
             if error is e:
                 raise
             raise error from e
-        for link, part, key in zip(self._links, arrived, keys, strict=True):
-            self._verdict(link, run.version, None, self._keeps(part.manifest, key))
+        for link, kept in zip(self._links, keeps, strict=True):
+            self._verdict(link, run.version, None, kept)
         return self._apply_parts(run, arrived, union)
 
     def _superseded(self, link: Link, stale: int, newer: int) -> None:

@@ -26,7 +26,7 @@ from weightsync.sender.records import APPLIED, FAILED, PENDING, Outcome, Receive
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import SlotPool
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import boxes_from_pb, error_to_pb
+from weightsync.wire import boxes_from_pb, check_boxes, error_to_pb
 
 log = logging.getLogger("weightsync.sender")
 
@@ -98,7 +98,7 @@ class Outcomes:
             timeout = self._settings.ack_timeout_s
             if kind == "verdict":
                 outcome.got("verdict", timeout)
-                if body.accepted and not self._declared(run, conn, body.keeps):
+                if body.accepted and not self._declared(run, conn, body):
                     return
                 if not body.accepted:
                     # Rejected before any write: it still holds its previous weights.
@@ -217,19 +217,32 @@ class Outcomes:
         self.maybe_complete(run)
         self._cond.notify_all()
 
-    def _declared(self, run: VersionRun, conn: ReceiverConn, keeps: list[pb.TensorBox]) -> bool:
-        """Take the boxes an accepting verdict declares; a malformed one fails the receiver
-        in ``run`` and returns False."""
+    def _declared(self, run: VersionRun, conn: ReceiverConn, verdict: pb.ManifestVerdict) -> bool:
+        """Take the boxes an accepting verdict declares (or, ``keeps_same``, the ones it
+        declared before on this stream); a malformed one fails the receiver in ``run`` and
+        returns False."""
+        specs = run.manifest.tensors
+        rid = conn.receiver_id
         try:
-            boxes = (
-                boxes_from_pb(keeps, {t.name: t for t in run.manifest.tensors}, conn.receiver_id)
-                if keeps
-                else {}
-            )
+            if verdict.keeps_same:
+                if not conn.keeps_declared:
+                    raise ProtocolError(
+                        f"{rid} said it keeps the boxes it declared before, but no verdict on "
+                        "this stream declared any; upgrade the receiver to the sender's "
+                        "weightsync version"
+                    )
+                boxes = conn.keeps
+                if specs is not conn.counted:  # declared for another tensor list
+                    check_boxes(boxes, {t.name: t for t in specs}, rid)
+            else:
+                boxes = {}
+                if verdict.keeps:
+                    boxes = boxes_from_pb(verdict.keeps, {t.name: t for t in specs}, rid)
+                    conn.keeps_declared = True
         except ProtocolError as e:
-            self.fail(run, conn.receiver_id, e)
+            self.fail(run, rid, e)
             return False
-        conn.declare(boxes, run.manifest.tensors)
+        conn.declare(boxes, specs)
         return True
 
     def _fail_dirty(self, run: VersionRun, conn: ReceiverConn, error: pb.ErrorDetail) -> None:

@@ -66,16 +66,19 @@ class ReceiverConn:
     keeps: Mapping[str, Box] = field(default_factory=dict)
     """The boxes of tensors it keeps only part of, from its last accepted verdict (replaced
     only when they change: the direct-read plans are memoized by this object)."""
+    keeps_declared: bool = False
+    """A verdict on this stream listed boxes (a later one may say ``keeps_same``)."""
     kept_bytes: int = 0
     """Bytes of its last accepted version it keeps."""
-    _counted: object = field(default=None, repr=False)
-    """The tensor list ``kept_bytes`` counts (manifests of one layout share it)."""
+    counted: object = field(default=None, repr=False)
+    """The tensor list ``keeps`` were checked against and ``kept_bytes`` counts (manifests
+    of one layout share it)."""
 
     def declare(self, keeps: Mapping[str, Box], specs: Sequence[TensorSpec]) -> None:
         """Take the boxes of an accepted verdict for the version of ``specs``."""
-        if keeps == self.keeps and specs is self._counted:
+        if (keeps is self.keeps or keeps == self.keeps) and specs is self.counted:
             return
-        self.keeps, self._counted = keeps, specs
+        self.keeps, self.counted = keeps, specs
         self.kept_bytes = sum(
             spec.nbytes
             if spec.name not in keeps

@@ -189,7 +189,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         threading.Thread(
             target=self._consume_receiver, args=(conn, request_iterator), daemon=True
         ).start()
-        yield pb.Announcement(welcome=pb.ReceiverWelcome(receiver_id=conn.receiver_id))
+        yield pb.Announcement(
+            welcome=pb.ReceiverWelcome(receiver_id=conn.receiver_id, keeps_same=True)
+        )
         while True:
             items, end = take_queued(conn.outbox, MAX_BATCH if conn.batches else 1)
             if items:

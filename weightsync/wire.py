@@ -173,17 +173,30 @@ def boxes_from_pb(
     """
     boxes = {}
     for msg in msgs:
-        spec = specs.get(msg.name)
         start, size = tuple(msg.start), tuple(msg.size)
-        if spec is None or not fits(start, size, spec.shape):
-            shape = "not in the version" if spec is None else f"shape {list(spec.shape)}"
-            raise ProtocolError(
-                f"{who} declared it keeps start={list(start)} size={list(size)} of "
-                f"{msg.name!r} ({shape}): not a box of that tensor; upgrade the receiver to "
-                "the sender's weightsync version"
-            )
+        _check_box(msg.name, start, size, specs, who)
         boxes[msg.name] = Box(start, size)
     return boxes
+
+
+def check_boxes(boxes: Mapping[str, Box], specs: Mapping[str, TensorSpec], who: str) -> None:
+    """:func:`boxes_from_pb`'s check of boxes ``who`` declared before, for another version's
+    ``specs``."""
+    for name, box in boxes.items():
+        _check_box(name, box.start, box.size, specs, who)
+
+
+def _check_box(
+    name: str, start: tuple, size: tuple, specs: Mapping[str, TensorSpec], who: str
+) -> None:
+    spec = specs.get(name)
+    if spec is None or not fits(start, size, spec.shape):
+        shape = "not in the version" if spec is None else f"shape {list(spec.shape)}"
+        raise ProtocolError(
+            f"{who} declared it keeps start={list(start)} size={list(size)} of {name!r} "
+            f"({shape}): not a box of that tensor; upgrade the receiver to the sender's "
+            "weightsync version"
+        )
 
 
 def error_to_pb(error: BaseException, tensor: str = "") -> pb.ErrorDetail:

@@ -423,6 +423,29 @@ def test_a_verdict_declaring_a_box_outside_its_tensor_fails_that_receiver(sender
     publisher.close()
 
 
+def test_keeps_same_before_any_declared_boxes_fails_that_receiver(sender):
+    """The welcome offers ``keeps_same``; a verdict saying it before any verdict on the stream
+    declared boxes stands for nothing: it fails that receiver, naming the fix."""
+    raw = raw_receiver(sender.address)
+    assert next(raw.replies).welcome.keeps_same
+    with Publisher(sender.address) as publisher:
+        publisher.publish({"w": torch.ones(4)}, 1)
+        assert next(raw.replies).WhichOneof("kind") == "start"
+        verdict = pb.ManifestVerdict(version=1, accepted=True, keeps_same=True)
+        raw.send(pb.ReceiverMessage(verdict=verdict))
+        kinds = [next(raw.replies).WhichOneof("kind")]
+        while kinds[-1] != "abort" and len(kinds) < 4:
+            kinds.append(next(raw.replies).WhichOneof("kind"))
+        assert kinds[-1] == "abort", kinds
+        (outcome,) = status_within(sender.address).versions[-1].receivers
+        assert outcome.state == "failed" and outcome.error.code == "ProtocolError"
+        assert outcome.error.message.startswith(
+            "raw said it keeps the boxes it declared before, but no verdict on this stream "
+            "declared any"
+        ), outcome.error.message
+    raw.close()
+
+
 def test_a_lora_config_too_deep_is_refused_before_any_rpc():
     with pytest.raises(ConfigError) as refused:
         LoraAdapterSpec("a", "[" * 40 + "]" * 40, ())

@@ -321,6 +321,23 @@ def test_an_engine_exception_in_validate_is_wrapped_saying_where(stage):
     assert connection.sent[0].verdict.error.message == str(caught.value)
 
 
+def test_a_target_whose_kept_raises_refuses_the_version_in_its_verdict(stage):
+    """``kept()`` is the engine's code too: its exception is answered in the verdict at once
+    (it had left the sender waiting out its ack timeout for a verdict that never came)."""
+    target = Recorder(zeros_like(weights(1)))
+    target.kept = lambda: {}["model.layers.0.mlp"]
+    core, connection = core_for(target)
+    connection.announce(*stage(weights(1), version=3).announcements())
+    with pytest.raises(WeightSyncError) as caught:
+        core.sync(timeout=5)
+    assert str(caught.value) == "validating version 3: KeyError: 'model.layers.0.mlp'"
+    assert isinstance(caught.value.__cause__, KeyError)
+    assert connection.kinds() == ["verdict"]
+    verdict = connection.sent[0].verdict
+    assert not verdict.accepted and verdict.error.message == str(caught.value)
+    assert target.loaded == []
+
+
 @pytest.mark.parametrize("buckets_before_abort", [0, 1])
 def test_the_senders_abort_fails_the_version_and_dirty_says_whether_weights_changed(
     stage, buckets_before_abort

@@ -283,16 +283,18 @@ class TensorBox(_message.Message):
     def __init__(self, name: _Optional[str] = ..., start: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ManifestVerdict(_message.Message):
-    __slots__ = ("version", "accepted", "error", "keeps")
+    __slots__ = ("version", "accepted", "error", "keeps", "keeps_same")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KEEPS_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_SAME_FIELD_NUMBER: _ClassVar[int]
     version: int
     accepted: bool
     error: ErrorDetail
     keeps: _containers.RepeatedCompositeFieldContainer[TensorBox]
-    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., keeps: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ...) -> None: ...
+    keeps_same: bool
+    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., keeps: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ..., keeps_same: _Optional[bool] = ...) -> None: ...
 
 class BucketAck(_message.Message):
     __slots__ = ("version", "index", "ok", "error", "read_event")
@@ -331,10 +333,12 @@ class ReceiverMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[ReceiverHello, _Mapping]] = ..., verdict: _Optional[_Union[ManifestVerdict, _Mapping]] = ..., ack: _Optional[_Union[BucketAck, _Mapping]] = ..., applied: _Optional[_Union[VersionApplied, _Mapping]] = ...) -> None: ...
 
 class ReceiverWelcome(_message.Message):
-    __slots__ = ("receiver_id",)
+    __slots__ = ("receiver_id", "keeps_same")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_SAME_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
-    def __init__(self, receiver_id: _Optional[str] = ...) -> None: ...
+    keeps_same: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., keeps_same: _Optional[bool] = ...) -> None: ...
 
 class VersionStart(_message.Message):
     __slots__ = ("manifest", "num_buckets", "manifest_key")
