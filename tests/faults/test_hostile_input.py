@@ -400,50 +400,42 @@ def test_a_receivers_long_error_text_is_shortened_in_status(sender):
 def test_a_verdict_declaring_a_box_outside_its_tensor_fails_that_receiver(sender, box, why):
     """An accepting verdict's ``keeps`` must be boxes of the version's tensors: one that is not
     fails the receiver in that version, naming the tensor; the sender plans nothing from it."""
-    raw = raw_receiver(sender.address)
-    assert raw.first() == "welcome"
-    publisher = Publisher(sender.address)
-    publisher.publish({"w": torch.ones(4)}, 1)
-    assert next(raw.replies).WhichOneof("kind") == "start"
-    raw.send(pb.ReceiverMessage(verdict=pb.ManifestVerdict(version=1, accepted=True, keeps=[box])))
-    # The bucket and the end may be on their way already; then the abort.
-    kinds = [next(raw.replies).WhichOneof("kind")]
-    while kinds[-1] != "abort" and len(kinds) < 4:
-        kinds.append(next(raw.replies).WhichOneof("kind"))
-    assert kinds[-1] == "abort", kinds
-    (outcome,) = status_within(sender.address).versions[-1].receivers
-    assert outcome.state == "failed" and outcome.error.code == "ProtocolError"
+    outcome = _failed_by(sender, pb.ManifestVerdict(version=1, accepted=True, keeps=[box]))
     assert outcome.error.message.startswith(
         f"raw declared it keeps start={list(box.start)} size={list(box.size)} of {box.name!r} "
         f"({why})"
     ), outcome.error.message
     (status,) = status_within(sender.address).receivers
     assert status.kept_bytes == 0
-    raw.close()
-    publisher.close()
 
 
 def test_keeps_same_before_any_declared_boxes_fails_that_receiver(sender):
     """The welcome offers ``keeps_same``; a verdict saying it before any verdict on the stream
     declared boxes stands for nothing: it fails that receiver, naming the fix."""
+    outcome = _failed_by(sender, pb.ManifestVerdict(version=1, accepted=True, keeps_same=True))
+    assert outcome.error.message.startswith(
+        "raw said it keeps the boxes it declared before, but no verdict on this stream declared any"
+    ), outcome.error.message
+
+
+def _failed_by(sender, verdict: pb.ManifestVerdict) -> pb.ReceiverOutcome:
+    """The outcome of a raw receiver answering version 1 with ``verdict``, which must fail it
+    with a ProtocolError and an abort."""
     raw = raw_receiver(sender.address)
     assert next(raw.replies).welcome.keeps_same
     with Publisher(sender.address) as publisher:
         publisher.publish({"w": torch.ones(4)}, 1)
         assert next(raw.replies).WhichOneof("kind") == "start"
-        verdict = pb.ManifestVerdict(version=1, accepted=True, keeps_same=True)
         raw.send(pb.ReceiverMessage(verdict=verdict))
+        # The bucket and the end may be on their way already; then the abort.
         kinds = [next(raw.replies).WhichOneof("kind")]
         while kinds[-1] != "abort" and len(kinds) < 4:
             kinds.append(next(raw.replies).WhichOneof("kind"))
         assert kinds[-1] == "abort", kinds
         (outcome,) = status_within(sender.address).versions[-1].receivers
         assert outcome.state == "failed" and outcome.error.code == "ProtocolError"
-        assert outcome.error.message.startswith(
-            "raw said it keeps the boxes it declared before, but no verdict on this stream "
-            "declared any"
-        ), outcome.error.message
     raw.close()
+    return outcome
 
 
 def test_a_lora_config_too_deep_is_refused_before_any_rpc():
