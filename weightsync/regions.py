@@ -122,7 +122,7 @@ class CopyBatch:
     def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
         small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        for dst, src in pairs:
+        for dst, src in stack_strided(pairs):
             small_copy = dst.nbytes <= FOREACH_MAX_BYTES
             if small_copy and copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
                 by_gpu.setdefault(dst.device, []).append((dst, src))
@@ -154,6 +154,76 @@ class CopyBatch:
             torch._foreach_copy_(list(self.dsts), list(self.srcs), non_blocking=True)
         for dst, src in self.one_by_one:
             _copy(dst, src)
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+def stack_strided(pairs: Iterable[Pair]) -> list[Pair]:
+    """``pairs`` with runs of strided copies joined: equal boxes at equal steps in both
+    memories (the same column shard of every expert's weight) become one copy with a leading
+    dim. A TP=2 trainer's MoE pieces are thousands of such boxes, which neither the one-launch
+    kernel (contiguous only) nor ``_foreach_copy_`` batch. Contiguous copies are left as they
+    are; so is any run whose destinations would overlap."""
+    out: list[Pair] = []
+    runs: dict[tuple, list[Pair]] = {}
+    for dst, src in pairs:
+        if (dst.is_contiguous() and src.is_contiguous()) or dst.device != src.device:
+            out.append((dst, src))
+            continue
+        key = (dst.device, dst.dtype, src.dtype, tuple(dst.shape), tuple(src.shape),
+               dst.stride(), src.stride(), _storage(dst), _storage(src))  # fmt: skip
+        runs.setdefault(key, []).append((dst, src))
+    for group in runs.values():
+        group.sort(key=lambda p: p[0].storage_offset())
+        start = 0
+        while start < len(group):
+            stop = _run_end(group, start)
+            out.append(_stacked(group[start:stop]) if stop - start > 1 else group[start])
+            start = stop
+    return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements from a view's first to one past its last (non-negative strides)."""
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+
+
+def _run_end(group: list[Pair], start: int) -> int:
+    """One past the last pair of the run from ``start``: constant, positive steps in both
+    memories, each destination clear of the next."""
+    if start + 1 == len(group):
+        return start + 1
+    (d0, s0), (d1, s1) = group[start], group[start + 1]
+    step_d = d1.storage_offset() - d0.storage_offset()
+    step_s = s1.storage_offset() - s0.storage_offset()
+    if step_d < _span(d0) or step_s <= 0:
+        return start + 1
+    stop = start + 2
+    while stop < len(group):
+        d, s = group[stop]
+        prev_d, prev_s = group[stop - 1]
+        if (d.storage_offset() - prev_d.storage_offset() != step_d
+                or s.storage_offset() - prev_s.storage_offset() != step_s):  # fmt: skip
+            break
+        stop += 1
+    return stop
+
+
+def _stacked(run: list[Pair]) -> Pair:
+    (d0, s0), (d1, s1) = run[0], run[1]
+    n = len(run)
+    views = []
+    for first, second in ((d0, d1), (s0, s1)):
+        step = second.storage_offset() - first.storage_offset()
+        views.append(
+            first.as_strided((n, *first.shape), (step, *first.stride()), first.storage_offset())
+        )
+    return views[0], views[1]
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:

@@ -7,7 +7,7 @@ import torch
 
 from weightsync.buckets import ChunkAssembler, TensorSpec, plan_buckets, unpack_bucket
 from weightsync.errors import ProtocolError
-from weightsync.regions import Region, pack_regions, whole
+from weightsync.regions import CopyBatch, Region, pack_regions, whole
 from weightsync.wire import regions_from_pb, regions_to_pb
 
 
@@ -133,3 +133,40 @@ def test_a_copy_batch_moves_bits_nan_payloads_included():
     dst = torch.zeros_like(src)
     CopyBatch.of([(dst, src)]).run()
     assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+
+
+def _experts(e: int = 6, h: int = 4, i: int = 8, pad: int = 3):
+    """A fused ``w2 [E, H, I]`` and a TP=2 trainer rank's flat buffer holding each expert's
+    second column half ``[H, I/2]`` contiguous, one after another ``pad`` elements apart."""
+    g = torch.Generator().manual_seed(5)
+    flat = torch.randn(e * (h * i // 2 + pad), generator=g)
+    step = h * i // 2 + pad
+    pieces = [flat[k * step : k * step + h * i // 2].view(h, i // 2) for k in range(e)]
+    return torch.zeros(e, h, i), pieces
+
+
+def _count(batch: CopyBatch) -> int:
+    return len(batch.dsts) + len(batch.one_by_one) + sum(len(c.pairs) for c in batch.chunked)
+
+
+def test_the_same_box_of_every_expert_is_copied_as_one_strided_copy():
+    w2, pieces = _experts()
+    pairs = [(w2[k][:, 4:], piece) for k, piece in enumerate(pieces)]
+    batch = CopyBatch.of(reversed(pairs))  # any order: runs are found by address
+    assert _count(batch) == 1
+    batch.run()
+    assert torch.equal(w2[:, :, 4:], torch.stack(pieces)) and not w2[:, :, :4].any()
+
+
+def test_boxes_at_uneven_steps_or_overlapping_destinations_stay_apart():
+    w2, pieces = _experts()
+    odd = pieces[:3] + [pieces[4], pieces[5], pieces[3].clone()]  # the last one elsewhere
+    batch = CopyBatch.of([(w2[k][:, 4:], p) for k, p in enumerate(odd)])
+    assert _count(batch) == 3  # experts 0-2, 3-4 (an even step again), 5
+    batch.run()
+    assert torch.equal(w2[:, :, 4:], torch.stack(odd))
+    rows = torch.zeros(8, 4)
+    overlapping = [(rows[k : k + 2, :2], torch.full((2, 2), float(k))) for k in range(3)]
+    assert _count(CopyBatch.of(overlapping)) == 3
+    whole = [(torch.zeros(4), torch.ones(4)) for _ in range(3)]  # contiguous: left as they are
+    assert _count(CopyBatch.of(whole)) == 3
