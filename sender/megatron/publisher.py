@@ -160,7 +160,7 @@ class MegatronPublisher:
         if not self._sends:
             return PublishResult(version, 0.0, 0)
         manifest = self._manifest.at(version)
-        regions = self._current_regions()
+        regions = self.regions()
 
         what = f"version {version}, rank {self.publisher.rank}"
 
@@ -182,7 +182,13 @@ class MegatronPublisher:
             direct=self._direct,
         )
 
-    def _current_regions(self) -> dict[str, list[Region]]:
+    @property
+    def manifest(self) -> VersionManifest | None:
+        """The tensors this rank's host sends (its part of a trainer spanning hosts), at
+        version 1; None when it sends none."""
+        return self._manifest
+
+    def regions(self) -> dict[str, list[Region]]:
         """Each HF tensor's pieces as views of the live parameters: the sender packs from them
         (receivers read them in place, direct), and so does ``pack`` when the sender cannot map
         them. Taken again only when a parameter moved (a framework that offloads and reloads

@@ -53,3 +53,26 @@ def test_megatron_publish_reaches_a_torch_receiver_bit_exact(layout, tmp_path, s
 
 def version_states(sender) -> list[tuple[int, str]]:
     return [(v.version, v.state) for v in sender.coordinator.status().versions]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_megatron_pieces_tile_every_tensor_so_receivers_can_read_all_of_it_in_place(
+    layout, tmp_path, sock_dir
+):
+    """With ``direct`` and CUDA IPC, a tensor goes direct when its ranks' contiguous pieces
+    tile it: in every layout here (TP shards, query groups, experts split over EP ranks) each
+    tensor does, so nothing would be staged (on two GPUs, ``tests/gpu/test_megatron_cuda.py``
+    reads the TP=2 case so, bit for bit)."""
+    from weightsync.manifest import VersionManifest
+    from weightsync.sender.daemon import Sender
+    from weightsync.sender.planner import plan_tensors
+    from weightsync.v1 import weightsync_pb2 as pb
+
+    sizes, case_name = LAYOUTS[layout]
+    with Sender(f"unix:{sock_dir}/s.sock") as sender:
+        offers = ms.launch(tmp_path, sizes, ms.offer_worker, case_name, sender.address)
+    specs = offers[0][0]
+    begins = {rank: pb.BeginVersion.FromString(begin) for rank, (_, begin) in offers.items()}
+    tensors = plan_tensors(VersionManifest(1, specs), begins, True, 64 * 1024)
+    assert tensors.staged.buckets == ()
+    assert [s.name for s in tensors.direct_specs] == [s.name for s in specs]

@@ -676,6 +676,32 @@ def publish_worker(
     return states if rank == 0 else None
 
 
+def offer_worker(rank: int, sizes: dict, case_name: str, address: str):
+    """Build the model and return what this rank would offer the sender: its manifest's
+    specs and a ``BeginVersion`` of its regions' pieces (as ``publish`` describes them; the
+    sources numbered by storage here, nothing exported)."""
+    from weightsync.sender.megatron import MegatronPublisher
+    from weightsync.v1 import weightsync_pb2 as pb
+    from weightsync.wire import regions_to_pb
+
+    case = CASE_BY_NAME[case_name]
+    torch.manual_seed(0)
+    chunks = build_chunks(case, sizes)
+    publisher = MegatronPublisher(chunks, hf_config(case), address, direct=True)
+    storages: dict[int, int] = {}
+
+    def locate(tensor: torch.Tensor) -> tuple[int, int]:
+        index = storages.setdefault(tensor.untyped_storage().data_ptr(), len(storages))
+        return index, tensor.storage_offset() * tensor.element_size()
+
+    begin = pb.BeginVersion(allow_direct=True)
+    begin.pieces.extend(regions_to_pb(publisher.regions(), locate))
+    begin.sources.extend(pb.BufferHandle(buffer_id=f"{rank}-{i}") for i in range(len(storages)))
+    specs = publisher.manifest.tensors
+    publisher.close()
+    return specs, begin.SerializeToString()
+
+
 # --- converted versions for engines without megatron-core in their venv -------------------------
 
 
