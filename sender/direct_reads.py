@@ -124,7 +124,7 @@ def located(
     """The direct entry reading ``copy`` of ``spec`` (:func:`~weightsync.buckets.plan_direct`),
     from ``source`` (default: the copy's own index in the offer)."""
     source = copy.source if source is None else source
-    if copy.whole:
+    if copy.box.size == spec.shape:  # a whole copy: a plain entry
         return spec, source, copy.offset, ()
     return TensorSpec(spec.name, spec.dtype, copy.box.size), source, copy.offset, copy.box.start
 

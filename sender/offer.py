@@ -57,8 +57,7 @@ class Copy:
     gpu: str
     """The rank's GPU UUID (empty for CPU memory)."""
     box: Box
-    whole: bool = True
-    """``box`` is the whole tensor."""
+    """The whole tensor's box for a whole copy."""
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,7 @@ class Offer:
                     copy = Copy(rank, base + p.source, p.offset, gpu, whole_box(spec.shape))
                     whole.setdefault(p.name, []).append(copy)
                 elif fits(box[1], size, spec.shape):  # else the pieces fail `covers`
-                    copy = Copy(rank, base + p.source, p.offset, gpu, Box(box[1], size), False)
+                    copy = Copy(rank, base + p.source, p.offset, gpu, Box(box[1], size))
                     parts.setdefault(p.name, []).append(copy)
         kept: dict[int, list[pb.SourcePiece]] = {}
         for _, rank, p in chosen.values():
