@@ -52,17 +52,26 @@ class BucketLoad:
     same whenever the key repeats: the target may work out its writes once."""
     boxes: Sequence[TensorBox] = ()
     """Boxes of tensors: pieces of a sharded trainer's tensors, or what this rank keeps."""
+    checksum: tuple[VersionReads, Bucket] | None = None
+    """The bucket whose checksum (over ``buffers[0]``) the version's reads still need."""
 
     def write(self, target: WeightTarget) -> None:
+        sums = None
         if self.tensors or not self.boxes:
             if self.key is None:
                 target.load(self.tensors)
+            elif self.checksum is not None and not (self.boxes or self.chunks):
+                bucket = self.checksum[1]
+                sums = target.load_summed(self.key, self.tensors, self.buffers[0], bucket.nbytes)
             else:
                 target.load_views(self.key, self.tensors)
         if self.boxes:
             target.load_boxes(self.key, self.boxes)
         for entry, data in self.chunks:
             target.load_chunk(entry, data)
+        if self.checksum is not None:
+            reads, bucket = self.checksum
+            reads.checksum(bucket, self.buffers[0], sums)
 
 
 def wait_for_streams(devices: set[torch.device]) -> None:
@@ -99,8 +108,9 @@ class VersionReads:
             )
         return TensorBox(entry.name, spec.shape, start, data)
 
-    def checksum(self, bucket: Bucket, buffer: torch.Tensor) -> None:
-        self._sums.append((bucket, row_sums(buffer, bucket.nbytes)))
+    def checksum(self, bucket: Bucket, buffer: torch.Tensor, sums: torch.Tensor | None) -> None:
+        """Queue the bucket's checksum: ``sums`` when the loads took it, else a read of it."""
+        self._sums.append((bucket, sums if sums is not None else row_sums(buffer, bucket.nbytes)))
 
     def require_complete(self) -> None:
         """Raises ProtocolError when a chunked tensor is still missing chunks."""
@@ -190,8 +200,6 @@ class BucketReader:
             return BucketLoad(views.whole, [], sources, key, self._checked(key, views, reads))
         bucket = self._layouts(msg.layout, layout)
         buffer = landed if landed is not None else self._packed_buffer(msg, bucket)
-        if self.verify_checksums:
-            reads.checksum(bucket, buffer)
         if landed is not None:
             # A landing buffer is reused for every bucket of its index until it is replaced
             # (the core then calls forget_landed): its views are kept like a mapped buffer's.
@@ -217,7 +225,8 @@ class BucketReader:
                     whole.append((entry.name, done))
         # Only the kept views themselves may be loaded by key (not assembled tensors).
         kept = len(whole) == len(views.whole) and len(boxes) == len(views.boxed)
-        return BucketLoad(whole, chunks, [buffer], key if kept else None, boxes)
+        checksum = (reads, bucket) if self.verify_checksums else None
+        return BucketLoad(whole, chunks, [buffer], key if kept else None, boxes, checksum)
 
     def forget_landed(self) -> None:
         """Drop the views of landing buffers (one was replaced; the old may be freed)."""

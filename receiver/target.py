@@ -9,11 +9,13 @@ from typing import ClassVar
 
 import torch
 
+from weightsync import summed_copies
 from weightsync.buckets import BucketEntry, byte_view
 from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
-from weightsync.regions import CopyBatch
+from weightsync.regions import CopyBatch, Pair
+from weightsync.summed_copies import SummedCopies
 from weightsync.topology_model import Box
 
 
@@ -121,6 +123,20 @@ class WeightTarget(ABC):
         key. The default loads them."""
         self.load(tensors)
 
+    def load_summed(
+        self,
+        key: Hashable,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        bucket: torch.Tensor,
+        nbytes: int,
+    ) -> torch.Tensor | None:
+        """:meth:`load_views` of views of ``bucket``, also taking the checksum of its first
+        ``nbytes`` where the target's copies can (:mod:`~weightsync.summed_copies`): returns
+        the reduction :func:`~weightsync.checksum.row_sums` would, or None (the reader then
+        reads the bucket again for it). The default loads the views and returns None."""
+        self.load_views(key, tensors)
+        return None
+
     def load_boxes(self, key: Hashable, boxes: Sequence[TensorBox]) -> None:
         """Load tensors that come as boxes: the pieces of tensors a sharded trainer holds
         (every piece of a tensor in one call), or the box of each this rank keeps. ``key`` as
@@ -156,7 +172,7 @@ class InPlaceTarget(WeightTarget):
 
     chunks_in_place = True
     _MAX_BATCHES = 256
-    _batches: dict[Hashable, CopyBatch] | None = None
+    _batches: dict[Hashable, CopyBatch | SummedCopies] | None = None
     """:meth:`load_views`' copies by key (set on first use)."""
 
     @abstractmethod
@@ -197,6 +213,22 @@ class InPlaceTarget(WeightTarget):
             return self.load(tensors)
         self._batch(key, lambda: self.copies(tensors)).run()
 
+    def load_summed(
+        self,
+        key: Hashable,
+        tensors: Sequence[tuple[str, torch.Tensor]],
+        bucket: torch.Tensor,
+        nbytes: int,
+    ) -> torch.Tensor | None:
+        if not self._copies_load():
+            return super().load_summed(key, tensors, bucket, nbytes)
+
+        def build() -> CopyBatch | SummedCopies:
+            pairs = self.copy_pairs(tensors)
+            return summed_copies.copies(pairs, bucket, nbytes, destination=False)
+
+        return self._batch(("summed", key), build).run()
+
     def load_boxes(self, key: Hashable, boxes: Sequence[TensorBox]) -> None:
         """Each box straight into its part of the live tensor (no whole tensor assembled)."""
         if not self._copies_load():
@@ -218,7 +250,9 @@ class InPlaceTarget(WeightTarget):
     def _copies_load(self) -> bool:
         return getattr(self.load, "__func__", None) is InPlaceTarget.load
 
-    def _batch(self, key: Hashable, build: Callable[[], CopyBatch]) -> CopyBatch:
+    def _batch(
+        self, key: Hashable, build: Callable[[], CopyBatch | SummedCopies]
+    ) -> CopyBatch | SummedCopies:
         """The batch kept for ``key`` (built on first use; None: built, not kept)."""
         if key is None:
             return build()
@@ -237,7 +271,12 @@ class InPlaceTarget(WeightTarget):
     def copies(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> CopyBatch:
         """The copies that load ``tensors``: small ones in one launch, not one each
         (thousands for MoE experts)."""
-        return CopyBatch.of((self.live_tensor(name), tensor) for name, tensor in tensors)
+        return CopyBatch.of(self.copy_pairs(tensors))
+
+    def copy_pairs(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Pair]:
+        """The ``(live, received)`` copies that load ``tensors`` (default: each whole into
+        its :meth:`live_tensor`)."""
+        return [(self.live_tensor(name), tensor) for name, tensor in tensors]
 
     def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
         with torch.no_grad():

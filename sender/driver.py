@@ -94,13 +94,14 @@ class VersionDriver:
                     # an announcement round trip between buckets.
                     self._issue_packs(run, issued, todo, clock)
                     send, slot = issued[0]
+                    sums = None
                     if run.regions is not None:
                         self._before_reuse(run, slot, device, on_stream=device.type == "cuda")
-                        pack_bucket(run, send.bucket, slot)
+                        sums = pack_bucket(run, send.bucket, slot)
                     elif not self._wait_packed_or_slot(run, send.bucket, todo, clock):
                         continue
                     issued.popleft()
-                    self._packed(run, send.bucket, slot, device)
+                    self._packed(run, send.bucket, slot, device, sums)
                     members = self._announce(run, slot, send)
                     if members:
                         self._broadcast.send(run, slot, send.bucket.nbytes, members)
@@ -292,9 +293,19 @@ class VersionDriver:
                 if done is not None:
                     rank.outbox.put(done)
 
-    def _packed(self, run: VersionRun, bucket: Bucket, slot: Slot, device: torch.device) -> None:
-        """Queue the bucket's checksum and, on CUDA, the event receivers' reads wait for."""
-        run.sums[bucket.index] = row_sums(slot.buffer.tensor, bucket.nbytes)
+    def _packed(
+        self,
+        run: VersionRun,
+        bucket: Bucket,
+        slot: Slot,
+        device: torch.device,
+        sums: torch.Tensor | None,
+    ) -> None:
+        """Queue the bucket's checksum (unless the pack took it: ``sums``) and, on CUDA, the
+        event receivers' reads wait for."""
+        run.sums[bucket.index] = (
+            sums if sums is not None else row_sums(slot.buffer.tensor, bucket.nbytes)
+        )
         if slot.packed_event is not None:
             slot.packed_event[0].record(torch.cuda.current_stream(device))
         trace.mark("sender.checksum_queued", index=bucket.index)

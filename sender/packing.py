@@ -11,10 +11,13 @@ import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
+import torch
+
+from weightsync import summed_copies
 from weightsync.buckets import Bucket
 from weightsync.checksum import verify_copies
 from weightsync.errors import ProtocolError, TransportError, WeightSyncError
-from weightsync.regions import CopyBatch, Region, region_copies
+from weightsync.regions import Region, region_copies
 from weightsync.sender.offer import OfferKey
 from weightsync.sender.records import VersionRun
 from weightsync.sender.slots import PackCopies, Slot
@@ -64,8 +67,9 @@ def _map(begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers) -> Regio
     return regions
 
 
-def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> None:
-    """Queue the copies that pack ``bucket`` into ``slot`` from ``run.regions`` (set).
+def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> torch.Tensor | None:
+    """Queue the copies that pack ``bucket`` into ``slot`` from ``run.regions`` (set); returns
+    the bucket checksum's reduction when the copies took it (:mod:`.summed_copies`), else None.
 
     Raises:
         TransportError: a copy failed.
@@ -85,12 +89,15 @@ def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> None:
     try:
         batch = copies.by_bucket.get(bucket.index)
         if batch is None:
-            batch = copies.by_bucket[bucket.index] = CopyBatch.of(
+            pairs = [
                 pair
                 for entry in bucket.entries
                 for pair in region_copies(slot.buffer.tensor, entry, run.regions[entry.name])
+            ]
+            batch = copies.by_bucket[bucket.index] = summed_copies.copies(
+                pairs, slot.buffer.tensor, bucket.nbytes, destination=True
             )
-        batch.run()
+        sums = batch.run()
     except (RuntimeError, WeightSyncError) as e:
         raise TransportError(
             f"version {run.version}: packing bucket {bucket.index} from the publishers' "
@@ -101,3 +108,4 @@ def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> None:
         for entry in bucket.entries:
             copies = region_copies(slot.buffer.tensor, entry, run.regions[entry.name])
             verify_copies(what, entry.name, copies)
+    return sums

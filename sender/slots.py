@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightsync.regions import CopyBatch, Region
+from weightsync.summed_copies import SummedCopies
 from weightsync.transports import StagingBuffer, Transport
 from weightsync.transports.base import transport_for_handle
 from weightsync.transports.broadcast import PendingBroadcast
@@ -48,7 +49,7 @@ class PackCopies:
     regions: Mapping[str, Sequence[Region]]
     slices: tuple
     """The version's slice groups (``slices.py``), whose buckets follow the plan's."""
-    by_bucket: dict[int, CopyBatch] = field(default_factory=dict)
+    by_bucket: dict[int, CopyBatch | SummedCopies] = field(default_factory=dict)
 
 
 @dataclass

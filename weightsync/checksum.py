@@ -11,10 +11,13 @@ under half the speed of a copy; over 64 KiB rows, at the speed of a full reducti
 not cryptographic.
 
 The bucket checksum is taken from the staging buffer after packing, so it proves the transport
-only. What a pack wrote is checked against its source by :func:`verify_copies` /
-:func:`verify_entry`, run by every packer right after its copies, on CPU (shared memory)
-buffers: a packing bug fails the version naming the tensor, before any receiver commits it. On
-CUDA buffers they compare nothing: that would be a second read of every byte on the GPU.
+only. On GPUs with CuPy it is taken by the copies themselves where they can
+(:mod:`.summed_copies`: the sender's pack, an in-place receiver's reads), the same value
+without a second read of the bucket. What a pack wrote is checked against its source by
+:func:`verify_copies` / :func:`verify_entry`, run by every packer right after its copies, on
+CPU (shared memory) buffers: a packing bug fails the version naming the tensor, before any
+receiver commits it. On CUDA buffers they compare nothing: that would be a second read of
+every byte on the GPU.
 """
 
 from __future__ import annotations
@@ -28,9 +31,15 @@ from weightsync.errors import ChecksumError
 from weightsync.regions import _BITS  # the packer's integer dtype of each element size
 
 ALGORITHM = "ws-rows64k-v3"
-_ROW_WORDS = 8192
+ROW_WORDS = 8192
 _TAIL_ROW_WORDS = ALIGNMENT_BYTES // 8
 _MASK64 = (1 << 64) - 1
+
+
+def whole_row_words(nbytes: int) -> int:
+    """How many of the first words of a bucket of ``nbytes`` are in 64 KiB rows (the rest are
+    in 256-byte rows)."""
+    return nbytes // 8 // ROW_WORDS * ROW_WORDS
 
 
 def row_sums(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
@@ -43,10 +52,10 @@ def row_sums(buffer: torch.Tensor, nbytes: int) -> torch.Tensor:
     if nbytes == 0:
         return torch.zeros(2, dtype=torch.int64, device=buffer.device)
     words = buffer[:nbytes].view(torch.int64)
-    whole = words.numel() // _ROW_WORDS * _ROW_WORDS
+    whole = whole_row_words(nbytes)
     sums = torch.cat(
         [
-            words[:whole].view(-1, _ROW_WORDS).sum(dim=1),
+            words[:whole].view(-1, ROW_WORDS).sum(dim=1),
             words[whole:].view(-1, _TAIL_ROW_WORDS).sum(dim=1),
         ]
     )

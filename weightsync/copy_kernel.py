@@ -8,6 +8,10 @@ them all, a CUDA block per chunk, 16 bytes per load where both ends are 16-byte 
 Callers give it the small copies only: a large one is faster as its own ``copy_`` (the 7B
 model's 339 tensors went from 12.1 to 12.8 ms a version through this kernel alone).
 
+The same module holds the copy that also takes the bucket checksum (``copy_sum``, planned by
+:mod:`.summed_copies`): each 8-byte word is summed as it passes through registers, so a bucket
+is read once, not once by its copies and again by :func:`~.checksum.row_sums`.
+
 CuPy is optional (no extra installs it: its wheel is per CUDA major, ``cupy-cuda12x`` or
 ``cupy-cuda13x``); without it, on CPU, or with ``WEIGHTSYNC_COPY_KERNEL=0`` (to compare),
 callers keep torch's copies.
@@ -25,7 +29,7 @@ import torch
 log = logging.getLogger("weightsync")
 
 CHUNK_BYTES = 256 << 10
-_THREADS = 256
+THREADS = 256
 
 _SOURCE = r"""
 extern "C" __global__ void copy_chunks(const unsigned long long* table) {
@@ -51,12 +55,96 @@ extern "C" __global__ void copy_chunks(const unsigned long long* table) {
     }
     for (unsigned long long i = done + threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
 }
+
+// One table row per block: (source, destination, bytes, first word, flags). ``word`` is the
+// bucket word index of the summed side's first byte (8-byte aligned, as are both ends); flags:
+// 1 sum the destination (else the source), 2 copy without summing, and destination 0 sums the
+// source without copying. A word's weight is its checksum row position (checksum.py): rows of
+// 8192 words up to ``whole``, then rows of 32. A tail shorter than a word is summed as the whole
+// word of the summed side, read after the copy (the rest of it is padding nobody writes).
+__device__ __forceinline__ unsigned long long row_position(
+        unsigned long long w, unsigned long long whole) {
+    return w < whole ? (w >> 13) + 1ull : (whole >> 13) + ((w - whole) >> 5) + 1ull;
+}
+
+__device__ __forceinline__ void take16(const uint4& v, unsigned long long w,
+        unsigned long long whole, unsigned long long& a, unsigned long long& b) {
+    const unsigned long long lo = ((unsigned long long)v.y << 32) | v.x;
+    const unsigned long long hi = ((unsigned long long)v.w << 32) | v.z;
+    a += lo * row_position(w, whole) + hi * row_position(w + 1ull, whole);
+    b += lo + hi;
+}
+
+extern "C" __global__ void copy_sum(
+        const unsigned long long* table, unsigned long long whole, unsigned long long* out) {
+    const unsigned long long* row = table + 5ull * blockIdx.x;
+    const char* src = (const char*)row[0];
+    char* dst = (char*)row[1];
+    const unsigned long long n = row[2], first = row[3], flags = row[4];
+    const bool copy = dst != 0, sum = !(flags & 2ull);
+    unsigned long long a = 0, b = 0;
+    const unsigned long long n8 = n >> 3, step = blockDim.x;
+    unsigned long long i = threadIdx.x;
+    if ((((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        const unsigned long long n16 = n8 >> 1;
+        for (; i + 3 * step < n16; i += 4 * step) {  // four loads in flight per thread
+            uint4 v[4];
+            for (int k = 0; k < 4; ++k) v[k] = s[i + k * step];
+            for (int k = 0; k < 4; ++k) {
+                if (copy) d[i + k * step] = v[k];
+                take16(v[k], first + 2ull * (i + k * step), whole, a, b);
+            }
+        }
+        for (; i < n16; i += step) {
+            const uint4 v = s[i];
+            if (copy) d[i] = v;
+            take16(v, first + 2ull * i, whole, a, b);
+        }
+        i = (n16 << 1) + threadIdx.x;
+    }
+    const unsigned long long* s8 = (const unsigned long long*)src;
+    unsigned long long* d8 = (unsigned long long*)dst;
+    for (; i < n8; i += step) {
+        const unsigned long long v = s8[i];
+        if (copy) d8[i] = v;
+        a += v * row_position(first + i, whole);
+        b += v;
+    }
+    const unsigned long long tail = n8 << 3;
+    if (copy) for (unsigned long long j = tail + threadIdx.x; j < n; j += step) dst[j] = src[j];
+    if (!sum) return;
+    if (n > tail) {
+        __syncthreads();  // the tail's bytes written before the word holding them is read
+        if (threadIdx.x == 0) {
+            const unsigned long long v = *(const unsigned long long*)(
+                (flags & 1ull ? (const char*)dst : src) + tail);
+            a += v * row_position(first + n8, whole);
+            b += v;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_down_sync(0xffffffffu, a, o);
+        b += __shfl_down_sync(0xffffffffu, b, o);
+    }
+    __shared__ unsigned long long part[2][32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { part[0][warp] = a; part[1][warp] = b; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int k = 1; k < (int)(blockDim.x >> 5); ++k) { a += part[0][k]; b += part[1][k]; }
+        atomicAdd(out, a);
+        atomicAdd(out + 1, b);
+    }
+}
 """
 
 
 @functools.cache
-def _kernel():
-    """The compiled kernel, or None without CuPy (or when it cannot compile here)."""
+def _kernels():
+    """CuPy and the compiled kernels by name, or None without CuPy (or when they cannot
+    compile here)."""
     if os.environ.get("WEIGHTSYNC_COPY_KERNEL", "1") == "0":
         return None
     try:
@@ -64,18 +152,29 @@ def _kernel():
     except ImportError:
         return None
     try:
-        kernel = cupy.RawKernel(_SOURCE, "copy_chunks")
-        kernel.compile()
+        module = cupy.RawModule(code=_SOURCE)
+        kernels = {name: module.get_function(name) for name in ("copy_chunks", "copy_sum")}
     except Exception as e:  # a CuPy that does not match this machine's CUDA
         log.warning(
             "batched copy kernel unavailable (%s: %s); using torch copies", type(e).__name__, e
         )
         return None
-    return cupy, kernel
+    return cupy, kernels
+
+
+def launch(name: str, device: torch.device, blocks: int, *args: object) -> None:
+    """Launch kernel ``name`` on ``device``'s current torch stream (integers as uint64)."""
+    cupy, kernels = _kernels()
+    stream = torch.cuda.current_stream(device)
+    with (
+        cupy.cuda.Device(device.index),
+        cupy.cuda.ExternalStream(stream.cuda_stream, device.index),
+    ):
+        kernels[name]((blocks,), (THREADS,), tuple(cupy.uint64(a) for a in args))
 
 
 def available(device: torch.device) -> bool:
-    return device.type == "cuda" and _kernel() is not None
+    return device.type == "cuda" and _kernels() is not None
 
 
 def fits(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -107,10 +206,4 @@ class ChunkedCopies:
         self._table = torch.tensor(rows, dtype=torch.int64).view(-1).to(self.device)
 
     def run(self) -> None:
-        cupy, kernel = _kernel()
-        stream = torch.cuda.current_stream(self.device)
-        with (
-            cupy.cuda.Device(self.device.index),
-            cupy.cuda.ExternalStream(stream.cuda_stream, self.device.index),
-        ):
-            kernel((self.chunks,), (_THREADS,), (cupy.uint64(self._table.data_ptr()),))
+        launch("copy_chunks", self.device, self.chunks, self._table.data_ptr())

@@ -36,7 +36,7 @@ from weightsync.dtypes import dtype_name
 from weightsync.errors import ConfigError, ManifestMismatchError, NameResolutionError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.target import InPlaceTarget
-from weightsync.regions import CopyBatch, entry_rows
+from weightsync.regions import Pair, entry_rows
 from weightsync.topology_model import Box
 
 _EXPERT = re.compile(r"^(?P<base>.+\.experts)\.(?P<e>\d+)\.(?P<proj>gate|up|down)_proj\.weight$")
@@ -257,10 +257,8 @@ class EngineLikeTarget(InPlaceTarget):
     def live_tensor(self, name: str) -> torch.Tensor:
         return self.resolve(name)
 
-    def copies(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> CopyBatch:
-        return CopyBatch.of(
-            (self.resolve(name), self.shard(name, tuple(t.shape)).of(t)) for name, t in tensors
-        )
+    def copy_pairs(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Pair]:
+        return [(self.resolve(name), self.shard(name, tuple(t.shape)).of(t)) for name, t in tensors]
 
     def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
         if self.model.tp == 1:
