@@ -91,6 +91,12 @@ def plan_rows(
     return rows
 
 
+def table(rows: Sequence[Row]) -> torch.Tensor:
+    """The kernel's table of ``rows`` (flat int64, five per row), on the CPU."""
+    flat = [v for r in rows for v in (r.src, r.dst, r.nbytes, r.word, r.flags)]
+    return torch.tensor(flat, dtype=torch.int64)
+
+
 class SummedCopies:
     """``pairs`` copied by one launch that also takes the checksum of ``buffer[:nbytes]``;
     build once (:meth:`plan`) and :meth:`run` every version."""
@@ -101,8 +107,7 @@ class SummedCopies:
         self.device = buffer.device
         self.blocks = len(rows)
         self.whole = whole_row_words(nbytes)
-        table = [(r.src, r.dst, r.nbytes, r.word, r.flags) for r in rows]
-        self._table = torch.tensor(table, dtype=torch.int64).view(-1).to(self.device)
+        self._table = table(rows).to(self.device)
 
     @classmethod
     def plan(

@@ -1,0 +1,92 @@
+"""Our CUDA kernels' own source, compiled for the CPU with g++ and run there, block by block.
+
+The kernels (``weightsync/copy_kernel.py``) only launch on a GPU, which CI does not have. A
+few lines of C++ stand in for what they use of CUDA: each block's threads are real threads
+(``threadIdx``), ``__syncthreads`` a barrier among them, ``__shared__`` memory shared by them,
+``__shfl_down_sync`` an exchange between two barriers, ``atomicAdd`` an atomic add. Blocks run
+one after another. The kernels then read and write CPU memory at the addresses in their
+tables, so a test can compare what they did with torch's answer, bit for bit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from weightsync import copy_kernel
+
+_SHIM = r"""
+#include <barrier>
+#include <thread>
+#include <vector>
+
+struct dim3_ { unsigned x, y, z; };
+static thread_local dim3_ threadIdx, blockIdx;
+static dim3_ blockDim;
+static std::barrier<>* block_barrier;
+struct uint4 { unsigned x, y, z, w; };
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+
+static void __syncthreads() { block_barrier->arrive_and_wait(); }
+
+static unsigned long long shuffled[1024];
+static unsigned long long __shfl_down_sync(unsigned, unsigned long long v, int offset) {
+    const unsigned t = threadIdx.x;
+    shuffled[t] = v;
+    __syncthreads();
+    const bool inside = (t & 31u) + offset < 32u && t + offset < blockDim.x;
+    const unsigned long long got = inside ? shuffled[t + offset] : v;
+    __syncthreads();
+    return got;
+}
+
+static unsigned long long atomicAdd(unsigned long long* at, unsigned long long v) {
+    return __atomic_fetch_add(at, v, __ATOMIC_SEQ_CST);
+}
+"""
+
+_LAUNCHERS = r"""
+template <class F>
+static void grid(unsigned blocks, unsigned threads, F body) {
+    blockDim = {threads, 1, 1};
+    for (unsigned b = 0; b < blocks; ++b) {
+        std::barrier<> barrier(threads);
+        block_barrier = &barrier;
+        std::vector<std::thread> pool;
+        for (unsigned t = 0; t < threads; ++t)
+            pool.emplace_back([=] { threadIdx = {t, 0, 0}; blockIdx = {b, 0, 0}; body(); });
+        for (auto& th : pool) th.join();
+    }
+}
+
+extern "C" void launch_copy_sum(unsigned blocks, unsigned threads,
+                                const unsigned long long* table, unsigned long long whole,
+                                unsigned long long* out) {
+    grid(blocks, threads, [=] { copy_sum(table, whole, out); });
+}
+"""
+
+
+def compiler() -> str | None:
+    return shutil.which("g++")
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL:
+    """The kernels of ``copy_kernel._SOURCE`` built for this CPU; ``launch_copy_sum`` takes
+    the block count, the threads per block, then the kernel's arguments."""
+    build = Path(tempfile.mkdtemp(prefix="ws-kernels-"))
+    (build / "kernels.cpp").write_text(_SHIM + copy_kernel._SOURCE + _LAUNCHERS)
+    cmd = [compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "kernels.cpp"]
+    subprocess.run([*cmd, "-o", "kernels.so"], cwd=build, check=True, capture_output=True)
+    lib = ctypes.CDLL(str(build / "kernels.so"))
+    u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    lib.launch_copy_sum.argtypes = [u32, u32, u64, u64, u64]
+    return lib
