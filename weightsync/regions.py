@@ -107,24 +107,29 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class CopyBatch:
     """``(destination, source)`` copies issued with as few launches as possible, so MoE models
     with thousands of tensors pay for bytes, not for a Python loop of launches: the small ones
-    in one launch per GPU where CuPy is installed (:mod:`.copy_kernel`: contiguous, same GPU),
-    else in one ``torch._foreach_copy_`` (fused per dtype on CUDA). Build it once and
-    :meth:`run` it every version (views follow the memory, not its contents)."""
+    and the strided ones in one launch per GPU where CuPy is installed (:mod:`.copy_kernel`:
+    same GPU, rows of contiguous elements), else in one ``torch._foreach_copy_`` (fused per
+    dtype on CUDA). Build it once and :meth:`run` it every version (views follow the memory,
+    not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
     srcs: tuple[torch.Tensor, ...]
     one_by_one: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     """Large copies, casts, and copies across devices."""
     chunked: tuple[copy_kernel.ChunkedCopies, ...] = ()
-    """One launch per GPU of its contiguous copies."""
+    """One launch per GPU of its small copies and its strided ones."""
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
         small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in stack_strided(pairs):
-            small_copy = dst.nbytes <= FOREACH_MAX_BYTES
-            if small_copy and copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
+            # A large contiguous copy is faster as its own copy_; torch copies strided views
+            # an element per thread, the kernel in 16-byte units where the rows allow.
+            kernel = dst.nbytes <= FOREACH_MAX_BYTES or not (
+                dst.is_contiguous() and src.is_contiguous()
+            )
+            if kernel and copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
                 by_gpu.setdefault(dst.device, []).append((dst, src))
                 continue
             bits = _BITS.get(dst.element_size())

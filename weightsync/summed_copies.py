@@ -118,7 +118,13 @@ class SummedCopies:
         pairs = [(d, s) for d, s in pairs if d.numel()]
         if not copy_kernel.available(buffer.device) or nbytes == 0:
             return None
-        if not all(copy_kernel.fits(d, s) and d.device == buffer.device for d, s in pairs):
+        if not all(
+            copy_kernel.fits(d, s)
+            and d.is_contiguous()
+            and s.is_contiguous()
+            and d.device == buffer.device
+            for d, s in pairs
+        ):
             return None
         rows = plan_rows(
             [(s.data_ptr(), d.data_ptr(), d.nbytes) for d, s in pairs],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support import kernel_cases
 from weightsync.regions import CopyBatch
 
 pytestmark = [
@@ -69,6 +70,23 @@ def test_one_launch_copies_every_contiguous_view_bit_for_bit_aligned_or_not():
         for a, b in covered:
             gaps[a:b] = False
         assert not dst_flat[gaps].any()  # nothing written outside the views
+
+
+def test_strided_copies_go_in_the_one_launch_and_move_exactly_their_bytes():
+    """Column shards either way, a stack, wide rows, rows aligned to 16 down to 1 byte (the
+    cases of ``tests/support/kernel_cases.py``, which the CPU runs in the kernel's source)."""
+    pytest.importorskip("cupy")
+    g = torch.Generator("cuda").manual_seed(2)
+    a = torch.empty(2_400_000, dtype=torch.uint8, device="cuda").random_(0, 256, generator=g)
+    b = torch.empty(3_100_000, dtype=torch.uint8, device="cuda").random_(0, 256, generator=g)
+    want = a.clone()
+    for dst, src in kernel_cases.strided(want, b):
+        dst.copy_(src)
+    batch = CopyBatch.of(kernel_cases.strided(a, b))
+    assert len(batch.chunked) == 1 and not batch.dsts and not batch.one_by_one
+    batch.run()
+    torch.cuda.synchronize()
+    assert torch.equal(a, want)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

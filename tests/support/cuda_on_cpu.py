@@ -3,8 +3,9 @@
 The kernels (``weightsync/copy_kernel.py``) only launch on a GPU, which CI does not have. A
 few lines of C++ stand in for what they use of CUDA: each block's threads are real threads
 (``threadIdx``), ``__syncthreads`` a barrier among them, ``__shared__`` memory shared by them,
-``__shfl_down_sync`` an exchange between two barriers, ``atomicAdd`` an atomic add. Blocks run
-one after another. The kernels then read and write CPU memory at the addresses in their
+``__shfl_down_sync`` an exchange between two barriers, ``atomicAdd`` an atomic add, and a
+misaligned load or store stops the process (as it would fault on a GPU). Blocks run one after
+another. The kernels then read and write CPU memory at the addresses in their
 tables, so a test can compare what they did with torch's answer, bit for bit.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import shutil
 import subprocess
 import tempfile
@@ -28,7 +30,14 @@ struct dim3_ { unsigned x, y, z; };
 static thread_local dim3_ threadIdx, blockIdx;
 static dim3_ blockDim;
 static std::barrier<>* block_barrier;
-struct uint4 { unsigned x, y, z, w; };
+// Aligned like CUDA's (the sanitizer checks its loads against 16 bytes), copied a field at a
+// time so that a misaligned one is reported rather than faulting here.
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+    uint4() = default;
+    uint4(const uint4& o) : x(o.x), y(o.y), z(o.z), w(o.w) {}
+    uint4& operator=(const uint4& o) { x = o.x; y = o.y; z = o.z; w = o.w; return *this; }
+};
 #define __global__
 #define __device__
 #define __forceinline__ inline
@@ -66,6 +75,11 @@ static void grid(unsigned blocks, unsigned threads, F body) {
     }
 }
 
+extern "C" void launch_copy_chunks(unsigned blocks, unsigned threads,
+                                   const unsigned long long* table) {
+    grid(blocks, threads, [=] { copy_chunks(table); });
+}
+
 extern "C" void launch_copy_sum(unsigned blocks, unsigned threads,
                                 const unsigned long long* table, unsigned long long whole,
                                 unsigned long long* out) {
@@ -80,13 +94,37 @@ def compiler() -> str | None:
 
 @functools.cache
 def kernels() -> ctypes.CDLL:
-    """The kernels of ``copy_kernel._SOURCE`` built for this CPU; ``launch_copy_sum`` takes
+    """The kernels of ``copy_kernel._SOURCE`` built for this CPU: ``launch_<kernel>`` takes
     the block count, the threads per block, then the kernel's arguments."""
     build = Path(tempfile.mkdtemp(prefix="ws-kernels-"))
     (build / "kernels.cpp").write_text(_SHIM + copy_kernel._SOURCE + _LAUNCHERS)
-    cmd = [compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "kernels.cpp"]
-    subprocess.run([*cmd, "-o", "kernels.so"], cwd=build, check=True, capture_output=True)
+    # A load or store at an address its type does not align to is reported (a GPU would
+    # fault; x86 does not care): see launch().
+    cmd = [compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread"]
+    cmd += ["-fsanitize=alignment", "kernels.cpp", "-o", "kernels.so"]
+    subprocess.run(cmd, cwd=build, check=True, capture_output=True)
     lib = ctypes.CDLL(str(build / "kernels.so"))
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
+    lib.launch_copy_chunks.argtypes = [u32, u32, u64]
     lib.launch_copy_sum.argtypes = [u32, u32, u64, u64, u64]
     return lib
+
+
+def launch(kernel: str, blocks: int, *args: int) -> None:
+    """Run ``kernel`` over ``blocks`` blocks of ``copy_kernel.THREADS`` threads.
+
+    Raises:
+        AssertionError: it loaded or stored at a misaligned address (the sanitizer's report).
+    """
+    lib = kernels()
+    with tempfile.TemporaryFile() as report:
+        saved = os.dup(2)  # the sanitizer writes to stderr
+        os.dup2(report.fileno(), 2)
+        try:
+            getattr(lib, f"launch_{kernel}")(blocks, copy_kernel.THREADS, *args)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        report.seek(0)
+        text = report.read().decode(errors="replace")
+    assert "runtime error" not in text, f"{kernel} would fault on a GPU:\n{text}"

@@ -1,0 +1,123 @@
+"""Copies for our CUDA kernels (``weightsync/copy_kernel.py``), shared by their tests on the
+GPU and of their source run on the CPU (``cuda_on_cpu``).
+
+- :func:`strided`: copies of every shape ``copy_chunks`` takes.
+- :func:`packing`, :func:`reading`: buckets for the copies that take the checksum on the way
+  (``weightsync.summed_copies``): odd lengths, ends 8- but not 16-byte aligned, a tensor of
+  several table rows, stale bytes in the padding, and a bucket long enough for both kinds of
+  checksum rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from weightsync import copy_kernel
+from weightsync.summed_copies import CHUNK_BYTES
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+# (bytes, dtype, skew of the tensor outside the bucket)
+_TENSORS = [
+    (6, torch.uint8, 0),
+    (2 * 1001, torch.bfloat16, 8),
+    (3 * CHUNK_BYTES + 40, torch.float32, 0),
+    (8, torch.int64, 24),
+    (70_002, torch.bfloat16, 16),
+]
+
+
+@dataclass
+class Case:
+    bucket: torch.Tensor
+    nbytes: int
+    pairs: list[Pair]
+    flip: int
+    """The last byte of a tensor whose last word is partial (padding follows it)."""
+
+
+def _random(n: int, seed: int, device: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g).to(device)
+
+
+def _layout() -> tuple[list[tuple[int, int, torch.dtype, int]], int]:
+    """(offset in the bucket, bytes, dtype, offset outside) per tensor, and the bucket size."""
+    out, at, outside = [], 0, 0
+    for n, dtype, skew in _TENSORS:
+        outside += skew
+        out.append((at, n, dtype, outside))
+        at = -(-(at + n) // 256) * 256
+        outside = -(-(outside + n) // 64) * 64
+    return out, at
+
+
+def packing(device: str) -> Case:
+    """The sender packing a bucket (its destination) over stale bytes from an earlier one."""
+    layout, nbytes = _layout()
+    bucket = _random(nbytes + 512, 1, device)
+    outside = _random(nbytes + 4096, 2, device)
+    pairs = [
+        (bucket[at : at + n].view(dtype), outside[o : o + n].view(dtype))
+        for at, n, dtype, o in layout
+    ]
+    at, n = layout[-1][:2]
+    return Case(bucket, nbytes, pairs, at + n - 1)
+
+
+def reading(device: str) -> Case:
+    """A receiver reading a bucket (its source): one tensor it does not keep, one it reads
+    into two parameters (tied weights)."""
+    layout, nbytes = _layout()
+    bucket = _random(nbytes, 3, device)
+    params = torch.zeros(nbytes * 2 + 4096, dtype=torch.uint8, device=device)
+    pairs = [
+        (params[o : o + n].view(dtype), bucket[at : at + n].view(dtype))
+        for i, (at, n, dtype, o) in enumerate(layout)
+        if i != 2
+    ]
+    at, n, dtype, _ = layout[-1]
+    pairs.append((params[nbytes + 512 : nbytes + 512 + n].view(dtype), pairs[-1][1]))
+    return Case(bucket, nbytes, pairs, at + n - 1)
+
+
+def moved(case: Case) -> bool:
+    return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in case.pairs)
+
+
+def strided(a: torch.Tensor, b: torch.Tensor) -> list[Pair]:
+    """(destination in byte buffer ``a``, source in ``b``) of every shape the kernel takes:
+    column shards either way, a stack of them, rows wider than a table row, rows aligned to
+    16, 8, 4, 2 and 1 bytes, a contiguous copy of many table rows, a scalar."""
+    at = 0
+
+    def piece(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        nonlocal at
+        nbytes = n * torch.empty((), dtype=dtype).element_size()
+        view = b[at : at + nbytes].view(dtype)
+        at += -(-nbytes // 16) * 16
+        return view
+
+    bf16 = a[: 64 << 10].view(torch.bfloat16).view(64, 512)
+    stack = a[64 << 10 : 192 << 10].view(torch.bfloat16).view(4, 64, 256)
+    wide = a[192 << 10 : (192 << 10) + 3 * 400_000].view(3, 400_000)
+    odd = a[1_500_000:1_504_096].view(64, 64)
+    flat = a[1_600_000 : 1_600_000 + 2 * copy_kernel.CHUNK_BYTES + 100]
+    scalar = a[2_200_002:2_200_004].view(torch.bfloat16).view(())
+    packed = a[2_300_000 : 2_300_000 + 64 * 128 * 2].view(torch.bfloat16).view(64, 128)
+    sharded = b[3_000_000 : 3_000_000 + (64 << 10)].view(torch.bfloat16).view(64, 512)
+    return [
+        (bf16[:, 128:256], piece(64 * 128, torch.bfloat16).view(64, 128)),
+        (bf16[:, 384:448], piece(64 * 64, torch.bfloat16).view(64, 64)),
+        (bf16[:, 4:68], piece(64 * 64, torch.bfloat16).view(64, 64)),  # rows 8-byte aligned
+        (bf16[:, 70:72], piece(64 * 2, torch.bfloat16).view(64, 2)),  # 4-byte aligned
+        (stack[:, :, 8:24], piece(4 * 64 * 16, torch.bfloat16).view(4, 64, 16)),
+        (wide[:, 1000:301_000], piece(3 * 300_000).view(3, 300_000)),
+        (odd[:, 5:8], piece(64 * 3).view(64, 3)),
+        (odd[:, 10:16].view(torch.int16), piece(64 * 3, torch.int16).view(64, 3)),
+        (flat, piece(flat.numel())),
+        (scalar, piece(1, torch.bfloat16).view(())),
+        (packed, sharded[:, 256:384]),
+    ]

@@ -1,0 +1,74 @@
+"""Our CUDA kernels' own source, run on the CPU (``tests/support/cuda_on_cpu.py``) over the
+tables we plan for them: ``copy_chunks`` moves exactly the bytes of contiguous and strided
+copies (and no other), ``copy_sum`` also gives ``row_sums``'s value, packing a bucket and
+reading one (the GPU runs the same cases in tests/gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support import cuda_on_cpu, kernel_cases
+from weightsync import copy_kernel
+from weightsync.checksum import finish, row_sums, whole_row_words
+from weightsync.summed_copies import plan_rows, table
+
+pytestmark = pytest.mark.skipif(cuda_on_cpu.compiler() is None, reason="needs g++")
+
+
+def _run(case: kernel_cases.Case, destination: bool) -> int:
+    rows = plan_rows(
+        [(s.data_ptr(), d.data_ptr(), d.nbytes) for d, s in case.pairs],
+        base=case.bucket.data_ptr(),
+        nbytes=case.nbytes,
+        destination=destination,
+    )
+    assert rows is not None
+    rows_table = table(rows)
+    out = torch.zeros(2, dtype=torch.int64)
+    cuda_on_cpu.launch(
+        "copy_sum", len(rows), rows_table.data_ptr(), whole_row_words(case.nbytes),
+        out.data_ptr(),
+    )  # fmt: skip
+    return finish(out, case.nbytes)
+
+
+@pytest.mark.parametrize("destination", [True, False], ids=["packing", "reading"])
+def test_the_kernel_sums_the_whole_bucket_once_and_moves_every_byte(destination):
+    case = (kernel_cases.packing if destination else kernel_cases.reading)("cpu")
+    got = _run(case, destination)
+    assert kernel_cases.moved(case)
+    assert got == finish(row_sums(case.bucket, case.nbytes), case.nbytes)
+    # Reading: a bit of a tensor's last word. Packing: of the padding in that word, which the
+    # pack leaves as it was (and the receivers' reads sum, so the sender must too).
+    case.bucket[case.flip + destination] ^= 1
+    flipped = _run(case, destination)
+    assert flipped != got
+    assert flipped == finish(row_sums(case.bucket, case.nbytes), case.nbytes)
+
+
+def test_one_launch_moves_exactly_the_bytes_of_strided_and_contiguous_copies() -> None:
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(0, 256, (2_400_000,), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (3_100_000,), dtype=torch.uint8, generator=g)
+    want, b_before = a.clone(), b.clone()
+    for dst, src in kernel_cases.strided(want, b):
+        dst.copy_(src)
+    pairs = kernel_cases.strided(a, b)
+    assert all(copy_kernel.planes(d, s) is not None for d, s in pairs)
+    rows = copy_kernel.table_rows(pairs)
+    assert {r[3] > 1 for r in rows} == {True, False}  # boxes of rows and contiguous chunks
+    rows_table = torch.tensor(rows, dtype=torch.int64)
+    cuda_on_cpu.launch("copy_chunks", len(rows), rows_table.data_ptr())
+    assert torch.equal(a, want)
+    assert torch.equal(b, b_before)
+
+
+def test_copies_the_kernel_cannot_take_are_left_to_torch() -> None:
+    t = torch.zeros(8, 16)
+    assert copy_kernel.planes(t.t(), torch.zeros(16, 8)) is None  # columns of a transpose
+    assert copy_kernel.planes(torch.zeros(8, 1).expand(8, 4), torch.zeros(8, 4)) is None
+    assert copy_kernel.planes(t[:, ::2], torch.zeros(8, 8)) is None  # every other element
+    assert copy_kernel.planes(t[2:6], torch.zeros(4, 16)) == copy_kernel.Planes(
+        [(0, 0)], 1, 4 * 16 * 4, 0, 0
+    )  # whole rows: one contiguous run
