@@ -89,7 +89,12 @@ extern "C" void launch_copy_sum(unsigned blocks, unsigned threads,
 
 
 def compiler() -> str | None:
-    return shutil.which("g++")
+    """g++, where it has the sanitizer runtime that reports misaligned loads (else None)."""
+    gxx = shutil.which("g++")
+    if gxx is None:
+        return None
+    found = subprocess.run([gxx, "-print-file-name=libubsan.so"], capture_output=True, text=True)
+    return gxx if Path(found.stdout.strip()).exists() else None
 
 
 @functools.cache

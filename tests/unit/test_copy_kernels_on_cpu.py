@@ -13,7 +13,7 @@ from weightsync import copy_kernel
 from weightsync.checksum import finish, row_sums, whole_row_words
 from weightsync.summed_copies import plan_rows, table
 
-pytestmark = pytest.mark.skipif(cuda_on_cpu.compiler() is None, reason="needs g++")
+pytestmark = pytest.mark.skipif(cuda_on_cpu.compiler() is None, reason="needs g++ and its libubsan")
 
 
 def _run(case: kernel_cases.Case, destination: bool) -> int:
