@@ -57,18 +57,21 @@ class BucketLoad:
 
     def write(self, target: WeightTarget) -> None:
         sums = None
-        if self.tensors or not self.boxes:
-            if self.key is None:
-                target.load(self.tensors)
-            elif self.checksum is not None and not (self.boxes or self.chunks):
-                bucket = self.checksum[1]
-                sums = target.load_summed(self.key, self.tensors, self.buffers[0], bucket.nbytes)
-            else:
-                target.load_views(self.key, self.tensors)
-        if self.boxes:
-            target.load_boxes(self.key, self.boxes)
-        for entry, data in self.chunks:
-            target.load_chunk(entry, data)
+        if self.checksum is not None and self.key is not None and not self.boxes:
+            bucket = self.checksum[1]
+            sums = target.load_summed(
+                self.key, self.tensors, self.chunks, self.buffers[0], bucket.nbytes
+            )
+        else:
+            if self.tensors or not self.boxes:
+                if self.key is None:
+                    target.load(self.tensors)
+                else:
+                    target.load_views(self.key, self.tensors)
+            if self.boxes:
+                target.load_boxes(self.key, self.boxes)
+            for entry, data in self.chunks:
+                target.load_chunk(entry, data)
         if self.checksum is not None:
             reads, bucket = self.checksum
             reads.checksum(bucket, self.buffers[0], sums)

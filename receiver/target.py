@@ -127,14 +127,18 @@ class WeightTarget(ABC):
         self,
         key: Hashable,
         tensors: Sequence[tuple[str, torch.Tensor]],
+        chunks: Sequence[tuple[BucketEntry, torch.Tensor]],
         bucket: torch.Tensor,
         nbytes: int,
     ) -> torch.Tensor | None:
-        """:meth:`load_views` of views of ``bucket``, also taking the checksum of its first
-        ``nbytes`` where the target's copies can (:mod:`~weightsync.summed_copies`): returns
-        the reduction :func:`~weightsync.checksum.row_sums` would, or None (the reader then
-        reads the bucket again for it). The default loads the views and returns None."""
+        """:meth:`load_views` and :meth:`load_chunk` of views of ``bucket``, also taking the
+        checksum of its first ``nbytes`` where the target's copies can
+        (:mod:`~weightsync.summed_copies`): returns the reduction
+        :func:`~weightsync.checksum.row_sums` would, or None (the reader then reads the bucket
+        again for it). The default loads them and returns None."""
         self.load_views(key, tensors)
+        for entry, data in chunks:
+            self.load_chunk(entry, data)
         return None
 
     def load_boxes(self, key: Hashable, boxes: Sequence[TensorBox]) -> None:
@@ -217,14 +221,16 @@ class InPlaceTarget(WeightTarget):
         self,
         key: Hashable,
         tensors: Sequence[tuple[str, torch.Tensor]],
+        chunks: Sequence[tuple[BucketEntry, torch.Tensor]],
         bucket: torch.Tensor,
         nbytes: int,
     ) -> torch.Tensor | None:
-        if not self._copies_load():
-            return super().load_summed(key, tensors, bucket, nbytes)
+        own_chunks = type(self).load_chunk is InPlaceTarget.load_chunk
+        if not self._copies_load() or (chunks and not own_chunks):
+            return super().load_summed(key, tensors, chunks, bucket, nbytes)
 
         def build() -> CopyBatch | SummedCopies:
-            pairs = self.copy_pairs(tensors)
+            pairs = self.copy_pairs(tensors) + [self._chunk_copy(e, d) for e, d in chunks]
             return summed_copies.copies(pairs, bucket, nbytes, destination=False)
 
         return self._batch(("summed", key), build).run()
@@ -280,10 +286,12 @@ class InPlaceTarget(WeightTarget):
 
     def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
         with torch.no_grad():
-            live = byte_view(self.live_tensor(entry.name).data)
-            live[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(
-                data, non_blocking=True
-            )
+            live, chunk = self._chunk_copy(entry, data)
+            live.copy_(chunk, non_blocking=True)
+
+    def _chunk_copy(self, entry: BucketEntry, data: torch.Tensor) -> Pair:
+        live = byte_view(self.live_tensor(entry.name).data)
+        return live[entry.tensor_offset : entry.tensor_offset + entry.nbytes], data
 
     def commit(self, manifest: VersionManifest) -> None:
         pass

@@ -74,7 +74,7 @@ def test_the_sender_packs_offered_shared_memory_itself_and_the_publisher_never_p
     them and packs every bucket (chunked ones too) without a round trip to the publisher,
     three times (then from the copies it worked out the first time), bit-exact. The receiver
     too works out its copies of each mapped bucket once per staging buffer
-    (``InPlaceTarget.load_views``)."""
+    (``InPlaceTarget.load_summed``)."""
     import weightsync.sender.publisher as publisher_module
     from weightsync.transports import get_transport
 
@@ -87,8 +87,8 @@ def test_the_sender_packs_offered_shared_memory_itself_and_the_publisher_never_p
         try:
             model = TinyNet(seed=1)
             receiver = TorchReceiver(model, sender.address)
-            built, copies = [], receiver.target.copies
-            receiver.target.copies = lambda views: built.append(views) or copies(views)
+            built, pairs = [], receiver.target.copy_pairs
+            receiver.target.copy_pairs = lambda views: built.append(views) or pairs(views)
             publisher = Publisher(sender.address)
             for version in (1, 2, 3):
                 t, _ = sync_in_thread(receiver)
