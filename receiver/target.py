@@ -229,8 +229,10 @@ class InPlaceTarget(WeightTarget):
         if not self._copies_load() or (chunks and not own_chunks):
             return super().load_summed(key, tensors, chunks, bucket, nbytes)
 
+        @torch.no_grad()  # views of live parameters, as load_chunk takes them
         def build() -> CopyBatch | SummedCopies:
-            pairs = self.copy_pairs(tensors) + [self._chunk_copy(e, d) for e, d in chunks]
+            pairs = self.copy_pairs(tensors)
+            pairs += [pair for entry, data in chunks for pair in self.chunk_copies(entry, data)]
             return summed_copies.copies(pairs, bucket, nbytes, destination=False)
 
         return self._batch(("summed", key), build).run()
@@ -286,12 +288,14 @@ class InPlaceTarget(WeightTarget):
 
     def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
         with torch.no_grad():
-            live, chunk = self._chunk_copy(entry, data)
-            live.copy_(chunk, non_blocking=True)
+            for live, chunk in self.chunk_copies(entry, data):
+                live.copy_(chunk, non_blocking=True)
 
-    def _chunk_copy(self, entry: BucketEntry, data: torch.Tensor) -> Pair:
+    def chunk_copies(self, entry: BucketEntry, data: torch.Tensor) -> list[Pair]:
+        """The ``(live, received)`` copies that write chunk ``data`` of ``entry`` (default:
+        its bytes of the :meth:`live_tensor`)."""
         live = byte_view(self.live_tensor(entry.name).data)
-        return live[entry.tensor_offset : entry.tensor_offset + entry.nbytes], data
+        return [(live[entry.tensor_offset : entry.tensor_offset + entry.nbytes], data)]
 
     def commit(self, manifest: VersionManifest) -> None:
         pass

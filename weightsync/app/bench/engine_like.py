@@ -260,19 +260,16 @@ class EngineLikeTarget(InPlaceTarget):
     def copy_pairs(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Pair]:
         return [(self.resolve(name), self.shard(name, tuple(t.shape)).of(t)) for name, t in tensors]
 
-    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
+    def chunk_copies(self, entry: BucketEntry, data: torch.Tensor) -> list[Pair]:
         if self.model.tp == 1:
-            return super().load_chunk(entry, data)
+            return super().chunk_copies(entry, data)
         spec, live = entry.spec, self.resolve(entry.name)
         first, stop = entry_rows(entry)
         rows = data.view(spec.torch_dtype).view((stop - first, *spec.shape[1:]))
         shard = self.shard(entry.name, spec.shape)
-        with torch.no_grad():
-            if shard.dim != 0:  # every row of the chunk is kept, possibly some columns of it
-                live.narrow(0, first, stop - first).copy_(shard.of(rows), non_blocking=True)
-                return
-            lo, hi = max(first, shard.start), min(stop, shard.start + shard.length)
-            if lo < hi:
-                live.narrow(0, lo - shard.start, hi - lo).copy_(
-                    rows.narrow(0, lo - first, hi - lo), non_blocking=True
-                )
+        if shard.dim != 0:  # every row of the chunk is kept, possibly some columns of it
+            return [(live.narrow(0, first, stop - first), shard.of(rows))]
+        lo, hi = max(first, shard.start), min(stop, shard.start + shard.length)
+        if lo >= hi:
+            return []
+        return [(live.narrow(0, lo - shard.start, hi - lo), rows.narrow(0, lo - first, hi - lo))]
