@@ -244,6 +244,38 @@ def test_checksums_match_for_intact_buckets(stage):
     reads.check(staged.end_msg())
 
 
+class Summing(InPlace):
+    """Says the checksum its loads took of each bucket, as the GPU's one launch does: here the
+    bucket's as it was when first read (``bucket_sums``); None says nothing was taken."""
+
+    def __init__(self, live: dict[str, torch.Tensor], bucket_sums: dict[int, torch.Tensor]):
+        super().__init__(live)
+        self.bucket_sums = bucket_sums
+        self.summed: list[int] = []
+
+    def load_summed(self, key, tensors, chunks, bucket, nbytes):
+        self.summed.append(nbytes)
+        super().load_summed(key, tensors, chunks, bucket, nbytes)
+        return self.bucket_sums.get(bucket.data_ptr())
+
+
+def test_the_checksum_a_targets_loads_took_stands_in_for_a_second_read_of_the_bucket(stage):
+    staged = stage(weights(1))
+    took = {s.tensor.data_ptr(): row_sums(s.tensor, b.nbytes)
+            for s, b in zip(staged.buffers, staged.plan.buckets, strict=True)}  # fmt: skip
+    staged.buffers[1].tensor[staged.plan.buckets[1].entries[0].offset] ^= 0x40  # after
+    for bucket_sums, fails in ((took, False), ({}, True)):
+        target = Summing(zeros_like(staged.tensors), bucket_sums)
+        reader = BucketReader(CPU, chunks_in_place=True, verify_checksums=True)
+        reads = read_all(reader, target, staged)
+        assert target.summed == [b.nbytes for b in staged.plan.buckets]  # chunks included
+        if fails:  # nothing taken: the reader read each bucket again, and saw the flip
+            with pytest.raises(ChecksumError, match="bucket 1 of version 1"):
+                reads.check(staged.end_msg())
+        else:
+            reads.check(staged.end_msg())
+
+
 def test_a_checksum_mismatch_names_the_bucket_and_its_first_tensor(stage):
     staged = stage(weights(1), version=3)
     corrupt = staged.plan.buckets[1]
