@@ -177,7 +177,8 @@ class InPlaceTarget(WeightTarget):
     chunks_in_place = True
     _MAX_BATCHES = 256
     _batches: dict[Hashable, CopyBatch | SummedCopies] | None = None
-    """:meth:`load_views`' copies by key (set on first use)."""
+    """The copies of :meth:`load_views`, :meth:`load_boxes` and :meth:`load_summed` by key
+    (set on first use)."""
 
     @abstractmethod
     def live_tensor(self, name: str) -> torch.Tensor:
