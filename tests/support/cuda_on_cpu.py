@@ -109,6 +109,7 @@ def kernels() -> ctypes.CDLL:
     cmd += ["-fsanitize=alignment", "kernels.cpp", "-o", "kernels.so"]
     subprocess.run(cmd, cwd=build, check=True, capture_output=True)
     lib = ctypes.CDLL(str(build / "kernels.so"))
+    shutil.rmtree(build)  # the loaded library stays mapped
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     lib.launch_copy_chunks.argtypes = [u32, u32, u64]
     lib.launch_copy_sum.argtypes = [u32, u32, u64, u64, u64]
