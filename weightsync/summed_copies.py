@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync import copy_kernel
-from weightsync.checksum import ROW_WORDS, whole_row_words
+from weightsync.checksum import whole_row_words
 from weightsync.regions import CopyBatch, Pair
 
 SUM_DESTINATION = 1
@@ -30,8 +30,6 @@ SUM_DESTINATION = 1
 NO_SUM = 2
 """Row flag: copy only (another row already sums these source bytes)."""
 _WORD = 8
-CHUNK_BYTES = ROW_WORDS * _WORD * 4
-"""Bytes per row of the table (a CUDA block each): large enough to keep loads in flight."""
 
 
 @dataclass(frozen=True)
@@ -51,9 +49,16 @@ def _aligned(n: int) -> int:
 
 
 def _chunked(src: int, dst: int, nbytes: int, at: int, flags: int) -> list[Row]:
+    """A table row (a CUDA block) per :data:`~.copy_kernel.CHUNK_BYTES` of a span."""
     return [
-        Row(src + o, dst + o if dst else 0, min(CHUNK_BYTES, nbytes - o), (at + o) // _WORD, flags)
-        for o in range(0, nbytes, CHUNK_BYTES)
+        Row(
+            src + o,
+            dst + o if dst else 0,
+            min(copy_kernel.CHUNK_BYTES, nbytes - o),
+            (at + o) // _WORD,
+            flags,
+        )
+        for o in range(0, nbytes, copy_kernel.CHUNK_BYTES)
     ]
 
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from weightsync import copy_kernel
-from weightsync.summed_copies import CHUNK_BYTES
 
 Pair = tuple[torch.Tensor, torch.Tensor]
 
@@ -23,7 +22,7 @@ Pair = tuple[torch.Tensor, torch.Tensor]
 _TENSORS = [
     (6, torch.uint8, 0),
     (2 * 1001, torch.bfloat16, 8),
-    (3 * CHUNK_BYTES + 40, torch.float32, 0),
+    (3 * copy_kernel.CHUNK_BYTES + 40, torch.float32, 0),
     (8, torch.int64, 24),
     (70_002, torch.bfloat16, 16),
 ]

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from weightsync.checksum import ROW_WORDS, finish, row_sums, whole_row_words
-from weightsync.summed_copies import CHUNK_BYTES, NO_SUM, SUM_DESTINATION, Row, plan_rows
+from weightsync.copy_kernel import CHUNK_BYTES
+from weightsync.summed_copies import NO_SUM, SUM_DESTINATION, Row, plan_rows
 
 _MASK = (1 << 64) - 1
 BASE = 4096
