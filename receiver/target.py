@@ -278,8 +278,8 @@ class InPlaceTarget(WeightTarget):
         self._batches = None
 
     def copies(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> CopyBatch:
-        """The copies that load ``tensors``: small ones in one launch, not one each
-        (thousands for MoE experts)."""
+        """The copies that load ``tensors``, batched (:class:`~weightsync.regions.CopyBatch`):
+        not a launch each for thousands of MoE experts."""
         return CopyBatch.of(self.copy_pairs(tensors))
 
     def copy_pairs(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Pair]:

@@ -94,9 +94,9 @@ def copy_pairs(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 FOREACH_MAX_BYTES = 4 << 20
-"""Copies up to this size go in the batched launch; larger ones get their own ``copy_``,
-which moves same-dtype contiguous bytes on the copy engine at full bandwidth, where the
-fused kernel of ``_foreach_copy_`` is slower per byte: launches only matter for small copies."""
+"""Without the kernel, copies up to this size go in one ``_foreach_copy_``; larger ones get
+their own ``copy_``, which moves contiguous bytes at full bandwidth, where ``_foreach_copy_``'s
+fused kernel is slower per byte: launches only matter for small copies."""
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -106,10 +106,10 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 @dataclass(frozen=True)
 class CopyBatch:
     """``(destination, source)`` copies issued with as few launches as possible, so MoE models
-    with thousands of tensors pay for bytes, not for a Python loop of launches: the small ones
-    and the strided ones in one launch per GPU where CuPy is installed (:mod:`.copy_kernel`:
-    same GPU, rows of contiguous elements), else in one ``torch._foreach_copy_`` (fused per
-    dtype on CUDA). Build it once and :meth:`run` it every version (views follow the memory,
+    with thousands of tensors pay for bytes, not for a Python loop of launches: every same-GPU
+    copy of rows of contiguous elements in one launch per GPU where CuPy is installed
+    (:mod:`.copy_kernel`), else the small ones in one ``torch._foreach_copy_`` (fused per
+    dtype on CUDA) and the large ones a ``copy_`` each. Build it once and :meth:`run` it every version (views follow the memory,
     not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
@@ -117,19 +117,14 @@ class CopyBatch:
     one_by_one: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     """Large copies, casts, and copies across devices."""
     chunked: tuple[copy_kernel.ChunkedCopies, ...] = ()
-    """One launch per GPU of its small copies and its strided ones."""
+    """One launch per GPU of every copy the kernel takes."""
 
     @classmethod
     def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
         small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in stack_strided(pairs):
-            # A large contiguous copy is faster as its own copy_; torch copies strided views
-            # an element per thread, the kernel in 16-byte units where the rows allow.
-            kernel = dst.nbytes <= FOREACH_MAX_BYTES or not (
-                dst.is_contiguous() and src.is_contiguous()
-            )
-            if kernel and copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
+            if copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
                 by_gpu.setdefault(dst.device, []).append((dst, src))
                 continue
             bits = _BITS.get(dst.element_size())

@@ -34,9 +34,11 @@ def test_batched_copies_of_byte_buffer_views_are_bit_exact(dtype):
 
 def test_one_launch_copies_every_contiguous_view_bit_for_bit_aligned_or_not():
     """The batched kernel (with CuPy): views at odd element offsets (2-byte aligned), sizes
-    that are no multiple of 16, and copies of many chunks, between two byte buffers."""
+    that are no multiple of 16, copies of many chunks, and a large one (torch's own ``copy_``
+    without the kernel), between two byte buffers."""
     pytest.importorskip("cupy")
     from weightsync import copy_kernel
+    from weightsync.regions import FOREACH_MAX_BYTES
 
     g = torch.Generator("cuda").manual_seed(1)
     src_flat = torch.empty(24 << 20, dtype=torch.uint8, device="cuda").random_(0, 256, generator=g)
@@ -48,6 +50,7 @@ def test_one_launch_copies_every_contiguous_view_bit_for_bit_aligned_or_not():
         (65536, 6),
         (3 << 20, 0),
         (9 * copy_kernel.CHUNK_BYTES + 34, 2),
+        (FOREACH_MAX_BYTES + 4098, 4),
     ):
         offset += skew
         pairs.append(
