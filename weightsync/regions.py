@@ -109,8 +109,8 @@ class CopyBatch:
     with thousands of tensors pay for bytes, not for a Python loop of launches: every same-GPU
     copy of rows of contiguous elements in one launch per GPU where CuPy is installed
     (:mod:`.copy_kernel`), else the small ones in one ``torch._foreach_copy_`` (fused per
-    dtype on CUDA) and the large ones a ``copy_`` each. Build it once and :meth:`run` it every version (views follow the memory,
-    not its contents)."""
+    dtype on CUDA) and the large ones a ``copy_`` each. Build it once and :meth:`run` it
+    every version (views follow the memory, not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
     srcs: tuple[torch.Tensor, ...]
