@@ -197,12 +197,29 @@ def _kernels():
 def launch(name: str, device: torch.device, blocks: int, *args: object) -> None:
     """Launch kernel ``name`` on ``device``'s current torch stream (integers as uint64)."""
     cupy, kernels = _kernels()
-    stream = torch.cuda.current_stream(device)
-    with (
-        cupy.cuda.Device(device.index),
-        cupy.cuda.ExternalStream(stream.cuda_stream, device.index),
-    ):
-        kernels[name]((blocks,), (THREADS,), tuple(cupy.uint64(a) for a in args))
+    stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    with cupy.cuda.Device(device.index):
+        kernels[name]((blocks,), (THREADS,), tuple(cupy.uint64(a) for a in args), stream=stream)
+
+
+@dataclass(frozen=True)
+class _StreamHandle:
+    """A raw ``cudaStream_t`` in the CUDA stream protocol, which CuPy 14 takes."""
+
+    ptr: int
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+@functools.cache
+def _cupy_stream(ptr: int, device: int):
+    """CuPy's handle on a torch stream, made once per stream (a launch then costs ~5 us)."""
+    cupy = _kernels()[0]
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:  # CuPy 13, where ExternalStream is not yet deprecated
+        return cupy.cuda.ExternalStream(ptr, device)
+    return from_external(_StreamHandle(ptr))
 
 
 def available(device: torch.device) -> bool:
