@@ -9,6 +9,7 @@ import pytest
 from weightsync.app.bench.report import (
     BASELINE,
     D2D,
+    FLAT,
     FLOOR,
     LOCKSTEP,
     OTHER,
@@ -23,9 +24,10 @@ GBYTES = 15_000_000_000
 BUCKET = 512 << 20
 
 
-def _report(gpus: int = 2) -> Report:
+def _report(gpus: int = 2, model: str = "m", **meta: object) -> Report:
     meta = {
-        "model": "m",
+        **meta,
+        "model": model,
         "model_note": "all layers",
         "tensors": 3,
         "gb": GBYTES / 1e9,
@@ -83,6 +85,23 @@ def test_targets_are_reported_met_or_not():
     assert targets["staged nccl TP=2 (other GPU): x broadcast floor"]["met"]
     assert targets["staged nccl TP=2 (other GPU): extra GB on trainer device"]["met"]
     assert _report(gpus=0).targets() == []
+
+
+@pytest.mark.parametrize(
+    ("model", "meta", "limit"),
+    [
+        ("m", {"moe": True}, 2.0),
+        ("m", {"moe": False}, 1.3),
+        ("qwen3-30b-a3b", {}, 2.0),  # saved before the meta said: known by its name
+        ("qwen2.5-7b", {}, 1.3),
+    ],
+)
+def test_one_flat_copy_target_is_2x_for_moe_models_and_1_3x_for_dense(model, meta, limit):
+    report = _report(model=model, **meta)
+    report.rows.append(Row(FLOOR, FLAT, "-", "one buffer", SAME, GBYTES, (0.008,)))
+    targets = {t["target"]: t for t in report.targets()}
+    flat = targets["direct cuda_ipc TP=1 (same GPU): x one flat copy (issue 11)"]
+    assert flat["limit"] == limit and flat["value"] == 1.5 and flat["met"] == (limit == 2.0)
 
 
 def test_json_and_plot(tmp_path):

@@ -165,6 +165,7 @@ def _run(cfg: BenchConfig, console) -> Report:
         {
             "model": shape.name,
             "model_note": model_note,
+            "moe": shape.is_moe,
             "layers": shape.layers,
             "tensors": len(specs),
             "bytes": nbytes,
