@@ -207,7 +207,7 @@ class InPlaceTarget(WeightTarget):
         pass
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self.copies(tensors).run()
+        self.copies(tensors, reused=False).run()
 
     def load_views(self, key: Hashable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         # Working out the batch costs about a millisecond per version for a 7B model's 339
@@ -243,7 +243,10 @@ class InPlaceTarget(WeightTarget):
         if not self._copies_load():
             return super().load_boxes(key, boxes)
         copies = (pair for b in boxes for pair in self.box_copies(b))
-        self._batch(None if key is None else ("boxes", key), lambda: CopyBatch.of(copies)).run()
+        self._batch(
+            None if key is None else ("boxes", key),
+            lambda: CopyBatch.of(copies, reused=key is not None),
+        ).run()
 
     def box_copies(self, piece: TensorBox) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The copy that writes what this rank keeps of ``piece`` (none when it keeps none of
@@ -277,10 +280,12 @@ class InPlaceTarget(WeightTarget):
     def forget_views(self) -> None:
         self._batches = None
 
-    def copies(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> CopyBatch:
+    def copies(
+        self, tensors: Sequence[tuple[str, torch.Tensor]], *, reused: bool = True
+    ) -> CopyBatch:
         """The copies that load ``tensors``, batched (:class:`~weightsync.regions.CopyBatch`):
-        not a launch each for thousands of MoE experts."""
-        return CopyBatch.of(self.copy_pairs(tensors))
+        not a launch each for thousands of MoE experts. ``reused``: kept and run again."""
+        return CopyBatch.of(self.copy_pairs(tensors), reused=reused)
 
     def copy_pairs(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Pair]:
         """The ``(live, received)`` copies that load ``tensors`` (default: each whole into

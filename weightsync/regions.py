@@ -106,10 +106,11 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 @dataclass(frozen=True)
 class CopyBatch:
     """``(destination, source)`` copies issued with as few launches as possible, so MoE models
-    with thousands of tensors pay for bytes, not for a Python loop of launches: every same-GPU
-    copy of rows of contiguous elements in one launch per GPU where CuPy is installed
-    (:mod:`.copy_kernel`), else the small ones in one ``torch._foreach_copy_`` (fused per
-    dtype on CUDA) and the large ones a ``copy_`` each. Build it once and :meth:`run` it
+    with thousands of tensors pay for bytes, not for a Python loop of launches: same-GPU copies
+    of rows of contiguous elements in one launch per GPU where CuPy is installed
+    (:mod:`.copy_kernel`: the small and strided ones, and the large ones too in a batch that is
+    reused), else the small ones in one ``torch._foreach_copy_`` (fused per dtype on CUDA)
+    and the large ones a ``copy_`` each. Build it once and :meth:`run` it
     every version (views follow the memory, not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
@@ -120,11 +121,22 @@ class CopyBatch:
     """One launch per GPU of every copy the kernel takes."""
 
     @classmethod
-    def of(cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> CopyBatch:
+    def of(
+        cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *, reused: bool = False
+    ) -> CopyBatch:
+        """The batch of ``pairs``. ``reused``: it will run again (every version), so large
+        contiguous copies join the one launch too; its table costs a row per 256 KiB to build
+        (about 50 ms of Python for 15 GB), which a batch run once would pay every time, where
+        a ``copy_`` each costs nothing to prepare."""
         small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in stack_strided(pairs):
-            if copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
+            kernel = (
+                reused
+                or dst.nbytes <= FOREACH_MAX_BYTES
+                or not (dst.is_contiguous() and src.is_contiguous())
+            )
+            if kernel and copy_kernel.fits(dst, src) and copy_kernel.available(dst.device):
                 by_gpu.setdefault(dst.device, []).append((dst, src))
                 continue
             bits = _BITS.get(dst.element_size())

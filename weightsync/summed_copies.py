@@ -155,4 +155,5 @@ def copies(
     """The copies of ``pairs`` to run every version: summing ``buffer[:nbytes]`` on the way
     where they can (``run()`` then returns the reduction), else a plain :class:`CopyBatch`
     (``run()`` returns None: sum apart)."""
-    return SummedCopies.plan(pairs, buffer, nbytes, destination=destination) or CopyBatch.of(pairs)
+    summed = SummedCopies.plan(pairs, buffer, nbytes, destination=destination)
+    return summed or CopyBatch.of(pairs, reused=True)

@@ -61,7 +61,9 @@ def test_one_launch_copies_every_contiguous_view_bit_for_bit_aligned_or_not():
         )
         covered.append((offset, offset + n))
         offset += n
-    batch = CopyBatch.of(pairs)
+    once = CopyBatch.of(pairs)  # a batch run once leaves the large copy to torch
+    assert len(once.chunked) == 1 and [d for d, _ in once.one_by_one] == [pairs[-1][0]]
+    batch = CopyBatch.of(pairs, reused=True)
     assert len(batch.chunked) == 1 and not batch.dsts and not batch.one_by_one
     for _ in range(2):  # the table is built once and copies again
         dst_flat.zero_()

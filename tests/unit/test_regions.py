@@ -104,6 +104,33 @@ def test_a_piece_reaching_past_its_source_is_refused_by_name():
         regions_from_pb(pieces, [torch.zeros(32, dtype=torch.uint8)])
 
 
+@pytest.mark.parametrize("reused", [False, True])
+def test_the_kernel_takes_large_contiguous_copies_only_in_a_batch_that_is_reused(
+    monkeypatch, reused
+):
+    """A reused batch builds its table once, so large copies join the one launch; a batch run
+    once keeps them as a ``copy_`` each (its table would cost more than the launches save).
+    The kernel itself needs a GPU: here it only records what it was given."""
+    import weightsync.regions as regions
+    from weightsync import copy_kernel
+
+    given = []
+    monkeypatch.setattr(regions, "FOREACH_MAX_BYTES", 64)
+    monkeypatch.setattr(copy_kernel, "fits", lambda dst, src: True)
+    monkeypatch.setattr(copy_kernel, "available", lambda device: True)
+    monkeypatch.setattr(copy_kernel, "ChunkedCopies", lambda pairs: given.append(pairs))
+    small = (torch.zeros(4), torch.ones(4))
+    large = (torch.zeros(100), torch.ones(100))
+    strided = (torch.zeros(8, 8)[:, :4], torch.ones(8, 4))
+    batch = regions.CopyBatch.of([small, large, strided], reused=reused)
+    kernel = [d for pairs in given for d, _ in pairs]
+    assert len(given) == 1 and kernel[0] is small[0] and kernel[-1] is strided[0]
+    if reused:
+        assert kernel[1] is large[0] and not batch.one_by_one
+    else:
+        assert len(kernel) == 2 and [d for d, _ in batch.one_by_one] == [large[0]]
+
+
 def test_a_copy_batch_copies_small_pairs_in_one_launch_and_large_ones_alone(monkeypatch):
     import weightsync.regions as regions
 
