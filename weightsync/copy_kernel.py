@@ -53,7 +53,7 @@ __device__ __forceinline__ void copy_rows(const char* src, char* dst, unsigned l
     }
 }
 
-extern "C" __global__ void copy_chunks(const unsigned long long* table) {
+extern "C" __global__ void __launch_bounds__(1024) copy_chunks(const unsigned long long* table) {
     const unsigned long long* row = table + 6ull * blockIdx.x;
     const char* src = (const char*)row[0];
     char* dst = (char*)row[1];
@@ -107,7 +107,7 @@ __device__ __forceinline__ void take16(const uint4& v, unsigned long long w,
     b += lo + hi;
 }
 
-extern "C" __global__ void copy_sum(
+extern "C" __global__ void __launch_bounds__(1024) copy_sum(
         const unsigned long long* table, unsigned long long whole, unsigned long long* out) {
     const unsigned long long* row = table + 5ull * blockIdx.x;
     const char* src = (const char*)row[0];

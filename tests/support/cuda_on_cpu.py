@@ -39,6 +39,7 @@ struct alignas(16) uint4 {
     uint4& operator=(const uint4& o) { x = o.x; y = o.y; z = o.z; w = o.w; return *this; }
 };
 #define __global__
+#define __launch_bounds__(threads)
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
