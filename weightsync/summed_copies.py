@@ -10,8 +10,10 @@ keep). Every word is summed exactly once, in the same launch as the copies
 
 :func:`plan_rows` is the pure part (addresses in, table rows out), tested on CPU; it gives up
 (None) where the rule cannot hold cheaply, and the caller copies and sums apart as before:
-strided or cross-device copies, casts, ends not 8-byte aligned, spans that overlap unless
-identical source spans (a receiver reading one tensor into two parameters).
+cross-device copies, casts, ends not 8-byte aligned, spans that overlap unless identical
+source spans (a receiver reading one tensor into two parameters), and strided boxes that do
+not fill whole rows of the bucket together (they do when every TP rank's columns of a tensor
+are packed; an engine TP=2 rank reading its half of a bucket's tensor does not).
 """
 
 from __future__ import annotations
@@ -35,13 +37,22 @@ _WORD = 8
 @dataclass(frozen=True)
 class Row:
     """One block's work: copy ``nbytes`` from ``src`` to ``dst`` (0: sum only), summing the
-    summed side's words, the first of which is word ``word`` of the bucket."""
+    summed side's words, the first of which is word ``word`` of the bucket. With ``rows`` > 1
+    a box: ``rows`` rows of ``nbytes``, each ``src_pitch`` / ``dst_pitch`` after the last."""
 
     src: int
     dst: int
     nbytes: int
     word: int
     flags: int
+    rows: int = 1
+    src_pitch: int = 0
+    dst_pitch: int = 0
+
+
+Copy = tuple[int, int, int] | tuple[int, int, int, int, int, int]
+"""(source, destination, bytes), or a box: (source, destination, bytes per row, rows, source
+pitch, destination pitch)."""
 
 
 def _aligned(n: int) -> int:
@@ -62,43 +73,118 @@ def _chunked(src: int, dst: int, nbytes: int, at: int, flags: int) -> list[Row]:
     ]
 
 
-def plan_rows(
-    copies: Sequence[tuple[int, int, int]], *, base: int, nbytes: int, destination: bool
-) -> list[Row] | None:
-    """Rows that make ``copies`` (source address, destination address, bytes) and sum every
-    word of the bucket at ``base`` (``nbytes``, a multiple of 8) exactly once; the bucket is
-    the copies' destination when ``destination``, else their source. None when that cannot
-    be planned: a copy outside the bucket or not 8-byte aligned, or two copies whose bucket
-    spans overlap (unless both read the same source span)."""
+def _box_rows(box: tuple[int, ...], at: int, pitch: int, flags: int) -> list[Row]:
+    """Table rows of a box whose summed side starts at bucket byte ``at``, rows ``pitch``
+    apart there: about :data:`~.copy_kernel.CHUNK_BYTES` of whole rows each, or chunks of one
+    row where a row is wider."""
+    src, dst, width, rows, sp, dp = box
+    if width > copy_kernel.CHUNK_BYTES:
+        return [
+            row
+            for r in range(rows)
+            for row in _chunked(src + r * sp, dst + r * dp, width, at + r * pitch, flags)
+        ]
+    per = copy_kernel.CHUNK_BYTES // width
+    return [
+        Row(src + r * sp, dst + r * dp, width, (at + r * pitch) // _WORD, flags,
+            min(per, rows - r), sp, dp)
+        for r in range(0, rows, per)
+    ]  # fmt: skip
+
+
+def _tiles(boxes: list[tuple[int, int, tuple[int, ...]]], rows: int, pitch: int):
+    """Boxes of ``rows`` rows ``pitch`` apart in the bucket, as (bucket byte, bytes, boxes)
+    spans: side by side they must fill whole rows (a TP shard's columns beside the others'),
+    so each run of them is one contiguous span; None where they do not."""
     spans = []
-    for src, dst, n in copies:
-        if n == 0:
+    boxes.sort(key=lambda b: b[0])
+    i = 0
+    while i < len(boxes):
+        at, width, run = boxes[i][0], 0, []
+        while i < len(boxes) and boxes[i][0] == at + width and width < pitch:
+            width += boxes[i][1]
+            run.append(boxes[i][2])
+            i += 1
+        if width != pitch:
+            return None
+        spans.append((at, rows * pitch, run))
+    return spans
+
+
+def plan_rows(
+    copies: Sequence[Copy], *, base: int, nbytes: int, destination: bool
+) -> list[Row] | None:
+    """Rows that make ``copies`` and sum every word of the bucket at ``base`` (``nbytes``, a
+    multiple of 8) exactly once; the bucket is the copies' destination when ``destination``,
+    else their source. None when that cannot be planned: a copy outside the bucket or not
+    8-byte aligned, two copies whose bucket spans overlap (unless both read the same source
+    span), or boxes that do not fill whole rows of the bucket together."""
+    spans = []  # (bucket byte, bytes, source, destination, boxes or None)
+    boxes: dict[tuple[int, int], list[tuple[int, int, tuple[int, ...]]]] = {}
+    for copy in copies:
+        src, dst, n, rows, sp, dp = copy if len(copy) == 6 else (*copy, 1, 0, 0)
+        if n == 0 or rows == 0:
             continue
         at = (dst if destination else src) - base
-        if at < 0 or at + n > nbytes or (at | src | dst) % _WORD:
+        if at < 0 or (at | src | dst) % _WORD:
             return None
-        spans.append((at, n, src, dst))
-    spans.sort()
-    rows: list[Row] = []
+        if rows == 1:
+            if at + n > nbytes:
+                return None
+            spans.append((at, n, src, dst, None))
+            continue
+        pitch = dp if destination else sp
+        if (n | sp | dp) % _WORD or n > pitch or at + (rows - 1) * pitch + n > nbytes:
+            return None
+        boxes.setdefault((rows, pitch), []).append((at, n, (src, dst, n, rows, sp, dp)))
+    for (rows, pitch), group in boxes.items():
+        tiles = _tiles(group, rows, pitch)
+        if tiles is None:
+            return None
+        spans.extend((at, n, 0, 0, run) for at, n, run in tiles)
+    spans.sort(key=lambda span: span[:2])
+    out: list[Row] = []
     covered = 0
     last = None
-    for at, n, src, dst in spans:
+    flags = SUM_DESTINATION if destination else 0
+    for at, n, src, dst, run in spans:
         if at < covered:
             # Only one write per destination byte, and a source span read twice is summed once.
-            if destination or (at, n) != last:
+            if destination or run is not None or (at, n) != last:
                 return None
-            rows.extend(_chunked(src, dst, n, at, NO_SUM))
+            out.extend(_chunked(src, dst, n, at, NO_SUM))
             continue
-        rows.extend(_chunked(base + covered, 0, at - covered, covered, 0))
-        rows.extend(_chunked(src, dst, n, at, SUM_DESTINATION if destination else 0))
+        out.extend(_chunked(base + covered, 0, at - covered, covered, 0))
+        if run is None:
+            out.extend(_chunked(src, dst, n, at, flags))
+        else:
+            for box in run:
+                out.extend(_box_rows(box, (box[1] if destination else box[0]) - base,
+                                     n // box[3], flags))  # fmt: skip
         covered, last = _aligned(at + n), (at, n)
-    rows.extend(_chunked(base + covered, 0, nbytes - covered, covered, 0))
-    return rows
+    out.extend(_chunked(base + covered, 0, nbytes - covered, covered, 0))
+    return out
+
+
+def spans_of(pairs: Sequence[Pair]) -> list[Copy]:
+    """``pairs`` (each :func:`~.copy_kernel.fits`, the device aside) as :func:`plan_rows`'s
+    copies: spans, and boxes for strided ones (one per plane)."""
+    out: list[Copy] = []
+    for d, s in pairs:
+        p = copy_kernel.planes(d, s)
+        for so, do in p.offsets:
+            span = (s.data_ptr() + so, d.data_ptr() + do, p.width)
+            out.append(span if p.rows == 1 else (*span, p.rows, p.src_pitch, p.dst_pitch))
+    return out
 
 
 def table(rows: Sequence[Row]) -> torch.Tensor:
-    """The kernel's table of ``rows`` (flat int64, five per row), on the CPU."""
-    flat = [v for r in rows for v in (r.src, r.dst, r.nbytes, r.word, r.flags)]
+    """The kernel's table of ``rows`` (flat int64, eight per row), on the CPU."""
+    flat = [
+        v
+        for r in rows
+        for v in (r.src, r.dst, r.nbytes, r.rows, r.src_pitch, r.dst_pitch, r.word, r.flags)
+    ]
     return torch.tensor(flat, dtype=torch.int64)
 
 
@@ -118,25 +204,15 @@ class SummedCopies:
     def plan(
         cls, pairs: Sequence[Pair], buffer: torch.Tensor, nbytes: int, *, destination: bool
     ) -> SummedCopies | None:
-        """The fused copies, or None where they cannot be (no CuPy or GPU, a copy that is
-        not a contiguous same-GPU copy of the same dtype, or :func:`plan_rows` says no)."""
+        """The fused copies, or None where they cannot be (no CuPy or GPU, a copy the kernel
+        cannot take (:func:`~.copy_kernel.fits`), or :func:`plan_rows` says no)."""
         pairs = [(d, s) for d, s in pairs if d.numel()]
         if not copy_kernel.available(buffer.device) or nbytes == 0:
             return None
-        if not all(
-            copy_kernel.fits(d, s)
-            and d.is_contiguous()
-            and s.is_contiguous()
-            and d.device == buffer.device
-            for d, s in pairs
-        ):
+        if any(d.device != buffer.device or not copy_kernel.fits(d, s) for d, s in pairs):
             return None
-        rows = plan_rows(
-            [(s.data_ptr(), d.data_ptr(), d.nbytes) for d, s in pairs],
-            base=buffer.data_ptr(),
-            nbytes=nbytes,
-            destination=destination,
-        )
+        copies = spans_of(pairs)
+        rows = plan_rows(copies, base=buffer.data_ptr(), nbytes=nbytes, destination=destination)
         return None if rows is None else cls(pairs, rows, buffer, nbytes)
 
     def run(self) -> torch.Tensor:

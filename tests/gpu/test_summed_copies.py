@@ -18,10 +18,14 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("destination", [True, False], ids=["packing", "reading"])
-def test_copies_sum_the_whole_bucket_once_and_move_every_byte(destination):
+@pytest.mark.parametrize(
+    ("make", "destination"),
+    [(kernel_cases.packing, True), (kernel_cases.reading, False), (kernel_cases.columns, True)],
+    ids=["packing", "reading", "packing TP shards' columns"],
+)
+def test_copies_sum_the_whole_bucket_once_and_move_every_byte(make, destination):
     pytest.importorskip("cupy")
-    case = (kernel_cases.packing if destination else kernel_cases.reading)("cuda")
+    case = make("cuda")
     copies = SummedCopies.plan(case.pairs, case.bucket, case.nbytes, destination=destination)
     assert copies is not None
     for _ in range(2):  # built once, run every version

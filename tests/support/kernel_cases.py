@@ -6,6 +6,8 @@ GPU and of their source run on the CPU (``cuda_on_cpu``).
   (``weightsync.summed_copies``): odd lengths, ends 8- but not 16-byte aligned, a tensor of
   several table rows, stale bytes in the padding, and a bucket long enough for both kinds of
   checksum rows.
+- :func:`columns`: a bucket packed from TP=2 shards of its tensors' columns (boxes), rows
+  16- and only 8-byte aligned, rows wider than a table row, boxes of several table rows.
 """
 
 from __future__ import annotations
@@ -80,6 +82,34 @@ def reading(device: str) -> Case:
     at, n, dtype, _ = layout[-1]
     pairs.append((params[nbytes + 512 : nbytes + 512 + n].view(dtype), pairs[-1][1]))
     return Case(bucket, nbytes, pairs, at + n - 1)
+
+
+# (rows, columns of each of the two shards, dtype): a TP=2 trainer's row-parallel weights
+_SHARDED = [
+    (64, 48, torch.bfloat16),  # 96-byte rows: 16-byte units
+    (32, 12, torch.float16),  # 24-byte shard rows: 8-byte units
+    (2, 300_000, torch.uint8),  # a shard row wider than a table row
+    (5000, 32, torch.bfloat16),  # several table rows of whole rows
+]
+
+
+def columns(device: str) -> Case:
+    """The sender packing a bucket from TP=2 shards: each tensor's two halves of every row
+    come from two separate shards, and a contiguous tensor sits between them."""
+    bucket = _random(6 << 20, 5, device)
+    outside = _random(6 << 20, 6, device)
+    pairs, at, o = [], 0, 0
+    for rows, cols, dtype in _SHARDED:
+        whole = bucket[at:].view(dtype)[: rows * 2 * cols].view(rows, 2 * cols)
+        for half in range(2):
+            n = rows * cols * whole.element_size()
+            shard = outside[o : o + n].view(dtype).view(rows, cols)
+            pairs.append((whole[:, half * cols : (half + 1) * cols], shard))
+            o = -(-(o + n) // 64) * 64
+        at = -(-(at + whole.nbytes) // 256) * 256
+        pairs.append((bucket[at : at + 1003], outside[o : o + 1003]))
+        at, o = at + 1024, o + 1024
+    return Case(bucket, at, pairs, at - 1024 + 1002)
 
 
 def moved(case: Case) -> bool:

@@ -11,14 +11,14 @@ import torch
 from tests.support import cuda_on_cpu, kernel_cases
 from weightsync import copy_kernel
 from weightsync.checksum import finish, row_sums, whole_row_words
-from weightsync.summed_copies import plan_rows, table
+from weightsync.summed_copies import Row, plan_rows, spans_of, table
 
 pytestmark = pytest.mark.skipif(cuda_on_cpu.compiler() is None, reason="needs g++ and its libubsan")
 
 
-def _run(case: kernel_cases.Case, destination: bool) -> int:
+def _run(case: kernel_cases.Case, destination: bool) -> tuple[int, list[Row]]:
     rows = plan_rows(
-        [(s.data_ptr(), d.data_ptr(), d.nbytes) for d, s in case.pairs],
+        spans_of(case.pairs),
         base=case.bucket.data_ptr(),
         nbytes=case.nbytes,
         destination=destination,
@@ -30,19 +30,25 @@ def _run(case: kernel_cases.Case, destination: bool) -> int:
         "copy_sum", len(rows), rows_table.data_ptr(), whole_row_words(case.nbytes),
         out.data_ptr(),
     )  # fmt: skip
-    return finish(out, case.nbytes)
+    return finish(out, case.nbytes), rows
 
 
-@pytest.mark.parametrize("destination", [True, False], ids=["packing", "reading"])
-def test_the_kernel_sums_the_whole_bucket_once_and_moves_every_byte(destination):
-    case = (kernel_cases.packing if destination else kernel_cases.reading)("cpu")
-    got = _run(case, destination)
+@pytest.mark.parametrize(
+    ("make", "destination"),
+    [(kernel_cases.packing, True), (kernel_cases.reading, False), (kernel_cases.columns, True)],
+    ids=["packing", "reading", "packing TP shards' columns"],
+)
+def test_the_kernel_sums_the_whole_bucket_once_and_moves_every_byte(make, destination):
+    case = make("cpu")
+    got, rows = _run(case, destination)
+    # Boxes (a shard's columns) are copied and summed where they are, not gathered first.
+    assert any(r.rows > 1 for r in rows) == (make is kernel_cases.columns)
     assert kernel_cases.moved(case)
     assert got == finish(row_sums(case.bucket, case.nbytes), case.nbytes)
     # Reading: a bit of a tensor's last word. Packing: of the padding in that word, which the
     # pack leaves as it was (and the receivers' reads sum, so the sender must too).
     case.bucket[case.flip + destination] ^= 1
-    flipped = _run(case, destination)
+    flipped, _ = _run(case, destination)
     assert flipped != got
     assert flipped == finish(row_sums(case.bucket, case.nbytes), case.nbytes)
 

@@ -31,15 +31,19 @@ def _run(rows: list[Row], memory: torch.Tensor, nbytes: int) -> int:
     whole = whole_row_words(nbytes)
     a = b = 0
     for row in rows:
-        if row.dst:
-            memory[row.dst : row.dst + row.nbytes] = memory[row.src : row.src + row.nbytes]
-        if row.flags & NO_SUM:
-            continue
-        start = row.dst if row.flags & SUM_DESTINATION else row.src
-        words = memory[start : start + -(-row.nbytes // 8) * 8].view(torch.int64).tolist()
-        for k, w in enumerate(words):
-            a += (w & _MASK) * _position(row.word + k, whole)
-            b += w & _MASK
+        for r in range(row.rows):  # a box: rows of nbytes, each a pitch after the last
+            src, dst = row.src + r * row.src_pitch, row.dst + r * row.dst_pitch
+            if row.dst:
+                memory[dst : dst + row.nbytes] = memory[src : src + row.nbytes]
+            if row.flags & NO_SUM:
+                continue
+            summed = row.flags & SUM_DESTINATION
+            start = dst if summed else src
+            first = row.word + r * (row.dst_pitch if summed else row.src_pitch) // 8
+            words = memory[start : start + -(-row.nbytes // 8) * 8].view(torch.int64).tolist()
+            for k, w in enumerate(words):
+                a += (w & _MASK) * _position(first + k, whole)
+                b += w & _MASK
     signed = [(x & _MASK) - ((x & _MASK) >> 63 << 64) for x in (a, b)]
     return finish(torch.tensor(signed, dtype=torch.int64), nbytes)
 
@@ -95,6 +99,36 @@ def test_a_receivers_reads_sum_what_they_skip_and_a_span_read_twice_once() -> No
     assert got == finish(row_sums(bucket, _NBYTES), _NBYTES)
 
 
+def _columns(at: int, rows: int, width: int, pitch: int, shard: int) -> tuple:
+    """The box that packs a shard of ``rows`` x ``width`` bytes (contiguous at ``shard``) into
+    the bucket at ``BASE + at``, rows ``pitch`` apart."""
+    return (shard, BASE + at, width, rows, width, pitch)
+
+
+def test_shards_columns_packed_side_by_side_are_summed_once_as_boxes() -> None:
+    """A TP=2 trainer's row-parallel weight: each rank's shard holds half of every row; the two
+    boxes fill the tensor's bytes in the bucket, which is summed once, box by box."""
+    shards = BASE + _NBYTES + 512
+    memory = _memory(shards + _NBYTES, seed=4)
+    rows_, width = 300, 1000  # a 300 x 2000-byte tensor, a table row holds 262 of its rows
+    copies = [
+        _columns(256, rows_, width, 2 * width, shards),
+        _columns(256 + width, rows_, width, 2 * width, shards + rows_ * width),
+        (shards + 2 * rows_ * width, BASE, 6),
+        (shards + 2 * rows_ * width + 64, BASE + 600_576, 70_000),
+    ]
+    rows = plan_rows(copies, base=BASE, nbytes=_NBYTES, destination=True)
+    assert rows is not None
+    assert sorted(r.rows for r in rows if r.rows > 1) == [38, 38, 262, 262]
+    got, after = _both_orders(rows, memory, _NBYTES)
+    bucket = after[BASE : BASE + _NBYTES]
+    tensor = bucket[256 : 256 + 2 * rows_ * width].view(rows_, 2 * width)
+    for half in range(2):
+        shard = memory[shards + half * rows_ * width :][: rows_ * width].view(rows_, width)
+        assert torch.equal(tensor[:, half * width : (half + 1) * width], shard)
+    assert got == finish(row_sums(bucket, _NBYTES), _NBYTES)
+
+
 def test_an_empty_bucket_and_one_no_copy_touches_are_summed_by_reads_alone() -> None:
     memory = _memory(BASE + 512, seed=3)
     assert plan_rows([], base=BASE, nbytes=0, destination=True) == []
@@ -117,9 +151,22 @@ def test_an_empty_bucket_and_one_no_copy_touches_are_summed_by_reads_alone() -> 
             [(BASE, 9000, 16), (BASE + 8, 9100, 16)], False, id="partly-overlapping-reads"
         ),
         pytest.param([(BASE, 9000, 6), (BASE, 9100, 8)], False, id="reads-sharing-a-tail-word"),
+        # An engine TP=2 rank reads half of each row: the other half would need strided sums.
+        pytest.param([(BASE, 9000, 16, 8, 32, 16)], False, id="half-of-every-row-read"),
+        pytest.param(
+            [_columns(0, 4, 12, 24, 9000), _columns(12, 4, 12, 24, 9048)],
+            True,
+            id="columns-not-8-byte-aligned",
+        ),  # fmt: skip
+        pytest.param(
+            [_columns(0, 4, 16, 32, 9000), _columns(16, 4, 16, 32, 9064), (9200, BASE + 32, 8)],
+            True,
+            id="a-span-inside-two-boxes",
+        ),
+        pytest.param([_columns(0, 8, 16, 32, 9000)], True, id="half-the-columns-left-stale"),
     ],
 )
 def test_copies_the_kernel_cannot_sum_exactly_once_are_left_to_a_second_read(
-    copies: list[tuple[int, int, int]], destination: bool
+    copies: list[tuple[int, ...]], destination: bool
 ) -> None:
     assert plan_rows(copies, base=BASE, nbytes=512, destination=destination) is None
