@@ -10,7 +10,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import grpc
 import torch
@@ -93,7 +93,7 @@ class Publisher:
         """The last offer's wire form, by the identity of the regions mapping described."""
         self._layouts = ParseCache(bucket_from_pb)
         """Bucket layouts by their bytes; cleared when 512 are held."""
-        self._published: tuple[tuple, VersionManifest, dict] | None = None
+        self._published: _Published | None = None
         """``publish``'s manifest (checked once) and regions, by its LoRA spec, its part and
         (name, dtype, shape, address, stride) of every tensor; replaced when any changes."""
         self._manifest: tuple[VersionManifest, pb.Manifest] | None = None
@@ -121,20 +121,21 @@ class Publisher:
         or, with ``wait=True``, once every receiver applied the version. ``part``: these
         tensors are this sender's share of a version several senders send together.
 
+        Every version, the tensors' names, dtypes, shapes, addresses and strides are checked
+        against the last version's (3.5 ms for 4,719 tensors). Passing the same mapping again,
+        holding the same tensor objects at the same addresses, skips that (0.5 ms): a tensor
+        whose shape, dtype or strides change in place at the same address (``set_``,
+        ``resize_``, ``.data =`` a view of the same memory) must then come in a new mapping.
+
         Raises:
             ConfigError: ``named_tensors`` is empty (before any call to the sender).
             VersionError: ``version`` is not greater than the last published one.
             ReceiverFailedError: with ``wait=True``, a receiver failed; names each and why.
             SyncTimeoutError: the sender or receivers took longer than ``timeout_s``.
         """
-        items = named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors
-        tensors = dict(items)
-        key = (lora, part, placement_key(tensors))
-        if self._published is None or self._published[0] != key:
-            specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
-            self._published = (key, VersionManifest(version, specs, lora, part), whole(tensors))
-        _, published, regions = self._published
-        manifest = published.at(version)
+        published = self._placed(named_tensors, lora, part, version)
+        tensors, regions = published.tensors, published.regions
+        manifest = published.manifest.at(version)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -153,6 +154,35 @@ class Publisher:
             regions=regions,
             direct=direct,
         )
+
+    def _placed(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        lora: LoraAdapterSpec | None,
+        part: VersionPartSpec | None,
+        version: int,
+    ) -> _Published:
+        """The manifest and regions of ``named_tensors``: the last ones while they still
+        describe them (see :meth:`publish`)."""
+        last = self._published
+        mapping = named_tensors if isinstance(named_tensors, Mapping) else None
+        if (
+            mapping is not None
+            and last is not None
+            and last.mapping is mapping
+            and (last.lora, last.part) == (lora, part)
+            and last.same_tensors()
+        ):
+            return last
+        tensors = dict(named_tensors.items() if mapping is not None else named_tensors)
+        key = placement_key(tensors)
+        if last is None or (last.key, last.lora, last.part) != (key, lora, part):
+            specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
+            manifest, regions = VersionManifest(version, specs, lora, part), whole(tensors)
+        else:
+            manifest, regions = last.manifest, last.regions
+        self._published = _Published(mapping, tensors, key, lora, part, manifest, regions)
+        return self._published
 
     def publish_packed(
         self,
@@ -412,6 +442,37 @@ def placement_key(tensors: Mapping[str, torch.Tensor]) -> tuple:
         contiguous,
         tuple(t.stride() for t, c in zip(values, contiguous, strict=True) if not c),
     )
+
+
+@dataclass
+class _Published:
+    """What :meth:`Publisher.publish` worked out for a mapping of tensors."""
+
+    mapping: Mapping[str, torch.Tensor] | None
+    """The caller's mapping (held, so its identity is never another's)."""
+    tensors: dict[str, torch.Tensor]
+    key: tuple
+    """:func:`placement_key` of ``tensors``."""
+    lora: LoraAdapterSpec | None
+    part: VersionPartSpec | None
+    manifest: VersionManifest
+    regions: dict
+
+    def __post_init__(self) -> None:
+        self._names = tuple(self.tensors)
+        self._values = tuple(self.tensors.values())
+        self._addresses = tuple(map(torch.Tensor.data_ptr, self._values))
+
+    def same_tensors(self) -> bool:
+        """Whether ``mapping`` still holds the same tensor objects under the same names, at
+        the same addresses (a tensor given new memory by ``.data =`` shows there)."""
+        values = tuple(self.mapping.values())
+        return (
+            tuple(self.mapping) == self._names
+            and len(values) == len(self._values)
+            and all(map(is_, values, self._values))
+            and tuple(map(torch.Tensor.data_ptr, values)) == self._addresses
+        )
 
 
 class _PublishStream:

@@ -1,0 +1,54 @@
+"""``Publisher.publish`` given the same mapping again: it skips the full placement check while
+the mapping holds the same tensor objects at the same addresses, and checks again (describing
+the tensors anew) as soon as a value, a name or an address changed. Receivers get the bytes of
+every version either way."""
+
+from __future__ import annotations
+
+import torch
+
+from tests.support import TinyNet, step, sync_in_thread
+from weightsync.receiver import TorchReceiver
+from weightsync.sender import Publisher, Sender
+
+
+def test_a_mapping_published_again_is_checked_again_only_when_its_tensors_moved(
+    sock_dir, monkeypatch
+):
+    import weightsync.sender.publisher as publisher_module
+
+    checks = []
+    real = publisher_module.placement_key
+    monkeypatch.setattr(
+        publisher_module, "placement_key", lambda tensors: checks.append(1) or real(tensors)
+    )
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=4096) as sender:
+        model, trainer = TinyNet(seed=1), TinyNet(seed=2)
+        receiver = TorchReceiver(model, sender.address)
+        publisher = Publisher(sender.address)
+        mapping = dict(trainer.state_dict())
+        proj = mapping["proj"]
+
+        def publish(version: int) -> None:
+            t, _ = sync_in_thread(receiver)
+            publisher.publish(mapping, version, wait=True, timeout_s=60)
+            assert t.finish(60) == [version]
+            for name, tensor in model.state_dict().items():
+                assert torch.equal(tensor, mapping[name]), (version, name)
+
+        publish(1)
+        step(trainer, 2)  # new values in the same memory
+        publish(2)
+        assert len(checks) == 1  # the same mapping, the same tensors: no second check
+        proj.data = torch.randn(16, 16).to(torch.bfloat16)  # the same object, new memory
+        publish(3)
+        assert len(checks) == 2
+        mapping["norm"] = torch.randn(16)  # another tensor under a name
+        publish(4)
+        assert len(checks) == 3
+        publish(5)
+        assert len(checks) == 3
+        mapping = dict(mapping)  # a new mapping of the same tensors
+        publish(6)
+        assert len(checks) == 4
+        publisher.close()
