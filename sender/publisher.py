@@ -95,7 +95,8 @@ class Publisher:
         """Bucket layouts by their bytes; cleared when 512 are held."""
         self._published: _Published | None = None
         """``publish``'s manifest (checked once) and regions, by its LoRA spec, its part and
-        (name, dtype, shape, address, stride) of every tensor; replaced when any changes."""
+        (name, dtype, shape, address, stride) of every tensor, or for the same mapping by its
+        tensors' names, identities and addresses; replaced when any changes."""
         self._manifest: tuple[VersionManifest, pb.Manifest] | None = None
         """The last wire manifest, by the identity of its tensor list (and its LoRA spec)."""
 
