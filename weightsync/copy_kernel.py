@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -321,29 +321,35 @@ def planes(dst: torch.Tensor, src: torch.Tensor) -> Planes | None:
 Row = tuple[int, int, int, int, int, int]
 
 
+def chunks(width: int, rows: int) -> Iterator[tuple[int, int, int, int]]:
+    """``rows`` rows of ``width`` bytes as table rows of about :data:`CHUNK_BYTES`: (first row,
+    byte offset in it, bytes per row, rows) each; whole rows where one fits, else chunks of a
+    single row."""
+    if rows == 1 or width > CHUNK_BYTES:
+        for r in range(rows):
+            for o in range(0, width, CHUNK_BYTES):
+                yield r, o, min(CHUNK_BYTES, width - o), 1
+        return
+    per = CHUNK_BYTES // width
+    for r in range(0, rows, per):
+        yield r, 0, width, min(per, rows - r)
+
+
 def table_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Row]:
     """The kernel's table for ``pairs`` (each :func:`fits`, GPU aside): rows of (source,
     destination, bytes per row, rows, source pitch, destination pitch), each about
-    :data:`CHUNK_BYTES` of one plane."""
+    :data:`CHUNK_BYTES` of one plane (:func:`chunks`)."""
     out: list[Row] = []
     for dst, src in pairs:
         p = planes(dst, src)
         if p is None:
             raise ValueError(f"not a copy of contiguous rows: {tuple(dst.stride())}")
-        w, sp, dp = p.width, p.src_pitch, p.dst_pitch
+        sp, dp = p.src_pitch, p.dst_pitch
         for s_off, d_off in p.offsets:
             s, d = src.data_ptr() + s_off, dst.data_ptr() + d_off
-            if p.rows == 1 or w > CHUNK_BYTES:  # each row in chunks of its bytes
-                out.extend(
-                    (s + r * sp + o, d + r * dp + o, min(CHUNK_BYTES, w - o), 1, 0, 0)
-                    for r in range(p.rows)
-                    for o in range(0, w, CHUNK_BYTES)
-                )
-                continue
-            per = CHUNK_BYTES // w
             out.extend(
-                (s + r * sp, d + r * dp, w, min(per, p.rows - r), sp, dp)
-                for r in range(0, p.rows, per)
+                (s + r * sp + o, d + r * dp + o, n, k, sp, dp)
+                for r, o, n, k in chunks(p.width, p.rows)
             )
     return out
 

@@ -50,60 +50,44 @@ class Row:
     dst_pitch: int = 0
 
 
-Copy = tuple[int, int, int] | tuple[int, int, int, int, int, int]
-"""(source, destination, bytes), or a box: (source, destination, bytes per row, rows, source
-pitch, destination pitch)."""
+Box = tuple[int, int, int, int, int, int]
+"""(source, destination, bytes per row, rows, source pitch, destination pitch)."""
+Copy = tuple[int, int, int] | Box
+"""(source, destination, bytes), or a box."""
 
 
 def _aligned(n: int) -> int:
     return -(-n // _WORD) * _WORD
 
 
-def _chunked(src: int, dst: int, nbytes: int, at: int, flags: int) -> list[Row]:
-    """A table row (a CUDA block) per :data:`~.copy_kernel.CHUNK_BYTES` of a span."""
-    return [
-        Row(
-            src + o,
-            dst + o if dst else 0,
-            min(copy_kernel.CHUNK_BYTES, nbytes - o),
-            (at + o) // _WORD,
-            flags,
-        )
-        for o in range(0, nbytes, copy_kernel.CHUNK_BYTES)
-    ]
-
-
-def _box_rows(box: tuple[int, ...], at: int, pitch: int, flags: int) -> list[Row]:
-    """Table rows of a box whose summed side starts at bucket byte ``at``, rows ``pitch``
-    apart there: about :data:`~.copy_kernel.CHUNK_BYTES` of whole rows each, or chunks of one
-    row where a row is wider."""
+def _chunked(box: Box, at: int, pitch: int, flags: int) -> list[Row]:
+    """The table rows (CUDA blocks) of ``box`` (:func:`~.copy_kernel.chunks`), whose summed
+    side starts at bucket byte ``at``, its rows ``pitch`` apart there."""
     src, dst, width, rows, sp, dp = box
-    if width > copy_kernel.CHUNK_BYTES:
-        return [
-            row
-            for r in range(rows)
-            for row in _chunked(src + r * sp, dst + r * dp, width, at + r * pitch, flags)
-        ]
-    per = copy_kernel.CHUNK_BYTES // width
     return [
-        Row(src + r * sp, dst + r * dp, width, (at + r * pitch) // _WORD, flags,
-            min(per, rows - r), sp, dp)
-        for r in range(0, rows, per)
+        Row(src + r * sp + o, dst + r * dp + o if dst else 0, n, (at + r * pitch + o) // _WORD,
+            flags, k, sp, dp)
+        for r, o, n, k in copy_kernel.chunks(width, rows)
     ]  # fmt: skip
 
 
-def _tiles(boxes: list[tuple[int, int, tuple[int, ...]]], rows: int, pitch: int):
-    """Boxes of ``rows`` rows ``pitch`` apart in the bucket, as (bucket byte, bytes, boxes)
-    spans: side by side they must fill whole rows (a TP shard's columns beside the others'),
-    so each run of them is one contiguous span; None where they do not."""
+def _span(src: int, dst: int, nbytes: int, at: int, flags: int) -> list[Row]:
+    """The table rows of a contiguous span (``dst`` 0: sum only)."""
+    return _chunked((src, dst, nbytes, 1, 0, 0), at, 0, flags)
+
+
+def _tiles(boxes: list[tuple[int, Box]], rows: int, pitch: int):
+    """Boxes (bucket byte, box) of ``rows`` rows ``pitch`` apart in the bucket, as (bucket
+    byte, bytes, boxes) spans: side by side they must fill whole rows (a TP shard's columns
+    beside the others'), so each run of them is one contiguous span; None where they do not."""
     spans = []
     boxes.sort(key=lambda b: b[0])
     i = 0
     while i < len(boxes):
         at, width, run = boxes[i][0], 0, []
         while i < len(boxes) and boxes[i][0] == at + width and width < pitch:
-            width += boxes[i][1]
-            run.append(boxes[i][2])
+            width += boxes[i][1][2]
+            run.append(boxes[i])
             i += 1
         if width != pitch:
             return None
@@ -119,8 +103,8 @@ def plan_rows(
     else their source. None when that cannot be planned: a copy outside the bucket or not
     8-byte aligned, two copies whose bucket spans overlap (unless both read the same source
     span), or boxes that do not fill whole rows of the bucket together."""
-    spans = []  # (bucket byte, bytes, source, destination, boxes or None)
-    boxes: dict[tuple[int, int], list[tuple[int, int, tuple[int, ...]]]] = {}
+    spans = []  # (bucket byte, bytes, source, destination, (pitch, boxes) or None)
+    boxes: dict[tuple[int, int], list[tuple[int, Box]]] = {}
     for copy in copies:
         src, dst, n, rows, sp, dp = copy if len(copy) == 6 else (*copy, 1, 0, 0)
         if n == 0 or rows == 0:
@@ -136,33 +120,33 @@ def plan_rows(
         pitch = dp if destination else sp
         if (n | sp | dp) % _WORD or n > pitch or at + (rows - 1) * pitch + n > nbytes:
             return None
-        boxes.setdefault((rows, pitch), []).append((at, n, (src, dst, n, rows, sp, dp)))
+        boxes.setdefault((rows, pitch), []).append((at, (src, dst, n, rows, sp, dp)))
     for (rows, pitch), group in boxes.items():
         tiles = _tiles(group, rows, pitch)
         if tiles is None:
             return None
-        spans.extend((at, n, 0, 0, run) for at, n, run in tiles)
+        spans.extend((at, n, 0, 0, (pitch, run)) for at, n, run in tiles)
     spans.sort(key=lambda span: span[:2])
     out: list[Row] = []
     covered = 0
     last = None
     flags = SUM_DESTINATION if destination else 0
-    for at, n, src, dst, run in spans:
+    for at, n, src, dst, tile in spans:
         if at < covered:
             # Only one write per destination byte, and a source span read twice is summed once.
-            if destination or run is not None or (at, n) != last:
+            if destination or tile is not None or (at, n) != last:
                 return None
-            out.extend(_chunked(src, dst, n, at, NO_SUM))
+            out.extend(_span(src, dst, n, at, NO_SUM))
             continue
-        out.extend(_chunked(base + covered, 0, at - covered, covered, 0))
-        if run is None:
-            out.extend(_chunked(src, dst, n, at, flags))
+        out.extend(_span(base + covered, 0, at - covered, covered, 0))
+        if tile is None:
+            out.extend(_span(src, dst, n, at, flags))
         else:
-            for box in run:
-                out.extend(_box_rows(box, (box[1] if destination else box[0]) - base,
-                                     n // box[3], flags))  # fmt: skip
+            pitch, run = tile
+            for box_at, box in run:
+                out.extend(_chunked(box, box_at, pitch, flags))
         covered, last = _aligned(at + n), (at, n)
-    out.extend(_chunked(base + covered, 0, nbytes - covered, covered, 0))
+    out.extend(_span(base + covered, 0, nbytes - covered, covered, 0))
     return out
 
 
