@@ -469,8 +469,7 @@ class _Published:
         the same addresses (a tensor given new memory by ``.data =`` shows there)."""
         values = tuple(self.mapping.values())
         return (
-            tuple(self.mapping) == self._names
-            and len(values) == len(self._values)
+            tuple(self.mapping) == self._names  # as many values as last time, too
             and all(map(is_, values, self._values))
             and tuple(map(torch.Tensor.data_ptr, values)) == self._addresses
         )
