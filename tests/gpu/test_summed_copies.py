@@ -18,11 +18,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("make", "destination"),
-    [(kernel_cases.packing, True), (kernel_cases.reading, False), (kernel_cases.columns, True)],
-    ids=["packing", "reading", "packing TP shards' columns"],
-)
+@kernel_cases.SUMMED
 def test_copies_sum_the_whole_bucket_once_and_move_every_byte(make, destination):
     pytest.importorskip("cupy")
     case = make("cuda")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 import torch
 
 from weightsync import copy_kernel
@@ -110,6 +111,15 @@ def columns(device: str) -> Case:
         pairs.append((bucket[at : at + 1003], outside[o : o + 1003]))
         at, o = at + 1024, o + 1024
     return Case(bucket, at, pairs, at - 1024 + 1002)
+
+
+SUMMED = pytest.mark.parametrize(
+    ("make", "destination"),
+    [(packing, True), (reading, False), (columns, True)],
+    ids=["packing", "reading", "packing TP shards' columns"],
+)
+"""The cases of the copies that take the checksum, as (case maker, the bucket is the copies'
+destination), for the CPU and the GPU tests alike."""
 
 
 def moved(case: Case) -> bool:

@@ -33,11 +33,7 @@ def _run(case: kernel_cases.Case, destination: bool) -> tuple[int, list[Row]]:
     return finish(out, case.nbytes), rows
 
 
-@pytest.mark.parametrize(
-    ("make", "destination"),
-    [(kernel_cases.packing, True), (kernel_cases.reading, False), (kernel_cases.columns, True)],
-    ids=["packing", "reading", "packing TP shards' columns"],
-)
+@kernel_cases.SUMMED
 def test_the_kernel_sums_the_whole_bucket_once_and_moves_every_byte(make, destination):
     case = make("cpu")
     got, rows = _run(case, destination)
