@@ -126,8 +126,8 @@ class CopyBatch:
     ) -> CopyBatch:
         """The batch of ``pairs``. ``reused``: it will run again (every version), so large
         contiguous copies join the one launch too; its table costs a row per 256 KiB to build
-        (about 50 ms of Python for 15 GB), which a batch run once would pay every time, where
-        a ``copy_`` each costs nothing to prepare."""
+        (about 50 ms of Python for 15 GB, judging by the bench's baselines), which a batch run
+        once would pay every time, where a ``copy_`` each costs nothing to prepare."""
         small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in stack_strided(pairs):
