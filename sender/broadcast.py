@@ -1,8 +1,9 @@
 """The sender's end of the broadcast data path (the receivers' end: ``receiver/broadcast.py``).
 
 Private groups (``weightsync.transports.broadcast``) whose rank 0 is the sender and whose other
-ranks are receivers that get broadcasts; they are kept while their members and device stay
-the same, and rebuilt otherwise. A broadcast that fails fails its group's receivers, never the
+ranks are receivers that get broadcasts; they are kept while their members, the members'
+streams and the device stay the same and no member failed a version by a transport error, and
+rebuilt otherwise (:func:`in_step`). A broadcast that fails fails its group's receivers, never the
 version: receivers that map the staging buffers, and the other groups, go on.
 """
 
@@ -14,7 +15,7 @@ import torch
 
 from weightsync.errors import TransportError
 from weightsync.sender.outcomes import Outcomes
-from weightsync.sender.records import VersionRun
+from weightsync.sender.records import ReceiverConn, VersionRun
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import Slot
 from weightsync.transports.broadcast import BroadcastGroup, GroupSpec
@@ -44,6 +45,8 @@ class SenderBroadcast:
         self._cond, self._registry, self._outcomes = cond, registry, outcomes
         self._groups: dict[Members, BroadcastGroup | None] = {}
         """Each group by its members; None until built (or when it failed)."""
+        self._joined: dict[Members, tuple[ReceiverConn, ...]] = {}
+        """Each group's members' streams (registrations) when it was hosted."""
         self._device: torch.device | None = None
         self._invited: list[tuple[Members, GroupSpec, object]] = []
         """The groups hosted but not yet built: their members, spec and rendezvous store."""
@@ -65,8 +68,11 @@ class SenderBroadcast:
         """Send each broadcast receiver of ``run`` its join message if its group must be
         (re)built (lock held). A rendezvous that cannot be hosted fails the group's members."""
         wanted = self.groups_of(run)
-        built = all(self._groups.get(m) is not None for m in wanted)
-        if set(wanted) == set(self._groups) and device == self._device and built:
+        kept = all(
+            self._groups.get(m) is not None and in_step(self._joined[m], self._streams(m))
+            for m in wanted
+        )
+        if set(wanted) == set(self._groups) and device == self._device and kept:
             return
         self.close()
         self._device = device
@@ -79,6 +85,9 @@ class SenderBroadcast:
                 self._fail(run, members, e)
                 continue
             self._groups[members] = None
+            self._joined[members] = self._streams(members)
+            for conn in self._joined[members]:
+                conn.broadcast_failed = False
             self._invited.append((members, spec, store))
             for rank, rid in enumerate(members, start=1):
                 self._registry.receiver(rid).send(pb.Announcement(join=spec.join_message(rank)))
@@ -130,7 +139,11 @@ class SenderBroadcast:
             self._close(members)
         self._invited = []
 
+    def _streams(self, members: Members) -> tuple[ReceiverConn, ...]:
+        return tuple(self._registry.receiver(rid) for rid in members)
+
     def _close(self, members: Members) -> None:
+        self._joined.pop(members, None)
         group = self._groups.pop(members, None)
         if group is not None:
             group.close()
@@ -141,6 +154,16 @@ class SenderBroadcast:
             for rid in members:
                 if rid in active:
                     self._outcomes.fail(run, rid, error)
+
+
+def in_step(joined: tuple[ReceiverConn, ...], now: tuple[ReceiverConn, ...]) -> bool:
+    """Whether a group whose members joined on the streams ``joined`` can carry a version to
+    the streams ``now``: the same ones (a receiver that registered again may have left a
+    transfer half done, and a new stream is a new process when it restarted), and none failed a
+    version by a transport error since (``ReceiverConn.broadcast_failed``)."""
+    return len(joined) == len(now) and all(
+        a is b and not b.broadcast_failed for a, b in zip(joined, now, strict=True)
+    )
 
 
 def group_name(run: VersionRun, members: Members) -> str:

@@ -209,6 +209,7 @@ class Outcomes:
             conn.dirty = conn.dirty or outcome.wrote
             conn.state = "dirty" if conn.dirty else "failed"
         conn.last_error = conn.last_error or detail.message
+        conn.broadcast_failed = conn.broadcast_failed or detail.code == TransportError.__name__
         self._slots.forget_reader(rid)
         run.direct_readers.discard(rid)
         if notify:

@@ -53,6 +53,10 @@ class ReceiverConn:
     dirty: bool = False
     """Some bucket of a failed version was written: its weights match no version."""
     last_error: str = ""
+    broadcast_failed: bool = False
+    """A version failed here by a transport error since its broadcast group was built: the
+    group may be out of step (gloo closes the pair of a receive that timed out), so the next
+    version builds it again."""
     layout_keys: bool = False
     """It keeps announced layouts by key (``ReceiverHello.layout_keys``)."""
     manifest_keys: bool = False

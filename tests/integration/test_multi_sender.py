@@ -188,7 +188,8 @@ class Rig:
         self.wait_registered(0)
         self.publish([version])
         for index in range(len(SENDERS)):
-            assert self.published(index, version) == ("published", "")
+            state, error = self.published(index, version)
+            assert state == "published", error  # the whole message: it names who failed
         self.applied_everywhere(version)
 
     def close(self) -> None:
