@@ -15,6 +15,9 @@ from weightsync.sender.service import WeightSyncServicer
 from weightsync.transports.shm import claim_staging
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
+_SIGNAL_POLL_S = 0.2
+"""How soon a SIGINT/SIGTERM stops :meth:`Sender.wait` whichever thread the kernel gave it to."""
+
 
 class Sender:
     """Hosts the gRPC control plane and the staging buffers.
@@ -71,7 +74,11 @@ class Sender:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, lambda *_: self.close())
-        self._closed.wait()
+        # Python runs a signal's handler on the main thread, once it runs bytecode: a signal
+        # the kernel hands to another thread (gRPC's, CUDA's) does not end an untimed wait,
+        # and the sender ignored SIGTERM after a version staged on a GPU.
+        while not self._closed.wait(_SIGNAL_POLL_S):
+            pass
 
     def close(self, grace_s: float = 1.0) -> None:
         if self._closed.is_set():
