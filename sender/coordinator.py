@@ -397,6 +397,7 @@ class Coordinator:
             self._mapped_offers.clear()
             self._broadcast.close()
             self._cond.notify_all()
+        self._driver.close()
 
 
 @contextmanager

@@ -74,6 +74,8 @@ class ReceiverConn:
     """A verdict on this stream listed boxes (a later one may say ``keeps_same``)."""
     kept_bytes: int = 0
     """Bytes of its last accepted version it keeps."""
+    held: list[pb.Announcement] | None = None
+    """Announcements held to go out as one batch (:meth:`Outcomes.together`)."""
     counted: object = field(default=None, repr=False)
     """The tensor list ``keeps`` were checked against and ``kept_bytes`` counts (manifests
     of one layout share it)."""
@@ -91,7 +93,9 @@ class ReceiverConn:
         )
 
     def send(self, msg: pb.Announcement | None) -> None:
-        if self.connected or msg is None:
+        if self.held is not None and msg is not None:
+            self.held.append(msg)
+        elif self.connected or msg is None:
             self.outbox.put(msg)
 
 

@@ -56,13 +56,16 @@ def take_queued(
     outbox: queue.Queue, most: int
 ) -> tuple[list[pb.Announcement], WeightSyncError | object | None]:
     """The announcements to send next: the first to come, and up to ``most`` in all of those
-    queued behind it (one round trip for a version's start, direct bucket and end instead of
-    three), with what stopped the take: an error to end the stream with, None (the stream is
-    over) or another sentinel (take again)."""
+    queued behind it, with what stopped the take: an error to end the stream with, None (the
+    stream is over) or another sentinel (take again). A list queued (``Outcomes.together``)
+    is taken whole, whatever ``most``."""
     items: list[pb.Announcement] = []
     item = outbox.get()
-    while isinstance(item, pb.Announcement):
-        items.append(item)
+    while isinstance(item, (pb.Announcement, list)):
+        if isinstance(item, list):
+            items.extend(item)
+        else:
+            items.append(item)
         if len(items) >= most:
             return items, _MORE
         try:

@@ -99,3 +99,16 @@ def test_cpu_bench_hosts_case_two_senders_and_one_bit_exact(tmp_path):
     assert rows["two senders"]["note"].startswith("a sender per host, at once: parts ")
     assert rows["two senders"]["note"].endswith(f"; {sliced:,} bytes broadcast")
     assert rows["one sender"]["note"].endswith(f"; {kept(1):,} bytes broadcast")
+
+
+def test_cpu_bench_with_the_sender_in_its_own_process_as_deployed(tmp_path):
+    """``--sender-process``: each case's sender is a `weightsync-sender` of its own, started
+    and stopped by SIGTERM per case (a sender that did not stop would fail the row)."""
+    code = bench(
+        ["--model", "tiny", "--device", "cpu", "--bucket-size-mb", "0.25", "--versions", "2"]
+        + ["--cases", "staged", "--tp", "1", "--no-baselines", "--no-floors", "--sender-process"]
+        + ["--out", str(tmp_path)]
+    )
+    assert code == 0
+    rows = json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]
+    assert [(r["name"], r["bit_exact"], len(r["samples_s"])) for r in rows] == [("staged", True, 2)]

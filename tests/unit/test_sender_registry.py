@@ -185,3 +185,20 @@ def test_a_forgotten_receiver_leaves_the_metrics_endpoint_too():
     registry.status()  # prunes
     assert series("weightsync_receiver_applied_version") == {"stays"}
     assert series("weightsync_receiver_failures") == {"stays"}
+
+
+def test_announcements_sent_together_reach_a_batching_receiver_as_one_message(parts):
+    from weightsync.sender.service import take_queued
+
+    batching = parts.registry.add_receiver(pb.ReceiverHello(receiver_id="new", batches=True))
+    single = parts.registry.add_receiver(hello("old"))
+    start, end = pb.Announcement(start=pb.VersionStart()), pb.Announcement(end=pb.VersionEnd())
+    with parts.cond, parts.outcomes.together():
+        for conn in (batching, single):
+            conn.send(start)
+            conn.send(end)
+        assert batching.outbox.empty()  # held until the block ends
+    # Taken whole even where a take is capped at one; a receiver that takes no batches gets
+    # them one by one.
+    assert take_queued(batching.outbox, 1)[0] == [start, end]
+    assert [take_queued(single.outbox, 1)[0] for _ in range(2)] == [[start], [end]]

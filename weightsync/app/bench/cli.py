@@ -43,6 +43,13 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-baselines", action="store_true", help="skip the peer baselines")
     p.add_argument("--no-floors", action="store_true", help="skip the D2D and broadcast floors")
     p.add_argument(
+        "--sender-process",
+        action="store_true",
+        help="run each one-GPU case's sender as a `weightsync-sender` process of its own, as "
+        "deployed (default: a thread of the bench, sharing the trainer's interpreter lock; "
+        "the trainer memory column then leaves out the sender's staging buffers)",
+    )
+    p.add_argument(
         "--gpus",
         type=int,
         default=0,
@@ -108,6 +115,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         bucket_size_bytes=bucket,
         baselines=not args.no_baselines,
         floors=not args.no_floors,
+        sender_process=args.sender_process,
         seed=args.seed,
         timeout_s=args.timeout_s,
         gpus=args.gpus,

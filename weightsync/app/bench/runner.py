@@ -8,11 +8,16 @@ staging buffers count in its memory) and publishes. Receivers are long-lived wor
 from __future__ import annotations
 
 import datetime
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as tmp
@@ -47,7 +52,7 @@ from weightsync.app.bench.worker import (
     worker_main,
 )
 from weightsync.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, SyncTimeoutError
 from weightsync.logs import quieted
 from weightsync.manifest import VersionManifest
 
@@ -70,6 +75,8 @@ class BenchConfig:
     bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
     baselines: bool = True
     floors: bool = True
+    sender_process: bool = False
+    """The one-GPU cases' sender in a process of its own (``_sender``)."""
     seed: int = 0
     timeout_s: float = 300.0
     gpus: int = 0
@@ -355,7 +362,7 @@ def _case(
     gpus: int,
     sock_dir: str,
 ) -> Row:
-    from weightsync.sender import Publisher, Sender
+    from weightsync.sender import Publisher
 
     cuda = device.type == "cuda"
     transport = {"nccl": "nccl"}.get(case, "cuda_ipc" if cuda else "shm")
@@ -371,16 +378,17 @@ def _case(
     samples: list[float] = []
     error = ""
     try:
-        with Sender(
+        with _sender(
             f"unix:{sock_dir}/{case}-{layout.tp}.sock",
-            bucket_size_bytes=cfg.bucket_size_bytes,
-            transport=transport,
-        ) as sender:
-            link.start(Receive(sender.address, transport, versions, cfg.timeout_s))
+            cfg.bucket_size_bytes,
+            transport,
+            cfg.sender_process,
+        ) as address:
+            link.start(Receive(address, transport, versions, cfg.timeout_s))
             hello = link.expect(cfg.timeout_s, "registration")
             if hello != "registered":
                 raise _CaseFailed()
-            with Publisher(sender.address) as publisher:
+            with Publisher(address) as publisher:
                 publish = _publish_fn(publisher, case, shards, cfg.timeout_s)
                 for version in range(1, versions + 1):
                     shards.step()
@@ -406,6 +414,52 @@ def _case(
         note=_mismatch_note(reply),
         failed=not reply.bit_exact,
     )
+
+
+@contextmanager
+def _sender(
+    address: str, bucket_size_bytes: int, transport: str, own_process: bool
+) -> Iterator[str]:
+    """A case's sender at ``address``: in this process, or (``own_process``) a
+    `weightsync-sender` of its own, as users run it beside a trainer."""
+    from weightsync.control.client import connect
+    from weightsync.sender import Sender
+
+    if not own_process:
+        with Sender(address, bucket_size_bytes=bucket_size_bytes, transport=transport):
+            yield address
+        return
+    env = {
+        **os.environ,
+        "WEIGHTSYNC_LISTEN": address,
+        "WEIGHTSYNC_BUCKET_SIZE_BYTES": str(bucket_size_bytes),
+        "WEIGHTSYNC_TRANSPORT": transport,
+    }
+    log = Path(address.removeprefix("unix:")).with_suffix(".log")
+    with log.open("w") as out:
+        # Not the bench's stdout: a sender left behind would hold a pipe reading it open.
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "weightsync.app.cli", "sender", "--log-level", "warning"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        channel, _ = connect(address, 60)
+        channel.close()
+        yield address
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise SyncTimeoutError(
+                f"the sender at {address} did not stop within 10 s of SIGTERM (killed); its "
+                f"log: {log.read_text()[-2000:]}"
+            ) from None
 
 
 class _CaseFailed(Exception):
