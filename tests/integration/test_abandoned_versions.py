@@ -1,6 +1,7 @@
 """A version whose publisher gave up while it queued behind another is never started: the
 sender used to start it anyway, receivers failed with "unexpected start inside version N",
-and the next good version failed everywhere after the ack timeout."""
+and the next good version failed everywhere after the ack timeout. A version whose driving
+fails on a bug is abandoned, and the versions after it still run."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import time
 import pytest
 
 from tests.support import TinyNet, digests, step, sync_in_thread, wait_until
-from weightsync.errors import SyncTimeoutError
+from weightsync.errors import SyncTimeoutError, WeightSyncError
 from weightsync.receiver import ReceiverCore
 from weightsync.receiver.torch_receiver import TorchModuleTarget
 from weightsync.sender import Publisher, Sender
+from weightsync.sender.driver import VersionDriver
 
 
 class GatedTarget(TorchModuleTarget):
@@ -75,4 +77,34 @@ def test_a_version_given_up_while_queued_is_never_started(sock_dir):
         assert not versions[3].HasField("abandoned")
         for publisher in (first, queued):
             publisher.close()
+        receiver.close()
+
+
+def test_a_bug_driving_a_version_abandons_it_and_the_next_version_runs(sock_dir, monkeypatch):
+    """One thread drives every version: an exception no check foresaw must fail its version
+    (the publisher hears it at once) and leave the thread driving the next ones."""
+    start = VersionDriver._start
+
+    def buggy_start(self, run, device, end):
+        if run.version == 2:
+            raise RuntimeError("injected bug")
+        start(self, run, device, end)
+
+    monkeypatch.setattr(VersionDriver, "_start", buggy_start)
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as sender:
+        model, trainer = TinyNet(seed=1), TinyNet(seed=2)
+        receiver = ReceiverCore(TorchModuleTarget(model), sender.address, receiver_id="r")
+        syncs, _ = sync_in_thread(receiver, n=2)
+        with Publisher(sender.address) as publisher:
+            for version in (1, 2, 3):
+                step(trainer, version)
+                if version == 2:
+                    with pytest.raises(WeightSyncError, match="RuntimeError: injected bug"):
+                        publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
+                else:
+                    publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=30)
+            assert syncs.finish(30) == [1, 3]
+            assert digests(model) == digests(trainer)
+            states = {v.version: v.state for v in sender.coordinator.status().versions}
+            assert states == {1: "complete", 2: "failed", 3: "complete"}
         receiver.close()
