@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import threading
 
 from weightsync.addresses import parse_address, remove_unix_socket, unix_socket_identity
@@ -16,7 +15,7 @@ from weightsync.transports.shm import claim_staging
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
 _SIGNAL_POLL_S = 0.2
-"""How soon a SIGINT/SIGTERM stops :meth:`Sender.wait` whichever thread the kernel gave it to."""
+"""How soon :meth:`Sender.wait` sees ``stop`` set (by a signal, whichever thread got it)."""
 
 
 class Sender:
@@ -69,16 +68,15 @@ class Sender:
         self._server.start()
         self._closed = threading.Event()
 
-    def wait(self) -> None:
-        """Serve until ``close()`` or SIGINT/SIGTERM (when called from the main thread)."""
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, lambda *_: self.close())
+    def wait(self, stop: threading.Event | None = None) -> None:
+        """Serve until ``close()``, or until ``stop`` is set (the CLI's SIGINT/SIGTERM
+        handlers set it), then close."""
         # Python runs a signal's handler on the main thread, once it runs bytecode: a signal
         # the kernel hands to another thread (gRPC's, CUDA's) does not end an untimed wait,
         # and the sender ignored SIGTERM after a version staged on a GPU.
         while not self._closed.wait(_SIGNAL_POLL_S):
-            pass
+            if stop is not None and stop.is_set():
+                self.close()
 
     def close(self, grace_s: float = 1.0) -> None:
         if self._closed.is_set():

@@ -111,10 +111,8 @@ class VersionDriver:
         clock = _PublisherClock(self._settings)
         issued: deque[tuple[_Send, Slot]] = deque()
         try:
-            todo = deque(_sends(run))
-            # Nothing to stage: the end goes with the start (and the direct bucket).
-            ended = not todo
-            self._start(run, device, end=ended)
+            todo = deque(self._start(run, device))
+            ended = not todo  # then the end went with the start
             self._broadcast.connect(run)
             while issued or todo:
                 # Every free slot gets the next bucket at once, so packing never waits for
@@ -146,9 +144,10 @@ class VersionDriver:
                 self._slots.stop_packing()
                 self._cond.notify_all()
 
-    def _start(self, run: VersionRun, device: torch.device, end: bool) -> None:
+    def _start(self, run: VersionRun, device: torch.device) -> list[_Send]:
         """Address ``run`` to the receivers: its start, the direct bucket if it has one, and
-        with ``end`` its end, to each receiver in one message."""
+        its end if it stages nothing, to each receiver in one message; returns the buckets
+        to stage (:func:`_sends`: they depend on whom the version was addressed to)."""
         with self._cond:
             if run.done:
                 # Abandoned while it queued behind another version (its publisher gave up
@@ -179,9 +178,11 @@ class VersionDriver:
                 if run.tensors.direct is not None:
                     self._announce_direct(run)
                     trace.mark("sender.direct_announced", version=run.version)
-                if end:
+                sends = _sends(run)
+                if not sends:
                     self._send_end(run)
             self._metrics.version_started(run.version)
+            return sends
 
     def _ensure_slots(self, run: VersionRun, device: torch.device) -> None:
         """Slots on ``device`` that hold the largest bucket (reallocated once all are free)."""

@@ -85,10 +85,10 @@ def test_a_bug_driving_a_version_abandons_it_and_the_next_version_runs(sock_dir,
     (the publisher hears it at once) and leave the thread driving the next ones."""
     start = VersionDriver._start
 
-    def buggy_start(self, run, device, end):
+    def buggy_start(self, run, device):
         if run.version == 2:
             raise RuntimeError("injected bug")
-        start(self, run, device, end)
+        return start(self, run, device)
 
     monkeypatch.setattr(VersionDriver, "_start", buggy_start)
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as sender:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
+import threading
 
 from weightsync import __version__
 from weightsync.app import arguments
@@ -136,6 +138,11 @@ def _sender_settings(args: argparse.Namespace) -> dict:
 def run_sender(args: argparse.Namespace) -> int:
     from weightsync.sender import Sender
 
+    stop = threading.Event()
+    # Before the sender binds its socket: a signal after that but before a handler would end
+    # the process with the socket file left behind.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     sender = Sender(**_sender_settings(args))
     s = sender.settings
     metrics = sender.metrics.address
@@ -150,5 +157,5 @@ def run_sender(args: argparse.Namespace) -> int:
         s.bucket_size_bytes // MIB,
         f", metrics on http://{metrics[0]}:{metrics[1]}/metrics" if metrics else "",
     )
-    sender.wait()
+    sender.wait(stop)
     return 0
