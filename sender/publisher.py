@@ -496,8 +496,8 @@ class _PublishStream:
 
 class _Watchdog:
     """Calls ``expire`` once an armed deadline passes before it is disarmed. One thread for
-    every version of a stream: a ``threading.Timer`` per version cost about 0.2 ms of each
-    version's latency (a thread started while the stream's own threads need the GIL)."""
+    every version of a stream, where a ``threading.Timer`` per version started a thread on
+    each version's latency path (while the stream's own threads need the GIL)."""
 
     def __init__(self, expire: Callable[[], object]) -> None:
         self._expire = expire
