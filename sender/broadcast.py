@@ -10,6 +10,7 @@ version: receivers that map the staging buffers, and the other groups, go on.
 from __future__ import annotations
 
 import threading
+from typing import NamedTuple
 
 import torch
 
@@ -18,11 +19,23 @@ from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.records import ReceiverConn, VersionRun
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import Slot
-from weightsync.transports.broadcast import BroadcastGroup, GroupSpec
+from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, PendingBroadcast
 from weightsync.v1 import weightsync_pb2 as pb
 
 Members = tuple[str, ...]
 """The receivers of one group, in rank order (rank 0 is the sender)."""
+
+
+class QueuedBroadcast(NamedTuple):
+    """A slot's bucket being broadcast: for which version, to which group, the pending work.
+
+    It may be finished only after a later version rebuilt the same members' group (a version
+    that every receiver failed ends without waiting for its broadcasts): its failure then
+    concerns its own version and group, never the new ones."""
+
+    run: VersionRun
+    members: Members
+    pending: PendingBroadcast
 
 
 class SenderBroadcast:
@@ -113,25 +126,26 @@ class SenderBroadcast:
                     f"no broadcast group for {group_name(run, members)}: its members failed to join"
                 )
             try:
-                slot.broadcast = (members, group.broadcast(slot.buffer.tensor[:nbytes]))
+                pending = group.broadcast(slot.buffer.tensor[:nbytes])
+                slot.broadcast = QueuedBroadcast(run, members, pending)
             except TransportError:
                 self._close(members)
                 raise
         except TransportError as e:
             self._fail(run, members, e)
 
-    def finish(self, run: VersionRun, slot: Slot) -> bool:
+    def finish(self, slot: Slot) -> bool:
         """Wait for the slot's broadcast, if one is queued (NCCL: a stream wait only); returns
         whether one was."""
         queued, slot.broadcast = slot.broadcast, None
         if queued is None:
             return False
-        members, work = queued
         try:
-            work.wait()
+            queued.pending.wait()
         except TransportError as e:
-            self._close(members)
-            self._fail(run, members, e)
+            if self._groups.get(queued.members) is queued.pending.group:
+                self._close(queued.members)
+            self._fail(queued.run, queued.members, e)
         return True
 
     def close(self) -> None:

@@ -233,7 +233,7 @@ class VersionDriver:
         """Order packing into ``slot`` after its last readers: by a stream wait when this
         process packs on the GPU (``on_stream``), else by waiting here (a publisher packs in
         its own process)."""
-        broadcast = self._broadcast.finish(run, slot)
+        broadcast = self._broadcast.finish(slot)
         events, slot.read_events = slot.read_events, []
         for read in events:
             if on_stream:
@@ -392,7 +392,7 @@ class VersionDriver:
         commit after checking theirs. Waits for the packing first: after this, the
         publishers' memory is no longer read."""
         for slot in self._slots.slots:
-            self._broadcast.finish(run, slot)
+            self._broadcast.finish(slot)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         trace.flush_gpu()

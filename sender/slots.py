@@ -21,10 +21,10 @@ from weightsync.regions import CopyBatch, Region
 from weightsync.summed_copies import SummedCopies
 from weightsync.transports import StagingBuffer, Transport
 from weightsync.transports.base import transport_for_handle
-from weightsync.transports.broadcast import PendingBroadcast
 from weightsync.transports.cuda_ipc import EventCache, new_event, release_event
 
 if TYPE_CHECKING:
+    from weightsync.sender.broadcast import QueuedBroadcast
     from weightsync.sender.planner import TensorPlan
 
 OpenEvent = Callable[[bytes, torch.device], object]
@@ -67,9 +67,8 @@ class Slot:
     """Receivers that have not acked the bucket (not even queued their reads)."""
     read_events: list[ReadEvent] = field(default_factory=list)
     """Receivers' queued reads, to finish before packing into the slot again."""
-    broadcast: tuple[tuple[str, ...], PendingBroadcast] | None = None
-    """The bucket's broadcast (its group's members, the pending work), to finish before
-    packing into the slot again."""
+    broadcast: QueuedBroadcast | None = None
+    """The bucket's broadcast, to finish before packing into the slot again."""
     packing: bool = False
     copies: PackCopies | None = None
 

@@ -167,11 +167,11 @@ class PendingBroadcast:
     """A queued broadcast: ``wait()`` before touching its tensor (NCCL: a stream wait only)."""
 
     def __init__(self, group: BroadcastGroup, work) -> None:
-        self._group, self._work = group, work
+        self.group, self._work = group, work
 
     def wait(self) -> None:
         """Raises TransportError when the broadcast failed."""
         try:
             self._work.wait()
         except RuntimeError as e:
-            raise self._group._failed(e) from e
+            raise self.group._failed(e) from e
