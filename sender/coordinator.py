@@ -30,7 +30,7 @@ import torch
 
 from weightsync import limits, trace
 from weightsync.config import SenderSettings
-from weightsync.errors import ConfigError, ProtocolError, WeightSyncError
+from weightsync.errors import ConfigError, ProtocolError, TransportError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
@@ -209,6 +209,9 @@ class Coordinator:
             trace.mark("sender.planned", version=run.version)
         try:
             self._driver.start(run, device)
+        except TransportError as e:
+            with self._cond:
+                self.outcomes.abort(run, error_to_pb(e))
         except Exception as e:
             log.exception("version %d: the driver did not start", run.version)
             with self._cond:

@@ -27,7 +27,7 @@ from weightsync import trace
 from weightsync.buckets import Bucket
 from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.config import SenderSettings
-from weightsync.errors import SyncTimeoutError, WeightSyncError
+from weightsync.errors import SyncTimeoutError, TransportError, WeightSyncError
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import Members, SenderBroadcast
 from weightsync.sender.outcomes import Outcomes
@@ -82,17 +82,31 @@ class VersionDriver:
         self._outcomes, self._slots, self._broadcast = outcomes, slots, broadcast
         self._queued: queue.Queue[tuple[VersionRun, torch.device] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        """Orders ``start`` and ``close``: nothing is queued behind the thread's end."""
 
     def start(self, run: VersionRun, device: torch.device) -> None:
-        """Drive ``run``, staged on ``device``, after the versions started before it."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._drive_all, name="driver", daemon=True)
-            self._thread.start()
-        self._queued.put((run, device))
+        """Drive ``run``, staged on ``device``, after the versions started before it.
+
+        Raises:
+            TransportError: the sender is shutting down (:meth:`close`).
+        """
+        with self._lock:
+            if self._closed:
+                raise TransportError(
+                    "the sender is shutting down; publish the version again once it is back"
+                )
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drive_all, name="driver", daemon=True)
+                self._thread.start()
+            self._queued.put((run, device))
 
     def close(self) -> None:
-        """The driver thread ends after the version it drives (later ones stay undriven)."""
-        self._queued.put(None)
+        """The driver thread ends after the version it drives; later versions fail to start."""
+        with self._lock:
+            self._closed = True
+            self._queued.put(None)
 
     def _drive_all(self) -> None:
         while (item := self._queued.get()) is not None:

@@ -108,3 +108,18 @@ def test_a_bug_driving_a_version_abandons_it_and_the_next_version_runs(sock_dir,
             states = {v.version: v.state for v in sender.coordinator.status().versions}
             assert states == {1: "complete", 2: "failed", 3: "complete"}
         receiver.close()
+
+
+def test_a_version_begun_while_the_sender_closes_fails_at_once(sock_dir):
+    """The driver thread ends when the sender closes: a version planned after that must fail
+    its publisher at once, not wait out the publish timeout undriven."""
+    timeout_s = 20
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as sender:
+        trainer = TinyNet(seed=2)
+        with Publisher(sender.address) as publisher:
+            publisher.publish(trainer.state_dict(), 1, timeout_s=timeout_s)
+            sender.coordinator.close()  # what Sender.close does first; its server still runs
+            began = time.monotonic()
+            with pytest.raises(WeightSyncError, match="2 abandoned: the sender is shutting"):
+                publisher.publish(trainer.state_dict(), 2, timeout_s=timeout_s)
+            assert time.monotonic() - began < timeout_s / 4
