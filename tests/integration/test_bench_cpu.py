@@ -112,3 +112,25 @@ def test_cpu_bench_with_the_sender_in_its_own_process_as_deployed(tmp_path):
     assert code == 0
     rows = json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]
     assert [(r["name"], r["bit_exact"], len(r["samples_s"])) for r in rows] == [("staged", True, 2)]
+
+
+def test_a_sender_process_that_exits_at_start_fails_its_row_at_once_with_its_log(
+    tmp_path, monkeypatch
+):
+    """A setting only the sender reads, and invalid: its process exits; the row says so and
+    quotes the sender's error instead of waiting out the connect timeout."""
+    monkeypatch.setenv("WEIGHTSYNC_NUM_BUFFERS", "1")
+    began = time.monotonic()
+    code = bench(
+        ["--model", "tiny", "--device", "cpu", "--bucket-size-mb", "0.25", "--versions", "1"]
+        + ["--cases", "staged", "--tp", "1", "--no-baselines", "--no-floors", "--sender-process"]
+        + ["--out", str(tmp_path)]
+    )
+    assert time.monotonic() - began < 45
+    assert code != 0
+    [row] = json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]
+    assert row["failed"]
+    assert row["note"].startswith(
+        "TransportError: the sender exited with code 2 before it served: weightsync: error: "
+        "WEIGHTSYNC_NUM_BUFFERS='1' is invalid"
+    )

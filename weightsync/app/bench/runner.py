@@ -52,7 +52,7 @@ from weightsync.app.bench.worker import (
     worker_main,
 )
 from weightsync.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
-from weightsync.errors import ConfigError, SyncTimeoutError
+from weightsync.errors import ConfigError, SyncTimeoutError, TransportError
 from weightsync.logs import quieted
 from weightsync.manifest import VersionManifest
 
@@ -422,7 +422,6 @@ def _sender(
 ) -> Iterator[str]:
     """A case's sender at ``address``: in this process, or (``own_process``) a
     `weightsync-sender` of its own, as users run it beside a trainer."""
-    from weightsync.control.client import connect
     from weightsync.sender import Sender
 
     if not own_process:
@@ -446,8 +445,7 @@ def _sender(
             stderr=subprocess.STDOUT,
         )
     try:
-        channel, _ = connect(address, 60)
-        channel.close()
+        _wait_serving(proc, address, log)
         yield address
     finally:
         proc.terminate()
@@ -460,6 +458,32 @@ def _sender(
                 f"the sender at {address} did not stop within 10 s of SIGTERM (killed); its "
                 f"log: {log.read_text()[-2000:]}"
             ) from None
+
+
+def _wait_serving(proc: subprocess.Popen, address: str, log: Path, timeout_s: float = 60) -> None:
+    """Wait until the sender process serves at ``address``; one that exits first (a bad
+    setting, the address taken) fails at once, with its log."""
+    from weightsync.control.client import connect
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            channel, _ = connect(address, 0.5)
+        except TransportError:
+            code = proc.poll()
+            if code is not None:
+                raise TransportError(
+                    f"the sender exited with code {code} before it served: "
+                    f"{log.read_text()[-2000:].strip()} (its log: {log})"
+                ) from None
+            if time.monotonic() > deadline:
+                raise TransportError(
+                    f"the sender did not serve at {address} within {timeout_s:g} s: "
+                    f"{log.read_text()[-2000:].strip()} (its log: {log})"
+                ) from None
+            continue
+        channel.close()
+        return
 
 
 class _CaseFailed(Exception):
