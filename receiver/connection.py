@@ -20,7 +20,9 @@ import grpc
 import torch
 
 from weightsync import trace
+from weightsync.config import ClientSettings
 from weightsync.control.client import connect
+from weightsync.control.lanes import ClientStream
 from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError
 from weightsync.stream_keys import KeptByKey
 from weightsync.transports.broadcast import host_id
@@ -253,6 +255,7 @@ def receiver_hello(
         layout_keys=True,
         manifest_keys=True,
         batches=True,
+        lanes=ClientSettings().lanes,
     )
 
 
@@ -284,6 +287,7 @@ class GrpcConnection:
         self._connect_timeout_s = connect_timeout_s
         self._closed = threading.Event()
         self._channel: grpc.Channel | None = None
+        self._stream: ClientStream | None = None
         self._register(connect_timeout_s)
         self._inbox = Inbox(self.receiver_id, address)
         self.kept = KeptByStream()
@@ -302,13 +306,11 @@ class GrpcConnection:
     def _register(self, timeout_s: float) -> None:
         """Open a Receive stream and register (again, after a sender restart, by the same id)."""
         channel, stub = connect(self.address, timeout_s)
-        requests: queue.Queue[pb.ReceiverMessage | None] = queue.Queue()
         self._hello.applied_version = self._weights.applied_version
         self._hello.dirty = self._weights.dirty
-        requests.put(pb.ReceiverMessage(hello=self._hello))
-        stream = stub.Receive(iter(requests.get, None))
+        stream = ClientStream(stub.Receive, pb.ReceiverMessage(hello=self._hello), pb.Announcement)
         try:
-            first = next(stream)
+            first = next(stream.replies)
         except grpc.RpcError as e:
             channel.close()
             raise TransportError(
@@ -316,8 +318,12 @@ class GrpcConnection:
             ) from None
         self._hello.receiver_id = first.welcome.receiver_id
         self._welcome = first.welcome
-        old = self._channel
-        self._channel, self._requests, self._stream = channel, requests, stream
+        if first.welcome.HasField("lane"):
+            stream.take_lane(first.welcome.lane)
+        old, old_stream = self._channel, self._stream
+        self._channel, self._stream = channel, stream
+        if old_stream is not None:
+            old_stream.cancel()
         if old is not None:
             old.close()
 
@@ -327,7 +333,7 @@ class GrpcConnection:
             # The sender's record of what it sent is per stream too.
             kept = self.kept = KeptByStream(self._welcome.keeps_same)
             try:
-                for msg in self._stream:
+                for msg in self._stream.replies:
                     for item in _items(msg):
                         trace.mark("receiver.arrived", kind=item.WhichOneof("kind"))
                         if item.WhichOneof("kind") == "join":
@@ -337,6 +343,8 @@ class GrpcConnection:
                 reason = "the sender ended the stream"
             except grpc.RpcError as e:
                 reason = e.details() or str(e.code())
+            except ProtocolError as e:
+                reason = str(e)
             if self._closed.is_set():
                 return
             self._inbox.sender_lost(reason)
@@ -370,14 +378,14 @@ class GrpcConnection:
         """Queue ``message`` on the stream (delivered in order, also across ``close``)."""
         if self._closed.is_set():
             raise ProtocolError(f"receiver {self.receiver_id} is closed")
-        self._requests.put(message)
+        self._stream.send(message)
 
     def close(self, flush_timeout_s: float) -> None:
         """Deliver what was sent, then leave: ending our stream lets the sender end its side."""
         if self._closed.is_set():
             return
         self._closed.set()
-        self._requests.put(None)
+        self._stream.end()
         # A receiver dropped unclosed is closed by its finalizer, which the garbage collector
         # may run on the pump thread itself: that thread cannot wait for itself.
         if threading.current_thread() is not self._pump_thread:

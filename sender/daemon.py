@@ -7,6 +7,7 @@ import threading
 from weightsync.addresses import parse_address, remove_unix_socket, unix_socket_identity
 from weightsync.config import SenderSettings
 from weightsync.control.auth import server_security
+from weightsync.control.lanes import LaneServer
 from weightsync.control.server import create_server
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.coordinator import Coordinator
@@ -46,12 +47,14 @@ class Sender:
         self.metrics = SenderMetrics()
         if self.settings.metrics_port:  # first: a busy port fails before anything else is up
             self.metrics.serve(self.settings.metrics_port, self.settings.metrics_host)
+        self._lanes: LaneServer | None = None
         try:
             # Before any staging exists: a predecessor on this address killed with -9 left its
             # shm segments behind; they are ours to remove.
             claim_staging(self.settings.listen)
             self.coordinator = Coordinator(self.settings, self.metrics)
-            servicer = WeightSyncServicer(self.coordinator)
+            self._lanes = LaneServer() if self.settings.lanes else None
+            servicer = WeightSyncServicer(self.coordinator, self._lanes)
             self._server, bound, self._health = create_server(
                 self.settings.listen,
                 lambda s: pb_grpc.add_WeightSyncServicer_to_server(servicer, s),
@@ -60,6 +63,8 @@ class Sender:
             )
         except BaseException:
             self.metrics.close()
+            if self._lanes is not None:
+                self._lanes.close()
             raise
         self.address = bound.text
         self.protection = security.describe(bound)
@@ -84,6 +89,8 @@ class Sender:
         self._health.enter_graceful_shutdown()
         self.coordinator.close()
         self._server.stop(grace_s).wait()
+        if self._lanes is not None:
+            self._lanes.close()
         remove_unix_socket(self._socket)
         self.metrics.close()
         self._closed.set()

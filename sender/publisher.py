@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import time
 import uuid
@@ -18,8 +17,9 @@ import torch
 from weightsync import trace
 from weightsync.buckets import Bucket, TensorSpec, align_up, pack_entry
 from weightsync.checksum import verify_entry
-from weightsync.config import ALIGNMENT_BYTES
+from weightsync.config import ALIGNMENT_BYTES, ClientSettings
 from weightsync.control.client import connect
+from weightsync.control.lanes import ClientStream
 from weightsync.errors import (
     ConfigError,
     ReceiverFailedError,
@@ -227,7 +227,7 @@ class Publisher:
             begin.allow_direct = direct
             stream.last = whole
         begin.manifest.version = version
-        stream.requests.put(pb.PublisherMessage(begin=begin))
+        stream.send(pb.PublisherMessage(begin=begin))
         staged: pb.VersionStaged | None = None
         done: pb.VersionStatus | None = None
         start = time.monotonic()
@@ -240,8 +240,10 @@ class Publisher:
                 trace.mark(f"publisher.{kind}", version=version)
                 if kind == "welcome":
                     stream.repeats = reply.welcome.repeats
+                    if reply.welcome.HasField("lane"):
+                        stream.take_lane(reply.welcome.lane)
                 elif kind == "pack" and reply.pack.version == version:
-                    self._pack_one(reply.pack, pack, stream.requests, device)
+                    self._pack_one(reply.pack, pack, stream, device)
                 elif kind == "staged" and reply.staged.version == version:
                     staged, staged_s = reply.staged, time.monotonic() - start
                     if not wait:
@@ -259,7 +261,7 @@ class Publisher:
                 ) from None
             raise error_from_rpc(e, what) from None
         except BaseException as e:
-            stream.requests.put(pb.PublisherMessage(error=error_to_pb(e)))
+            stream.send(pb.PublisherMessage(error=error_to_pb(e)))
             self._drop_stream()
             raise
         finally:
@@ -281,10 +283,9 @@ class Publisher:
             world_size=self.world_size,
             device=str(device),
             device_uuid=device_uuid(device),
+            lanes=ClientSettings().lanes,
         )
-        if self._stream is not None and (
-            self._stream.hello != hello or self._stream.replies.done()
-        ):
+        if self._stream is not None and (self._stream.hello != hello or self._stream.call.done()):
             self._drop_stream()
         if self._stream is None:
             self._stream = _PublishStream(self._stub, hello)
@@ -353,7 +354,7 @@ class Publisher:
         return self._offered[1]
 
     def _pack_one(
-        self, msg: pb.PackBucket, pack: PackFn, requests: queue.Queue, device: torch.device
+        self, msg: pb.PackBucket, pack: PackFn, stream: _PublishStream, device: torch.device
     ) -> None:
         buffer = self._buffers.get(msg.buffer)
         pack(self._layouts(msg.layout), buffer)
@@ -363,7 +364,7 @@ class Publisher:
         if buffer.is_cuda and buffer.device != device:
             torch.cuda.current_stream(buffer.device).synchronize()
         trace.mark("publisher.packed", index=msg.layout.index)
-        requests.put(
+        stream.send(
             pb.PublisherMessage(packed=pb.BucketPacked(version=msg.version, index=msg.layout.index))
         )
 
@@ -473,15 +474,13 @@ class _Published:
         )
 
 
-class _PublishStream:
-    """A Publish stream: the requests this publisher queues and the sender's replies."""
+class _PublishStream(ClientStream):
+    """A Publish stream: the messages this publisher sends and the sender's replies."""
 
     def __init__(self, stub, hello: pb.PublisherHello) -> None:
+        super().__init__(stub.Publish, pb.PublisherMessage(hello=hello), pb.SenderReply)
         self.hello = hello
-        self.requests: queue.Queue = queue.Queue()
-        self.requests.put(pb.PublisherMessage(hello=hello))
-        self.replies = stub.Publish(iter(self.requests.get, None))
-        self.watchdog = _Watchdog(self.replies.cancel)
+        self.watchdog = _Watchdog(self.cancel)
         """Cancels the replies when a version's deadline passes."""
         self.repeats = False
         """The sender takes ``BeginVersion.repeat`` (its welcome said so)."""
@@ -489,8 +488,8 @@ class _PublishStream:
         """What the last whole begin on this stream carried."""
 
     def close(self) -> None:
-        self.requests.put(None)
-        self.replies.cancel()
+        self.end()
+        self.cancel()
         self.watchdog.close()
 
 

@@ -74,6 +74,8 @@ class ReceiverConn:
     """A verdict on this stream listed boxes (a later one may say ``keeps_same``)."""
     kept_bytes: int = 0
     """Bytes of its last accepted version it keeps."""
+    lane: bool = False
+    """Its stream moved to a same-host lane (``weightsync/control/lanes.py``)."""
     held: list[pb.Announcement] | None = None
     """Announcements held to go out as one batch (:meth:`Outcomes.together`)."""
     counted: object = field(default=None, repr=False)
@@ -109,6 +111,8 @@ class PublisherConn:
     device: str
     device_uuid: str = ""
     connected: bool = True
+    lane: bool = False
+    """Its stream moved to a same-host lane (``weightsync/control/lanes.py``)."""
 
 
 @dataclass

@@ -237,6 +237,7 @@ class Registry:
                         last_error=c.last_error,
                         data_path=c.data_path,
                         kept_bytes=c.kept_bytes,
+                        lane=c.lane,
                     )
                     for c in sorted(self._receivers.values(), key=lambda c: c.receiver_id)
                 ],
@@ -258,6 +259,7 @@ class Registry:
                     ranks_connected=len({c.rank for c in conns}),
                     world_size=conns[0].world_size,
                     device=conns[0].device,
+                    ranks_on_lanes=len({c.rank for c in conns if c.lane}),
                 )
             )
         return out

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import grpc
 
 from weightsync import trace
+from weightsync.control.lanes import Lane, LaneClosed, LaneServer, switched
 from weightsync.errors import (
     ConfigError,
     ProtocolError,
@@ -50,6 +51,50 @@ def _abort(context: grpc.ServicerContext, error: WeightSyncError):
 MAX_BATCH = 64
 """Announcements sent in one message at most."""
 _MORE = object()
+_LANE = object()
+"""Queued in a stream's outbox once its client took its lane: the switch goes in order."""
+
+
+class _Outgoing:
+    """Where a stream's messages to its client go: yielded to gRPC until the client took the
+    lane it was offered (``lanes.py``), then written to that lane."""
+
+    def __init__(self, lanes: LaneServer | None, wanted: bool, outbox: queue.Queue, conn) -> None:
+        self.lane: Lane | None = None
+        self._outbox, self._conn = outbox, conn
+        self.offer = lanes.offer(self._attach, self._switch) if lanes and wanted else None
+        self._lanes = lanes
+
+    def _attach(self, lane: Lane) -> None:
+        self.lane = lane
+
+    def _switch(self) -> None:
+        self._outbox.put(_LANE)
+
+    def incoming(self, requests: Iterator, cls) -> Iterator:
+        """The client's messages after its hello, from gRPC or, once it switched, its lane."""
+        return switched(requests, lambda: self.lane, cls)
+
+    def deliver(self, messages: Iterator, switch) -> Iterator:
+        """Yield ``messages`` to gRPC; from :data:`_LANE` on, send ``switch`` there and the
+        rest on the lane. The lane is closed when the stream ends, however it ends."""
+        on_lane = False
+        try:
+            for msg in messages:
+                if msg is _LANE:
+                    yield switch
+                    on_lane = self._conn.lane = True
+                elif on_lane:
+                    self.lane.send(msg)
+                else:
+                    yield msg
+        except LaneClosed:
+            return  # the client's end of the lane is gone: so is the client (its reader says)
+        finally:
+            if self.offer is not None:
+                self._lanes.withdraw(self.offer)
+            if self.lane is not None:
+                self.lane.close()
 
 
 def take_queued(
@@ -76,8 +121,10 @@ def take_queued(
 
 
 class WeightSyncServicer(pb_grpc.WeightSyncServicer):
-    def __init__(self, coordinator: Coordinator) -> None:
+    def __init__(self, coordinator: Coordinator, lanes: LaneServer | None = None) -> None:
         self._co = coordinator
+        self._lanes = lanes
+        """Offered to the clients that say they take lanes (None: lanes are off)."""
 
     def Publish(self, request_iterator, context):
         """One stream per publisher rank, carrying its versions one after another (a new
@@ -91,19 +138,27 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             _abort(context, ConfigError(f"PublisherHello refused: {type(e).__name__}: {e}"))
         context.add_callback(lambda: self._co.publisher_left(pconn, "disconnected"))
         outbox: queue.Queue = queue.Queue()
+        out = _Outgoing(self._lanes, hello.lanes, outbox, pconn)
+        requests = out.incoming(request_iterator, pb.PublisherMessage)
         threading.Thread(
             target=self._consume_publisher,
-            args=(hello, pconn, request_iterator, outbox),
+            args=(hello, pconn, requests, outbox),
             daemon=True,
         ).start()
-        yield pb.SenderReply(
-            welcome=pb.PublisherWelcome(
-                bucket_size_bytes=self._co.settings.bucket_size_bytes,
-                transport=self._co.settings.transport,
-                last_version=self._co.last_version,
-                repeats=True,
-            )
+        welcome = pb.PublisherWelcome(
+            bucket_size_bytes=self._co.settings.bucket_size_bytes,
+            transport=self._co.settings.transport,
+            last_version=self._co.last_version,
+            repeats=True,
+            lane=out.offer,
         )
+        yield from out.deliver(
+            self._replies(welcome, outbox, context), pb.SenderReply(lane=pb.LaneSwitch())
+        )
+
+    @staticmethod
+    def _replies(welcome: pb.PublisherWelcome, outbox: queue.Queue, context) -> Iterator:
+        yield pb.SenderReply(welcome=welcome)
         while True:
             item = outbox.get()
             if item is None:
@@ -189,12 +244,17 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         except WeightSyncError as e:
             _abort(context, e)
         context.add_callback(lambda: self._co.receiver_gone(conn, "disconnected"))
-        threading.Thread(
-            target=self._consume_receiver, args=(conn, request_iterator), daemon=True
-        ).start()
-        yield pb.Announcement(
-            welcome=pb.ReceiverWelcome(receiver_id=conn.receiver_id, keeps_same=True)
+        out = _Outgoing(self._lanes, hello.lanes, conn.outbox, conn)
+        requests = out.incoming(request_iterator, pb.ReceiverMessage)
+        threading.Thread(target=self._consume_receiver, args=(conn, requests), daemon=True).start()
+        welcome = pb.ReceiverWelcome(receiver_id=conn.receiver_id, keeps_same=True, lane=out.offer)
+        yield from out.deliver(
+            self._announcements(conn, welcome, context), pb.Announcement(lane=pb.LaneSwitch())
         )
+
+    @staticmethod
+    def _announcements(conn: ReceiverConn, welcome: pb.ReceiverWelcome, context) -> Iterator:
+        yield pb.Announcement(welcome=welcome)
         while True:
             items, end = take_queued(conn.outbox, MAX_BATCH if conn.batches else 1)
             if items:
@@ -207,7 +267,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                     yield pb.Announcement(batch=pb.AnnouncementBatch(items=items))
             if end is None:
                 return
-            if isinstance(end, WeightSyncError):
+            if end is _LANE:
+                yield end
+            elif isinstance(end, WeightSyncError):
                 _abort(context, end)
 
     def _consume_receiver(self, conn: ReceiverConn, requests) -> None:

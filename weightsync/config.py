@@ -109,6 +109,7 @@ class ClientSettings(_Settings):
     ACCEPTED: ClassVar[dict[str, str]] = {
         **_SECURITY_ACCEPTED,
         "tls_ca": "a readable PEM file of the CA that signed the sender's certificate",
+        "lanes": "true or false (default true)",
     }
 
     token: SecretStr | None = None
@@ -116,6 +117,8 @@ class ClientSettings(_Settings):
     tls_ca: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    lanes: bool = True
+    """Take a same-host lane the sender offers (``weightsync/control/lanes.py``)."""
 
 
 class SenderSettings(_Settings):
@@ -144,6 +147,7 @@ class SenderSettings(_Settings):
         "client must present one)",
         "insecure": "true or false (default false)",
         "socket_group": "a group name or id of this machine (default: none, the socket is 0600)",
+        "lanes": "true or false (default true)",
     }
 
     listen: str = Field(DEFAULT_ADDRESS, description="unix:/path or host:port (port 0: any)")
@@ -204,6 +208,11 @@ class SenderSettings(_Settings):
     )
     socket_group: str | None = Field(
         None, description="a unix socket's group: the socket is then 0660 instead of 0600"
+    )
+    lanes: bool = Field(
+        True,
+        description="offer clients on this machine a Unix-socket lane for their streams' "
+        "messages (same messages, without gRPC's per-message thread handoffs)",
     )
 
     @field_validator("bucket_size_bytes")

@@ -219,11 +219,13 @@ def test_a_publisher_message_with_no_kind_or_a_second_hello_is_refused(
     assert status_within(sender.address).publishers == []
 
 
-def test_two_begins_on_one_stream_refuse_the_second_and_abandon_the_first(sender):
+@pytest.mark.parametrize("lanes", [False, True], ids=["grpc", "lane"])
+def test_two_begins_on_one_stream_refuse_the_second_and_abandon_the_first(sender, lanes):
     """The raw publisher never packs version 1; before, its second begin left version 1
-    waiting for packing until pack_timeout_s (600 s), blocking every other publisher."""
+    waiting for packing until pack_timeout_s (600 s), blocking every other publisher. On a
+    lane (its first begin by gRPC, its second by the lane) the error reaches it the same."""
     threads = stream_threads()
-    raw = raw_publisher(sender.address)
+    raw = raw_publisher(sender.address, lanes=lanes)
     raw.send(begin(1, [spec(shape=(4096,))]))  # four buckets: the sender asks it to pack
     assert raw.first() == "welcome"
     assert next(raw.replies).WhichOneof("kind") == "pack"
@@ -344,13 +346,15 @@ def test_a_receiver_hello_past_a_bound_is_refused(sender, hello, details):
         ),
     ],
 )
+@pytest.mark.parametrize("lanes", [False, True], ids=["grpc", "lane"])
 def test_a_bad_receiver_message_closes_its_stream_and_costs_no_ack_timeout(
-    sender, message, code, details
+    sender, message, code, details, lanes
 ):
     """The broken receiver is out at once: the next version is not addressed to it, so it
-    completes without waiting out the sender's 20 s ack timeout."""
+    completes without waiting out the sender's 20 s ack timeout. A message that came by its
+    lane is answered the same (the error ends the gRPC stream, which closes the lane)."""
     threads = stream_threads()
-    raw = raw_receiver(sender.address)
+    raw = raw_receiver(sender.address, lanes=lanes)
     assert raw.first() == "welcome"
     raw.send(message)
     assert raw.outcome() == ([], code, details)

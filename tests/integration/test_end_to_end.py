@@ -88,8 +88,8 @@ def test_later_versions_repeat_the_begin_and_send_the_manifest_by_key(sender, mo
         for name, tensor in model.state_dict().items():
             assert torch.equal(tensor, trainer.state_dict()[name]), (version, name)
         if version == 1:
-            requests = publisher._stream.requests
-            monkeypatch.setattr(requests, "put", _recorded(requests.put, begins))
+            stream = publisher._stream
+            monkeypatch.setattr(stream, "send", _recorded(stream.send, begins))
     assert [
         (m.begin.repeat, len(m.begin.manifest.tensors))
         for m in begins

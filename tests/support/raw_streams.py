@@ -14,6 +14,7 @@ import grpc
 
 from tests.support.waiting import wait_until
 from weightsync.control.client import connect
+from weightsync.control.lanes import connect_lane, switched
 from weightsync.receiver.connection import Inbox, KeptByStream, SenderLost
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -21,8 +22,16 @@ Outcome = tuple[list[str], grpc.StatusCode, str]
 """The reply kinds a stream got, then its status code and details."""
 
 
+_MESSAGES = {
+    "Publish": (pb.PublisherMessage, pb.SenderReply),
+    "Receive": (pb.ReceiverMessage, pb.Announcement),
+}
+
+
 class RawStream:
-    """A stream whose requests the test queues one by one; ``outcome()`` reads the replies."""
+    """A stream whose requests the test queues one by one; ``outcome()`` reads the replies.
+    A hello saying ``lanes`` makes it take the lane its welcome offers (:meth:`first`), as
+    weightsync's clients do: messages sent after that go by the lane."""
 
     def __init__(self, address: str, call: str, first, timeout_s: float = 15, stub=None) -> None:
         # A stub passed in is shared (closing a channel costs gRPC about 0.2 s).
@@ -32,10 +41,16 @@ class RawStream:
         self.requests: queue.Queue = queue.Queue()
         if first is not None:
             self.requests.put(first)
-        self.replies = getattr(stub, call)(iter(self.requests.get, None), timeout=timeout_s)
+        self._message, reply = _MESSAGES[call]
+        self.call = getattr(stub, call)(iter(self.requests.get, None), timeout=timeout_s)
+        self.lane = None
+        self.replies = switched(self.call, lambda: self.lane, reply)
 
     def send(self, msg) -> None:
-        self.requests.put(msg)
+        if self.lane is None:
+            self.requests.put(msg)
+        else:
+            self.lane.send(msg)
 
     def outcome(self, on_reply=None) -> Outcome:
         """Read until the stream ends; ``on_reply(reply)`` may answer each."""
@@ -52,12 +67,20 @@ class RawStream:
         return kinds, grpc.StatusCode.OK, ""
 
     def first(self) -> str:
-        """The kind of the first reply (the welcome)."""
-        return next(self.replies).WhichOneof("kind")
+        """The kind of the first reply (the welcome); takes the lane it offers."""
+        reply = next(self.replies)
+        kind = reply.WhichOneof("kind")
+        if kind == "welcome" and reply.welcome.HasField("lane"):
+            self.lane = connect_lane(reply.welcome.lane)
+            assert self.lane is not None, "the lane offered could not be taken"
+            self.requests.put(self._message(lane=pb.LaneSwitch()))
+        return kind
 
     def close(self) -> None:
         self.requests.put(None)
-        self.replies.cancel()
+        self.call.cancel()
+        if self.lane is not None:
+            self.lane.close()
         if self.channel is not None:
             self.channel.close()
 

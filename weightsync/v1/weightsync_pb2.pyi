@@ -135,18 +135,20 @@ class ErrorDetail(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., tensor: _Optional[str] = ...) -> None: ...
 
 class PublisherHello(_message.Message):
-    __slots__ = ("publisher_id", "rank", "world_size", "device", "device_uuid")
+    __slots__ = ("publisher_id", "rank", "world_size", "device", "device_uuid", "lanes")
     PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     publisher_id: str
     rank: int
     world_size: int
     device: str
     device_uuid: str
-    def __init__(self, publisher_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ...) -> None: ...
+    lanes: bool
+    def __init__(self, publisher_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., lanes: _Optional[bool] = ...) -> None: ...
 
 class SourcePiece(_message.Message):
     __slots__ = ("name", "source", "offset", "dtype", "size", "stride", "dst_start")
@@ -191,28 +193,32 @@ class BucketPacked(_message.Message):
     def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ...) -> None: ...
 
 class PublisherMessage(_message.Message):
-    __slots__ = ("hello", "begin", "packed", "error")
+    __slots__ = ("hello", "begin", "packed", "error", "lane")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     BEGIN_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     hello: PublisherHello
     begin: BeginVersion
     packed: BucketPacked
     error: ErrorDetail
-    def __init__(self, hello: _Optional[_Union[PublisherHello, _Mapping]] = ..., begin: _Optional[_Union[BeginVersion, _Mapping]] = ..., packed: _Optional[_Union[BucketPacked, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+    lane: LaneSwitch
+    def __init__(self, hello: _Optional[_Union[PublisherHello, _Mapping]] = ..., begin: _Optional[_Union[BeginVersion, _Mapping]] = ..., packed: _Optional[_Union[BucketPacked, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ...) -> None: ...
 
 class PublisherWelcome(_message.Message):
-    __slots__ = ("bucket_size_bytes", "transport", "last_version", "repeats")
+    __slots__ = ("bucket_size_bytes", "transport", "last_version", "repeats", "lane")
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
     REPEATS_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     bucket_size_bytes: int
     transport: str
     last_version: int
     repeats: bool
-    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ..., repeats: _Optional[bool] = ...) -> None: ...
+    lane: LaneOffer
+    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ..., repeats: _Optional[bool] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ...) -> None: ...
 
 class PackBucket(_message.Message):
     __slots__ = ("version", "layout", "buffer")
@@ -233,19 +239,33 @@ class VersionStaged(_message.Message):
     def __init__(self, version: _Optional[int] = ..., receivers: _Optional[int] = ...) -> None: ...
 
 class SenderReply(_message.Message):
-    __slots__ = ("welcome", "pack", "staged", "done")
+    __slots__ = ("welcome", "pack", "staged", "done", "lane")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     PACK_FIELD_NUMBER: _ClassVar[int]
     STAGED_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     welcome: PublisherWelcome
     pack: PackBucket
     staged: VersionStaged
     done: VersionStatus
-    def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ..., done: _Optional[_Union[VersionStatus, _Mapping]] = ...) -> None: ...
+    lane: LaneSwitch
+    def __init__(self, welcome: _Optional[_Union[PublisherWelcome, _Mapping]] = ..., pack: _Optional[_Union[PackBucket, _Mapping]] = ..., staged: _Optional[_Union[VersionStaged, _Mapping]] = ..., done: _Optional[_Union[VersionStatus, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ...) -> None: ...
+
+class LaneOffer(_message.Message):
+    __slots__ = ("path", "token")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    token: bytes
+    def __init__(self, path: _Optional[str] = ..., token: _Optional[bytes] = ...) -> None: ...
+
+class LaneSwitch(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class ReceiverHello(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys", "batches", "manifest_keys")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys", "batches", "manifest_keys", "lanes")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -258,6 +278,7 @@ class ReceiverHello(_message.Message):
     LAYOUT_KEYS_FIELD_NUMBER: _ClassVar[int]
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_KEYS_FIELD_NUMBER: _ClassVar[int]
+    LANES_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -270,7 +291,8 @@ class ReceiverHello(_message.Message):
     layout_keys: bool
     batches: bool
     manifest_keys: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ..., batches: _Optional[bool] = ..., manifest_keys: _Optional[bool] = ...) -> None: ...
+    lanes: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ..., batches: _Optional[bool] = ..., manifest_keys: _Optional[bool] = ..., lanes: _Optional[bool] = ...) -> None: ...
 
 class TensorBox(_message.Message):
     __slots__ = ("name", "start", "size")
@@ -321,24 +343,28 @@ class VersionApplied(_message.Message):
     def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReceiverMessage(_message.Message):
-    __slots__ = ("hello", "verdict", "ack", "applied")
+    __slots__ = ("hello", "verdict", "ack", "applied", "lane")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     hello: ReceiverHello
     verdict: ManifestVerdict
     ack: BucketAck
     applied: VersionApplied
-    def __init__(self, hello: _Optional[_Union[ReceiverHello, _Mapping]] = ..., verdict: _Optional[_Union[ManifestVerdict, _Mapping]] = ..., ack: _Optional[_Union[BucketAck, _Mapping]] = ..., applied: _Optional[_Union[VersionApplied, _Mapping]] = ...) -> None: ...
+    lane: LaneSwitch
+    def __init__(self, hello: _Optional[_Union[ReceiverHello, _Mapping]] = ..., verdict: _Optional[_Union[ManifestVerdict, _Mapping]] = ..., ack: _Optional[_Union[BucketAck, _Mapping]] = ..., applied: _Optional[_Union[VersionApplied, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ...) -> None: ...
 
 class ReceiverWelcome(_message.Message):
-    __slots__ = ("receiver_id", "keeps_same")
+    __slots__ = ("receiver_id", "keeps_same", "lane")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     KEEPS_SAME_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     keeps_same: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., keeps_same: _Optional[bool] = ...) -> None: ...
+    lane: LaneOffer
+    def __init__(self, receiver_id: _Optional[str] = ..., keeps_same: _Optional[bool] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ...) -> None: ...
 
 class VersionStart(_message.Message):
     __slots__ = ("manifest", "num_buckets", "manifest_key")
@@ -405,7 +431,7 @@ class VersionAbort(_message.Message):
     def __init__(self, version: _Optional[int] = ..., reason: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class Announcement(_message.Message):
-    __slots__ = ("welcome", "start", "bucket", "end", "abort", "join", "batch")
+    __slots__ = ("welcome", "start", "bucket", "end", "abort", "join", "batch", "lane")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
@@ -413,6 +439,7 @@ class Announcement(_message.Message):
     ABORT_FIELD_NUMBER: _ClassVar[int]
     JOIN_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     welcome: ReceiverWelcome
     start: VersionStart
     bucket: BucketAnnouncement
@@ -420,7 +447,8 @@ class Announcement(_message.Message):
     abort: VersionAbort
     join: GroupJoin
     batch: AnnouncementBatch
-    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ..., join: _Optional[_Union[GroupJoin, _Mapping]] = ..., batch: _Optional[_Union[AnnouncementBatch, _Mapping]] = ...) -> None: ...
+    lane: LaneSwitch
+    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ..., join: _Optional[_Union[GroupJoin, _Mapping]] = ..., batch: _Optional[_Union[AnnouncementBatch, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ...) -> None: ...
 
 class AnnouncementBatch(_message.Message):
     __slots__ = ("items",)
@@ -433,19 +461,21 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class PublisherStatus(_message.Message):
-    __slots__ = ("publisher_id", "ranks_connected", "world_size", "device")
+    __slots__ = ("publisher_id", "ranks_connected", "world_size", "device", "ranks_on_lanes")
     PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
     RANKS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RANKS_ON_LANES_FIELD_NUMBER: _ClassVar[int]
     publisher_id: str
     ranks_connected: int
     world_size: int
     device: str
-    def __init__(self, publisher_id: _Optional[str] = ..., ranks_connected: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    ranks_on_lanes: int
+    def __init__(self, publisher_id: _Optional[str] = ..., ranks_connected: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., ranks_on_lanes: _Optional[int] = ...) -> None: ...
 
 class ReceiverStatus(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error", "data_path", "kept_bytes")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error", "data_path", "kept_bytes", "lane")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -456,6 +486,7 @@ class ReceiverStatus(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _ClassVar[int]
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     KEPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LANE_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -466,7 +497,8 @@ class ReceiverStatus(_message.Message):
     last_error: str
     data_path: str
     kept_bytes: int
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., data_path: _Optional[str] = ..., kept_bytes: _Optional[int] = ...) -> None: ...
+    lane: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., data_path: _Optional[str] = ..., kept_bytes: _Optional[int] = ..., lane: _Optional[bool] = ...) -> None: ...
 
 class ReceiverOutcome(_message.Message):
     __slots__ = ("receiver_id", "state", "error", "applied_at_unix_s")
