@@ -82,6 +82,7 @@ class Publisher:
         self.publisher_id = publisher_id or f"publisher-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.rank, self.world_size = rank, world_size
         self._channel, self._stub = connect(address, connect_timeout_s)
+        self._lanes = ClientSettings().lanes  # read once: settings cost ~0.5 ms to read
         self._stream: _PublishStream | None = None
         self._stream_closer: weakref.finalize | None = None
         # Caches; each says its key and what invalidates it.
@@ -283,7 +284,7 @@ class Publisher:
             world_size=self.world_size,
             device=str(device),
             device_uuid=device_uuid(device),
-            lanes=ClientSettings().lanes,
+            lanes=self._lanes,
         )
         if self._stream is not None and (self._stream.hello != hello or self._stream.call.done()):
             self._drop_stream()

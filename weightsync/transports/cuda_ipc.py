@@ -6,6 +6,7 @@ by UUID (indices differ between processes with different ``CUDA_VISIBLE_DEVICES`
 
 from __future__ import annotations
 
+import functools
 import uuid
 
 import torch
@@ -18,7 +19,13 @@ from weightsync.v1 import weightsync_pb2 as pb
 def device_uuid(device: torch.device) -> str:
     if device.type != "cuda":
         return ""
-    return str(torch.cuda.get_device_properties(device).uuid)
+    return _uuid_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _uuid_of(index: int) -> str:
+    # A publisher asks every version: not on its latency path more than once.
+    return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def local_index_of(uuid_str: str, fallback: int) -> int:
