@@ -17,6 +17,7 @@ from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
 from weightsync.sender.direct_reads import DirectRead
+from weightsync.sender.outbox import Outbox, batched
 from weightsync.sender.planner import TensorPlan
 from weightsync.sender.slices import SliceGroup
 from weightsync.stream_keys import SentKeys
@@ -46,7 +47,7 @@ class ReceiverConn:
     device_uuid: str = ""
     data_path: str = "map"
     """"map": open the staging buffers (same host); "broadcast": receive them from the sender."""
-    outbox: queue.Queue = field(default_factory=queue.Queue)
+    outbox: Outbox = field(default_factory=lambda: Outbox(batched))
     connected: bool = True
     applied_version: int = 0
     state: str = "idle"

@@ -24,6 +24,7 @@ from weightsync.limits import (
     check_receiver_message,
 )
 from weightsync.sender.coordinator import Coordinator, StreamBegin
+from weightsync.sender.outbox import Outbox, Unsent
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
@@ -59,7 +60,7 @@ class _Outgoing:
     """Where a stream's messages to its client go: yielded to gRPC until the client took the
     lane it was offered (``lanes.py``), then written to that lane."""
 
-    def __init__(self, lanes: LaneServer | None, wanted: bool, outbox: queue.Queue, conn) -> None:
+    def __init__(self, lanes: LaneServer | None, wanted: bool, outbox: Outbox, conn) -> None:
         self.lane: Lane | None = None
         self._outbox, self._conn = outbox, conn
         self.offer = lanes.offer(self._attach, self._switch) if lanes and wanted else None
@@ -84,13 +85,18 @@ class _Outgoing:
                 if msg is _LANE:
                     yield switch
                     on_lane = self._conn.lane = True
-                elif on_lane:
-                    self.lane.send(msg)
-                else:
+                elif not on_lane:
                     yield msg
+                    continue
+                elif isinstance(msg, Unsent):
+                    self.lane.send_rest(msg)
+                else:
+                    self.lane.send(msg)
+                self._outbox.direct(self.lane)
         except LaneClosed:
             return  # the client's end of the lane is gone: so is the client (its reader says)
         finally:
+            self._outbox.queued()
             if self.offer is not None:
                 self._lanes.withdraw(self.offer)
             if self.lane is not None:
@@ -137,7 +143,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         except Exception as e:  # never leave a stream without an answer
             _abort(context, ConfigError(f"PublisherHello refused: {type(e).__name__}: {e}"))
         context.add_callback(lambda: self._co.publisher_left(pconn, "disconnected"))
-        outbox: queue.Queue = queue.Queue()
+        outbox = Outbox()
         out = _Outgoing(self._lanes, hello.lanes, outbox, pconn)
         requests = out.incoming(request_iterator, pb.PublisherMessage)
         threading.Thread(
@@ -267,7 +273,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                     yield pb.Announcement(batch=pb.AnnouncementBatch(items=items))
             if end is None:
                 return
-            if end is _LANE:
+            if end is _LANE or isinstance(end, Unsent):
                 yield end
             elif isinstance(end, WeightSyncError):
                 _abort(context, end)

@@ -12,8 +12,10 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from tests.support import TinyNet, digests, step, sync_in_thread, wait_until
+from weightsync.control.lanes import Lane
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher, Sender
 
@@ -93,3 +95,52 @@ def test_a_killed_receiver_on_a_lane_is_disconnected_at_once(sender):
     finally:
         proc.kill()
         proc.wait()
+
+
+class ManyTensors(torch.nn.Module):
+    """2,000 small parameters with long names: a manifest of about 0.3 MB, over a Unix
+    socket's buffer, so the version's start cannot be written to the lane at once."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(seed)
+        self.params = torch.nn.ParameterDict(
+            {
+                f"layer_{i:04d}_" + "x" * 120: torch.nn.Parameter(
+                    torch.randn(4, generator=generator)
+                )
+                for i in range(2000)
+            }
+        )
+
+
+def test_a_message_larger_than_the_socket_takes_at_once_is_finished_by_the_stream(
+    sender, monkeypatch
+):
+    """On a lane the thread that queues a message writes it without blocking (it may hold the
+    sender's lock); what the socket does not take goes to the stream's thread, and everything
+    after it waits behind it, so the receiver still gets whole messages in order."""
+    leftovers = []
+    try_send = Lane.try_send
+
+    def recording(self, msg):
+        rest = try_send(self, msg)
+        if rest is not None:
+            leftovers.append(len(rest))
+        return rest
+
+    monkeypatch.setattr(Lane, "try_send", recording)
+    model, trainer = ManyTensors(seed=1), ManyTensors(seed=2)
+    receiver = TorchReceiver(model, sender.address, receiver_id="r")
+    syncs, _ = sync_in_thread(receiver, n=2)
+    with Publisher(sender.address) as publisher:
+        for version in (1, 2):
+            with torch.no_grad():
+                for p in trainer.parameters():
+                    p.add_(version)
+            publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=60)
+    assert syncs.finish(60) == [1, 2]
+    assert digests(model) == digests(trainer)
+    assert lanes_by_receiver(sender) == {"r": True}
+    assert leftovers, "every message fit the socket: the test no longer covers the rest"
+    receiver.close()

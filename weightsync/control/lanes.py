@@ -65,6 +65,29 @@ class Lane:
         except OSError as e:
             raise LaneClosed(str(e)) from None
 
+    def try_send(self, msg) -> bytes | None:
+        """Write ``msg`` as one frame without blocking; returns the part of the frame the
+        socket did not take (to :meth:`send_rest` before anything else), None when it took
+        it all. Raises LaneClosed when the lane is gone."""
+        data = msg.SerializeToString()
+        frame = _HEADER.pack(len(data)) + data
+        try:
+            with self._write:
+                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            sent = 0
+        except OSError as e:
+            raise LaneClosed(str(e)) from None
+        return None if sent == len(frame) else frame[sent:]
+
+    def send_rest(self, rest: bytes) -> None:
+        """Write what :meth:`try_send` left over; raises LaneClosed when the lane is gone."""
+        try:
+            with self._write:
+                self._sock.sendall(rest)
+        except OSError as e:
+            raise LaneClosed(str(e)) from None
+
     def messages(self, cls: Callable[[], M]) -> Iterator[M]:
         """The peer's messages until it closes the lane (or it breaks)."""
         while True:
