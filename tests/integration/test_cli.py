@@ -48,6 +48,8 @@ def test_status_prints_receivers_and_versions(sender):
     assert "complete" in out.stdout and "1/1" in out.stdout
     # CPU tensors outside shared memory cannot be offered: the publisher packed them.
     assert "packed by" in out.stdout and "publisher" in out.stdout
+    # Its stream moved to a lane (same host): the receivers table says so.
+    assert " lane " in out.stdout and "gRPC" not in out.stdout
 
     narrow = weightsync("status", "--address", sender.address, env={"COLUMNS": "60"})
     assert narrow.returncode == 0, narrow.stderr
@@ -60,6 +62,7 @@ def test_status_prints_receivers_and_versions(sender):
     reply = json.loads(as_json.stdout)
     [r] = reply["receivers"]
     assert r["receiver_id"] == LONG_ID and r["applied_version"] == 1 and r["connected"] is True
+    assert r["lane"] is True  # on the sender's host its stream moved to a lane
     [v] = reply["versions"]
     assert v["version"] == 1 and v["state"] == "complete"
     assert [o["state"] for o in v["receivers"]] == ["applied"]

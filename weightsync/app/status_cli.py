@@ -62,8 +62,8 @@ def message_json(reply, indent: int | None) -> str:
 
 def _status_tables(reply, address: str, last: int) -> list:
     receivers = output.table(
-        "id", "engine", "rank", "device", "data path", "MB kept", "connected", "applied",
-        "state", "last error", title="receivers", right=("rank", "MB kept", "applied"),
+        "id", "engine", "rank", "device", "data path", "stream", "MB kept", "connected",
+        "applied", "state", "last error", title="receivers", right=("rank", "MB kept", "applied"),
     )  # fmt: skip
     for r in reply.receivers:
         output.add_row(
@@ -73,6 +73,7 @@ def _status_tables(reply, address: str, last: int) -> list:
             str(r.rank),
             r.device,
             r.data_path,
+            "lane" if r.lane else "gRPC",  # its messages' path (docs/protocol.md §1.1)
             # What it keeps (its TP shard) of the last version it accepted; "-": none yet.
             f"{r.kept_bytes / 1e6:.1f}" if r.kept_bytes else "-",
             str(r.connected),
@@ -81,12 +82,17 @@ def _status_tables(reply, address: str, last: int) -> list:
             one_line(r.last_error),
         )
     publishers = output.table(
-        "id", "ranks connected", "world size", "device", title="publishers",
-        right=("ranks connected", "world size"),
+        "id", "ranks connected", "on lanes", "world size", "device", title="publishers",
+        right=("ranks connected", "on lanes", "world size"),
     )  # fmt: skip
     for p in reply.publishers:
         output.add_row(
-            publishers, p.publisher_id, str(p.ranks_connected), str(p.world_size), p.device
+            publishers,
+            p.publisher_id,
+            str(p.ranks_connected),
+            str(p.ranks_on_lanes),
+            str(p.world_size),
+            p.device,
         )
     head = (
         f"sender {reply.sender_version} at {address}: transport {reply.transport}, "
