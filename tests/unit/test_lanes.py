@@ -12,39 +12,43 @@ from weightsync.errors import ProtocolError
 from weightsync.v1 import weightsync_pb2 as pb
 
 
-def acked(index: int) -> pb.ReceiverMessage:
-    return pb.ReceiverMessage(ack=pb.BucketAck(version=7, index=index, ok=True))
-
-
-def test_a_lane_carries_messages_in_order_both_ways_and_ends_with_its_writer():
+@pytest.fixture
+def lane_pair():
+    """A client's lane and the sender's end of it, taken through a real LaneServer."""
     server = LaneServer()
     taken: queue.Queue = queue.Queue()
     try:
         client = connect_lane(server.offer(taken.put, lambda: None))
         assert client is not None
-        sender_end = taken.get(timeout=5)
-        got: list = []
-        reader = threading.Thread(
-            target=lambda: got.extend(sender_end.messages(pb.ReceiverMessage))
-        )
-        reader.start()  # as the sender's consumer thread reads: a full socket blocks writers
-        for i in range(300):
-            client.send(acked(i))
-        client.close_write()
-        reader.join(10)
-        assert [m.ack.index for m in got] == list(range(300))
-        big = pb.Announcement(start=pb.VersionStart(manifest_key=b"k" * (4 << 20)))
-
-        def send_and_close() -> None:  # 4 MiB does not fit the socket's buffer: read alongside
-            sender_end.send(big)
-            sender_end.close()
-
-        writer = threading.Thread(target=send_and_close)
-        writer.start()
-        assert list(client.messages(pb.Announcement)) == [big]
-        writer.join()
+        yield client, taken.get(timeout=5)
     finally:
         server.close()
+
+
+def acked(index: int) -> pb.ReceiverMessage:
+    return pb.ReceiverMessage(ack=pb.BucketAck(version=7, index=index, ok=True))
+
+
+def test_a_lane_carries_messages_in_order_both_ways_and_ends_with_its_writer(lane_pair):
+    client, sender_end = lane_pair
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(sender_end.messages(pb.ReceiverMessage)))
+    reader.start()  # as the sender's consumer thread reads: a full socket blocks writers
+    for i in range(300):
+        client.send(acked(i))
+    client.close_write()
+    reader.join(10)
+    assert [m.ack.index for m in got] == list(range(300))
+    big = pb.Announcement(start=pb.VersionStart(manifest_key=b"k" * (4 << 20)))
+
+    def send_and_close() -> None:  # 4 MiB does not fit the socket's buffer: read alongside
+        sender_end.send(big)
+        sender_end.close()
+
+    writer = threading.Thread(target=send_and_close)
+    writer.start()
+    assert list(client.messages(pb.Announcement)) == [big]
+    writer.join()
 
 
 def test_a_token_takes_its_lane_once_and_no_other_token_takes_one():
@@ -72,34 +76,28 @@ def test_a_lane_out_of_reach_leaves_the_stream_on_grpc(tmp_path):
     assert connect_lane(offer) is None
 
 
-def test_switched_reads_grpc_up_to_the_switch_then_the_lane_and_raises_how_grpc_ended():
+def test_switched_reads_grpc_up_to_the_switch_then_the_lane_and_raises_how_grpc_ended(lane_pair):
     """The gRPC side as an iterator the way gRPC hands it over: messages, then an error."""
-    server = LaneServer()
-    taken: queue.Queue = queue.Queue()
-    try:
-        client = connect_lane(server.offer(taken.put, lambda: None))
-        sender_end = taken.get(timeout=5)
-        grpc_side: queue.Queue = queue.Queue()
+    client, sender_end = lane_pair
+    grpc_side: queue.Queue = queue.Queue()
 
-        def grpc_messages():
-            while (item := grpc_side.get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                yield item
+    def grpc_messages():
+        while (item := grpc_side.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
-        for message in (acked(0), acked(1), pb.ReceiverMessage(lane=pb.LaneSwitch())):
-            grpc_side.put(message)
-        client.send(acked(2))
-        client.send(acked(3))
-        read = switched(grpc_messages(), lambda: sender_end, pb.ReceiverMessage)
-        assert [next(read).ack.index for _ in range(4)] == [0, 1, 2, 3]
-        # The gRPC stream breaks (the peer's keepalive failed): the lane closes, and the
-        # reader raises what gRPC said.
-        grpc_side.put(ConnectionError("ping timeout"))
-        with pytest.raises(ConnectionError, match="^ping timeout$"):
-            next(read)
-    finally:
-        server.close()
+    for message in (acked(0), acked(1), pb.ReceiverMessage(lane=pb.LaneSwitch())):
+        grpc_side.put(message)
+    client.send(acked(2))
+    client.send(acked(3))
+    read = switched(grpc_messages(), lambda: sender_end, pb.ReceiverMessage)
+    assert [next(read).ack.index for _ in range(4)] == [0, 1, 2, 3]
+    # The gRPC stream breaks (the peer's keepalive failed): the lane closes, and the reader
+    # raises what gRPC said.
+    grpc_side.put(ConnectionError("ping timeout"))
+    with pytest.raises(ConnectionError, match="^ping timeout$"):
+        next(read)
 
 
 def test_a_switch_to_a_lane_never_taken_is_a_protocol_error():
@@ -108,35 +106,28 @@ def test_a_switch_to_a_lane_never_taken_is_a_protocol_error():
         next(read)
 
 
-def test_writers_on_many_threads_never_interleave_frames():
-    server = LaneServer()
-    taken: queue.Queue = queue.Queue()
-    try:
-        client = connect_lane(server.offer(taken.put, lambda: None))
-        sender_end = taken.get(timeout=5)
-        payload = {
-            t: pb.Announcement(start=pb.VersionStart(manifest_key=bytes([t]) * 70_000))
-            for t in range(4)
-        }
+def test_writers_on_many_threads_never_interleave_frames(lane_pair):
+    client, sender_end = lane_pair
+    payload = {
+        t: pb.Announcement(start=pb.VersionStart(manifest_key=bytes([t]) * 70_000))
+        for t in range(4)
+    }
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(sender_end.messages(pb.Announcement)))
+    reader.start()
 
-        got: list = []
-        reader = threading.Thread(target=lambda: got.extend(sender_end.messages(pb.Announcement)))
-        reader.start()
+    def write(t: int) -> None:
+        for _ in range(50):
+            client.send(payload[t])
 
-        def write(t: int) -> None:
-            for _ in range(50):
-                client.send(payload[t])
-
-        threads = [threading.Thread(target=write, args=(t,)) for t in range(4)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        client.close_write()
-        reader.join(10)
-        assert len(got) == 200 and all(m in payload.values() for m in got)
-    finally:
-        server.close()
+    threads = [threading.Thread(target=write, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    client.close_write()
+    reader.join(10)
+    assert len(got) == 200 and all(m in payload.values() for m in got)
 
 
 def test_the_senders_first_frame_never_reaches_the_client_before_the_taken_byte():
