@@ -24,7 +24,7 @@ from weightsync.limits import (
     check_receiver_message,
 )
 from weightsync.sender.coordinator import Coordinator, StreamBegin
-from weightsync.sender.outbox import Outbox, Unsent
+from weightsync.sender.outbox import Outbox, Unsent, batched
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
@@ -89,7 +89,7 @@ class _Outgoing:
                     yield msg
                     continue
                 elif isinstance(msg, Unsent):
-                    self.lane.send_rest(msg)
+                    self.lane.send_bytes(msg)
                 else:
                     self.lane.send(msg)
                 self._outbox.direct(self.lane)
@@ -267,10 +267,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 if trace.enabled:
                     kinds = ",".join(item.WhichOneof("kind") for item in items)
                     trace.mark("sender.yield", receiver=conn.receiver_id, kind=kinds)
-                if len(items) == 1:
-                    yield items[0]
-                else:
-                    yield pb.Announcement(batch=pb.AnnouncementBatch(items=items))
+                yield batched(items)
             if end is None:
                 return
             if end is _LANE or isinstance(end, Unsent):

@@ -58,19 +58,13 @@ class Lane:
 
     def send(self, msg) -> None:
         """Write ``msg`` as one frame; raises LaneClosed when the lane is gone."""
-        data = msg.SerializeToString()
-        try:
-            with self._write:
-                self._sock.sendall(_HEADER.pack(len(data)) + data)
-        except OSError as e:
-            raise LaneClosed(str(e)) from None
+        self.send_bytes(_frame(msg.SerializeToString()))
 
     def try_send(self, msg) -> bytes | None:
         """Write ``msg`` as one frame without blocking; returns the part of the frame the
-        socket did not take (to :meth:`send_rest` before anything else), None when it took
+        socket did not take (to :meth:`send_bytes` before anything else), None when it took
         it all. Raises LaneClosed when the lane is gone."""
-        data = msg.SerializeToString()
-        frame = _HEADER.pack(len(data)) + data
+        frame = _frame(msg.SerializeToString())
         try:
             with self._write:
                 sent = self._sock.send(frame, socket.MSG_DONTWAIT)
@@ -80,11 +74,12 @@ class Lane:
             raise LaneClosed(str(e)) from None
         return None if sent == len(frame) else frame[sent:]
 
-    def send_rest(self, rest: bytes) -> None:
-        """Write what :meth:`try_send` left over; raises LaneClosed when the lane is gone."""
+    def send_bytes(self, data: bytes) -> None:
+        """Write ``data`` whole (a frame, or what :meth:`try_send` left of one); raises
+        LaneClosed when the lane is gone."""
         try:
             with self._write:
-                self._sock.sendall(rest)
+                self._sock.sendall(data)
         except OSError as e:
             raise LaneClosed(str(e)) from None
 
@@ -113,6 +108,10 @@ class Lane:
         except OSError:
             pass
         self._sock.close()
+
+
+def _frame(data: bytes) -> bytes:
+    return _HEADER.pack(len(data)) + data
 
 
 def _read_frame(reader) -> bytes:
@@ -213,7 +212,7 @@ def connect_lane(offer: pb.LaneOffer) -> Lane | None:
     sock.settimeout(_HANDSHAKE_S)
     try:
         sock.connect(offer.path)
-        sock.sendall(_HEADER.pack(len(offer.token)) + offer.token)
+        sock.sendall(_frame(offer.token))
         if sock.recv(1) != _TAKEN:
             raise OSError("the sender did not take the lane")
     except OSError as e:
