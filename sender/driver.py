@@ -66,6 +66,33 @@ def _sends(run: VersionRun) -> list[_Send]:
     return sends
 
 
+def _largest_bucket(run: VersionRun) -> int:
+    """Bytes every staging slot must hold for ``run`` (at least 256)."""
+    buckets = [*run.tensors.staged.buckets, *(b for g in run.slices for b in g.plan.buckets)]
+    return max((b.nbytes for b in buckets), default=0) or 256
+
+
+class _Queued:
+    """A version for the driver thread: its start already made by the thread that began it
+    (``started`` set once it was), or left to the driver."""
+
+    def __init__(self, run: VersionRun, device: torch.device, inline: bool) -> None:
+        self.run, self.device = run, device
+        self.started: threading.Event | None = threading.Event() if inline else None
+        self._sends: list[_Send] | BaseException = []
+
+    def made(self, sends: list[_Send] | BaseException) -> None:
+        self._sends = sends
+        self.started.set()
+
+    def sends(self) -> list[_Send]:
+        """What the inline start returned, or the exception it raised."""
+        self.started.wait()
+        if isinstance(self._sends, BaseException):
+            raise self._sends
+        return self._sends
+
+
 class VersionDriver:
     """Runs versions one at a time; ``cond`` is the sender's lock (see ``outcomes.py``)."""
 
@@ -80,14 +107,18 @@ class VersionDriver:
     ) -> None:
         self._cond, self._settings, self._metrics = cond, settings, metrics
         self._outcomes, self._slots, self._broadcast = outcomes, slots, broadcast
-        self._queued: queue.Queue[tuple[VersionRun, torch.device] | None] = queue.Queue()
+        self._queued: queue.Queue[_Queued | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._idle = True
+        """No version queued or being driven (``_lock``)."""
         self._closed = False
         self._lock = threading.Lock()
         """Orders ``start`` and ``close``: nothing is queued behind the thread's end."""
 
     def start(self, run: VersionRun, device: torch.device) -> None:
-        """Drive ``run``, staged on ``device``, after the versions started before it.
+        """Drive ``run``, staged on ``device``, after the versions started before it. When
+        nothing is ahead of it and its staging buffers are in place, its start goes to the
+        receivers from this thread: waking the driver's first cost about 0.2 ms.
 
         Raises:
             TransportError: the sender is shutting down (:meth:`close`).
@@ -100,7 +131,17 @@ class VersionDriver:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drive_all, name="driver", daemon=True)
                 self._thread.start()
-            self._queued.put((run, device))
+            inline = self._idle and self._slots.fits(_largest_bucket(run), device)
+            item = _Queued(run, device, inline)
+            self._idle = False
+            self._queued.put(item)
+        if item.started is not None:
+            try:
+                sends = self._start(run, device)
+            except BaseException as e:
+                item.made(e)
+            else:
+                item.made(sends)
 
     def close(self) -> None:
         """The driver thread ends after the version it drives; later versions fail to start."""
@@ -110,9 +151,9 @@ class VersionDriver:
 
     def _drive_all(self) -> None:
         while (item := self._queued.get()) is not None:
-            run, device = item
+            run = item.run
             try:
-                self.drive(run, device)
+                self.drive(item)
             except Exception as e:
                 # A bug must fail its version, not every later one with the thread.
                 log.exception("version %d: the driver failed", run.version)
@@ -120,12 +161,15 @@ class VersionDriver:
                     self._outcomes.abort(
                         run, error_to_pb(WeightSyncError(f"{type(e).__name__}: {e}"))
                     )
+            with self._lock:
+                self._idle = self._queued.empty()
 
-    def drive(self, run: VersionRun, device: torch.device) -> None:
+    def drive(self, item: _Queued) -> None:
+        run, device = item.run, item.device
         clock = _PublisherClock(self._settings)
         issued: deque[tuple[_Send, Slot]] = deque()
         try:
-            todo = deque(self._start(run, device))
+            todo = deque(item.sends() if item.started is not None else self._start(run, device))
             ended = not todo  # then the end went with the start
             self._broadcast.connect(run)
             while issued or todo:
@@ -200,8 +244,7 @@ class VersionDriver:
 
     def _ensure_slots(self, run: VersionRun, device: torch.device) -> None:
         """Slots on ``device`` that hold the largest bucket (reallocated once all are free)."""
-        buckets = [*run.tensors.staged.buckets, *(b for g in run.slices for b in g.plan.buckets)]
-        need = max((b.nbytes for b in buckets), default=0) or 256
+        need = _largest_bucket(run)
         if self._slots.fits(need, device):
             return
         self._wait(
@@ -434,23 +477,19 @@ class VersionDriver:
         self._outcomes.address(run, "applied", lambda c: end)
 
     def _staged(self, run: VersionRun) -> None:
+        """Once the receivers' direct reads are done (trainer memory must not change until
+        then): the ack of the last one stages ``run`` where it arrives, or this does."""
         with self._cond:
-            # Direct reads come from trainer memory: it must not change until they are done.
+            if run.done:
+                raise RunAborted()
+            run.state = "reading"
             self._wait(
                 run,
                 lambda: not run.direct_readers,
                 self._settings.ack_timeout_s + 5,
                 "receivers to copy the direct tensors",
             )
-            run.staged_s = time.monotonic() - run.started_mono
-            run.state = "staged"
-            staged = pb.SenderReply(
-                staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
-            )
-            for rank in run.ranks.values():
-                rank.outbox.put(staged)
-            self._outcomes.maybe_complete(run)
-            self._cond.notify_all()
+            self._outcomes.staged(run)
 
     def _wait(
         self, run: VersionRun, ready: Callable[[], object], timeout_s: float, what: str

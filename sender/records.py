@@ -193,6 +193,8 @@ class VersionRun:
     staged_s: float = 0.0
     complete_s: float = 0.0
     state: str = "packing"
+    """packing, reading (every bucket and the end sent: only direct reads are owed before it
+    is staged), staged, complete or failed."""
     abandoned: pb.ErrorDetail | None = None
     """Why the version was abandoned, when it was (Status shows it)."""
 
