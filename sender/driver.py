@@ -483,12 +483,16 @@ class VersionDriver:
             if run.done:
                 raise RunAborted()
             run.state = "reading"
-            self._wait(
-                run,
-                lambda: not run.direct_readers,
-                self._settings.ack_timeout_s + 5,
-                "receivers to copy the direct tensors",
-            )
+            try:
+                self._wait(
+                    run,
+                    lambda: run.was_staged or not run.direct_readers,
+                    self._settings.ack_timeout_s + 5,
+                    "receivers to copy the direct tensors",
+                )
+            except RunAborted:
+                if not run.was_staged:
+                    raise
             self._outcomes.staged(run)
 
     def _wait(

@@ -293,10 +293,10 @@ class Outcomes:
     def staged(self, run: VersionRun) -> None:
         """``run`` no longer reads its publishers' memory: they hear so (``staged``), and it
         completes once its receivers are done (lock held; once)."""
-        if run.state not in ("packing", "reading"):
+        if run.was_staged or run.done:
             return
         run.staged_s = time.monotonic() - run.started_mono
-        run.state = "staged"
+        run.state, run.was_staged = "staged", True
         staged = pb.SenderReply(
             staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
         )

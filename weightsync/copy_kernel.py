@@ -43,14 +43,46 @@ _SOURCE = r"""
 // pitch). One row: a contiguous chunk, 16 bytes per load where both ends are 16-byte aligned,
 // four loads in flight per thread. Several: a box of strided rows (a column shard), in the
 // widest units that every address, the row length and both pitches are multiples of.
+// A thread's place in a box (row r, unit c) moves on by the block's width without dividing,
+// and four loads are in flight per thread, as in a contiguous chunk: with a division and one
+// load per unit, a TP=2 trainer's row-parallel shards made the 7B copy 0.3 ms slower on H200.
+struct Place {
+    unsigned r, c;
+};
+
+__device__ __forceinline__ Place advance(Place p, unsigned dr, unsigned dc, unsigned units) {
+    p.c += dc;
+    p.r += dr;
+    if (p.c >= units) {
+        p.c -= units;
+        ++p.r;
+    }
+    return p;
+}
+
 template <class T>
 __device__ __forceinline__ void copy_rows(const char* src, char* dst, unsigned long long width,
         unsigned long long rows, unsigned long long sp, unsigned long long dp) {
     const unsigned units = (unsigned)(width / sizeof(T)), total = units * (unsigned)rows;
-    for (unsigned u = threadIdx.x; u < total; u += blockDim.x) {
-        const unsigned r = u / units, c = u - r * units;
-        ((T*)(dst + r * dp))[c] = ((const T*)(src + r * sp))[c];
+    const unsigned step = blockDim.x, dr = step / units, dc = step % units;
+    Place p = {threadIdx.x / units, threadIdx.x % units};
+#define AT(base, pitch, q) (((T*)((base) + (q).r * (pitch)))[(q).c])
+    unsigned u = threadIdx.x;
+    for (; u + 3 * step < total; u += 4 * step) {
+        const Place p1 = advance(p, dr, dc, units), p2 = advance(p1, dr, dc, units),
+                    p3 = advance(p2, dr, dc, units);
+        const T a = AT(src, sp, p), b = AT(src, sp, p1), c = AT(src, sp, p2), e = AT(src, sp, p3);
+        AT(dst, dp, p) = a;
+        AT(dst, dp, p1) = b;
+        AT(dst, dp, p2) = c;
+        AT(dst, dp, p3) = e;
+        p = advance(p3, dr, dc, units);
     }
+    for (; u < total; u += step) {
+        AT(dst, dp, p) = AT(src, sp, p);
+        p = advance(p, dr, dc, units);
+    }
+#undef AT
 }
 
 extern "C" __global__ void __launch_bounds__(1024) copy_chunks(const unsigned long long* table) {

@@ -82,8 +82,9 @@ def test_strided_copies_go_in_the_one_launch_and_move_exactly_their_bytes():
     cases of ``tests/support/kernel_cases.py``, which the CPU runs in the kernel's source)."""
     pytest.importorskip("cupy")
     g = torch.Generator("cuda").manual_seed(2)
-    a = torch.empty(2_400_000, dtype=torch.uint8, device="cuda").random_(0, 256, generator=g)
-    b = torch.empty(3_100_000, dtype=torch.uint8, device="cuda").random_(0, 256, generator=g)
+    a_bytes, b_bytes = kernel_cases.STRIDED_BYTES
+    a = torch.empty(a_bytes, dtype=torch.uint8, device="cuda").random_(0, 256, generator=g)
+    b = torch.empty(b_bytes, dtype=torch.uint8, device="cuda").random_(0, 256, generator=g)
     want = a.clone()
     for dst, src in kernel_cases.strided(want, b):
         dst.copy_(src)

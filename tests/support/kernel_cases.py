@@ -126,10 +126,15 @@ def moved(case: Case) -> bool:
     return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in case.pairs)
 
 
+STRIDED_BYTES = (3_000_000, 3_100_000)
+"""The sizes of the byte buffers ``a`` and ``b`` that :func:`strided` takes."""
+
+
 def strided(a: torch.Tensor, b: torch.Tensor) -> list[Pair]:
     """(destination in byte buffer ``a``, source in ``b``) of every shape the kernel takes:
     column shards either way, a stack of them, rows wider than a table row, rows aligned to
-    16, 8, 4, 2 and 1 bytes, a contiguous copy of many table rows, a scalar."""
+    16, 8, 4, 2 and 1 bytes, boxes of many units per thread, a contiguous copy of many table
+    rows, a scalar."""
     at = 0
 
     def piece(n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
@@ -147,6 +152,10 @@ def strided(a: torch.Tensor, b: torch.Tensor) -> list[Pair]:
     scalar = a[2_200_002:2_200_004].view(torch.bfloat16).view(())
     packed = a[2_300_000 : 2_300_000 + 64 * 128 * 2].view(torch.bfloat16).view(64, 128)
     sharded = b[3_000_000 : 3_000_000 + (64 << 10)].view(torch.bfloat16).view(64, 512)
+    # Boxes whose threads take several units each: rows narrower than a block (96 bytes) and
+    # wider (20,000 bytes), as a TP=2 trainer's o_proj and down_proj shards are.
+    tall = a[2_400_000 : 2_400_000 + 1000 * 192].view(torch.bfloat16).view(1000, 96)
+    long = a[2_600_000 : 2_600_000 + 10 * 40_000].view(torch.bfloat16).view(10, 20_000)
     return [
         (bf16[:, 128:256], piece(64 * 128, torch.bfloat16).view(64, 128)),
         (bf16[:, 384:448], piece(64 * 64, torch.bfloat16).view(64, 64)),
@@ -159,4 +168,6 @@ def strided(a: torch.Tensor, b: torch.Tensor) -> list[Pair]:
         (flat, piece(flat.numel())),
         (scalar, piece(1, torch.bfloat16).view(())),
         (packed, sharded[:, 256:384]),
+        (tall[:, 48:], piece(1000 * 48, torch.bfloat16).view(1000, 48)),
+        (long[:, 10_000:], piece(10 * 10_000, torch.bfloat16).view(10, 10_000)),
     ]

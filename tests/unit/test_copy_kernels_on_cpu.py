@@ -51,8 +51,9 @@ def test_the_kernel_sums_the_whole_bucket_once_and_moves_every_byte(make, destin
 
 def test_one_launch_moves_exactly_the_bytes_of_strided_and_contiguous_copies() -> None:
     g = torch.Generator().manual_seed(4)
-    a = torch.randint(0, 256, (2_400_000,), dtype=torch.uint8, generator=g)
-    b = torch.randint(0, 256, (3_100_000,), dtype=torch.uint8, generator=g)
+    a_bytes, b_bytes = kernel_cases.STRIDED_BYTES
+    a = torch.randint(0, 256, (a_bytes,), dtype=torch.uint8, generator=g)
+    b = torch.randint(0, 256, (b_bytes,), dtype=torch.uint8, generator=g)
     want, b_before = a.clone(), b.clone()
     for dst, src in kernel_cases.strided(want, b):
         dst.copy_(src)
