@@ -25,6 +25,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
+from weightsync import trace
 from weightsync.errors import ProtocolError
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -59,6 +60,8 @@ class Lane:
     def send(self, msg) -> None:
         """Write ``msg`` as one frame; raises LaneClosed when the lane is gone."""
         self.send_bytes(_frame(msg.SerializeToString()))
+        if trace.enabled:
+            trace.mark("lane.sent", kind=msg.WhichOneof("kind"))
 
     def try_send(self, msg) -> bytes | None:
         """Write ``msg`` as one frame without blocking; returns the part of the frame the
@@ -90,6 +93,8 @@ class Lane:
                 data = _read_frame(self._reader)
             except (OSError, ValueError, LaneClosed):
                 return
+            if trace.enabled:
+                trace.mark("lane.read", nbytes=len(data))
             msg = cls()
             msg.ParseFromString(data)
             yield msg
