@@ -153,7 +153,6 @@ class Coordinator:
         outbox: queue.Queue,
         last: StreamBegin,
     ) -> tuple[VersionRun | None, RankConn]:
-        check_publisher_hello(hello)
         if begin.repeat:
             if last.manifest is None:
                 raise ProtocolError(
@@ -194,6 +193,7 @@ class Coordinator:
                 outbox=outbox,
                 offer=offer,
                 wait_applied=begin.wait_applied,
+                staged_in_done=begin.wait_applied and hello.staged_in_done,
             )
             ranks[hello.rank] = conn
             if len(ranks) < world:

@@ -380,7 +380,8 @@ class VersionDriver:
             )
             done = pb.SenderReply(done=run.to_pb()) if run.notify_done else None
             for rank in run.ranks.values():
-                rank.outbox.put(staged)
+                if not rank.staged_in_done:
+                    rank.outbox.put(staged)
                 if done is not None:
                     rank.outbox.put(done)
 

@@ -301,7 +301,8 @@ class Outcomes:
             staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
         )
         for rank in run.ranks.values():
-            rank.outbox.put(staged)
+            if not rank.staged_in_done:
+                rank.outbox.put(staged)
         self.maybe_complete(run)
         self._cond.notify_all()
 

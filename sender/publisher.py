@@ -50,7 +50,8 @@ PackFn = Callable[[Bucket, torch.Tensor], None]
 class PublishResult:
     version: int
     staged_s: float
-    """Seconds until every byte was out of trainer memory (the trainer may step again)."""
+    """Seconds until every byte was out of trainer memory (the trainer may step again); with
+    ``wait=True``, as the sender measured it from the version's start (``done`` tells both)."""
     receivers: int
     """How many receivers the version was addressed to."""
     status: pb.VersionStatus | None = None
@@ -267,6 +268,9 @@ class Publisher:
             raise
         finally:
             stream.watchdog.disarm()
+        if done is not None and staged is None:
+            # ``staged_in_done``: the sender sends ``done`` alone to a rank that waits for it.
+            staged, staged_s = pb.VersionStaged(receivers=len(done.receivers)), done.staged_s
         if staged is None or (wait and done is None):
             self._drop_stream()
             raise WeightSyncError(f"{what}: the sender closed the stream early")
@@ -278,18 +282,19 @@ class Publisher:
         """The open Publish stream (one per publisher rank, kept across versions), opened
         again for another device, after a failure, or once it ended between versions (its
         sender restarted: the channel reaches the new one, the old stream never will)."""
-        hello = pb.PublisherHello(
-            publisher_id=self.publisher_id,
-            rank=self.rank,
-            world_size=self.world_size,
-            device=str(device),
-            device_uuid=device_uuid(device),
-            lanes=self._lanes,
-        )
-        if self._stream is not None and (self._stream.hello != hello or self._stream.call.done()):
+        if self._stream is not None and (self._stream.device != device or self._stream.call.done()):
             self._drop_stream()
         if self._stream is None:
-            self._stream = _PublishStream(self._stub, hello)
+            hello = pb.PublisherHello(
+                publisher_id=self.publisher_id,
+                rank=self.rank,
+                world_size=self.world_size,
+                device=str(device),
+                device_uuid=device_uuid(device),
+                lanes=self._lanes,
+                staged_in_done=True,
+            )
+            self._stream = _PublishStream(self._stub, hello, device)
             # A stream still open when the publisher is dropped, or at interpreter exit, can
             # abort the process in gRPC's teardown ("terminate called without an active
             # exception"): close it then, whoever forgot to.
@@ -478,9 +483,10 @@ class _Published:
 class _PublishStream(ClientStream):
     """A Publish stream: the messages this publisher sends and the sender's replies."""
 
-    def __init__(self, stub, hello: pb.PublisherHello) -> None:
+    def __init__(self, stub, hello: pb.PublisherHello, device: torch.device) -> None:
         super().__init__(stub.Publish, pb.PublisherMessage(hello=hello), pb.SenderReply)
-        self.hello = hello
+        self.device = device
+        """Where the tensors it publishes live (the hello says it; another needs a new stream)."""
         self.watchdog = _Watchdog(self.cancel)
         """Cancels the replies when a version's deadline passes."""
         self.repeats = False

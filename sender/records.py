@@ -135,6 +135,9 @@ class RankConn:
     """Its part of the version's offer key (``offer.rank_offer``)."""
     wait_applied: bool = False
     """It waits for the version to be applied (``BeginVersion.wait_applied``)."""
+    staged_in_done: bool = False
+    """It waits for ``done`` and takes it as ``staged`` too (``PublisherHello.staged_in_done``):
+    ``staged`` is not sent to it."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.support import unix_sender
+from tests.support.raw_streams import RawStream
 from weightsync.control.client import connect
 from weightsync.errors import SyncTimeoutError, TransportError, VersionError
 from weightsync.sender import Publisher
@@ -137,3 +138,31 @@ def test_a_waiter_is_released_when_the_sender_shuts_down():
         waiter.join(10)
     assert time.monotonic() - start < 10 and not waiter.is_alive()
     assert isinstance(waiter.error, TransportError), repr(waiter.error)
+
+
+@pytest.mark.parametrize(
+    ("staged_in_done", "kinds"), [(True, ["done"]), (False, ["staged", "done"])]
+)
+def test_a_publisher_that_waits_gets_done_alone_once_it_says_it_takes_done_as_staged(
+    sender, staged_in_done, kinds
+):
+    """One message less per version for weightsync's publishers; a client that did not say
+    so still gets ``staged`` before ``done``."""
+    hello = pb.PublisherHello(publisher_id="raw", device="cpu", staged_in_done=staged_in_done)
+    raw = RawStream(sender.address, "Publish", pb.PublisherMessage(hello=hello))
+    assert raw.first() == "welcome"
+    manifest = pb.Manifest(version=1, tensors=[pb.TensorSpec(name="w", dtype="float32", shape=[4])])
+    raw.send(pb.PublisherMessage(begin=pb.BeginVersion(manifest=manifest, wait_applied=True)))
+    got = []
+    for reply in raw.replies:
+        kind = reply.WhichOneof("kind")
+        if kind == "pack":
+            packed = pb.BucketPacked(version=1, index=reply.pack.layout.index)
+            raw.send(pb.PublisherMessage(packed=packed))
+            continue
+        got.append(kind)
+        if kind == "done":
+            assert reply.done.state == "complete"
+            break
+    raw.close()
+    assert got == kinds

@@ -135,20 +135,22 @@ class ErrorDetail(_message.Message):
     def __init__(self, code: _Optional[str] = ..., message: _Optional[str] = ..., tensor: _Optional[str] = ...) -> None: ...
 
 class PublisherHello(_message.Message):
-    __slots__ = ("publisher_id", "rank", "world_size", "device", "device_uuid", "lanes")
+    __slots__ = ("publisher_id", "rank", "world_size", "device", "device_uuid", "lanes", "staged_in_done")
     PUBLISHER_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
+    STAGED_IN_DONE_FIELD_NUMBER: _ClassVar[int]
     publisher_id: str
     rank: int
     world_size: int
     device: str
     device_uuid: str
     lanes: bool
-    def __init__(self, publisher_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., lanes: _Optional[bool] = ...) -> None: ...
+    staged_in_done: bool
+    def __init__(self, publisher_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., lanes: _Optional[bool] = ..., staged_in_done: _Optional[bool] = ...) -> None: ...
 
 class SourcePiece(_message.Message):
     __slots__ = ("name", "source", "offset", "dtype", "size", "stride", "dst_start")
