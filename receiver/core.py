@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from weightsync import trace
@@ -312,8 +312,7 @@ class ReceiverCore:
             if error is e:
                 raise
             raise error from e
-        self._verdict(link, version, None, keeps)
-        return self._apply(link, manifest)
+        return self._apply(link, manifest, lambda: self._verdict(link, version, None, keeps))
 
     def _manifest(self, link: Link, start: pb.VersionStart) -> tuple[VersionManifest, bytes]:
         """The version's manifest and its key; a manifest sent by key alone is taken from the
@@ -385,11 +384,13 @@ class ReceiverCore:
         version: int,
         reads: VersionReads,
         load: bool,
+        launched: Callable[[], None] | None = None,
     ) -> None:
         """Read one bucket into the model (``load``) or only take part in its transfer (its
         version already failed here: the sender and its broadcast group go on in step).
         ``bucket`` has its layout (:meth:`KeptByStream.bucket`: it may be an announcement of an
-        earlier version); ``version``: the one it was announced for now."""
+        earlier version); ``version``: the one it was announced for now. ``launched`` is called
+        once its copies are under way."""
         read_event = b""
         with link.broadcast.reading(bucket) as landed:
             if load:
@@ -407,6 +408,8 @@ class ReceiverCore:
                     trace.gpu_mark(
                         "receiver.gpu_loaded", link.broadcast.device, index=bucket.layout.index
                     )
+                if launched is not None:
+                    launched()
                 read_event = link.reader.release(bucket, prepared, reads)
         trace.mark("receiver.queued", index=bucket.layout.index)
         ack = pb.BucketAck(
@@ -457,20 +460,30 @@ class ReceiverCore:
                 if not link.connection.closed:
                     link.connection.send(pb.ReceiverMessage(applied=failed))
 
-    def _apply(self, link: Link, manifest: VersionManifest) -> int:
+    def _apply(self, link: Link, manifest: VersionManifest, accept: Callable[[], None]) -> int:
+        """Apply the version ``manifest`` starts; ``accept`` sends the verdict: at once, or,
+        when its first bucket is in hand already (a direct-only version's start, bucket and
+        end come in one message), once that bucket's copies are launched (~0.1 ms sooner)."""
         version = manifest.version
         reads = VersionReads(version, manifest.tensors)
         index = -1
+        waiting_for = f"bucket of version {version}"
         try:
+            msg = _in_hand(link, waiting_for)
+            if msg is None or msg.WhichOneof("kind") != "bucket":
+                accept()
+                accept = None
             self._begin(manifest)
             while True:
-                msg = link.connection.next(None, f"bucket of version {version}", in_version=True)
+                if msg is None:
+                    msg = link.connection.next(None, waiting_for, in_version=True)
                 kind = msg.WhichOneof("kind")
                 trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
                     bucket = link.connection.kept.bucket(msg.bucket)
                     index = bucket.layout.index
-                    self._bucket(link, bucket, msg.bucket.version, reads, load=True)
+                    self._bucket(link, bucket, msg.bucket.version, reads, True, launched=accept)
+                    accept = None
                 elif kind == "end":
                     self._end(link, reads, msg.end)
                     return self._commit(manifest)
@@ -478,6 +491,7 @@ class ReceiverCore:
                     raise self._abandoned(version, msg.abort)
                 else:
                     raise ProtocolError(f"unexpected {kind} inside version {version}")
+                msg = None
         except Exception as e:
             where = f"version {version}" + (f", bucket {index}" if index >= 0 else "")
             error = as_weightsync_error(e, where)
@@ -736,3 +750,11 @@ class ReceiverCore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _in_hand(link: Link, waiting_for: str) -> pb.Announcement | None:
+    """The sender's next announcement if it arrived already, else None."""
+    try:
+        return link.connection.next(time.monotonic(), waiting_for, in_version=True)
+    except SyncTimeoutError:
+        return None

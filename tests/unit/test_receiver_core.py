@@ -807,3 +807,49 @@ def test_a_direct_version_announced_by_keys_alone_reads_the_kept_layout_in_place
             assert (ack.version, ack.index, ack.ok) == (version, 0, True)
     finally:
         get_transport("shm").release(source)
+
+
+class Watching(Recorder):
+    """Records what the receiver had sent when it began the version and at each load; may
+    announce the rest of the version as it begins (``then``)."""
+
+    def __init__(self, live: dict[str, torch.Tensor], connection: MemoryConnection) -> None:
+        super().__init__(live)
+        self.connection = connection
+        self.then: list[pb.Announcement] = []
+        self.sent_at: list[tuple[str, list[str]]] = []
+
+    def begin(self, manifest: VersionManifest) -> None:
+        super().begin(manifest)
+        self.sent_at.append(("begin", self.connection.kinds()))
+        self.connection.announce(*self.then)
+
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.sent_at.append(("load", self.connection.kinds()))
+        super().load(tensors)
+
+
+@pytest.mark.parametrize("in_hand", [True, False], ids=["bucket in hand", "bucket later"])
+def test_the_verdict_goes_once_the_first_bucket_in_hand_is_launched_else_before_begin(
+    stage, in_hand
+):
+    """A direct-only version's start, bucket and end come in one message: its copies start
+    before the verdict is sent. Otherwise the verdict goes before anything else."""
+    staged = stage(weights(1), version=2)
+    first, *rest = staged.announcements()
+    connection = MemoryConnection()
+    target = Watching(zeros_like(staged.tensors), connection)
+    core = ReceiverCore(target, "memory:", connection=connection)
+    if in_hand:
+        connection.announce(first, *rest)
+    else:
+        connection.announce(first)
+        target.then = rest
+    assert core.sync(timeout=5) == 2
+    assert same(target.live, staged.tensors)
+    n = len(staged.plan.buckets)
+    assert connection.kinds() == ["verdict"] + ["ack"] * n + ["applied"]
+    if in_hand:
+        assert target.sent_at[:2] == [("begin", []), ("load", [])]
+    else:
+        assert target.sent_at[:2] == [("begin", ["verdict"]), ("load", ["verdict"])]
