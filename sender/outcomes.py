@@ -119,9 +119,8 @@ class Outcomes:
                     run.direct_readers.discard(conn.receiver_id)
                 if not body.ok:
                     self._fail_dirty(run, conn, body.error)
-                elif run.state == "reading" and not run.direct_readers:
-                    # Staged here, not by the driver waking to it: about 0.3 ms sooner.
-                    self.staged(run)
+                else:
+                    self.reads_done(run)
             elif kind == "applied":
                 outcome.got("applied", timeout)
                 if body.ok:
@@ -235,6 +234,7 @@ class Outcomes:
         if notify:
             conn.send(pb.Announcement(abort=pb.VersionAbort(version=run.version, reason=detail)))
         self._metrics.receiver_failed(rid)
+        self.reads_done(run)
         self.maybe_complete(run)
         self._cond.notify_all()
 
@@ -290,13 +290,14 @@ class Outcomes:
             self.finished.append(_summary(run, abandoned=detail.message))
         self._cond.notify_all()
 
-    def staged(self, run: VersionRun) -> None:
-        """``run`` no longer reads its publishers' memory: they hear so (``staged``), and it
-        completes once its receivers are done (lock held; once)."""
-        if run.was_staged or run.done:
+    def reads_done(self, run: VersionRun) -> None:
+        """``run`` is staged once its driver sent everything and no receiver still reads
+        direct tensors (lock held): its publishers hear so (``staged``), and it completes once
+        its receivers are done. An abandoned version is not staged."""
+        if run.state != "reading" or run.direct_readers or run.abandoned is not None:
             return
         run.staged_s = time.monotonic() - run.started_mono
-        run.state, run.was_staged = "staged", True
+        run.state = "staged"
         staged = pb.SenderReply(
             staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
         )

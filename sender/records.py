@@ -194,8 +194,6 @@ class VersionRun:
     started_at: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
     staged_s: float = 0.0
-    was_staged: bool = False
-    """Its publishers heard it was staged (it may have completed or failed since)."""
     complete_s: float = 0.0
     state: str = "packing"
     """packing, reading (every bucket and the end sent: only direct reads are owed before it

@@ -1,12 +1,13 @@
 """The version driver with the sender's real bookkeeping, on CPU: a version whose tensors
-are all read in place ends with one ``staged`` and one ``done`` to its publisher, whichever
-thread sees the last read."""
+are all read in place ends with one ``staged`` and one ``done`` to its publisher, staged where
+its last read ends."""
 
 from __future__ import annotations
 
 import queue
 import time
 
+import pytest
 import torch
 
 from tests.support.sender_parts import SETTINGS, sender_parts
@@ -49,7 +50,21 @@ def _until(check, what: str) -> None:
         time.sleep(0.001)
 
 
-def test_a_direct_version_is_staged_and_done_once_when_its_last_read_ends_the_drivers_wait():
+_ACK = pb.ReceiverMessage(ack=pb.BucketAck(version=1, index=0, ok=True))
+_APPLIED = pb.ReceiverMessage(applied=pb.VersionApplied(version=1, ok=True))
+_FAILED = pb.ReceiverMessage(
+    applied=pb.VersionApplied(version=1, ok=False, error=pb.ErrorDetail(message="engine died"))
+)
+
+
+@pytest.mark.parametrize(
+    ("messages", "state"),
+    [((_ACK, _APPLIED), "complete"), ((_FAILED,), "failed")],
+    ids=["read and applied", "failed while reading"],
+)
+def test_a_direct_version_is_staged_once_its_reader_is_done_and_done_once(messages, state):
+    """The driver does not wait for the direct reads: the receiver's last ack (or its
+    failure) stages the version, and the publisher hears ``staged`` and ``done`` once each."""
     parts = sender_parts()
     hello = pb.ReceiverHello(receiver_id="r0", engine="torch", device="cpu", host_id="here")
     conn = parts.registry.add_receiver(hello)
@@ -57,23 +72,20 @@ def test_a_direct_version_is_staged_and_done_once_when_its_last_read_ends_the_dr
     broadcast = SenderBroadcast("127.0.0.1", 5, parts.cond, parts.registry, parts.outcomes)
     driver = VersionDriver(parts.cond, SETTINGS, SenderMetrics(), parts.outcomes, slots, broadcast)
     run = _direct_run(1)
+    assert run.tensors.direct.index == 0
     with parts.cond:
         parts.history.check_version(1)
         parts.history.add_run(run)
     driver.start(run, torch.device("cpu"))
-    # The driver sent everything and waits for the receiver to finish reading in place.
-    _until(lambda: run.state == "reading", "the driver to wait for the direct reads")
+    _until(lambda: run.state == "reading", "the driver to send everything")
     assert run.direct_readers == {"r0"}
-    messages = (
-        pb.ReceiverMessage(ack=pb.BucketAck(version=1, index=run.tensors.direct.index, ok=True)),
-        pb.ReceiverMessage(applied=pb.VersionApplied(version=1, ok=True)),
-    )
     for msg in messages:
         parts.outcomes.on_receiver_message(conn, msg)
-    assert run.state == "complete"
+    assert run.state == state
     driver.close()
     driver._thread.join(10)
     outbox = run.ranks[0].outbox
     replies = [outbox.get_nowait() for _ in range(outbox.qsize())]
     assert [r.WhichOneof("kind") for r in replies] == ["staged", "done"]
+    assert replies[1].done.state == state
     slots.close()
