@@ -24,14 +24,14 @@ def device_uuid(device: torch.device) -> str:
 
 @functools.cache
 def _uuid_of(index: int) -> str:
-    # A publisher asks every version: not on its latency path more than once.
+    # Asked every version (a publisher's hello, the sender's staging GPU): once per GPU.
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
 def local_index_of(uuid_str: str, fallback: int) -> int:
     """This process's index of the GPU with ``uuid_str``."""
     for i in range(torch.cuda.device_count()):
-        if str(torch.cuda.get_device_properties(i).uuid) == uuid_str:
+        if _uuid_of(i) == uuid_str:
             return i
     if uuid_str:
         raise TransportError(
