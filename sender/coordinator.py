@@ -38,7 +38,7 @@ from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.offer import OfferKey, rank_offer
-from weightsync.sender.outcomes import Outcomes
+from weightsync.sender.outcomes import Outcomes, summary
 from weightsync.sender.packing import MappedOffers
 from weightsync.sender.planner import Staging, TensorPlans, plan_version
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
@@ -386,7 +386,7 @@ class Coordinator:
 
     def _log_finished(self) -> None:
         while self.outcomes.finished:
-            line = self.outcomes.finished.popleft()
+            line = summary(*self.outcomes.finished.popleft())
             log.info("%s", line.message, extra=line.extra)
 
     def close(self) -> None:

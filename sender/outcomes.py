@@ -55,8 +55,10 @@ class Outcomes:
     ) -> None:
         self._cond, self._settings, self._metrics, self._slots = cond, settings, metrics, slots
         self._registry, self._history = registry, history
-        self.finished: deque[LogLine] = deque()
-        """Log lines of finished versions, written off the lock (the coordinator's monitor)."""
+        self.finished: deque[tuple[VersionRun, str]] = deque()
+        """Finished versions (and why one was abandoned), whose log lines the coordinator's
+        monitor builds and writes off the lock (:func:`summary`): not on the thread that sent
+        ``done``, whose next message may be the next version."""
 
     def receiver_left(self, conn: ReceiverConn, why: str) -> None:
         """Its stream ended (later calls do nothing): it fails in every version it was still
@@ -287,7 +289,7 @@ class Outcomes:
             run.state = "failed"
             run.complete_s = time.monotonic() - run.started_mono
             self._metrics.version_done(run.state, run.complete_s)
-            self.finished.append(_summary(run, abandoned=detail.message))
+            self.finished.append((run, detail.message))
         self._cond.notify_all()
 
     def reads_done(self, run: VersionRun) -> None:
@@ -321,13 +323,13 @@ class Outcomes:
         run.state = (
             "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
         )
-        self._metrics.version_done(run.state, run.complete_s)
         trace.mark("sender.complete", version=run.version)
         if run.notify_done:
             done = pb.SenderReply(done=run.to_pb())
             for rank in run.ranks.values():
                 rank.outbox.put(done)
-        self.finished.append(_summary(run))
+        self._metrics.version_done(run.state, run.complete_s)  # after `done`: off its path
+        self.finished.append((run, ""))
 
     def _every_receiver_failed(self, run: VersionRun) -> None:
         """``run`` failed before it was staged: nobody is left to read the rest."""
@@ -336,7 +338,7 @@ class Outcomes:
         self._slots.release_version(run.version)
         self._metrics.version_done(run.state, run.complete_s)
         trace.mark("sender.complete", version=run.version)
-        self.finished.append(_summary(run))
+        self.finished.append((run, ""))
         self._cond.notify_all()
 
     def close(self) -> None:
@@ -351,7 +353,7 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _summary(run: VersionRun, abandoned: str = "") -> LogLine:
+def summary(run: VersionRun, abandoned: str = "") -> LogLine:
     """The one log line of a finished version, with its timings as structured fields."""
     applied = sum(o.state == APPLIED for o in run.outcomes.values())
     direct = run.tensors.direct
