@@ -312,11 +312,14 @@ class Outcomes:
     def maybe_complete(self, run: VersionRun) -> None:
         """Once staged and no receiver is left owing anything, the version is over; once
         every receiver it was addressed to failed, at once (its driver stops packing and
-        tells the publishers)."""
+        tells the publishers). Receivers can apply it before its driver staged it (they had
+        the end): it completes when staged."""
         if run.active() or run.done:
             return
         if run.state != "staged":
-            if run.outcomes and run.abandoned is None:
+            # A receiver that applied had the end: its driver stages the version next.
+            applied = any(o.state == APPLIED for o in run.outcomes.values())
+            if run.outcomes and run.abandoned is None and not applied:
                 self._every_receiver_failed(run)
             return
         run.complete_s = time.monotonic() - run.started_mono

@@ -134,7 +134,7 @@ def test_publisher_on_shm(clients, sender, mode):
         assert num(welcome, "last_version") == version - 1
         assert num(published["staged"], "receivers") == 2
         done = published["done"]
-        assert done["state"] == "complete"
+        assert done["state"] == "complete", json.dumps(done.get("receivers"))
         assert done.get("sender_packed", False) == (mode == "offer")
         assert num(done, "staged_bytes") == num(done, "total_bytes") > 0
         expected_packs = [] if mode == "offer" else list(range(num(done, "num_buckets")))
