@@ -121,17 +121,19 @@ class Outcomes:
                     run.direct_readers.discard(conn.receiver_id)
                 if not body.ok:
                     self._fail_dirty(run, conn, body.error)
-                else:
-                    self.reads_done(run)
             elif kind == "applied":
                 outcome.got("applied", timeout)
                 if body.ok:
                     outcome.state, outcome.applied_at = APPLIED, time.time()
                     conn.applied_version, conn.state, conn.last_error = run.version, "idle", ""
                     conn.dirty = False
+                    # It committed: it reads nothing more, whether or not it acked every read
+                    # (else the version would wait for it with no deadline left to end that).
+                    run.direct_readers.discard(conn.receiver_id)
                     self._metrics.receiver_applied(conn.receiver_id, run.version)
                 else:
                     self._fail_dirty(run, conn, body.error)
+            self.reads_done(run)
             self.maybe_complete(run)
             self._cond.notify_all()
 

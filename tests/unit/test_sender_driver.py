@@ -59,8 +59,8 @@ _FAILED = pb.ReceiverMessage(
 
 @pytest.mark.parametrize(
     ("messages", "state"),
-    [((_ACK, _APPLIED), "complete"), ((_FAILED,), "failed")],
-    ids=["read and applied", "failed while reading"],
+    [((_ACK, _APPLIED), "complete"), ((_APPLIED,), "complete"), ((_FAILED,), "failed")],
+    ids=["read and applied", "applied without its ack", "failed while reading"],
 )
 def test_a_direct_version_is_staged_once_its_reader_is_done_and_done_once(messages, state):
     """The driver does not wait for the direct reads: the receiver's last ack (or its
