@@ -482,7 +482,9 @@ class ReceiverCore:
                 if kind == "bucket":
                     bucket = link.connection.kept.bucket(msg.bucket)
                     index = bucket.layout.index
-                    self._bucket(link, bucket, msg.bucket.version, reads, True, launched=accept)
+                    self._bucket(
+                        link, bucket, msg.bucket.version, reads, load=True, launched=accept
+                    )
                     accept = None
                 elif kind == "end":
                     self._end(link, reads, msg.end)

@@ -376,14 +376,10 @@ class VersionDriver:
                     if left <= 0:
                         break
                     self._cond.wait(min(left, 1.0))
-            staged = pb.SenderReply(
-                staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
-            )
-            done = pb.SenderReply(done=run.to_pb()) if run.notify_done else None
-            for rank in run.ranks.values():
-                if not rank.staged_in_done:
-                    rank.outbox.put(staged)
-                if done is not None:
+            self._outcomes.tell_staged(run)
+            if run.notify_done:
+                done = pb.SenderReply(done=run.to_pb())
+                for rank in run.ranks.values():
                     rank.outbox.put(done)
 
     def _packed(

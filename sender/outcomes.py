@@ -302,14 +302,19 @@ class Outcomes:
             return
         run.staged_s = time.monotonic() - run.started_mono
         run.state = "staged"
+        self.tell_staged(run)
+        self.maybe_complete(run)
+        self._cond.notify_all()
+
+    def tell_staged(self, run: VersionRun) -> None:
+        """``staged`` to each publisher rank of ``run`` that takes it (one that waits for
+        ``done`` and said ``staged_in_done`` takes ``done`` as ``staged``)."""
         staged = pb.SenderReply(
             staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
         )
         for rank in run.ranks.values():
             if not rank.staged_in_done:
                 rank.outbox.put(staged)
-        self.maybe_complete(run)
-        self._cond.notify_all()
 
     def maybe_complete(self, run: VersionRun) -> None:
         """Once staged and no receiver is left owing anything, the version is over; once
