@@ -96,7 +96,8 @@ def test_tp2_shards_assemble_back_to_the_hf_tensors(model):
 @pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
 def test_each_rank_offers_contiguous_pieces_of_its_own_shards_tiling_every_tensor(model):
     """What one publisher rank of the node bench offers: only its shards' pieces, each
-    contiguous (receivers read them in place); the ranks' pieces together tile every tensor."""
+    contiguous (receivers read them in place); the ranks' pieces together tile every tensor,
+    and each rank offers its own copy of a replicated tensor, holding the same bytes."""
     layout = plan_layout(model_shape(model), 2)
     shards = TrainerShards.allocate(layout, torch.device("cpu"), seed=0)
     shards.fill(7)
@@ -111,7 +112,12 @@ def test_each_rank_offers_contiguous_pieces_of_its_own_shards_tiling_every_tenso
                     slice(a, a + n) for a, n in zip(region.dst_start, src.shape, strict=True)
                 )
                 covered[name][box] += 1
-    assert all(bool((c == 1).all()) for c in covered.values())
+                want = shards.assemble(shards.recipes[name])[box]
+                assert torch.equal(src.view(torch.int16), want.view(torch.int16))  # NaN bits
+    replicated = {r.spec.name for r in layout.recipes if r.replicas}
+    assert replicated and all("norm" in n or n.endswith("mlp.gate.weight") for n in replicated)
+    for name, count in covered.items():
+        assert bool((count == (2 if name in replicated else 1)).all()), name
     assert shards.regions().keys() == covered.keys()
 
 

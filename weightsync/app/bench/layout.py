@@ -68,6 +68,10 @@ class HfRecipe:
     rows: int
     cols: int
     pieces: tuple[Piece, ...]
+    replicas: tuple[str, ...] = ()
+    """Other ranks' shards holding the same bytes as the one piece (a replicated norm or
+    router on every TP rank but the first): each rank offers its own copy, as Megatron's
+    TP ranks each hold one."""
 
     @property
     def is_view(self) -> bool:
@@ -152,6 +156,8 @@ def plan_layout(model: ModelShape, tp: int) -> TrainerLayout:
         else:  # norms, q/k norms, router: replicated on every rank
             keys = [shard(r, prefix, rows, cols) for r in range(tp)]
             pieces.append(Piece(keys[0], 0, 0, rows, 0, cols))
+            recipes.append(HfRecipe(spec, rows, cols, tuple(pieces), tuple(keys[1:])))
+            continue
         recipes.append(HfRecipe(spec, rows, cols, tuple(pieces)))
     return TrainerLayout(model, tp, tuple(shards.values()), tuple(recipes), tuple(used))
 
@@ -178,7 +184,9 @@ class TrainerShards:
         for rank, numel in enumerate(layout.rank_numel):
             g = torch.Generator(device=device).manual_seed(seed * 1000 + rank)
             flats.append(torch.randn(numel, generator=g, dtype=torch.bfloat16, device=device))
-        return cls(layout, flats)
+        shards = cls(layout, flats)
+        shards._copy_replicas()
+        return shards
 
     def step(self) -> None:
         """A stand-in optimizer step that changes every element: flip the lowest mantissa
@@ -201,15 +209,27 @@ class TrainerShards:
         for rank, flat in enumerate(self.flats):
             g = torch.Generator(flat.device).manual_seed(seed * 1000 + rank)
             flat.view(torch.uint8).random_(0, 256, generator=g)
+        self._copy_replicas()
+
+    def _copy_replicas(self) -> None:
+        """Make every replica hold its first copy's bytes (random fills differ per rank)."""
+        for recipe in self.layout.recipes:
+            for key in recipe.replicas:
+                self.views[key].copy_(self.views[recipe.pieces[0].shard])
 
     def regions(self, rank: int | None = None) -> dict[str, list[Region]]:
         """Every HF tensor's pieces as views of the shards, in the HF tensor's own shape
         (what a publisher offers so the sender can gather them itself, or receivers read them
-        in place); ``rank``: only that rank's (what one rank of a multi-rank trainer offers)."""
+        in place); ``rank``: only that rank's (what one rank of a multi-rank trainer offers),
+        its own replica of a replicated tensor included."""
         out = {}
         for recipe in self.layout.recipes:
             shape = recipe.spec.shape
             parts = []
+            own = [k for k in recipe.replicas if self._rank_of[k] == rank]
+            if own:
+                out[recipe.spec.name] = [Region((0,) * len(shape), self.views[own[0]].view(shape))]
+                continue
             for p in recipe.pieces:
                 if rank is not None and self._rank_of[p.shard] != rank:
                     continue
