@@ -47,6 +47,13 @@ class RankPlan:
     replica_of: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
     """HF name -> the data-parallel replica (``dp_rank``, for experts ``edp_rank``) this rank's
     pieces of it belong to; planned with ``every_replica``, else empty (replica 0 writes)."""
+    copies: Mapping[str, tuple[CopyPiece, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    """HF name -> pieces of tensors another rank of this rank's TP group writes and this rank
+    holds an equal copy of (norms, routers, row-parallel biases on TP ranks > 0; Megatron keeps
+    them equal and checkpoints TP rank 0's); planned with ``every_replica``. Offered so a
+    receiver on this GPU reads them here; never packed, never counted in coverage."""
 
     def pieces_for(self, name: str) -> tuple[CopyPiece, ...]:
         return self.pieces.get(name, ())
@@ -176,12 +183,13 @@ def plan_rank(
         manifest += adapter.specs
     known = {spec.name for spec in manifest}
     pieces: dict[str, list[CopyPiece]] = {}
+    copies: dict[str, list[CopyPiece]] = {}
     replica_of: dict[str, int] = {}
     for shard in shards:
         mapping = mappings[shard.key]
         if isinstance(mapping.rule, DroppedRule):
             continue
-        ctx, writes, replica = _context(mapping, shard, topology, dims)
+        ctx, writes, tp_copy, replica = _context(mapping, shard, topology, dims)
         writes = writes and (every_replica or replica == 0)
         for name, piece in mapping.rule.place(ctx):
             if name not in known:
@@ -193,15 +201,21 @@ def plan_rank(
                 pieces.setdefault(name, []).append(piece)
                 if every_replica:
                     replica_of[name] = replica
-    frozen = {name: tuple(ps) for name, ps in pieces.items()}
+            elif tp_copy and every_replica:
+                copies.setdefault(name, []).append(piece)
     return RankPlan(
         topology,
         manifest,
-        MappingProxyType(frozen),
+        _frozen(pieces),
         MappingProxyType(by_key),
         adapter.spec if adapter else None,
         MappingProxyType(replica_of),
+        _frozen({n: ps for n, ps in copies.items() if n not in pieces}),
     )
+
+
+def _frozen(pieces: Mapping[str, Sequence[CopyPiece]]) -> Mapping[str, tuple[CopyPiece, ...]]:
+    return MappingProxyType({name: tuple(ps) for name, ps in pieces.items()})
 
 
 def _wire_or_none(dtype: torch.dtype | str | None) -> str | None:
@@ -238,9 +252,10 @@ def _mapping(table: NameTable, dims: ModelDims, shard: ShardMeta) -> ParamMappin
 
 def _context(
     mapping: ParamMapping, shard: ShardMeta, topo: RankTopology, dims: ModelDims
-) -> tuple[ShardContext, bool, int]:
+) -> tuple[ShardContext, bool, bool, int]:
     """The rule's context for ``shard``, whether this rank writes it within its data-parallel
-    replica, and that replica."""
+    replica, whether it holds an equal copy another rank of its TP group writes, and that
+    replica."""
     rule = mapping.rule
     if shard.partition_dim != rule.partition_dim and (
         shard.partition_dim is not None or rule.partition_dim is None
@@ -252,8 +267,9 @@ def _context(
     if not mapping.is_expert:
         ctx = ShardContext(shard, dims, topo.tp_rank, topo.tp_size, shard.layer)
         first_stage = topo.pp_rank == 0 and shard.vpp_chunk == 0
-        writes = not rule.replicated or topo.tp_rank == 0
-        return ctx, writes and (first_stage or not rule.first_stage_only), topo.dp_rank
+        held = first_stage or not rule.first_stage_only
+        copy = rule.replicated and topo.tp_rank != 0
+        return ctx, held and not copy, held and copy, topo.dp_rank
     if dims.num_experts % topo.ep_size:
         raise PlanError(
             f"Megatron parameter {shard.name!r}: {dims.num_experts} experts do not split over "
@@ -269,7 +285,8 @@ def _context(
         )
     expert = None if index is None else experts[index]
     ctx = ShardContext(shard, dims, topo.etp_rank, topo.etp_size, shard.layer, experts, expert)
-    return ctx, not rule.replicated or topo.etp_rank == 0, topo.edp_rank
+    copy = rule.replicated and topo.etp_rank != 0
+    return ctx, not copy, copy, topo.edp_rank
 
 
 def check_coverage(plans: Sequence[RankPlan]) -> None:

@@ -28,11 +28,13 @@ from weightsync.regions import Region, pack_regions, region_copies
 from weightsync.sender.megatron.agree import run_agreed
 from weightsync.sender.megatron.convert import check_shard_tensors
 from weightsync.sender.megatron.lora_export import LoraExport
-from weightsync.sender.megatron.pieces import piece_regions
+from weightsync.sender.megatron.pieces import CopyPiece, piece_regions
 from weightsync.sender.megatron.plan import RankPlan, plan_hosts, plan_rank
 from weightsync.sender.megatron.shards import collect_shards, topology_from_parallel_state
 from weightsync.sender.publisher import Publisher, PublishResult
 from weightsync.transports.broadcast import host_id as this_host_id
+
+Regions = dict[str, list[Region]]
 
 
 class MegatronPublisher:
@@ -58,6 +60,12 @@ class MegatronPublisher:
         host_id: this rank's host, which picks its sender (default: ``WEIGHTSYNC_HOST_ID``,
             else this machine's hostname and boot id, as senders and receivers name hosts).
             Ranks with one host id publish every tensor to one sender, as ever.
+        offer_replicas: every rank offers every copy it holds (data-parallel replicas, and TP
+            ranks' copies of norms and other replicated tensors), so receivers read from the
+            copy on their own GPU and the sender packs from the one on its staging GPU. These
+            copies must be equal, as Megatron keeps them (finish a distributed optimizer's
+            overlapped parameter all-gather before publishing); False: only the ranks that
+            send a tensor offer it.
 
     Raises:
         PlanError: a parameter without a rule, a shape the config contradicts, missing ranks
@@ -82,6 +90,7 @@ class MegatronPublisher:
         group: object = None,
         connect_timeout_s: float = 10.0,
         host_id: str | None = None,
+        offer_replicas: bool = True,
     ) -> None:
         import torch.distributed as dist
 
@@ -101,14 +110,16 @@ class MegatronPublisher:
                 every_replica=True,  # plan_hosts picks one replica per tensor
             )
             check_shard_tensors(self.plan, local.tensors)
-            self._piece_regions(self.plan.manifest)  # a piece that does not fit fails here
+            # A piece that does not fit fails here, one this rank writes or only holds.
+            self._piece_regions(self.plan.manifest, _held(self.plan))
             return self.plan
 
         def where() -> str:
             return f"{topology_from_parallel_state().describe()} on host {self.host_id}"
 
-        self._regions: tuple[tuple[int, ...], dict[str, list[Region]]] | None = None
-        """(every local tensor's ``data_ptr``, the regions): taken again when any pointer moved."""
+        self._regions: tuple[tuple[int, ...], Regions, Regions] | None = None
+        """(every local tensor's ``data_ptr``, the offered regions, the packed regions): taken
+        again when any pointer moved."""
         run_agreed("planning the Megatron -> HF conversion", plan, where, PlanError, group)
         rank, world = 0, 1
         plans, hosts = [self.plan], [self.host_id]
@@ -118,6 +129,8 @@ class MegatronPublisher:
         # Every rank checks and plans from the same gathered plans, so all raise the same
         # error or none does; each keeps its pieces of the replica that sends each tensor.
         narrowed, self.parts = plan_hosts(plans, hosts)
+        self._offered = _held(self.plan) if offer_replicas else self.plan.pieces
+        """Every copy this rank holds (its replica's pieces, TP copies), by HF name."""
         self.plan = narrowed[rank]
         self._sends = self.parts.tensors_of(self.host_id)
         """This host's tensors (one tuple, so the wire manifest is converted once)."""
@@ -160,13 +173,13 @@ class MegatronPublisher:
         if not self._sends:
             return PublishResult(version, 0.0, 0)
         manifest = self._manifest.at(version)
-        regions = self.regions()
+        regions, packed = self._taken()
 
         what = f"version {version}, rank {self.publisher.rank}"
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             for entry in bucket.entries:
-                if pieces := regions.get(entry.name):
+                if pieces := packed.get(entry.name):
                     pack_regions(buffer, entry, pieces)
                     if not buffer.is_cuda:
                         copies = region_copies(buffer, entry, pieces)
@@ -188,27 +201,44 @@ class MegatronPublisher:
         version 1; None when it sends none."""
         return self._manifest
 
-    def regions(self) -> dict[str, list[Region]]:
-        """Each HF tensor's pieces as views of the live parameters: the sender packs from them
-        (receivers read them in place, direct), and so does ``pack`` when the sender cannot map
-        them. Taken again only when a parameter moved (a framework that offloads and reloads
-        weights assigns new ``.data``); a new mapping makes the publisher offer them again."""
+    def regions(self) -> Regions:
+        """What this rank offers: each HF tensor's pieces it holds, as views of the live
+        parameters; with ``offer_replicas``, every copy (its data-parallel replica's pieces,
+        and its own copy of a tensor its TP group replicates). The sender packs from one copy
+        of each piece; receivers read in place (direct) the copy nearest them. Taken again
+        only when a parameter moved (a framework that offloads and reloads weights assigns
+        new ``.data``); a new mapping makes the publisher offer them again."""
+        return self._taken()[0]
+
+    def _taken(self) -> tuple[Regions, Regions]:
+        """The offered regions, and those ``pack`` writes when the sender cannot map them
+        (the pieces of the one replica that sends each tensor)."""
         ptrs = tuple(t.data_ptr() for t in self._tensors.values())
         if self._regions is None or self._regions[0] != ptrs:
-            self._regions = (ptrs, self._piece_regions(self._sends))
-        return self._regions[1]
+            offered = self._piece_regions(self._sends, self._offered)
+            packed = self._piece_regions(self._sends, self.plan.pieces)
+            self._regions = (ptrs, offered, packed)
+        return self._regions[1], self._regions[2]
 
-    def _piece_regions(self, specs: Iterable[TensorSpec]) -> dict[str, list[Region]]:
-        """The regions of this rank's pieces of ``specs`` (this host's part, when publishing)."""
+    def _piece_regions(
+        self, specs: Iterable[TensorSpec], by_name: Mapping[str, Sequence[CopyPiece]]
+    ) -> Regions:
+        """The regions of ``by_name``'s pieces of ``specs`` (this host's part, when
+        publishing)."""
         with torch.no_grad():
             return {
                 spec.name: piece_regions(spec, pieces, self._tensors)
                 for spec in specs
-                if (pieces := self.plan.pieces.get(spec.name))
+                if (pieces := by_name.get(spec.name))
             }
 
     def close(self) -> None:
         self.publisher.close()
+
+
+def _held(plan: RankPlan) -> Mapping[str, tuple[CopyPiece, ...]]:
+    """Every piece ``plan`` (planned with ``every_replica``) holds: written, or copies."""
+    return {**plan.pieces, **plan.copies}
 
 
 def _gather_plans(

@@ -5,6 +5,8 @@ test_megatron_convert checks)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ pytestmark = pytest.mark.megatron
 
 LAYOUTS = {
     "tp2": ({"tp": 2, "pp": 1}, "qwen2_bias"),
+    "dp2": ({"tp": 1, "pp": 1, "dp": 2}, "qwen2_bias"),
     "pp2": ({"tp": 1, "pp": 2}, "llama_mqa_tied"),
     "pp2_vpp2": ({"tp": 1, "pp": 2, "vpp": 2}, "qwen3_qknorm"),
     "ep2": ({"tp": 1, "pp": 1, "ep": 2}, "qwen3_moe"),
@@ -76,3 +79,30 @@ def test_megatron_pieces_tile_every_tensor_so_receivers_can_read_all_of_it_in_pl
     tensors = plan_tensors(VersionManifest(1, specs), begins, True, 64 * 1024)
     assert tensors.staged.buckets == ()
     assert [s.name for s in tensors.direct_specs] == [s.name for s in specs]
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2"])
+def test_every_rank_offers_every_copy_it_holds_and_staging_packs_one(layout, tmp_path, sock_dir):
+    """Every trainer rank a source (issue 11): both TP ranks offer their own copy of each
+    replicated tensor (norms, row-parallel biases), both data-parallel replicas every tensor,
+    so a receiver on either GPU finds a copy there; staging still packs each box once."""
+    from weightsync.manifest import VersionManifest
+    from weightsync.sender.daemon import Sender
+    from weightsync.sender.offer import Offer
+    from weightsync.v1 import weightsync_pb2 as pb
+
+    sizes, case_name = LAYOUTS[layout]
+    with Sender(f"unix:{sock_dir}/s.sock") as sender:
+        offers = ms.launch(tmp_path, sizes, ms.offer_worker, case_name, sender.address)
+    specs = offers[0][0]
+    begins = {rank: pb.BeginVersion.FromString(begin) for rank, (_, begin) in offers.items()}
+    offer = Offer.of(VersionManifest(1, specs), begins, {0: "gpu-a", 1: "gpu-b"})
+    assert set(offer.direct) == {s.name for s in specs}
+    shapes = {s.name: s.shape for s in specs}
+    for name, copies in offer.direct.items():
+        boxes = [sorted(c.box for c in copies if c.rank == r) for r in (0, 1)]
+        assert boxes[0] and boxes[1], name  # each rank holds some of every tensor
+        replicated = all(b.numel == math.prod(shapes[name]) for b in boxes[0])
+        if layout == "dp2" or replicated:
+            assert boxes[0] == boxes[1], name
+    assert offer.covers({s.name: s for s in specs})  # one copy of each box packed

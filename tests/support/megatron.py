@@ -557,14 +557,14 @@ def _entry(rank: int, world: int, init_file: str, sizes: dict, fn, args, out_dir
 def launch(tmp_path: Path, sizes: dict, fn, *args) -> dict[int, object]:
     """Run ``fn(rank, sizes, *args)`` on ``world`` gloo ranks; returns what each rank returned.
 
-    ``sizes``: ``tp``, ``pp`` and optionally ``vpp``, ``ep``, ``etp``. The world is
-    the smallest that fits both the dense (tp x pp) and the expert (etp x ep x pp) layouts;
-    EP is carved out of data parallelism, as in megatron.
+    ``sizes``: ``tp``, ``pp`` and optionally ``vpp``, ``ep``, ``etp``, ``dp``. The world is
+    ``dp`` times the smallest that fits both the dense (tp x pp) and the expert (etp x ep x pp)
+    layouts; EP is carved out of data parallelism, as in megatron.
     """
     import torch.multiprocessing as mp
 
     expert = sizes.get("ep", 1) * (sizes.get("etp") or sizes["tp"])
-    world = sizes["pp"] * math.lcm(sizes["tp"], expert)
+    world = sizes["pp"] * math.lcm(sizes["tp"], expert) * sizes.get("dp", 1)
     out_dir = tmp_path / f"run-{len(list(tmp_path.glob('run-*')))}"
     out_dir.mkdir()
     init_file = str(out_dir / "rendezvous")

@@ -102,6 +102,25 @@ def test_replicated_params_are_written_by_tp_rank_0_only():
     assert plans[0].pieces_for(norm) and not plans[1].pieces_for(norm)
 
 
+def test_tp_ranks_hold_copies_of_replicated_params_that_only_tp_rank_0_writes():
+    """Planned with every replica, TP rank 1 lists its whole copy of each replicated tensor
+    (norms, row-parallel biases) among its copies, not its pieces: coverage stays exact."""
+    cfg = config()
+    plans = [
+        plan_rank(dense_rank(2), RankTopology(tp_rank=r, tp_size=2), cfg, every_replica=True)
+        for r in range(2)
+    ]
+    replicated = {n for n, ps in plans[0].pieces.items() if n not in plans[1].pieces}
+    assert "model.layers.0.input_layernorm.weight" in replicated
+    assert not plans[0].copies and set(plans[1].copies) == replicated
+    for name in replicated:
+        (own,) = plans[1].copies[name]
+        (written,) = plans[0].pieces[name]
+        assert own.dst == written.dst == () and own.shard_key == written.shard_key
+    check_coverage(plans)
+    assert not plan_rank(dense_rank(2), RankTopology(tp_rank=1, tp_size=2), cfg).copies
+
+
 def test_missing_rank_names_the_tensor_and_the_rank():
     with pytest.raises(PlanError, match=r"'model\.embed_tokens\.weight'.*missing ranks: tp1 pp0"):
         check_coverage(tp_plans()[:1])
