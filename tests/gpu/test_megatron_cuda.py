@@ -40,6 +40,7 @@ def test_megatron_ranks_on_two_gpus_feed_a_receiver_on_each_over_cuda_ipc(tmp_pa
     held: list[list[dict]] = [[], []]
 
     def receive(receiver, model, out):
+        torch.cuda.set_device(model.device)  # as an engine's worker does, per thread here
         for _ in range(ms.VERSIONS):
             receiver.sync(timeout=300)
             out.append({k: v.detach().cpu().clone() for k, v in model.state_dict().items()})
