@@ -28,7 +28,7 @@ from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import FLOOR, NODE_FLOOR, WEIGHTSYNC, Row
-from weightsync.errors import ConfigError
+from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.manifest import VersionManifest
 
 
@@ -155,11 +155,27 @@ def _receiver(
     receiver.close()
 
 
+def _child(what: str, body, *args) -> None:
+    """A process of the bench running ``body(*args)`` (``out`` last): its failure is reported
+    at once, then raised; else the bench would wait out its timeout for reports never sent."""
+    try:
+        body(*args)
+    except BaseException as e:
+        args[-1].put(("failed", what, f"{type(e).__name__}: {e}"))
+        raise
+
+
 def _collect(out, counts: dict[str, int], timeout_s: float) -> dict[str, list[tuple]]:
-    """The next reports of the processes: ``counts[kind]`` of each kind, in any order."""
+    """The next reports of the processes: ``counts[kind]`` of each kind, in any order.
+
+    Raises:
+        WeightSyncError: a process failed (naming it and its error).
+    """
     got: dict[str, list[tuple]] = {kind: [] for kind in counts}
     while any(len(got[k]) < n for k, n in counts.items()):
         item = out.get(timeout=timeout_s)
+        if item[0] == "failed":
+            raise WeightSyncError(f"node bench: the {item[1]} failed: {item[2]}")
         if len(got.get(item[0], ())) >= counts.get(item[0], 0):
             raise RuntimeError(f"node bench: unexpected report {item[:2]!r}")
         got[item[0]].append(item)
@@ -202,12 +218,16 @@ def measure_node(
             for r in range(gpus):
                 tps = (trainer_tp, engine_tp)
                 args = (shape, r, tps, sender.address, total, reps, timeout_s, barrier, out)
-                procs.append(ctx.Process(target=_receiver, args=args, daemon=True))
+                what = f"receiver on GPU {r}"
+                procs.append(ctx.Process(target=_child, args=(what, _receiver, *args), daemon=True))
                 procs[-1].start()
             _collect(out, {"ready": gpus}, timeout_s)
             for r in range(gpus):
                 args = (shape, r, gpus, trainer_tp, sender.address, timeout_s, commands[r], out)
-                procs.append(ctx.Process(target=_publisher, args=args, daemon=True))
+                what = f"publisher rank {r} on GPU {r}"
+                procs.append(
+                    ctx.Process(target=_child, args=(what, _publisher, *args), daemon=True)
+                )
                 procs[-1].start()
             statuses, exact = [], True
             for version in range(1, total + 1):
