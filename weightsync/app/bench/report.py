@@ -238,11 +238,15 @@ class Report:
         labels = [f"{r.name} {r.transport} {r.layout} {r.placement}" for r in rows]
         colors = {FLOOR: "tab:gray", BASELINE: "tab:orange", WEIGHTSYNC: "tab:blue"}
         fig, ax = plt.subplots(figsize=(10, 0.4 * len(rows) + 1.5))
-        ax.barh(labels, [r.seconds * 1e3 for r in rows], color=[colors[r.kind] for r in rows])
+        ms = [r.seconds * 1e3 for r in rows]
+        bars = ax.barh(labels, ms, color=[colors[r.kind] for r in rows])
+        ax.bar_label(bars, fmt="%.2f ms", padding=3)
+        ax.set_xlim(0, max(ms) * 1.15)  # room for the last label
         ax.invert_yaxis()
         ax.set_xlabel("milliseconds per version (median; lower is better)")
         m = self.meta
-        ax.set_title(f"{m['model']} ({m['model_note']}), {m['gb']:.2f} GB, {m['machine']}")
+        # Over the whole figure: above the axes alone, a long title runs off the right edge.
+        fig.suptitle(f"{m['model']} ({m['model_note']}), {m['gb']:.2f} GB, {m['machine']}")
         fig.tight_layout()
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / f"bench-{m['model']}.png"
