@@ -291,43 +291,16 @@ def _cupy_stream(ptr: int, device: int):
     return from_external(_StreamHandle(ptr))
 
 
-_PEER_ACCESS_ALREADY_ENABLED = 704
-"""``cudaErrorPeerAccessAlreadyEnabled``: torch's cross-device copies enable it too."""
-
-
-@functools.cache
-def reads_peer(device: int, peer: int) -> bool:
-    """Whether kernels on GPU ``device`` can read GPU ``peer``'s memory, enabling that once.
-
-    The launch then reads a peer GPU's tensors in place, beside the local copies: a
-    ``copy_`` across GPUs costs two events and a barrier between the streams of both GPUs
-    per tensor (~20 us of CPU each, and the GPU idles between them), which for thousands of
-    MoE pieces was most of a node's sync."""
-    if _kernels() is None or not torch.cuda.can_device_access_peer(device, peer):
-        return False
-    cupy = _kernels()[0]
-    with cupy.cuda.Device(device):
-        try:
-            cupy.cuda.runtime.deviceEnablePeerAccess(peer)
-        except cupy.cuda.runtime.CUDARuntimeError as e:  # CuPy clears the error it raises
-            if e.status != _PEER_ACCESS_ALREADY_ENABLED:
-                log.warning("GPU %d cannot map GPU %d (%s): copies one by one", device, peer, e)
-                return False
-    return True
-
-
 def available(device: torch.device) -> bool:
     return device.type == "cuda" and _kernels() is not None
 
 
 def fits(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether the kernel can copy ``src`` into ``dst``: the same bytes, each a box of rows
-    whose elements are contiguous (:func:`planes`), ``src`` on ``dst``'s GPU or on a peer it
-    reads over NVLink (:func:`reads_peer`)."""
+    """Whether the kernel can copy ``src`` into ``dst``: the same bytes on one GPU, each a
+    box of rows whose elements are contiguous (:func:`planes`)."""
     return (
         dst.is_cuda
-        and src.is_cuda
-        and (dst.device == src.device or reads_peer(dst.device.index, src.device.index))
+        and dst.device == src.device
         and dst.dtype == src.dtype
         and dst.shape == src.shape
         and dst.nbytes > 0

@@ -106,17 +106,17 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 @dataclass(frozen=True)
 class CopyBatch:
     """``(destination, source)`` copies issued with as few launches as possible, so MoE models
-    with thousands of tensors pay for bytes, not for a Python loop of launches: copies of rows
-    of contiguous elements into a GPU, from its own memory or a peer GPU's, in one launch per
-    GPU where CuPy is installed (:mod:`.copy_kernel`: the small and strided ones, and the large
-    ones too in a batch that is reused), else the small ones in one ``torch._foreach_copy_``
-    (fused per dtype on CUDA) and the large ones a ``copy_`` each. Build it once and
-    :meth:`run` it every version (views follow the memory, not its contents)."""
+    with thousands of tensors pay for bytes, not for a Python loop of launches: same-GPU copies
+    of rows of contiguous elements in one launch per GPU where CuPy is installed
+    (:mod:`.copy_kernel`: the small and strided ones, and the large ones too in a batch that is
+    reused), else the small ones in one ``torch._foreach_copy_`` (fused per dtype on CUDA)
+    and the large ones a ``copy_`` each. Build it once and :meth:`run` it
+    every version (views follow the memory, not its contents)."""
 
     dsts: tuple[torch.Tensor, ...]
     srcs: tuple[torch.Tensor, ...]
     one_by_one: tuple[tuple[torch.Tensor, torch.Tensor], ...]
-    """Large copies, casts, and copies across devices the kernel does not take."""
+    """Large copies, casts, and copies across devices."""
     chunked: tuple[copy_kernel.ChunkedCopies, ...] = ()
     """One launch per GPU of every copy the kernel takes."""
 
@@ -180,7 +180,7 @@ def stack_strided(pairs: Iterable[Pair]) -> list[Pair]:
     out: list[Pair] = []
     runs: dict[tuple, list[Pair]] = {}
     for dst, src in pairs:
-        if dst.is_contiguous() and src.is_contiguous():
+        if (dst.is_contiguous() and src.is_contiguous()) or dst.device != src.device:
             out.append((dst, src))
             continue
         key = (dst.device, dst.dtype, src.dtype, tuple(dst.shape), tuple(src.shape),
