@@ -129,9 +129,10 @@ class MegatronPublisher:
         # Every rank checks and plans from the same gathered plans, so all raise the same
         # error or none does; each keeps its pieces of the replica that sends each tensor.
         narrowed, self.parts = plan_hosts(plans, hosts)
-        self._offered = _held(self.plan) if offer_replicas else self.plan.pieces
-        """Every copy this rank holds (its replica's pieces, TP copies), by HF name."""
+        every = _held(self.plan)
         self.plan = narrowed[rank]
+        self._offered = every if offer_replicas else self.plan.pieces
+        """What this rank offers, by HF name: every copy it holds, or the pieces it sends."""
         self._sends = self.parts.tensors_of(self.host_id)
         """This host's tensors (one tuple, so the wire manifest is converted once)."""
         self._part = self.parts.part_of(self.host_id)

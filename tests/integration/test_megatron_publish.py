@@ -106,3 +106,14 @@ def test_every_rank_offers_every_copy_it_holds_and_staging_packs_one(layout, tmp
         if layout == "dp2" or replicated:
             assert boxes[0] == boxes[1], name
     assert offer.covers({s.name: s for s in specs})  # one copy of each box packed
+
+
+def test_without_offer_replicas_only_the_replica_that_sends_offers(tmp_path, sock_dir):
+    from weightsync.sender.daemon import Sender
+    from weightsync.v1 import weightsync_pb2 as pb
+
+    sizes, case_name = LAYOUTS["dp2"]
+    with Sender(f"unix:{sock_dir}/s.sock") as sender:
+        offers = ms.launch(tmp_path, sizes, ms.offer_worker, case_name, sender.address, False)
+    pieces = {rank: pb.BeginVersion.FromString(begin).pieces for rank, (_, begin) in offers.items()}
+    assert {p.name for p in pieces[0]} == {s.name for s in offers[0][0]} and not pieces[1]

@@ -676,10 +676,10 @@ def publish_worker(
     return states if rank == 0 else None
 
 
-def offer_worker(rank: int, sizes: dict, case_name: str, address: str):
+def offer_worker(rank: int, sizes: dict, case_name: str, address: str, replicas: bool = True):
     """Build the model and return what this rank would offer the sender: its manifest's
     specs and a ``BeginVersion`` of its regions' pieces (as ``publish`` describes them; the
-    sources numbered by storage here, nothing exported)."""
+    sources numbered by storage here, nothing exported); ``replicas``: ``offer_replicas``."""
     from weightsync.sender.megatron import MegatronPublisher
     from weightsync.v1 import weightsync_pb2 as pb
     from weightsync.wire import regions_to_pb
@@ -687,7 +687,9 @@ def offer_worker(rank: int, sizes: dict, case_name: str, address: str):
     case = CASE_BY_NAME[case_name]
     torch.manual_seed(0)
     chunks = build_chunks(case, sizes)
-    publisher = MegatronPublisher(chunks, hf_config(case), address, direct=True)
+    publisher = MegatronPublisher(
+        chunks, hf_config(case), address, direct=True, offer_replicas=replicas
+    )
     storages: dict[int, int] = {}
 
     def locate(tensor: torch.Tensor) -> tuple[int, int]:
