@@ -377,10 +377,7 @@ class VersionDriver:
                         break
                     self._cond.wait(min(left, 1.0))
             self._outcomes.tell_staged(run)
-            if run.notify_done:
-                done = pb.SenderReply(done=run.to_pb())
-                for rank in run.ranks.values():
-                    rank.outbox.put(done)
+            self._outcomes.tell_done(run)
 
     def _packed(
         self,

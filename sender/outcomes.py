@@ -316,6 +316,13 @@ class Outcomes:
             if not rank.staged_in_done:
                 rank.outbox.put(staged)
 
+    def tell_done(self, run: VersionRun) -> None:
+        """``done`` to every publisher rank of ``run``, when they wait for it."""
+        if run.notify_done:
+            done = pb.SenderReply(done=run.to_pb())
+            for rank in run.ranks.values():
+                rank.outbox.put(done)
+
     def maybe_complete(self, run: VersionRun) -> None:
         """Once staged and no receiver is left owing anything, the version is over; once
         every receiver it was addressed to failed, at once (its driver stops packing and
@@ -334,10 +341,7 @@ class Outcomes:
             "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
         )
         trace.mark("sender.complete", version=run.version)
-        if run.notify_done:
-            done = pb.SenderReply(done=run.to_pb())
-            for rank in run.ranks.values():
-                rank.outbox.put(done)
+        self.tell_done(run)
         self._metrics.version_done(run.state, run.complete_s)  # after `done`: off its path
         self.finished.append((run, ""))
 

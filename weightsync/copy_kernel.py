@@ -387,7 +387,7 @@ def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         return torch.empty(0, 6, dtype=torch.int64)
     s0, d0, sp, dp, width, rows = torch.tensor(planes_, dtype=torch.int64).unbind(1)
     # A plane is chunked as whole rows, ``per`` at a time, or (one row, or rows wider than a
-    # chunk) row by row in ``cols`` chunks each: ``groups`` x ``cols`` chunks in all.
+    # chunk) row by row in ``cols`` chunks each: ``count`` chunks in all.
     wide = (rows == 1) | (width > CHUNK_BYTES)
     cols = torch.where(wide, -(-width // CHUNK_BYTES), 1)
     per = torch.where(wide, 1, CHUNK_BYTES // width.clamp(min=1))
@@ -399,7 +399,7 @@ def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     sp, dp = sp[plane], dp[plane]
     r = j // cols * per
     o = j % cols * CHUNK_BYTES
-    n = torch.minimum(width - o, torch.full_like(o, CHUNK_BYTES))
+    n = (width - o).clamp(max=CHUNK_BYTES)
     k = torch.minimum(per, rows - r)
     return torch.stack([s0[plane] + r * sp + o, d0[plane] + r * dp + o, n, k, sp, dp], dim=1)
 

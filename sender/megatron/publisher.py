@@ -217,7 +217,11 @@ class MegatronPublisher:
         ptrs = tuple(t.data_ptr() for t in self._tensors.values())
         if self._regions is None or self._regions[0] != ptrs:
             offered = self._piece_regions(self._sends, self._offered)
-            packed = self._piece_regions(self._sends, self.plan.pieces)
+            packed = (
+                offered
+                if self._offered is self.plan.pieces
+                else self._piece_regions(self._sends, self.plan.pieces)
+            )
             self._regions = (ptrs, offered, packed)
         return self._regions[1], self._regions[2]
 
