@@ -8,7 +8,7 @@ import time
 import pytest
 
 from weightsync.app.bench import node
-from weightsync.errors import WeightSyncError
+from weightsync.errors import SyncTimeoutError, WeightSyncError
 
 
 def _fails(value: int, out) -> None:
@@ -35,3 +35,10 @@ def test_reports_are_collected_in_any_order_and_extra_ones_refused():
     out.put(("applied", 2, ""))
     with pytest.raises(RuntimeError, match="unexpected report"):
         node._collect(out, {"published": 1}, timeout_s=5)
+
+
+def test_reports_that_never_come_time_out_naming_what_is_missing():
+    out: queue.Queue = queue.Queue()
+    out.put(("applied", 1, ""))
+    with pytest.raises(SyncTimeoutError, match=r"no report for 0.2 s.*'applied': \[1\]"):
+        node._collect(out, {"applied": 2}, timeout_s=0.2)

@@ -16,6 +16,7 @@ applied), median over the measured versions; the floor per repetition is its slo
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 import shutil
 import statistics
 import tempfile
@@ -28,7 +29,7 @@ from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import FLOOR, NODE_FLOOR, WEIGHTSYNC, Row
-from weightsync.errors import ConfigError, WeightSyncError
+from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
 from weightsync.manifest import VersionManifest
 
 
@@ -170,10 +171,20 @@ def _collect(out, counts: dict[str, int], timeout_s: float) -> dict[str, list[tu
 
     Raises:
         WeightSyncError: a process failed (naming it and its error).
+        SyncTimeoutError: no report came for ``timeout_s`` (naming the missing ones).
     """
     got: dict[str, list[tuple]] = {kind: [] for kind in counts}
     while any(len(got[k]) < n for k, n in counts.items()):
-        item = out.get(timeout=timeout_s)
+        try:
+            item = out.get(timeout=timeout_s)
+        except queue.Empty:
+            missing = {
+                k: sorted(r[1] for r in got[k]) for k, n in counts.items() if len(got[k]) < n
+            }
+            raise SyncTimeoutError(
+                f"node bench: no report for {timeout_s:g} s; waiting for {counts}, "
+                f"have only (kind: ranks) {missing} (--timeout-s)"
+            ) from None
         if item[0] == "failed":
             raise WeightSyncError(f"node bench: the {item[1]} failed: {item[2]}")
         if len(got.get(item[0], ())) >= counts.get(item[0], 0):
