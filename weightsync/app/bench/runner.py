@@ -377,6 +377,7 @@ def _case(
     start = memory_start(device)
     samples: list[float] = []
     error = ""
+    reply: CaseReply | None = None
     try:
         with _sender(
             f"unix:{sock_dir}/{case}-{layout.tp}.sock",
@@ -384,24 +385,30 @@ def _case(
             transport,
             cfg.sender_process,
         ) as address:
-            link.start(Receive(address, transport, versions, cfg.timeout_s))
-            hello = link.expect(cfg.timeout_s, "registration")
-            if hello != "registered":
-                raise _CaseFailed()
-            with Publisher(address) as publisher:
-                publish = _publish_fn(publisher, case, shards, cfg.timeout_s)
-                for version in range(1, versions + 1):
-                    shards.step()
-                    sync(device)
-                    t0 = time.perf_counter()
-                    publish(version)
-                    samples.append(time.perf_counter() - t0)
+            try:
+                link.start(Receive(address, transport, versions, cfg.timeout_s))
+                hello = link.expect(cfg.timeout_s, "registration")
+                if hello != "registered":
+                    raise _CaseFailed()
+                with Publisher(address) as publisher:
+                    publish = _publish_fn(publisher, case, shards, cfg.timeout_s)
+                    for version in range(1, versions + 1):
+                        shards.step()
+                        sync(device)
+                        t0 = time.perf_counter()
+                        publish(version)
+                        samples.append(time.perf_counter() - t0)
+            finally:
+                # The receiver leaves before its sender stops: else it sees the stream end,
+                # says it lost the sender and registers again.
+                reply = link.result(cfg.timeout_s)
     except _CaseFailed:
         pass
     except Exception as e:  # recorded in the row; the run goes on with the next case
         error = f"{type(e).__name__}: {e}"
     extra = memory_extra(device, start)
-    reply = link.result(cfg.timeout_s)
+    if reply is None:  # the sender never started, or the receiver sent no reply
+        reply = link.result(cfg.timeout_s)
     error = error or reply.error
     if error:
         return _failed(row, error)
