@@ -28,11 +28,15 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 log = logging.getLogger("weightsync")
 
-CHUNK_BYTES = 256 << 10
+CHUNK_BYTES = 128 << 10
+"""On H200 (2026-11-24, one flat copy 7.14 ms) the 7B model's 339 tensors took 7.27 ms in
+chunks of 128 KiB, 7.32 at 64, 7.43 at 256, 7.52 at 512 (MoE, 4,719 tensors: 7.75, 7.80, 7.89,
+7.99; flat 7.57), likely since smaller blocks leave a shorter tail as the last wave drains."""
 THREADS = 1024
 """Threads per block. On H200 (2026-11-23) 1024 beat 256 and 512 for both kernels and every
 chunk size tried (256 KiB to 4 MiB): the 7B model's 339 tensors in 7.47 ms against 7.90 at 256
@@ -369,10 +373,11 @@ def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     row per chunk of about :data:`CHUNK_BYTES` of one plane, in :func:`chunks`' order, of
     (source, destination, bytes per row, rows, source pitch, destination pitch).
 
-    Worked out with tensor ops over every plane at once, paid whenever a new layout's copies
-    are built: on the 2-core CI box, a 7B engine rank's 29,000 chunks take 3.7 ms where a
-    Python tuple per chunk took 33 ms (MoE, 4,719 tensors: 24 ms against 59, most of it now
-    :func:`planes` per tensor).
+    Worked out with array ops over every plane at once, paid whenever a new layout's copies
+    are built (a receiver's first versions, an engine rank's first declared shard). NumPy, not
+    torch: torch's CPU ops on tables this long run on its intra-op thread pool, and on an
+    H200 host with four bench processes (16 threads each) that took 60 ms per table of a 7B
+    engine rank instead of a few.
     """
     planes_ = []
     for dst, src in pairs:
@@ -385,23 +390,24 @@ def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         )
     if not planes_:
         return torch.empty(0, 6, dtype=torch.int64)
-    s0, d0, sp, dp, width, rows = torch.tensor(planes_, dtype=torch.int64).unbind(1)
+    s0, d0, sp, dp, width, rows = np.array(planes_, dtype=np.int64).T
     # A plane is chunked as whole rows, ``per`` at a time, or (one row, or rows wider than a
     # chunk) row by row in ``cols`` chunks each: ``count`` chunks in all.
     wide = (rows == 1) | (width > CHUNK_BYTES)
-    cols = torch.where(wide, -(-width // CHUNK_BYTES), 1)
-    per = torch.where(wide, 1, CHUNK_BYTES // width.clamp(min=1))
+    cols = np.where(wide, -(-width // CHUNK_BYTES), 1)
+    per = np.where(wide, 1, CHUNK_BYTES // np.maximum(width, 1))
     count = -(-rows // per) * cols
-    plane = torch.repeat_interleave(torch.arange(len(planes_)), count)
-    first = torch.repeat_interleave(count.cumsum(0) - count, count)
-    j = torch.arange(len(plane)) - first
+    plane = np.repeat(np.arange(len(planes_)), count)
+    j = np.arange(len(plane)) - np.repeat(np.cumsum(count) - count, count)
     cols, per, width, rows = cols[plane], per[plane], width[plane], rows[plane]
     sp, dp = sp[plane], dp[plane]
     r = j // cols * per
     o = j % cols * CHUNK_BYTES
-    n = (width - o).clamp(max=CHUNK_BYTES)
-    k = torch.minimum(per, rows - r)
-    return torch.stack([s0[plane] + r * sp + o, d0[plane] + r * dp + o, n, k, sp, dp], dim=1)
+    n = np.minimum(width - o, CHUNK_BYTES)
+    k = np.minimum(per, rows - r)
+    return torch.from_numpy(
+        np.stack([s0[plane] + r * sp + o, d0[plane] + r * dp + o, n, k, sp, dp], axis=1)
+    )
 
 
 class ChunkedCopies:

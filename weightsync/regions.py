@@ -125,9 +125,9 @@ class CopyBatch:
         cls, pairs: Iterable[tuple[torch.Tensor, torch.Tensor]], *, reused: bool = False
     ) -> CopyBatch:
         """The batch of ``pairs``. ``reused``: it will run again (every version), so large
-        contiguous copies join the one launch too; its table costs a row per 256 KiB to build
-        (about 50 ms of Python for 15 GB, judging by the bench's baselines), which a batch run
-        once would pay every time, where a ``copy_`` each costs nothing to prepare."""
+        contiguous copies join the one launch too; its table costs a row per
+        :data:`~.copy_kernel.CHUNK_BYTES` to build (4 ms for 15 GB on the CI box), which a
+        batch run once would pay every time, where a ``copy_`` each costs nothing to prepare."""
         small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for dst, src in stack_strided(pairs):

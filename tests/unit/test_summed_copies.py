@@ -110,7 +110,7 @@ def test_shards_columns_packed_side_by_side_are_summed_once_as_boxes() -> None:
     boxes fill the tensor's bytes in the bucket, which is summed once, box by box."""
     shards = BASE + _NBYTES + 512
     memory = _memory(shards + _NBYTES, seed=4)
-    rows_, width = 300, 1000  # a 300 x 2000-byte tensor, a table row holds 262 of its rows
+    rows_, width = 300, 1000  # a 300 x 2000-byte tensor: a table row holds ``per`` of its rows
     copies = [
         _columns(256, rows_, width, 2 * width, shards),
         _columns(256 + width, rows_, width, 2 * width, shards + rows_ * width),
@@ -119,7 +119,9 @@ def test_shards_columns_packed_side_by_side_are_summed_once_as_boxes() -> None:
     ]
     rows = plan_rows(copies, base=BASE, nbytes=_NBYTES, destination=True)
     assert rows is not None
-    assert sorted(r.rows for r in rows if r.rows > 1) == [38, 38, 262, 262]
+    per = CHUNK_BYTES // width
+    each_box = [per] * (rows_ // per) + ([rows_ % per] if rows_ % per else [])
+    assert sorted(r.rows for r in rows if r.rows > 1) == sorted(each_box * 2)
     got, after = _both_orders(rows, memory, _NBYTES)
     bucket = after[BASE : BASE + _NBYTES]
     tensor = bucket[256 : 256 + 2 * rows_ * width].view(rows_, 2 * width)
