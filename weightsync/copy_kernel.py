@@ -37,6 +37,9 @@ CHUNK_BYTES = 128 << 10
 """On H200 (2026-11-24, one flat copy 7.14 ms) the 7B model's 339 tensors took 7.27 ms in
 chunks of 128 KiB, 7.32 at 64, 7.43 at 256, 7.52 at 512 (MoE, 4,719 tensors: 7.75, 7.80, 7.89,
 7.99; flat 7.57), likely since smaller blocks leave a shorter tail as the last wave drains."""
+BOX_CHUNK_BYTES = 256 << 10
+"""Bytes of a table row of whole strided rows (a box). A TP=2 trainer's row-parallel shards
+(7B) copied slower in boxes of 128 KiB than of 256 KiB on H200."""
 THREADS = 1024
 """Threads per block. On H200 (2026-11-23) 1024 beat 256 and 512 for both kernels and every
 chunk size tried (256 KiB to 4 MiB): the 7B model's 339 tensors in 7.47 ms against 7.90 at 256
@@ -355,22 +358,22 @@ def planes(dst: torch.Tensor, src: torch.Tensor) -> Planes | None:
 
 
 def chunks(width: int, rows: int) -> Iterator[tuple[int, int, int, int]]:
-    """``rows`` rows of ``width`` bytes as table rows of about :data:`CHUNK_BYTES`: (first row,
-    byte offset in it, bytes per row, rows) each; whole rows where one fits, else chunks of a
-    single row."""
-    if rows == 1 or width > CHUNK_BYTES:
+    """``rows`` rows of ``width`` bytes as table rows: (first row, byte offset in it, bytes per
+    row, rows) each; whole rows, up to :data:`BOX_CHUNK_BYTES` of them, where one fits, else
+    chunks of a single row of up to :data:`CHUNK_BYTES`."""
+    if rows == 1 or width > BOX_CHUNK_BYTES:
         for r in range(rows):
             for o in range(0, width, CHUNK_BYTES):
                 yield r, o, min(CHUNK_BYTES, width - o), 1
         return
-    per = CHUNK_BYTES // width
+    per = BOX_CHUNK_BYTES // width
     for r in range(0, rows, per):
         yield r, 0, width, min(per, rows - r)
 
 
 def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The kernel's table for ``pairs`` (each :func:`fits`, GPU aside), int64 on the CPU: a
-    row per chunk of about :data:`CHUNK_BYTES` of one plane, in :func:`chunks`' order, of
+    row per chunk of one plane, in :func:`chunks`' order, of
     (source, destination, bytes per row, rows, source pitch, destination pitch).
 
     Worked out with array ops over every plane at once, paid whenever a new layout's copies
@@ -393,9 +396,9 @@ def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     s0, d0, sp, dp, width, rows = np.array(planes_, dtype=np.int64).T
     # A plane is chunked as whole rows, ``per`` at a time, or (one row, or rows wider than a
     # chunk) row by row in ``cols`` chunks each: ``count`` chunks in all.
-    wide = (rows == 1) | (width > CHUNK_BYTES)
+    wide = (rows == 1) | (width > BOX_CHUNK_BYTES)
     cols = np.where(wide, -(-width // CHUNK_BYTES), 1)
-    per = np.where(wide, 1, CHUNK_BYTES // np.maximum(width, 1))
+    per = np.where(wide, 1, BOX_CHUNK_BYTES // np.maximum(width, 1))
     count = -(-rows // per) * cols
     plane = np.repeat(np.arange(len(planes_)), count)
     j = np.arange(len(plane)) - np.repeat(np.cumsum(count) - count, count)

@@ -80,9 +80,9 @@ def test_copies_the_kernel_cannot_take_are_left_to_torch() -> None:
 
 def test_the_table_has_a_row_per_chunk_of_every_plane_in_order():
     """The table, worked out for all planes at once, is each plane's :func:`chunks` in turn:
-    rows wider than a chunk cut in pieces, a single row, whole rows ``per`` at a time, and
-    planes of a 3-D box (one per leading index)."""
-    chunk = copy_kernel.CHUNK_BYTES
+    rows wider than a box's chunk cut in pieces, a single row, whole rows ``per`` at a time,
+    and planes of a 3-D box (one per leading index)."""
+    chunk = copy_kernel.BOX_CHUNK_BYTES
     buf = torch.empty(8 << 20, dtype=torch.uint8)
 
     def at(offset: int, *shape: int) -> torch.Tensor:
@@ -91,7 +91,7 @@ def test_the_table_has_a_row_per_chunk_of_every_plane_in_order():
 
     wide = at(0, 3, chunk + 100)
     pairs = [
-        (wide, at(4 << 20, 3, chunk + 100)),  # two chunks per row
+        (wide, at(4 << 20, 3, chunk + 100)),  # cut in pieces
         (buf[:1000], buf[5000:6000]),  # one row
         (at(0, 200, 64)[:, :48], at(6 << 20, 200, 48)),  # whole rows, many per chunk
         (at(0, 2, 300, 16)[:, :100, :8], at(7 << 20, 2, 100, 8)),  # two planes
@@ -108,5 +108,7 @@ def test_the_table_has_a_row_per_chunk_of_every_plane_in_order():
     got = copy_kernel.table(pairs)
     assert got.dtype == torch.int64 and got.tolist() == want
     assert {row[3] for row in want} == {1, 100, 200}
+    cut = list(copy_kernel.chunks(chunk + 100, 3))  # the wide rows: a piece at a time
+    assert len(cut) > 3 and {k for *_, k in cut} == {1}
     assert len(copy_kernel.planes(*pairs[-1]).offsets) == 2
     assert copy_kernel.table([]).shape == (0, 6)

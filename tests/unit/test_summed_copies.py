@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from weightsync.checksum import ROW_WORDS, finish, row_sums, whole_row_words
-from weightsync.copy_kernel import CHUNK_BYTES
+from weightsync.copy_kernel import BOX_CHUNK_BYTES, CHUNK_BYTES
 from weightsync.summed_copies import NO_SUM, SUM_DESTINATION, Row, plan_rows
 
 _MASK = (1 << 64) - 1
@@ -119,7 +119,7 @@ def test_shards_columns_packed_side_by_side_are_summed_once_as_boxes() -> None:
     ]
     rows = plan_rows(copies, base=BASE, nbytes=_NBYTES, destination=True)
     assert rows is not None
-    per = CHUNK_BYTES // width
+    per = BOX_CHUNK_BYTES // width
     each_box = [per] * (rows_ // per) + ([rows_ % per] if rows_ % per else [])
     assert sorted(r.rows for r in rows if r.rows > 1) == sorted(each_box * 2)
     got, after = _both_orders(rows, memory, _NBYTES)
