@@ -38,8 +38,9 @@ CHUNK_BYTES = 128 << 10
 chunks of 128 KiB, 7.32 at 64, 7.43 at 256, 7.52 at 512 (MoE, 4,719 tensors: 7.75, 7.80, 7.89,
 7.99; flat 7.57), likely since smaller blocks leave a shorter tail as the last wave drains."""
 BOX_CHUNK_BYTES = 256 << 10
-"""Bytes of a table row of whole strided rows (a box). A TP=2 trainer's row-parallel shards
-(7B) copied slower in boxes of 128 KiB than of 256 KiB on H200."""
+"""Bytes of a table row of whole strided rows (a box). On H200, a TP=2 trainer's 7B shards (its
+row-parallel ones are boxes) into an engine's packed parameters: 7.30 ms with boxes of 256
+KiB, 7.57-7.64 at 128, 7.33 at 512 (one flat copy 7.07; spans of 128 KiB in each)."""
 THREADS = 1024
 """Threads per block. On H200 (2026-11-23) 1024 beat 256 and 512 for both kernels and every
 chunk size tried (256 KiB to 4 MiB): the 7B model's 339 tensors in 7.47 ms against 7.90 at 256
