@@ -15,6 +15,7 @@ anchor event per device; it is written once the device got there.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -100,6 +101,27 @@ def _write(t_ns: int, event: str, fields: dict) -> None:
             Path(_DIR).mkdir(parents=True, exist_ok=True)
             _file = open(Path(_DIR) / f"{_role}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115
         _file.write(line + "\n")
+
+
+_GC_MARK_NS = 200_000
+"""Collections at least this long (or of the oldest generation) are marked: a full collection
+walks every object the process holds, which in a process holding a large model's plans takes
+milliseconds, in the middle of whatever thread allocated."""
+_gc_started = [0]
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc_started[0] = time.perf_counter_ns()
+        return
+    took = time.perf_counter_ns() - _gc_started[0]
+    if info["generation"] == 2 or took >= _GC_MARK_NS:
+        fields = {"generation": info["generation"], "ms": round(took / 1e6, 3)}
+        _write(_gc_started[0], "gc", {**fields, "collected": info["collected"]})
+
+
+if enabled:
+    gc.callbacks.append(_on_gc)
 
 
 def load(directory: str | Path) -> list[dict]:

@@ -22,7 +22,29 @@ def test_marks_land_in_order_and_cpu_gpu_marks_are_skipped(tmp_path):
     env = {**os.environ, "WEIGHTSYNC_TRACE_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", _SCRIPT], env=env, check=True, timeout=120)
     (path,) = tmp_path.glob("unit-*.jsonl")
-    events = [json.loads(line) for line in path.read_text().splitlines()]
+    lines = path.read_text().splitlines()
+    events = [e for e in map(json.loads, lines) if e["event"] != "gc"]  # e.g. at exit
     assert [e["event"] for e in events] == ["before", "after"]
     assert events[0]["index"] == 3
     assert events[0]["t_ns"] <= events[1]["t_ns"]
+
+
+_GC_SCRIPT = """
+import gc
+from weightsync import trace
+trace.set_role("unit")
+trace.mark("before")
+gc.collect()
+trace.mark("after")
+"""
+
+
+def test_a_full_garbage_collection_is_marked_with_its_length(tmp_path):
+    env = {**os.environ, "WEIGHTSYNC_TRACE_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", _GC_SCRIPT], env=env, check=True, timeout=120)
+    (path,) = tmp_path.glob("unit-*.jsonl")
+    events = [json.loads(line) for line in path.read_text().splitlines()]
+    before, after = (next(e for e in events if e["event"] == n) for n in ("before", "after"))
+    full = next(e for e in events if e["event"] == "gc")  # gc.collect(); another comes at exit
+    assert before["t_ns"] <= full["t_ns"] <= after["t_ns"]
+    assert full["generation"] == 2 and full["ms"] >= 0 and full["collected"] >= 0
