@@ -45,7 +45,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from weightsync import trace
+from weightsync import gc_pause, trace
 from weightsync.buckets import TensorSpec
 from weightsync.errors import (
     ConfigError,
@@ -299,11 +299,16 @@ class ReceiverCore:
             # Else leftovers of a version already left.
             msg = link.connection.next(deadline, "version", in_version=False)
         trace.mark("receiver.start")
-        version = msg.start.manifest.version
+        with gc_pause.paused():
+            return self._start(link, msg.start)
+
+    def _start(self, link: Link, start: pb.VersionStart) -> int:
+        """Apply the version ``start`` begins (or refuse it, nothing written)."""
+        version = start.manifest.version
         try:
             # Parsing bounds every field too: a manifest past a bound is rejected like one
             # that does not fit the model, before any write.
-            manifest, key = self._manifest(link, msg.start)
+            manifest, key = self._manifest(link, start)
             refuse_split(manifest, link.address)
             self._validate(manifest, key)
             keeps = self._keeps(manifest, key)  # the target's own code: may raise too

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync import limits, trace
+from weightsync import gc_pause, limits, trace
 from weightsync.config import SenderSettings
 from weightsync.errors import ConfigError, ProtocolError, TransportError, WeightSyncError
 from weightsync.manifest import VersionManifest
@@ -198,12 +198,15 @@ class Coordinator:
             ranks[hello.rank] = conn
             if len(ranks) < world:
                 return None, conn
+            hold = gc_pause.Hold()  # released when the version ends (Outcomes)
             try:
                 device = _staging_device(ranks[min(ranks)])
                 run = self._plan_run(manifest, manifest_key, hello.publisher_id, device, ranks)
             except BaseException as e:
+                hold.release()
                 self._abandon_joining(key, conn, e)
                 raise
+            run.gc_hold = hold
             del self._joining[key]
             self.history.add_run(run)
             trace.mark("sender.planned", version=run.version)

@@ -291,7 +291,7 @@ class Outcomes:
             run.state = "failed"
             run.complete_s = time.monotonic() - run.started_mono
             self._metrics.version_done(run.state, run.complete_s)
-            self.finished.append((run, detail.message))
+            self._finished(run, detail.message)
         self._cond.notify_all()
 
     def reads_done(self, run: VersionRun) -> None:
@@ -343,7 +343,7 @@ class Outcomes:
         trace.mark("sender.complete", version=run.version)
         self.tell_done(run)
         self._metrics.version_done(run.state, run.complete_s)  # after `done`: off its path
-        self.finished.append((run, ""))
+        self._finished(run)
 
     def _every_receiver_failed(self, run: VersionRun) -> None:
         """``run`` failed before it was staged: nobody is left to read the rest."""
@@ -352,8 +352,14 @@ class Outcomes:
         self._slots.release_version(run.version)
         self._metrics.version_done(run.state, run.complete_s)
         trace.mark("sender.complete", version=run.version)
-        self.finished.append((run, ""))
+        self._finished(run)
         self._cond.notify_all()
+
+    def _finished(self, run: VersionRun, why: str = "") -> None:
+        """``run`` is over: the collector may run again, and its log line is due."""
+        if run.gc_hold is not None:
+            run.gc_hold.release()
+        self.finished.append((run, why))
 
     def close(self) -> None:
         """Abandon unfinished versions (the sender shuts down)."""

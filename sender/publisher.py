@@ -14,7 +14,7 @@ from operator import attrgetter, is_
 import grpc
 import torch
 
-from weightsync import trace
+from weightsync import gc_pause, trace
 from weightsync.buckets import Bucket, TensorSpec, align_up, pack_entry
 from weightsync.checksum import verify_entry
 from weightsync.config import ALIGNMENT_BYTES, ClientSettings
@@ -216,6 +216,21 @@ class Publisher:
                 f"{what}: BeginVersion.manifest of version {version} has no tensors; "
                 "publish at least one"
             )
+        with gc_pause.paused():
+            return self._publish(manifest, pack, device, wait, timeout_s, regions, direct)
+
+    def _publish(
+        self,
+        manifest: VersionManifest,
+        pack: PackFn,
+        device: torch.device,
+        wait: bool,
+        timeout_s: float,
+        regions: Mapping[str, Sequence[Region]] | None,
+        direct: bool,
+    ) -> PublishResult:
+        what = f"publish version {manifest.version} to {self.address}"
+        version = manifest.version
         trace.mark("publish", version=version, rank=self.rank)
         whole = (self._manifest_pb(manifest), self._offer(regions) if regions else None, direct)
         stream = self._stream_for(device)

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from weightsync import gc_pause
 from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
@@ -200,6 +201,8 @@ class VersionRun:
     is staged), staged, complete or failed."""
     abandoned: pb.ErrorDetail | None = None
     """Why the version was abandoned, when it was (Status shows it)."""
+    gc_hold: gc_pause.Hold | None = field(default=None, repr=False, compare=False)
+    """The garbage collector's pause from planning to the version's end (``gc_pause``)."""
 
     @property
     def version(self) -> int:
