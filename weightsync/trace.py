@@ -115,7 +115,8 @@ def _on_gc(phase: str, info: dict) -> None:
         _gc_started[0] = time.perf_counter_ns()
         return
     took = time.perf_counter_ns() - _gc_started[0]
-    if info["generation"] == 2 or took >= _GC_MARK_NS:
+    # Not before the process's first mark: its file is named by the role set before that.
+    if _file is not None and (info["generation"] == 2 or took >= _GC_MARK_NS):
         fields = {"generation": info["generation"], "ms": round(took / 1e6, 3)}
         _write(_gc_started[0], "gc", {**fields, "collected": info["collected"]})
 
