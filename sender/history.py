@@ -52,7 +52,9 @@ class VersionHistory:
         self._last_version = run.version
         self._runs[run.version] = run
         while len(self._runs) > self._keep:
-            self._runs.popitem(last=False)
+            _, dropped = self._runs.popitem(last=False)
+            if dropped.gc_hold is not None:  # one never finished must not pause it for good
+                dropped.gc_hold.release()
         self._cond.notify_all()  # WaitApplied callers waiting for it to be published
 
     def close(self) -> None:

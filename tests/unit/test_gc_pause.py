@@ -42,3 +42,24 @@ def test_a_process_that_turned_the_collector_off_keeps_it_off():
     with gc_pause.paused():
         assert not gc.isenabled()
     assert not gc.isenabled()
+
+
+def test_a_version_lets_go_when_it_ends_or_leaves_the_history():
+    """The sender holds a pause per version: released when the version ends (here: its every
+    receiver failed), or, one that never ended, when the history drops it."""
+    from tests.support.sender_parts import SETTINGS, new_run, sender_parts
+    from weightsync.wire import error_to_pb
+
+    parts = sender_parts()
+    ended, forgotten = new_run(1), new_run(2)
+    for run in (ended, forgotten):
+        run.gc_hold = gc_pause.Hold()
+        with parts.cond:
+            parts.history.add_run(run)
+    with parts.cond:
+        parts.outcomes.abort(ended, error_to_pb(RuntimeError("gone")))
+    assert not gc.isenabled()  # version 2 is still in flight
+    for version in range(3, 3 + SETTINGS.history):
+        with parts.cond:
+            parts.history.add_run(new_run(version))
+    assert gc.isenabled()
