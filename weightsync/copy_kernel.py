@@ -380,7 +380,7 @@ def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     Worked out with array ops over every plane at once, paid whenever a new layout's copies
     are built (a receiver's first versions, an engine rank's first declared shard). NumPy, not
     torch: torch's CPU ops on tables this long run on its intra-op thread pool, and on an
-    H200 host with four bench processes (16 threads each) that took 60 ms per table of a 7B
+    H200 host with five bench processes (16 threads each) that took 60 ms per table of a 7B
     engine rank instead of a few.
     """
     planes_ = []

@@ -2,7 +2,8 @@
 
 A full collection walks every object the process tracks: in a process that imported torch (and
 holds an engine, a trainer, or the plans of a large model) that took 80-120 ms on the GPU
-host, in whichever thread allocated next, so one sync in ten took ten times its usual 9-25 ms.
+host, in whichever thread allocated next, so one staged sync in ten took 3-30 times its usual
+23-25 ms.
 Our own per-version objects die by reference counting; nothing we make needs the collector
 mid-version. So the sender, the publisher and the receiver pause it from a version's start to
 its end, and a collection that came due meanwhile runs after it, outside the sync.
