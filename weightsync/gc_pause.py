@@ -2,7 +2,7 @@
 
 A full collection walks every object the process tracks: in a process that imported torch (and
 holds an engine, a trainer, or the plans of a large model) that took 80-120 ms on the GPU
-host, in whichever thread allocated next, so one staged sync in ten took 3-30 times its usual
+host, in whichever thread allocated next, so one staged sync in twenty took 3-30 times its usual
 23-25 ms.
 Our own per-version objects die by reference counting; nothing we make needs the collector
 mid-version. So the sender, the publisher and the receiver pause it from a version's start to
