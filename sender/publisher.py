@@ -208,14 +208,6 @@ class Publisher:
         may read in place the tensors that contiguous regions hold whole, or tile together
         (TP shards of every rank). The sender decides both per version.
         """
-        what = f"publish version {manifest.version} to {self.address}"
-        version = manifest.version
-        if not manifest.tensors:
-            # The sender refuses it too; failing here costs no stream.
-            raise ConfigError(
-                f"{what}: BeginVersion.manifest of version {version} has no tensors; "
-                "publish at least one"
-            )
         with gc_pause.paused():
             return self._publish(manifest, pack, device, wait, timeout_s, regions, direct)
 
@@ -231,6 +223,12 @@ class Publisher:
     ) -> PublishResult:
         what = f"publish version {manifest.version} to {self.address}"
         version = manifest.version
+        if not manifest.tensors:
+            # The sender refuses it too; failing here costs no stream.
+            raise ConfigError(
+                f"{what}: BeginVersion.manifest of version {version} has no tensors; "
+                "publish at least one"
+            )
         trace.mark("publish", version=version, rank=self.rank)
         whole = (self._manifest_pb(manifest), self._offer(regions) if regions else None, direct)
         stream = self._stream_for(device)

@@ -18,12 +18,16 @@ trace.mark("after")
 """
 
 
-def test_marks_land_in_order_and_cpu_gpu_marks_are_skipped(tmp_path):
+def _traced(script: str, tmp_path) -> list[dict]:
+    """The events ``script`` (role ``unit``) traced, in file order."""
     env = {**os.environ, "WEIGHTSYNC_TRACE_DIR": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", _SCRIPT], env=env, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=120)
     (path,) = tmp_path.glob("unit-*.jsonl")
-    lines = path.read_text().splitlines()
-    events = [e for e in map(json.loads, lines) if e["event"] != "gc"]  # e.g. at exit
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_marks_land_in_order_and_cpu_gpu_marks_are_skipped(tmp_path):
+    events = [e for e in _traced(_SCRIPT, tmp_path) if e["event"] != "gc"]  # e.g. at exit
     assert [e["event"] for e in events] == ["before", "after"]
     assert events[0]["index"] == 3
     assert events[0]["t_ns"] <= events[1]["t_ns"]
@@ -41,10 +45,7 @@ trace.mark("after")
 
 
 def test_a_full_garbage_collection_is_marked_with_its_length(tmp_path):
-    env = {**os.environ, "WEIGHTSYNC_TRACE_DIR": str(tmp_path)}
-    subprocess.run([sys.executable, "-c", _GC_SCRIPT], env=env, check=True, timeout=120)
-    (path,) = tmp_path.glob("unit-*.jsonl")
-    events = [json.loads(line) for line in path.read_text().splitlines()]
+    events = _traced(_GC_SCRIPT, tmp_path)
     before, after = (next(e for e in events if e["event"] == n) for n in ("before", "after"))
     full = next(e for e in events if e["event"] == "gc")  # the second gc.collect()
     assert before["t_ns"] <= full["t_ns"] <= after["t_ns"]
