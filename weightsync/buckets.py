@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import torch
 
@@ -37,30 +36,26 @@ class TensorSpec:
     """Wire dtype name (see :mod:`weightsync.dtypes`)."""
     shape: tuple[int, ...]
 
+    # Derived once, at construction: an MoE version has thousands of specs, whose sums and
+    # checks run every version (``cached_property`` takes a lock per first read on 3.11).
+    torch_dtype: torch.dtype = field(init=False, repr=False, compare=False)
+    numel: int = field(init=False, repr=False, compare=False)
+    nbytes: int = field(init=False, repr=False, compare=False)
+
     def __post_init__(self) -> None:
         if not self.name:
             raise PlanError("a tensor spec has an empty name")
-        dtype_from_name(self.dtype)
+        dtype = dtype_from_name(self.dtype)
         if any(d < 0 for d in self.shape):
             raise PlanError(f"tensor {self.name!r} has a negative dimension in shape {self.shape}")
+        numel = math.prod(self.shape)
+        object.__setattr__(self, "torch_dtype", dtype)
+        object.__setattr__(self, "numel", numel)
+        object.__setattr__(self, "nbytes", numel * itemsize(dtype))
 
     @classmethod
     def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
         return cls(name, dtype_name(tensor.dtype), tuple(tensor.shape))
-
-    # Cached: a version of an MoE model has thousands of specs, and sums and checks over them
-    # run every version (about 1 µs per spec and property uncached).
-    @cached_property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
-
-    @cached_property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @cached_property
-    def nbytes(self) -> int:
-        return self.numel * itemsize(self.torch_dtype)
 
     @property
     def row_bytes(self) -> int:

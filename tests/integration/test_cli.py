@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -142,6 +143,32 @@ def test_sender_logs_json_one_object_per_line(sock_dir):
     for r in records:
         assert {"time", "level", "logger", "message"} <= set(r)
     assert "listening on " + address in records[0]["message"]
+
+
+def test_the_sender_freezes_its_startup_objects_out_of_the_collectors_walks(sock_dir):
+    """A full collection of a daemon that imported torch walks ~190k objects (90 ms here);
+    frozen once started, later ones skip them (weightsync.gc_pause.freeze_startup)."""
+    from tests.support import wait_until
+
+    address = f"unix:{sock_dir}/f.sock"
+    args = ["--listen", address, "--log-format", "json", "--log-level", "debug"]
+    proc = subprocess.Popen(
+        [f"{BIN}/weightsync-sender", *args],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: os.path.exists(f"{sock_dir}/f.sock"), 60, "sender socket")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    froze = [
+        m for r in map(json.loads, err.splitlines())
+        if (m := re.fullmatch(r"froze (\d+) startup objects .*", r["message"]))
+    ]  # fmt: skip
+    assert len(froze) == 1, err
+    assert int(froze[0][1]) > 50_000
 
 
 _TGKILL = {"x86_64": 234, "aarch64": 131}.get(os.uname().machine)
