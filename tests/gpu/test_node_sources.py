@@ -86,3 +86,23 @@ def test_a_moe_model_reaches_every_engine_rank_bit_exact(engine_tp, trainer_tp):
     print("\n" + summary(run))
     assert run.bit_exact
     assert_routes(run, engine_tp, trainer_tp)
+
+
+@pytest.mark.parametrize("model", ["tiny", "tiny-moe"])
+@pytest.mark.parametrize("trainer_tp", [1, 2], ids=["trainer TP=1", "trainer TP=2"])
+@pytest.mark.parametrize("engine_tp", [1, 2], ids=["engines TP=1", "engines TP=2"])
+def test_two_ranks_of_each_sharing_one_gpu_reach_every_engine_rank_bit_exact(
+    model, engine_tp, trainer_tp
+):
+    """The node case with its two publisher ranks and two receivers all on GPU 0: the
+    many-rank paths (DP or TP publishers, engine TP ranks declaring their shards, each loading
+    only its shard through the copy kernel) on CUDA, on a machine of one GPU. Every copy is on
+    the receivers' GPU, so every byte is read locally."""
+    from weightsync.app.bench.models import model_shape
+    from weightsync.app.bench.node import measure_node
+
+    run = measure_node(model_shape(model), 2, 2, 1, 1, 120, engine_tp, trainer_tp, devices=1)
+    assert run.bit_exact
+    assert run.route_bytes["peer"] == 0
+    assert run.route_bytes["local"] == run.gpus * run.kept_nbytes
+    assert run.kept_nbytes < run.nbytes / engine_tp * 1.01

@@ -102,10 +102,13 @@ def _mismatch(target: EngineLikeTarget, shards: TrainerShards, version: int) -> 
     return f"version {version}: {len(wrong)} tensor(s) differ, first {wrong[:3]}" if wrong else ""
 
 
-def _publisher(shape, rank: int, world: int, trainer_tp: int, address, timeout_s, commands, out):
+def _publisher(
+    shape, rank: int, place: tuple[int, int], trainer_tp: int, address, timeout_s, commands, out
+):
     from weightsync.sender import Publisher
 
-    device = torch.device("cuda", rank)
+    world, devices = place
+    device = torch.device("cuda", rank % devices)
     torch.cuda.set_device(device)
     shards = _shards(shape, trainer_tp, device)
     regions, specs = shards.regions(rank % trainer_tp), shards.layout.specs
@@ -126,12 +129,20 @@ def _publisher(shape, rank: int, world: int, trainer_tp: int, address, timeout_s
 
 
 def _receiver(
-    shape, rank: int, tps: tuple[int, int], address: str, versions, reps, timeout_s, barrier, out
+    shape,
+    rank: int,
+    tps: tuple[int, int, int],
+    address: str,
+    versions,
+    reps,
+    timeout_s,
+    barrier,
+    out,
 ):
     from weightsync.receiver.core import ReceiverCore
 
-    trainer_tp, engine_tp = tps
-    device = torch.device("cuda", rank)
+    trainer_tp, engine_tp, devices = tps
+    device = torch.device("cuda", rank % devices)
     torch.cuda.set_device(device)
     model = EngineLikeModel(shape, device, tp=engine_tp, rank=rank % engine_tp)
     target = EngineLikeTarget(model)
@@ -202,18 +213,27 @@ def measure_node(
     timeout_s: float,
     engine_tp: int = 1,
     trainer_tp: int = 1,
+    devices: int | None = None,
 ) -> NodeRun:
     """Run the node case on GPUs 0..``gpus``-1, a trainer of TP ``trainer_tp`` and engines of
     TP ``engine_tp``: ``warmup`` + ``versions`` versions, then ``reps`` floor repetitions.
 
+    ``devices`` (default ``gpus``): the GPUs the ranks spread over, rank r on GPU r % devices.
+    Fewer than ``gpus`` makes ranks share a GPU: every read is then local and the timing is
+    no node's, but a one-GPU machine runs the many-rank paths (DP and TP publishers, engine
+    TP ranks declaring their shards) on CUDA.
+
     Raises:
-        ConfigError: fewer GPUs than ``gpus``, or ``gpus`` not a multiple of either TP size.
+        ConfigError: fewer GPUs than ``devices``, or ``gpus`` not a multiple of either TP size.
     """
     from weightsync.sender import Sender
     from weightsync.v1 import weightsync_pb2 as pb
 
-    if not 1 <= gpus <= torch.cuda.device_count():
-        raise ConfigError(f"--gpus {gpus}: this machine has {torch.cuda.device_count()} GPU(s)")
+    devices = devices or gpus
+    if not 1 <= devices <= torch.cuda.device_count():
+        raise ConfigError(f"--gpus {devices}: this machine has {torch.cuda.device_count()} GPU(s)")
+    if devices > gpus:
+        raise ConfigError(f"{gpus} rank(s) of each kind cannot spread over {devices} GPUs")
     if engine_tp < 1 or gpus % engine_tp:
         raise ConfigError(f"--engine-tp {engine_tp}: --gpus {gpus} must be a multiple of it")
     if trainer_tp < 1 or gpus % trainer_tp:
@@ -227,15 +247,16 @@ def measure_node(
     try:
         with Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s) as sender:
             for r in range(gpus):
-                tps = (trainer_tp, engine_tp)
+                tps = (trainer_tp, engine_tp, devices)
                 args = (shape, r, tps, sender.address, total, reps, timeout_s, barrier, out)
-                what = f"receiver on GPU {r}"
+                what = f"receiver {r} on GPU {r % devices}"
                 procs.append(ctx.Process(target=_child, args=(what, _receiver, *args), daemon=True))
                 procs[-1].start()
             _collect(out, {"ready": gpus}, timeout_s)
             for r in range(gpus):
-                args = (shape, r, gpus, trainer_tp, sender.address, timeout_s, commands[r], out)
-                what = f"publisher rank {r} on GPU {r}"
+                place = (gpus, devices)
+                args = (shape, r, place, trainer_tp, sender.address, timeout_s, commands[r], out)
+                what = f"publisher rank {r} on GPU {r % devices}"
                 procs.append(
                     ctx.Process(target=_child, args=(what, _publisher, *args), daemon=True)
                 )
