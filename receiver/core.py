@@ -645,6 +645,13 @@ class ReceiverCore:
                 run.version = version
                 started[i] = payload.start
         trace.mark("receiver.start")
+        # Paused from every part's start, not while waiting for one (an engine may wait long).
+        with gc_pause.paused():
+            return self._start_parts(run, started)
+
+    def _start_parts(self, run: _PartsRun, started: dict[int, pb.VersionStart]) -> int:
+        """Validate the union of every sender's part of ``run``, then apply it (or refuse it
+        before any write, telling every sender)."""
         arrived, keys = [], []
         try:
             for i in range(len(self._links)):

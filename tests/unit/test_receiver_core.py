@@ -3,6 +3,7 @@ version state machine driven by an in-memory connection."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator, Sequence
 
 import pytest
@@ -68,6 +69,8 @@ class Recorder(WeightTarget):
         self.reject: Exception | None = None
         self.fail_on_load: int | None = None
         """Raise a RuntimeError (as engines do) in this ``load`` call (0-based)."""
+        self.collector_on: list[bool] = []
+        """Whether Python's garbage collector was on, per ``load`` call."""
 
     def validate(self, manifest: VersionManifest) -> None:
         self.calls.append("validate")
@@ -78,6 +81,7 @@ class Recorder(WeightTarget):
         self.calls.append("begin")
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.collector_on.append(gc.isenabled())
         if len(self.loaded) == self.fail_on_load:
             raise RuntimeError("CUDA error: out of memory")
         self.loaded.append([name for name, _ in tensors])
@@ -491,6 +495,18 @@ def test_the_parts_of_a_split_version_are_validated_together_and_committed_once(
         assert connection.kinds() == ["verdict"] + ["ack"] * n + ["applied"]
         assert connection.sent[-1].applied.ok and connection.sent[0].verdict.accepted
     assert (core.applied_version, core.dirty) == (5, False)
+
+
+def test_the_collector_is_paused_while_a_split_versions_parts_load_and_back_after(stage):
+    parts = split(stage, 1, 5)
+    target = Recorder(zeros_like(weights(1)))
+    core, connections = split_core(target)
+    for staged, connection in zip(parts, connections, strict=True):
+        connection.announce(*staged.announcements())
+    assert gc.isenabled()
+    assert core.sync(timeout=5) == 5
+    assert target.collector_on and not any(target.collector_on)
+    assert gc.isenabled()
 
 
 def test_a_part_that_does_not_fit_the_model_fails_the_version_before_any_write(stage):
