@@ -199,6 +199,7 @@ class Coordinator:
             if len(ranks) < world:
                 return None, conn
             hold = gc_pause.Hold()  # released when the version ends (Outcomes)
+            joined_at, joined_mono = time.time(), time.monotonic()
             try:
                 device = _staging_device(ranks[min(ranks)])
                 run = self._plan_run(manifest, manifest_key, hello.publisher_id, device, ranks)
@@ -206,6 +207,8 @@ class Coordinator:
                 hold.release()
                 self._abandon_joining(key, conn, e)
                 raise
+            run.started_at, run.started_mono = joined_at, joined_mono
+            run.plan_s = time.monotonic() - joined_mono
             run.gc_hold = hold
             del self._joining[key]
             self.history.add_run(run)

@@ -386,7 +386,8 @@ def summary(run: VersionRun, abandoned: str = "") -> LogLine:
     message = (
         f"version {run.version} {run.state}: {run.manifest.total_bytes / 1e6:.1f} MB "
         f"({direct_bytes / 1e6:.1f} MB direct), {len(run.tensors.staged.buckets)} bucket(s), "
-        f"staged {run.staged_s:.3f} s, done {run.complete_s:.3f} s, applied by "
+        f"planned {run.plan_s:.3f} s, staged {run.staged_s:.3f} s, done {run.complete_s:.3f} s, "
+        "applied by "
         f"{applied}/{len(run.outcomes)} receiver(s)"
         + (f"; abandoned: {_one_line(abandoned)}" if abandoned else "")
         + "".join(f"; {rid} failed: {why}" for rid, why in failures.items())
@@ -398,6 +399,7 @@ def summary(run: VersionRun, abandoned: str = "") -> LogLine:
         "total_bytes": run.manifest.total_bytes,
         "direct_bytes": direct_bytes,
         "buckets": len(run.tensors.staged.buckets),
+        "plan_s": round(run.plan_s, 6),
         "staged_s": round(run.staged_s, 6),
         "done_s": round(run.complete_s, 6),
         "applied": applied,

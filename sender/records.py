@@ -194,6 +194,8 @@ class VersionRun:
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
     started_mono: float = field(default_factory=time.monotonic)
+    """When its last rank joined, before it was planned."""
+    plan_s: float = 0.0
     staged_s: float = 0.0
     complete_s: float = 0.0
     state: str = "packing"
@@ -247,6 +249,7 @@ class VersionRun:
             num_tensors=len(self.manifest.tensors),
             num_buckets=len(self.tensors.staged.buckets) + (1 if direct else 0),
             started_at_unix_s=self.started_at,
+            plan_s=self.plan_s,
             staged_s=self.staged_s,
             complete_s=self.complete_s,
             receivers=[

@@ -16,7 +16,9 @@ sockets, receivers in threads.
 from __future__ import annotations
 
 import glob
+import logging
 import os
+import time
 
 import pytest
 import torch
@@ -25,7 +27,7 @@ from tests.support import TinyNet, digests, step, sync_in_thread, unix_sender, w
 from tests.support.processes import sender_process
 from weightsync.errors import ReceiverFailedError, TransportError, WeightSyncError
 from weightsync.receiver import TorchReceiver
-from weightsync.sender import Publisher
+from weightsync.sender import Publisher, coordinator
 from weightsync.sender.daemon import Sender
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -215,3 +217,31 @@ def test_a_sender_at_its_stream_limit_says_so_and_still_answers_status(sock_dir)
         assert t.finish(30) == [1]
         held[0].close()
         publisher.close()
+
+
+def test_a_versions_planning_is_timed_in_status_and_its_log_line_and_counted_in_it(
+    sock_dir, monkeypatch, caplog
+):
+    """Planning runs after the last rank joined and before the version starts: a slow plan (a
+    new layout of a large model) shows as ``plan_s`` and is part of ``complete_s``."""
+    plan = coordinator.plan_version
+
+    def slow_plan(*args, **kwargs):
+        time.sleep(0.3)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(coordinator, "plan_version", slow_plan)
+    trainer = TinyNet(seed=2)
+    with caplog.at_level(logging.INFO, logger="weightsync.sender"):
+        with Sender(f"unix:{sock_dir}/p.sock") as sender:
+            receiver = TorchReceiver(TinyNet(seed=1), sender.address, receiver_id="r")
+            syncs, _ = sync_in_thread(receiver, n=1)
+            with Publisher(sender.address) as publisher:
+                publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+                (version,) = publisher.status().versions
+            assert syncs.finish(30) == [1]
+            receiver.close()
+    assert 0.3 <= version.plan_s < version.complete_s
+    (line,) = [r for r in caplog.records if getattr(r, "event", None) == "version_finished"]
+    assert line.plan_s == round(version.plan_s, 6)
+    assert f"planned {version.plan_s:.3f} s" in line.getMessage()

@@ -103,10 +103,12 @@ def _status_tables(reply, address: str, last: int) -> list:
 
 def versions_table(versions) -> Table:
     """One row per ``VersionStatus``: its state, sizes, timings and receivers applied."""
-    numbers = ("version", "MB", "MB direct", "tensors", "buckets", "staged s", "complete s")
+    numbers = (
+        "version", "MB", "MB direct", "tensors", "buckets", "plan s", "staged s", "complete s"
+    )  # fmt: skip
     table = output.table(
-        "version", "state", "MB", "MB direct", "packed by", "tensors", "buckets", "staged s",
-        "complete s", "applied", "MB by route", title="versions", right=numbers,
+        "version", "state", "MB", "MB direct", "packed by", "tensors", "buckets", "plan s",
+        "staged s", "complete s", "applied", "MB by route", title="versions", right=numbers,
     )  # fmt: skip
     for v in versions:
         applied = sum(o.state == "applied" for o in v.receivers)
@@ -121,6 +123,7 @@ def versions_table(versions) -> Table:
             "sender" if v.sender_packed else "publisher",
             str(v.num_tensors),
             str(v.num_buckets),
+            f"{v.plan_s:.3f}",
             f"{v.staged_s:.3f}",
             f"{v.complete_s:.3f}",
             f"{applied}/{len(v.receivers)}",

@@ -515,7 +515,7 @@ class ReceiverOutcome(_message.Message):
     def __init__(self, receiver_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., applied_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class VersionStatus(_message.Message):
-    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers", "direct_bytes", "staged_bytes", "sender_packed", "route_bytes", "abandoned")
+    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers", "direct_bytes", "staged_bytes", "sender_packed", "route_bytes", "abandoned", "plan_s")
     class RouteBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -537,6 +537,7 @@ class VersionStatus(_message.Message):
     SENDER_PACKED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ABANDONED_FIELD_NUMBER: _ClassVar[int]
+    PLAN_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     total_bytes: int
@@ -551,7 +552,8 @@ class VersionStatus(_message.Message):
     sender_packed: bool
     route_bytes: _containers.ScalarMap[str, int]
     abandoned: ErrorDetail
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ..., direct_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., sender_packed: _Optional[bool] = ..., route_bytes: _Optional[_Mapping[str, int]] = ..., abandoned: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+    plan_s: float
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ..., direct_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., sender_packed: _Optional[bool] = ..., route_bytes: _Optional[_Mapping[str, int]] = ..., abandoned: _Optional[_Union[ErrorDetail, _Mapping]] = ..., plan_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("sender_version", "transport", "bucket_size_bytes", "num_buffers", "publishers", "receivers", "versions")
