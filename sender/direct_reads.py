@@ -21,11 +21,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from weightsync.buckets import TensorSpec, plan_direct
+from weightsync.buckets import TensorSpec, direct_entry
 from weightsync.sender.offer import Copy
 from weightsync.topology import Box, Piece, Receiver, Source, plan_topology, whole_box
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import bucket_to_pb
+from weightsync.wire import entry_to_pb
 
 if TYPE_CHECKING:
     from weightsync.sender.planner import TensorPlan
@@ -56,57 +56,66 @@ class DirectRead:
 
 
 def plan_direct_reads(
-    tensors: TensorPlan, receivers: ReceiverGpus, keeps: Keeps | None = None
+    tensors: TensorPlan,
+    receivers: ReceiverGpus,
+    keeps: Keeps | None = None,
+    *,
+    shortcut: bool = True,
 ) -> dict[str, DirectRead]:
     """Every receiver's :class:`DirectRead` (none when nothing goes direct); ``keeps``: the
     boxes each receiver declared (a receiver not in it keeps every tensor whole).
 
     A receiver with no GPU UUID, or on a GPU no copy is on, reads from peers; an empty tensor
-    from its lowest rank's copies (nothing moves, the planner leaves it out).
+    from its lowest rank's copies (nothing moves, the planner leaves it out). ``shortcut``
+    False: every read is planned by :func:`plan_topology`, none found on the receiver's own GPU
+    first (the same reads, slower: what the shortcut is tested against).
     """
     direct = tensors.direct
     if direct is None or not receivers:
         return {}
     specs = tensors.direct_specs
-    pieces: dict[int, list[Piece]] = defaultdict(list)
-    gpu_of: dict[int, str] = {}
-    held: dict[tuple[str, int], list[Copy]] = defaultdict(list)
-    for spec in specs:
-        shared: dict[Box, Piece] = {}  # DP replicas share piece objects (the planner's memo)
-        for c in tensors.copies[spec.name]:
-            piece = shared.get(c.box) or shared.setdefault(c.box, Piece(spec.name, c.box))
-            pieces[c.rank].append(piece)
-            held[spec.name, c.rank].append(c)
-            gpu_of[c.rank] = c.gpu or f"rank {c.rank}"  # CPU copies: none is a receiver's GPU
-    sources = [Source(rank, gpu_of[rank], _HOST, tuple(ps)) for rank, ps in pieces.items()]
+    offered = _Offered(specs, tensors.copies)
     keeps = keeps or {}
-    readers = [
-        Receiver(rid, gpu or f"receiver {rid}", _HOST, _needs(specs, keeps.get(rid)))
-        for rid, gpu in receivers
-    ]
-    plan = plan_topology(specs, sources, readers, split_min_bytes=_WHOLE)
-    chosen: dict[str, dict[str, list[tuple[Box, int, str, int]]]] = defaultdict(dict)
-    for t in plan.transfers:
-        chosen[t.receiver].setdefault(t.tensor, []).append((t.box, t.source, t.route, t.nbytes))
+    at = [(rid, gpu or f"receiver {rid}") for rid, gpu in receivers]
+    chosen, routes, planned = _on_own_gpu(specs, offered, at, keeps, shortcut)
+    if planned:
+        readers = [Receiver(rid, gpu, _HOST, needs) for (rid, gpu), needs in planned.items()]
+        plan = plan_topology(specs, offered.sources(), readers, split_min_bytes=_WHOLE)
+        for t in plan.transfers:  # by receiver, manifest order, box, source rank
+            routes[t.receiver][t.route] += t.nbytes
+            read = chosen[t.receiver].setdefault(t.tensor, [])
+            for c in offered.held[t.tensor, t.source]:
+                if c.box.overlaps(t.box) and not any(c is r for r in read):
+                    read.append(c)
     reads = {}
+    # Each entry made once: receivers on other GPUs read their own copies at the same offsets
+    # (DP replicas), and making an entry costs more than finding it.
+    made: dict[tuple, pb.BucketEntry] = {}
     for rid, _ in receivers:
         index: dict[int, int] = {}  # the offer's source index -> this receiver's
         entries = []
-        routes = {"local": 0, "peer": 0}
+        mine = chosen[rid]
         for spec in specs:
-            read: dict[Copy, None] = {}  # the copies holding what it reads, in plan order
-            for box, rank, route, nbytes in chosen[rid].get(spec.name, ()):
-                routes[route] += nbytes
-                read.update((c, None) for c in held[spec.name, rank] if c.box.overlaps(box))
-            for c in read or lowest_copies(tensors.copies[spec.name]):
-                entries.append(located(spec, c, index.setdefault(c.source, len(index))))
-        bucket = plan_direct(entries, direct.index, direct.is_last)
+            for c in mine.get(spec.name) or offered.lowest_copies(spec.name):
+                source = index.get(c.source)
+                if source is None:
+                    source = index[c.source] = len(index)
+                what = (spec.name, c.box.start, c.box.size, c.offset, source)
+                entry = made.get(what)
+                if entry is None:
+                    entry = made[what] = entry_to_pb(direct_entry(*located(spec, c, source)))
+                entries.append(entry)
+        layout = pb.BucketLayout(
+            index=direct.index,
+            is_last=direct.is_last,
+            nbytes=sum(e.nbytes for e in entries),
+            entries=entries,
+        )
         sources_read = tuple(tensors.direct_sources[i] for i in index)
-        layout = bucket_to_pb(bucket)
         digest = hashlib.blake2b(layout.SerializeToString(), digest_size=16)
         for handle in sources_read:
             digest.update(handle.SerializeToString())
-        reads[rid] = DirectRead(layout, sources_read, routes, digest.digest())
+        reads[rid] = DirectRead(layout, sources_read, routes[rid], digest.digest())
     return reads
 
 
@@ -129,12 +138,103 @@ def located(
     return TensorSpec(spec.name, spec.dtype, copy.box.size), source, copy.offset, copy.box.start
 
 
-def _needs(specs: list, boxes: Mapping[str, Box] | None) -> tuple[Piece, ...]:
-    """A receiver's pieces: every direct tensor, whole or the box it declared (none declared:
-    the planner's default, every tensor whole)."""
-    if not boxes:
-        return ()
-    return tuple(Piece(s.name, boxes.get(s.name) or whole_box(s.shape)) for s in specs)
+class _Offered:
+    """The direct tensors' copies, indexed for :func:`plan_direct_reads`."""
+
+    def __init__(self, specs: Sequence[TensorSpec], copies: Mapping[str, Sequence[Copy]]):
+        self.copies = copies
+        self.held: dict[tuple[str, int], list[Copy]] = defaultdict(list)
+        """Each rank's copies of each tensor."""
+        self.gpu_of: dict[int, str] = {}
+        self.boxes: dict[str, tuple[Box, ...]] = {}
+        """The distinct boxes offered of each tensor (one object per box). No two overlap:
+        a direct tensor's copies are whole, or pieces that tile it (:class:`Offer`)."""
+        self.lowest: dict[tuple[str, Box, str], int] = {}
+        """(tensor, box, GPU) -> the lowest rank holding that box there."""
+        self._lowest_copies: dict[str, list[Copy]] = {}
+        for spec in specs:
+            boxes: dict[Box, Box] = {}
+            for c in copies[spec.name]:  # by rank
+                self.held[spec.name, c.rank].append(c)
+                # CPU copies: a GPU no receiver is on.
+                gpu = self.gpu_of.setdefault(c.rank, c.gpu or f"rank {c.rank}")
+                if c.box.numel:
+                    box = boxes.setdefault(c.box, c.box)
+                    self.lowest.setdefault((spec.name, box, gpu), c.rank)
+            self.boxes[spec.name] = tuple(boxes)
+
+    def lowest_copies(self, name: str) -> list[Copy]:
+        hit = self._lowest_copies.get(name)
+        if hit is None:
+            hit = self._lowest_copies[name] = lowest_copies(self.copies[name])
+        return hit
+
+    def sources(self) -> list[Source]:
+        """Every rank as the planner's source (DP replicas share piece objects: its memo)."""
+        pieces: dict[int, list[Piece]] = defaultdict(list)
+        shared: dict[tuple[str, Box], Piece] = {}
+        for (name, rank), held in self.held.items():
+            for c in held:
+                piece = shared.get((name, c.box)) or Piece(name, c.box)
+                pieces[rank].append(shared.setdefault((name, c.box), piece))
+        return [Source(rank, self.gpu_of[rank], _HOST, tuple(ps)) for rank, ps in pieces.items()]
+
+
+def _on_own_gpu(
+    specs: Sequence[TensorSpec],
+    offered: _Offered,
+    receivers: Sequence[tuple[str, str]],
+    keeps: Keeps,
+    shortcut: bool = True,
+) -> tuple[
+    dict[str, dict[str, list[Copy]]],
+    dict[str, dict[str, int]],
+    dict[tuple[str, str], tuple[Piece, ...]],
+]:
+    """The reads of every tensor whose needed box (``keeps``, else the whole tensor) lies in
+    the one offered box that meets it, held on the receiver's own GPU: the lowest rank's copy
+    there, as :func:`plan_topology` would choose (a local read loads no link another choice
+    depends on), found without it. DP replicas and engine ranks that keep their trainer rank's
+    shard read all they need so, and a large MoE model's plan takes seconds less.
+
+    Returns, by receiver id, the copies read of each such tensor and the bytes by route; and
+    what is left to plan, by (receiver id, GPU): the pieces of every other tensor it needs
+    (receivers with nothing left are not listed; equal lists are one tuple, which the planner
+    walks once).
+    """
+    whole = {s.name: Piece(s.name, whole_box(s.shape)) for s in specs}
+    chosen: dict[str, dict[str, list[Copy]]] = {}
+    routes: dict[str, dict[str, int]] = {}
+    planned: dict[tuple[str, str], tuple[Piece, ...]] = {}
+    interned: dict[tuple[int, ...], tuple[Piece, ...]] = {}  # by the pieces' identities
+    for rid, gpu in receivers:
+        declared = keeps.get(rid) or {}
+        mine: dict[str, list[Copy]] = {}
+        local = 0
+        left = []
+        for spec in specs:
+            box = declared.get(spec.name)
+            need = box or whole[spec.name].box
+            if not need.numel:
+                continue  # nothing moves: it reads the lowest rank's copies
+            # Mostly the need is an offered box (which no other one meets).
+            rank = offered.lowest.get((spec.name, need, gpu)) if shortcut else None
+            if shortcut and rank is None:
+                meets = [b for b in offered.boxes[spec.name] if b.overlaps(need)]
+                if len(meets) == 1 and meets[0].contains(need):
+                    rank = offered.lowest.get((spec.name, meets[0], gpu))
+                else:
+                    rank = None
+            if rank is None:
+                left.append(Piece(spec.name, box) if box else whole[spec.name])
+                continue
+            local += need.numel * (spec.nbytes // spec.numel)
+            held = offered.held[spec.name, rank]
+            mine[spec.name] = held if len(held) == 1 else [c for c in held if c.box.overlaps(need)]
+        chosen[rid], routes[rid] = mine, {"local": local, "peer": 0}
+        if left:
+            planned[rid, gpu] = interned.setdefault(tuple(map(id, left)), tuple(left))
+    return chosen, routes, planned
 
 
 class DirectReads:

@@ -193,11 +193,15 @@ def plan_direct(
 
     Nothing is staged, so there is no cap and no chunking; ``nbytes`` is the payload size.
     """
-    entries = tuple(
-        BucketEntry(spec, offset, spec.nbytes, source=source, box_start=start)
-        for spec, source, offset, start in located
-    )
+    entries = tuple(direct_entry(*where) for where in located)
     return Bucket(index, entries, sum(e.nbytes for e in entries), is_last)
+
+
+def direct_entry(
+    spec: TensorSpec, source: int, offset: int, box_start: tuple[int, ...] = ()
+) -> BucketEntry:
+    """One entry of a direct bucket (:func:`plan_direct`)."""
+    return BucketEntry(spec, offset, spec.nbytes, source=source, box_start=box_start)
 
 
 def byte_view(tensor: torch.Tensor) -> torch.Tensor:

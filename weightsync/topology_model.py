@@ -49,15 +49,20 @@ class Box:
 
     start: tuple[int, ...]
     size: tuple[int, ...]
-    # Derived once: plans of large models test boxes millions of times.
+    # Derived once: plans of large models test and hash boxes millions of times.
     stop: tuple[int, ...] = field(init=False, repr=False, compare=False)
     numel: int = field(init=False, repr=False, compare=False)
+    _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.start) != len(self.size) or min(self.start + self.size, default=0) < 0:
             raise PlanError(f"box start={self.start} size={self.size}: need equal lengths, >= 0")
         object.__setattr__(self, "stop", tuple(map(operator.add, self.start, self.size)))
         object.__setattr__(self, "numel", math.prod(self.size))
+        object.__setattr__(self, "_hash", hash((self.start, self.size)))
+
+    def __hash__(self) -> int:
+        return self._hash
 
     def overlaps(self, other: Box) -> bool:
         """Whether they share an element (boxes of one tensor: equal ranks)."""

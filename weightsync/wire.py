@@ -72,19 +72,20 @@ def bucket_to_pb(bucket: Bucket) -> pb.BucketLayout:
         index=bucket.index,
         is_last=bucket.is_last,
         nbytes=bucket.nbytes,
-        entries=[
-            pb.BucketEntry(
-                tensor=spec_to_pb(e.spec),
-                offset=e.offset,
-                nbytes=e.nbytes,
-                tensor_offset=e.tensor_offset,
-                chunk_index=e.chunk_index,
-                num_chunks=e.num_chunks,
-                source=e.source,
-                box_start=list(e.box_start),
-            )
-            for e in bucket.entries
-        ],
+        entries=[entry_to_pb(e) for e in bucket.entries],
+    )
+
+
+def entry_to_pb(e: BucketEntry) -> pb.BucketEntry:
+    return pb.BucketEntry(
+        tensor=spec_to_pb(e.spec),
+        offset=e.offset,
+        nbytes=e.nbytes,
+        tensor_offset=e.tensor_offset,
+        chunk_index=e.chunk_index,
+        num_chunks=e.num_chunks,
+        source=e.source,
+        box_start=list(e.box_start),
     )
 
 

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from weightsync.buckets import TensorSpec
 from weightsync.config import SenderSettings
+from weightsync.errors import PlanError
 from weightsync.manifest import VersionManifest
 from weightsync.sender.direct_reads import DirectReads, plan_direct_reads
 from weightsync.sender.planner import (
@@ -384,3 +388,98 @@ def test_remote_receivers_keeping_the_same_boxes_share_a_slice_group():
     assert p.route_bytes["staged"] == 1024
     # Boxes are sent only where the sender packs: a publisher packs whole buckets.
     assert plan(WHOLE_W1_W3, far).slices == ()
+
+
+GRID = VersionManifest(
+    1,
+    (
+        TensorSpec("col", "bfloat16", (8, 6)),  # split along dim 0 (column-parallel)
+        TensorSpec("row", "bfloat16", (6, 8)),  # split along dim 1 (row-parallel)
+        TensorSpec("norm", "bfloat16", (6,)),  # replicated
+        TensorSpec("empty", "bfloat16", (0, 4)),
+    ),
+)
+
+
+def _random_layout(rng):
+    """A random trainer (TP x DP ranks on random GPUs, some sharing one, some on none; some
+    ranks offer a tensor whole where others shard it), receivers on random GPUs (some on none
+    or on a GPU no rank is on), random declared boxes (TP shards, or any range)."""
+    tp, dp = rng.choice([1, 2]), rng.choice([1, 2, 3])
+    gpus = [rng.choice(["GPU-a", "GPU-b", "GPU-c", ""]) for _ in range(tp * dp)]
+    begins = {}
+    for r in range(tp * dp):
+        t, offset, pieces = r % tp, 0, []
+        for spec in GRID.tensors:
+            dim = 1 if spec.name == "row" else 0
+            shard = tp > 1 and spec.name != "norm" and rng.random() < 0.7
+            start = [0] * len(spec.shape)
+            size = list(spec.shape)
+            if shard and spec.shape[dim]:
+                size[dim] = spec.shape[dim] // tp
+                start[dim] = size[dim] * t
+            stride = [size[1], 1] if len(size) == 2 else [1]
+            pieces.append(
+                pb.SourcePiece(
+                    name=spec.name,
+                    source=0,
+                    offset=offset,
+                    dtype="bfloat16",
+                    size=size,
+                    stride=stride,
+                    dst_start=start,
+                )  # fmt: skip
+            )
+            offset += 2 * max(1, math.prod(size))
+        begins[r] = pb.BeginVersion(
+            sources=[pb.BufferHandle(buffer_id=f"storage-{r}", nbytes=4096)],
+            pieces=pieces,
+            allow_direct=True,
+        )
+    receivers = tuple(
+        sorted((f"r{i}", rng.choice(["GPU-a", "GPU-b", "GPU-e", ""])) for i in range(4))
+    )
+    keeps = {}
+    for rid, _ in receivers:
+        choice = rng.random()
+        if choice < 0.4:
+            continue  # keeps everything whole
+        boxes = {}
+        for spec in GRID.tensors[:2]:
+            dim = 1 if spec.name == "row" else 0
+            half, start, size = spec.shape[dim] // 2, [0, 0], list(spec.shape)
+            if choice < 0.8:  # an engine TP=2 rank's shard
+                size[dim], start[dim] = half, half * rng.choice([0, 1])
+            else:  # any box
+                a, b = sorted(rng.sample(range(spec.shape[dim] + 1), 2))
+                start[dim], size[dim] = a, b - a
+            boxes[spec.name] = Box(tuple(start), tuple(size))
+        keeps[rid] = boxes
+    return begins, dict(enumerate(gpus)), receivers, keeps
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_reads_found_on_the_receivers_own_gpu_are_what_the_planner_chooses(seed):
+    """The shortcut (a tensor whose needed box lies in one offered box held on the receiver's
+    GPU is read there without the planner) gives the very reads the planner gives alone."""
+    rng = random.Random(seed)
+    begins, gpus, receivers, keeps = _random_layout(rng)
+    tensors = plan_tensors(GRID, begins, True, 1024, gpus, gpus[0])
+    if tensors.direct is None:
+        pytest.skip("nothing direct in this layout")
+    fast = plan_direct_reads(tensors, receivers, keeps)
+    planned = plan_direct_reads(tensors, receivers, keeps, shortcut=False)
+    assert fast.keys() == planned.keys() == {rid for rid, _ in receivers}
+    for rid, read in planned.items():
+        assert fast[rid].layout == read.layout, rid
+        assert (fast[rid].sources, dict(fast[rid].route_bytes), fast[rid].key) == (
+            read.sources, dict(read.route_bytes), read.key
+        ), rid  # fmt: skip
+
+
+def test_a_declared_box_outside_its_tensor_is_refused_naming_it_not_read_locally():
+    begins, gpus = replicas(2)
+    tensors = plan_tensors(MANIFEST, begins, True, 1024, gpus, "GPU-0")
+    keeps = {"r0": {"w1": Box((32,), (48,))}}  # w1 has 64 elements
+    with pytest.raises(PlanError, match=r"receiver 'r0'.*'w1' is outside its shape \(64,\)"):
+        plan_direct_reads(tensors, (("r0", "GPU-0"),), keeps)
