@@ -87,26 +87,24 @@ class Offer:
         parts: dict[str, list[Copy]] = {}
         # (tensor, box) -> (preference, rank, piece): the copy staging packs from.
         chosen: dict[tuple, tuple[tuple[bool, int], int, pb.SourcePiece]] = {}
+        # DP replicas offer equal pieces (their storages differ): each list is read once.
+        read: dict[bytes, list[_Piece]] = {}
+        boxes: dict[tuple, Box] = {}  # one object per box: later plans hash and compare less
         for rank in sorted(begins):
             begin, base, gpu = begins[rank], len(sources), gpus.get(rank, "")
             sources.extend(begin.sources)
-            for p in begin.pieces:
-                box = (p.name, tuple(p.dst_start), tuple(p.size))
+            payload = pb.BeginVersion(pieces=begin.pieces).SerializeToString()
+            pieces = read.get(payload)
+            if pieces is None:
+                pieces = read[payload] = [_Piece.of(p, specs, boxes) for p in begin.pieces]
+            for piece in pieces:
                 preference = (not (staging_gpu and gpu == staging_gpu), rank)
-                if box not in chosen or preference < chosen[box][0]:
-                    chosen[box] = (preference, rank, p)
-                spec = specs.get(p.name)
-                if spec is None or p.dtype != spec.dtype:
+                if piece.key not in chosen or preference < chosen[piece.key][0]:
+                    chosen[piece.key] = (preference, rank, piece.msg)
+                if piece.box is None:
                     continue
-                size = tuple(p.size)
-                if not _contiguous(size, tuple(p.stride)):
-                    continue
-                if size == spec.shape:
-                    copy = Copy(rank, base + p.source, p.offset, gpu, whole_box(spec.shape))
-                    whole.setdefault(p.name, []).append(copy)
-                elif fits(box[1], size, spec.shape):  # else the pieces fail `covers`
-                    copy = Copy(rank, base + p.source, p.offset, gpu, Box(box[1], size))
-                    parts.setdefault(p.name, []).append(copy)
+                copy = Copy(rank, base + piece.source, piece.offset, gpu, piece.box)
+                (whole if piece.whole else parts).setdefault(piece.name, []).append(copy)
         kept: dict[int, list[pb.SourcePiece]] = {}
         for _, rank, p in chosen.values():
             kept.setdefault(rank, []).append(p)
@@ -139,6 +137,41 @@ class Offer:
                     return False
                 left[p.name] -= math.prod(p.size)
         return not any(left.values())
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One offered piece as :meth:`Offer.of` uses it."""
+
+    msg: pb.SourcePiece
+    key: tuple
+    """(tensor, start, size): pieces of equal keys are copies of one box."""
+    name: str
+    source: int
+    offset: int
+    box: Box | None
+    """None: it cannot be read in place (not a tensor of the manifest, another dtype, not
+    contiguous, or outside its tensor: then the pieces fail ``covers``)."""
+    whole: bool
+
+    @classmethod
+    def of(
+        cls, p: pb.SourcePiece, specs: Mapping[str, TensorSpec], boxes: dict[tuple, Box]
+    ) -> _Piece:
+        start, size = tuple(p.dst_start), tuple(p.size)
+        key = (p.name, start, size)
+        spec = specs.get(p.name)
+        box = None
+        if (
+            spec is not None
+            and p.dtype == spec.dtype
+            and _contiguous(size, tuple(p.stride))
+            and (size == spec.shape or fits(start, size, spec.shape))
+        ):
+            box = boxes.get(key)
+            if box is None:
+                box = boxes[key] = whole_box(spec.shape) if size == spec.shape else Box(start, size)
+        return cls(p, key, p.name, p.source, p.offset, box, box is not None and size == spec.shape)
 
 
 def _tiles(shape: tuple[int, ...], boxes: set[Box]) -> bool:
