@@ -256,6 +256,8 @@ class InPlaceTarget(WeightTarget):
         if have is None:
             return []
         live = self.live_tensor(piece.name)
+        if have.size == live.shape == piece.data.shape:  # all of it, all it keeps: no views
+            return [(live, piece.data)]
         origin = (0,) * len(piece.shape) if kept is None else kept.start
         return [(live[_slices(have, origin)], piece.data[_slices(have, piece.start)])]
 
