@@ -5,7 +5,8 @@ receivers that map. Which copy each receiver reads is :func:`weightsync.topology
 choice (the planner ``weightsync plan`` shares): the copy on the receiver's own GPU, else one on
 a peer GPU, the bytes balanced over the source GPUs so no one GPU's outbound link bounds the
 node. Where a copy on its own GPU holds all a receiver needs of a tensor, that choice is made
-without the planner (the same choice, in a fraction of the time: a large MoE model on a node). A tensor no rank holds whole is read as the pieces that hold what the receiver needs
+without the planner (the same choice, in a fraction of the time: a large MoE model on a
+node). A tensor no rank holds whole is read as the pieces that hold what the receiver needs
 (box entries, :attr:`~weightsync.buckets.BucketEntry.box_start`), each whole.
 
 A receiver maps every storage its announcement lists, so each gets only the storages it reads.
