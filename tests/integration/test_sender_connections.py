@@ -120,7 +120,7 @@ def test_one_log_line_per_connect_leave_and_finished_version(sender, caplog):
     mb = status.total_bytes / 1e6
     assert message.startswith(
         f"version 1 complete: {mb:.1f} MB (0.0 MB direct), {status.num_buckets} bucket(s), "
-        f"staged {status.staged_s:.3f} s, done "
+        f"planned {status.plan_s:.3f} s, staged {status.staged_s:.3f} s, done "
     )
     assert message.endswith(" s, applied by 1/1 receiver(s)")
     assert (done.version, done.state, done.total_bytes, done.buckets) == (
@@ -130,7 +130,7 @@ def test_one_log_line_per_connect_leave_and_finished_version(sender, caplog):
         status.num_buckets,
     )
     assert (done.applied, done.receivers, done.failed) == (1, 1, {})
-    assert done.staged_s > 0 and done.done_s >= done.staged_s
+    assert 0 < done.plan_s < done.staged_s <= done.done_s
 
 
 def test_an_abandoned_version_gets_its_line_too(sender, caplog):
