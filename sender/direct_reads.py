@@ -225,14 +225,15 @@ def _on_own_gpu(
                 meets = [b for b in offered.boxes[spec.name] if b.overlaps(need)]
                 if len(meets) == 1 and meets[0].contains(need):
                     rank = offered.lowest.get((spec.name, meets[0], gpu))
-                else:
-                    rank = None
             if rank is None:
                 left.append(Piece(spec.name, box) if box else whole[spec.name])
                 continue
             local += need.numel * (spec.nbytes // spec.numel)
             held = offered.held[spec.name, rank]
-            mine[spec.name] = held if len(held) == 1 else [c for c in held if c.box.overlaps(need)]
+            # A list of its own: the planned reads append to theirs.
+            mine[spec.name] = (
+                list(held) if len(held) == 1 else [c for c in held if c.box.overlaps(need)]
+            )
         chosen[rid], routes[rid] = mine, {"local": local, "peer": 0}
         if left:
             planned[rid, gpu] = interned.setdefault(tuple(map(id, left)), tuple(left))

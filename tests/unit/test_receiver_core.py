@@ -481,12 +481,20 @@ def split_core(target: Recorder, **kwargs) -> tuple[ReceiverCore, list[MemoryCon
     return core, connections
 
 
-def test_the_parts_of_a_split_version_are_validated_together_and_committed_once(stage):
-    parts = split(stage, 1, 5)
-    target = InPlace(zeros_like(weights(1)))
+def split_announced(
+    target: Recorder, parts: list[Staged]
+) -> tuple[ReceiverCore, list[MemoryConnection]]:
+    """:func:`split_core` with each sender's part of ``parts`` announced."""
     core, connections = split_core(target)
     for staged, connection in zip(parts, connections, strict=True):
         connection.announce(*staged.announcements())
+    return core, connections
+
+
+def test_the_parts_of_a_split_version_are_validated_together_and_committed_once(stage):
+    parts = split(stage, 1, 5)
+    target = InPlace(zeros_like(weights(1)))
+    core, connections = split_announced(target, parts)
     assert core.sync(timeout=5) == 5
     assert same(target.live, weights(1))
     assert target.calls == ["validate", "begin", "commit"]
@@ -500,9 +508,7 @@ def test_the_parts_of_a_split_version_are_validated_together_and_committed_once(
 def test_the_collector_is_paused_while_a_split_versions_parts_load_and_back_after(stage):
     parts = split(stage, 1, 5)
     target = Recorder(zeros_like(weights(1)))
-    core, connections = split_core(target)
-    for staged, connection in zip(parts, connections, strict=True):
-        connection.announce(*staged.announcements())
+    core, connections = split_announced(target, parts)
     assert gc.isenabled()
     assert core.sync(timeout=5) == 5
     assert target.collector_on and not any(target.collector_on)
@@ -513,9 +519,7 @@ def test_a_part_that_does_not_fit_the_model_fails_the_version_before_any_write(s
     parts = split(stage, 1, 5)
     target = Recorder(zeros_like(weights(1)))
     target.reject = ManifestMismatchError("tensor 'c' is (8,) int64 but the model holds (9,)")
-    core, connections = split_core(target)
-    for staged, connection in zip(parts, connections, strict=True):
-        connection.announce(*staged.announcements())
+    core, connections = split_announced(target, parts)
     with pytest.raises(ManifestMismatchError, match="'c' is"):
         core.sync(timeout=5)
     assert target.calls == ["validate"] and target.loaded == []
@@ -552,9 +556,7 @@ def test_a_corrupt_bucket_in_one_part_fails_the_version_for_every_sender(stage):
     parts = split(stage, 1, 5)
     parts[1].buffers[0].tensor[0] ^= 1
     target = Recorder(zeros_like(weights(1)))
-    core, connections = split_core(target)
-    for staged, connection in zip(parts, connections, strict=True):
-        connection.announce(*staged.announcements())
+    core, connections = split_announced(target, parts)
     with pytest.raises(
         ChecksumError,
         match="part 1 of 2 from sender trainer-b at memory:b, after its bucket 0: bucket 0 ",

@@ -103,11 +103,10 @@ def _mismatch(target: EngineLikeTarget, shards: TrainerShards, version: int) -> 
 
 
 def _publisher(
-    shape, rank: int, place: tuple[int, int], trainer_tp: int, address, timeout_s, commands, out
+    shape, rank: int, world: int, devices: int, trainer_tp: int, address, timeout_s, commands, out
 ):
     from weightsync.sender import Publisher
 
-    world, devices = place
     device = torch.device("cuda", rank % devices)
     torch.cuda.set_device(device)
     shards = _shards(shape, trainer_tp, device)
@@ -131,7 +130,8 @@ def _publisher(
 def _receiver(
     shape,
     rank: int,
-    tps: tuple[int, int, int],
+    devices: int,
+    tps: tuple[int, int],
     address: str,
     versions,
     reps,
@@ -141,7 +141,7 @@ def _receiver(
 ):
     from weightsync.receiver.core import ReceiverCore
 
-    trainer_tp, engine_tp, devices = tps
+    trainer_tp, engine_tp = tps
     device = torch.device("cuda", rank % devices)
     torch.cuda.set_device(device)
     model = EngineLikeModel(shape, device, tp=engine_tp, rank=rank % engine_tp)
@@ -247,15 +247,18 @@ def measure_node(
     try:
         with Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s) as sender:
             for r in range(gpus):
-                tps = (trainer_tp, engine_tp, devices)
-                args = (shape, r, tps, sender.address, total, reps, timeout_s, barrier, out)
+                tps = (trainer_tp, engine_tp)
+                args = (
+                    shape, r, devices, tps, sender.address, total, reps, timeout_s, barrier, out
+                )  # fmt: skip
                 what = f"receiver {r} on GPU {r % devices}"
                 procs.append(ctx.Process(target=_child, args=(what, _receiver, *args), daemon=True))
                 procs[-1].start()
             _collect(out, {"ready": gpus}, timeout_s)
             for r in range(gpus):
-                place = (gpus, devices)
-                args = (shape, r, place, trainer_tp, sender.address, timeout_s, commands[r], out)
+                args = (
+                    shape, r, gpus, devices, trainer_tp, sender.address, timeout_s, commands[r], out
+                )  # fmt: skip
                 what = f"publisher rank {r} on GPU {r % devices}"
                 procs.append(
                     ctx.Process(target=_child, args=(what, _publisher, *args), daemon=True)
