@@ -6,8 +6,10 @@ choice (the planner ``weightsync plan`` shares): the copy on the receiver's own 
 a peer GPU, the bytes balanced over the source GPUs so no one GPU's outbound link bounds the
 node. Where a copy on its own GPU holds all a receiver needs of a tensor, that choice is made
 without the planner (the same choice, in a fraction of the time: a large MoE model on a
-node). A tensor no rank holds whole is read as the pieces that hold what the receiver needs
-(box entries, :attr:`~weightsync.buckets.BucketEntry.box_start`), each whole.
+node); where such copies hold only part of it (a TP trainer's shard), that part is read there
+and the planner plans only the rest. A tensor no rank holds whole is read as the pieces that
+hold what the receiver needs (box entries, :attr:`~weightsync.buckets.BucketEntry.box_start`),
+each whole, in box order.
 
 A receiver maps every storage its announcement lists, so each gets only the storages it reads.
 A receiver that declared the boxes it keeps (an engine TP rank: ``ManifestVerdict.keeps``) is
@@ -25,7 +27,8 @@ from typing import TYPE_CHECKING
 
 from weightsync.buckets import TensorSpec, direct_entry
 from weightsync.sender.offer import Copy
-from weightsync.topology import Box, Piece, Receiver, Source, plan_topology, whole_box
+from weightsync.topology import Box, Piece, Receiver, Source, cells, plan_topology, whole_box
+from weightsync.topology_model import fits
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import entry_to_pb
 
@@ -89,6 +92,10 @@ def plan_direct_reads(
             for c in offered.held[t.tensor, t.source]:
                 if c.box.overlaps(t.box) and not any(c is r for r in read):
                     read.append(c)
+    for mine in chosen.values():  # in box order, however they were found
+        for read in mine.values():
+            if len(read) > 1:
+                read.sort(key=lambda c: (c.box, c.rank))
     reads = {}
     # Each entry made once: receivers on other GPUs read their own copies at the same offsets
     # (DP replicas), and making an entry costs more than finding it.
@@ -153,23 +160,81 @@ class _Offered:
         a direct tensor's copies are whole, or pieces that tile it (:class:`Offer`)."""
         self.lowest: dict[tuple[str, Box, str], int] = {}
         """(tensor, box, GPU) -> the lowest rank holding that box there."""
+        self.holders: dict[str, dict[Box, tuple[int, ...]]] = {}
+        """The ranks holding each box (by rank), as the planner sees them."""
         self._lowest_copies: dict[str, list[Copy]] = {}
+        self._cells: dict[tuple[str, Box], list[tuple[Box, dict[str, int], Piece]]] = {}
         for spec in specs:
-            boxes: dict[Box, Box] = {}
+            boxes: dict[Box, list[int]] = {}
             for c in copies[spec.name]:  # by rank
                 self.held[spec.name, c.rank].append(c)
                 # CPU copies: a GPU no receiver is on.
                 gpu = self.gpu_of.setdefault(c.rank, c.gpu or f"rank {c.rank}")
                 if c.box.numel:
-                    box = boxes.setdefault(c.box, c.box)
-                    self.lowest.setdefault((spec.name, box, gpu), c.rank)
+                    ranks = boxes.setdefault(c.box, [])
+                    if not ranks or ranks[-1] != c.rank:
+                        ranks.append(c.rank)
+                    self.lowest.setdefault((spec.name, c.box, gpu), c.rank)
             self.boxes[spec.name] = tuple(boxes)
+            self.holders[spec.name] = {b: tuple(ranks) for b, ranks in boxes.items()}
 
     def lowest_copies(self, name: str) -> list[Copy]:
         hit = self._lowest_copies.get(name)
         if hit is None:
             hit = self._lowest_copies[name] = lowest_copies(self.copies[name])
         return hit
+
+    def split(
+        self, spec: TensorSpec, need: Box, gpu: str
+    ) -> tuple[list[Copy], int, list[Piece]] | None:
+        """``need`` of ``spec`` as the planner cuts it (:func:`~weightsync.topology.cells`):
+        the copies of its cells held on ``gpu`` (each the lowest rank's there, the planner's
+        choice), their elements, and the other cells as pieces to plan (shared by receivers,
+        so equal lists are walked once). None where the planner must see ``need`` whole, to
+        name what is wrong: a cell no rank holds, a box outside the tensor."""
+        name = spec.name
+        cut = self._cells.get((name, need))
+        if cut is None:
+            cut = self._cells[name, need] = self._cut(spec, need)
+        if not cut:
+            return None
+        copies: list[Copy] = []  # a list of its own: the planned reads append to it
+        elements, planned = 0, []
+        for cell, lowest, piece in cut:
+            rank = lowest.get(gpu)
+            if rank is None:
+                planned.append(piece)
+                continue
+            elements += cell.numel
+            for c in self.held[name, rank]:  # cells of one box read it once
+                if c.box.overlaps(cell) and not any(c is r for r in copies):
+                    copies.append(c)
+        return copies, elements, planned
+
+    def _cut(self, spec: TensorSpec, need: Box) -> list[tuple[Box, dict[str, int], Piece]]:
+        """Each cell of ``need``, the lowest rank holding it on each GPU, and the cell as a
+        piece to plan (the planner cuts a cell into itself: every box that meets it holds it
+        whole, or it joins boxes of its very holders); [] where a cell is held by no rank or
+        ``need`` is not a box of the tensor (the planner names either)."""
+        name, holders = spec.name, self.holders[spec.name]
+        ranks = holders.get(need)  # mostly the need is an offered box
+        if ranks:
+            return [(need, self._lowest(ranks), Piece(name, need))]
+        if not fits(need.start, need.size, spec.shape):
+            return []
+        out = []
+        for cell, ranks in cells(need, holders):
+            if not ranks:
+                return []
+            out.append((cell, self._lowest(ranks), Piece(name, cell)))
+        return out
+
+    def _lowest(self, ranks: Sequence[int]) -> dict[str, int]:
+        """The lowest of ``ranks`` (sorted) on each GPU."""
+        lowest: dict[str, int] = {}
+        for r in ranks:
+            lowest.setdefault(self.gpu_of[r], r)
+        return lowest
 
     def sources(self) -> list[Source]:
         """Every rank as the planner's source (DP replicas share piece objects: its memo)."""
@@ -197,12 +262,14 @@ def _on_own_gpu(
     the one offered box that meets it, held on the receiver's own GPU: the lowest rank's copy
     there, as :func:`plan_topology` would choose (a local read loads no link another choice
     depends on), found without it. DP replicas and engine ranks that keep their trainer rank's
-    shard read all they need so, and a large MoE model's plan takes seconds less.
+    shard read all they need so, and a large MoE model's plan takes seconds less. Where copies
+    on its GPU hold only part of the need (whole engines of a TP trainer), that part is read
+    so and only the rest planned (:meth:`_Offered.split`).
 
-    Returns, by receiver id, the copies read of each such tensor and the bytes by route; and
-    what is left to plan, by (receiver id, GPU): the pieces of every other tensor it needs
-    (receivers with nothing left are not listed; equal lists are one tuple, which the planner
-    walks once).
+    Returns, by receiver id, the copies read of each tensor found so and the bytes by route;
+    and what is left to plan, by (receiver id, GPU): the pieces of every tensor it needs that
+    the planner reads (receivers with nothing left are not listed; equal lists are one tuple,
+    which the planner walks once).
     """
     whole = {s.name: Piece(s.name, whole_box(s.shape)) for s in specs}
     chosen: dict[str, dict[str, list[Copy]]] = {}
@@ -213,27 +280,31 @@ def _on_own_gpu(
         declared = keeps.get(rid) or {}
         mine: dict[str, list[Copy]] = {}
         local = 0
-        left = []
+        left: list[Piece] = []
         for spec in specs:
             box = declared.get(spec.name)
             need = box or whole[spec.name].box
             if not need.numel:
                 continue  # nothing moves: it reads the lowest rank's copies
-            # Mostly the need is an offered box (which no other one meets).
+            # Mostly the need is an offered box, and one rank on this GPU holds it.
             rank = offered.lowest.get((spec.name, need, gpu)) if shortcut else None
-            if shortcut and rank is None:
-                meets = [b for b in offered.boxes[spec.name] if b.overlaps(need)]
-                if len(meets) == 1 and meets[0].contains(need):
-                    rank = offered.lowest.get((spec.name, meets[0], gpu))
-            if rank is None:
+            if rank is not None:
+                local += need.numel * (spec.nbytes // spec.numel)
+                held = offered.held[spec.name, rank]
+                # A list of its own: the planned reads append to theirs.
+                mine[spec.name] = (
+                    list(held) if len(held) == 1 else [c for c in held if c.box.overlaps(need)]
+                )
+                continue
+            split = offered.split(spec, need, gpu) if shortcut else None
+            if split is None:
                 left.append(Piece(spec.name, box) if box else whole[spec.name])
                 continue
-            local += need.numel * (spec.nbytes // spec.numel)
-            held = offered.held[spec.name, rank]
-            # A list of its own: the planned reads append to theirs.
-            mine[spec.name] = (
-                list(held) if len(held) == 1 else [c for c in held if c.box.overlaps(need)]
-            )
+            copies, elements, rest = split
+            if copies:
+                mine[spec.name] = copies
+                local += elements * (spec.nbytes // spec.numel)
+            left += rest
         chosen[rid], routes[rid] = mine, {"local": local, "peer": 0}
         if left:
             planned[rid, gpu] = interned.setdefault(tuple(map(id, left)), tuple(left))

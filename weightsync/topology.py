@@ -29,10 +29,10 @@ from __future__ import annotations
 import itertools
 import math
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import NamedTuple, NoReturn, Protocol
+from typing import NamedTuple, NoReturn, Protocol, TypeVar
 
 from weightsync.errors import ConfigError, PlanError
 from weightsync.topology_model import (
@@ -60,8 +60,8 @@ DEFAULT_SPLIT_MIN_BYTES = 64 * 1024 * 1024
 
 __all__ = [
     "DEFAULT_SPLIT_MIN_BYTES", "Box", "Link", "LinkRates", "Piece", "Receiver", "Route", "Source",
-    "TensorLike", "TopologyPlan", "Transfer", "merge_boxes", "plan_topology", "shard_box",
-    "whole_box",
+    "TensorLike", "TopologyPlan", "Transfer", "cells", "merge_boxes", "plan_topology",
+    "shard_box", "whole_box",
 ]  # fmt: skip
 
 
@@ -204,6 +204,8 @@ class _Item(NamedTuple):
 # Per tensor: each distinct box sources hold, and its holders by rank (DP replicas share a box).
 _Held = dict[Box, tuple[_Holder, ...]]
 _Cells = list[tuple[Box, tuple[_Holder, ...]]]
+H = TypeVar("H")
+"""A holder of a box: anything sortable (the planner's sort by rank)."""
 
 
 def _check_box(what: str, name: str, box: Box, specs: dict[str, _Spec]) -> None:
@@ -262,9 +264,10 @@ def _validate(
     return specs
 
 
-def _cells(need: Box, held: _Held) -> _Cells:
+def cells(need: Box, held: Mapping[Box, tuple[H, ...]]) -> list[tuple[Box, tuple[H, ...]]]:
     """``need`` cut where the held boxes begin and end, each cell with every holder of all of
-    it (none where nothing covers it), cells of equal holders joined."""
+    it (``held``'s holders come sorted; none where nothing covers it), cells of equal holders
+    joined: what the planner reads, each cell from one holder."""
     near = [(b, hs) for b, hs in held.items() if b.overlaps(need)]
     if len(near) == 1 and near[0][0].contains(need):  # the common case: one box holds it all
         return [(need, near[0][1])]
@@ -272,11 +275,11 @@ def _cells(need: Box, held: _Held) -> _Cells:
     for d, (lo, hi) in enumerate(zip(need.start, need.stop, strict=True)):
         points = {lo, hi} | {min(max(p, lo), hi) for b, _ in near for p in (b.start[d], b.stop[d])}
         cuts.append(sorted(points))
-    cells = []
+    out = []
     for spans in itertools.product(*(zip(c, c[1:], strict=False) for c in cuts)):
         cell = Box(tuple(a for a, _ in spans), tuple(b - a for a, b in spans))
-        cells.append((cell, tuple(sorted(h for b, hs in near if b.contains(cell) for h in hs))))
-    return merge_boxes(cells)
+        out.append((cell, tuple(sorted(h for b, hs in near if b.contains(cell) for h in hs))))
+    return merge_boxes(out)
 
 
 def _split(box: Box, parts: int) -> list[Box]:
@@ -359,9 +362,9 @@ def plan_topology(
             if not need.box.numel:
                 continue
             spec = specs[need.tensor]
-            for cell, holders in _cells(need.box, held.get(need.tensor, {})):
+            for cell, holders in cells(need.box, held.get(need.tensor, {})):
                 if not holders:
-                    _uncovered(need, members[0], _cells(need.box, held.get(need.tensor, {})), held)
+                    _uncovered(need, members[0], cells(need.box, held.get(need.tensor, {})), held)
                 nbytes = cell.numel * spec.itemsize
                 local_to: list[Receiver] = members
                 if broadcast:

@@ -402,35 +402,42 @@ GRID = VersionManifest(
 
 
 def _random_layout(rng):
-    """A random trainer (TP x DP ranks on random GPUs, some sharing one, some on none; some
-    ranks offer a tensor whole where others shard it), receivers on random GPUs (some on none
-    or on a GPU no rank is on), random declared boxes (TP shards, or any range)."""
-    tp, dp = rng.choice([1, 2]), rng.choice([1, 2, 3])
+    """A random trainer (TP x DP ranks on random GPUs, some sharing one, some on none; a
+    tensor sharded by every rank, by none, or by some; some ranks hold their shard in two
+    pieces), receivers on random GPUs (some on none or on a GPU no rank is on), random
+    declared boxes (TP shards, or any range)."""
+    tp, dp = rng.choice([1, 2, 2]), rng.choice([1, 2, 3])
     gpus = [rng.choice(["GPU-a", "GPU-b", "GPU-c", ""]) for _ in range(tp * dp)]
+    sharded = {spec.name: rng.choice([1.0, 1.0, 0.0, 0.7]) for spec in GRID.tensors}
     begins = {}
     for r in range(tp * dp):
         t, offset, pieces = r % tp, 0, []
         for spec in GRID.tensors:
             dim = 1 if spec.name == "row" else 0
-            shard = tp > 1 and spec.name != "norm" and rng.random() < 0.7
+            shard = tp > 1 and spec.name != "norm" and rng.random() < sharded[spec.name]
             start = [0] * len(spec.shape)
             size = list(spec.shape)
             if shard and spec.shape[dim]:
                 size[dim] = spec.shape[dim] // tp
                 start[dim] = size[dim] * t
             stride = [size[1], 1] if len(size) == 2 else [1]
-            pieces.append(
-                pb.SourcePiece(
-                    name=spec.name,
-                    source=0,
-                    offset=offset,
-                    dtype="bfloat16",
-                    size=size,
-                    stride=stride,
-                    dst_start=start,
-                )  # fmt: skip
-            )
-            offset += 2 * max(1, math.prod(size))
+            # Some ranks hold their rows of `col` as two pieces (cells of equal holders).
+            rows = size[0] // 2 if spec.name == "col" and rng.random() < 0.3 else size[0]
+            for first, n in ((0, rows), (rows, size[0] - rows)):
+                if n == 0 and first:
+                    continue
+                pieces.append(
+                    pb.SourcePiece(
+                        name=spec.name,
+                        source=0,
+                        offset=offset,
+                        dtype="bfloat16",
+                        size=[n, *size[1:]],
+                        stride=stride,
+                        dst_start=[start[0] + first, *start[1:]],
+                    )  # fmt: skip
+                )
+                offset += 2 * max(1, n * math.prod(size[1:]))
         begins[r] = pb.BeginVersion(
             sources=[pb.BufferHandle(buffer_id=f"storage-{r}", nbytes=4096)],
             pieces=pieces,
