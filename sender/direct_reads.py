@@ -155,13 +155,12 @@ class _Offered:
         self.held: dict[tuple[str, int], list[Copy]] = defaultdict(list)
         """Each rank's copies of each tensor."""
         self.gpu_of: dict[int, str] = {}
-        self.boxes: dict[str, tuple[Box, ...]] = {}
-        """The distinct boxes offered of each tensor (one object per box). No two overlap:
-        a direct tensor's copies are whole, or pieces that tile it (:class:`Offer`)."""
         self.lowest: dict[tuple[str, Box, str], int] = {}
         """(tensor, box, GPU) -> the lowest rank holding that box there."""
         self.holders: dict[str, dict[Box, tuple[int, ...]]] = {}
-        """The ranks holding each box (by rank), as the planner sees them."""
+        """The ranks holding each distinct box offered of each tensor (by rank), as the
+        planner sees them. No two boxes overlap: a direct tensor's copies are whole, or
+        pieces that tile it (:class:`Offer`)."""
         self._lowest_copies: dict[str, list[Copy]] = {}
         self._cells: dict[tuple[str, Box], list[tuple[Box, dict[str, int], Piece]]] = {}
         for spec in specs:
@@ -175,7 +174,6 @@ class _Offered:
                     if not ranks or ranks[-1] != c.rank:
                         ranks.append(c.rank)
                     self.lowest.setdefault((spec.name, c.box, gpu), c.rank)
-            self.boxes[spec.name] = tuple(boxes)
             self.holders[spec.name] = {b: tuple(ranks) for b, ranks in boxes.items()}
 
     def lowest_copies(self, name: str) -> list[Copy]:
