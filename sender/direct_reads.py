@@ -182,6 +182,12 @@ class _Offered:
             hit = self._lowest_copies[name] = lowest_copies(self.copies[name])
         return hit
 
+    def copies_in(self, name: str, rank: int, box: Box) -> list[Copy]:
+        """``rank``'s copies of ``name`` that meet ``box`` (which it holds), in a list of its
+        own: the planned reads append to it."""
+        held = self.held[name, rank]
+        return list(held) if len(held) == 1 else [c for c in held if c.box.overlaps(box)]
+
     def split(
         self, spec: TensorSpec, need: Box, gpu: str
     ) -> tuple[list[Copy], int, list[Piece]] | None:
@@ -204,8 +210,8 @@ class _Offered:
                 planned.append(piece)
                 continue
             elements += cell.numel
-            for c in self.held[name, rank]:  # cells of one box read it once
-                if c.box.overlaps(cell) and not any(c is r for r in copies):
+            for c in self.copies_in(name, rank, cell):  # cells of one box read it once
+                if not any(c is r for r in copies):
                     copies.append(c)
         return copies, elements, planned
 
@@ -288,11 +294,7 @@ def _on_own_gpu(
             rank = offered.lowest.get((spec.name, need, gpu)) if shortcut else None
             if rank is not None:
                 local += need.numel * (spec.nbytes // spec.numel)
-                held = offered.held[spec.name, rank]
-                # A list of its own: the planned reads append to theirs.
-                mine[spec.name] = (
-                    list(held) if len(held) == 1 else [c for c in held if c.box.overlaps(need)]
-                )
+                mine[spec.name] = offered.copies_in(spec.name, rank, need)
                 continue
             split = offered.split(spec, need, gpu) if shortcut else None
             if split is None:

@@ -204,7 +204,7 @@ class _Item(NamedTuple):
 # Per tensor: each distinct box sources hold, and its holders by rank (DP replicas share a box).
 _Held = dict[Box, tuple[_Holder, ...]]
 _Cells = list[tuple[Box, tuple[_Holder, ...]]]
-H = TypeVar("H")
+_H = TypeVar("_H")
 """A holder of a box: anything sortable (the planner's sort by rank)."""
 
 
@@ -264,7 +264,7 @@ def _validate(
     return specs
 
 
-def cells(need: Box, held: Mapping[Box, tuple[H, ...]]) -> list[tuple[Box, tuple[H, ...]]]:
+def cells(need: Box, held: Mapping[Box, tuple[_H, ...]]) -> list[tuple[Box, tuple[_H, ...]]]:
     """``need`` cut where the held boxes begin and end, each cell with every holder of all of
     it (``held``'s holders come sorted; none where nothing covers it), cells of equal holders
     joined: what the planner reads, each cell from one holder."""
