@@ -745,27 +745,57 @@ def kept_boxes(*resolved: Mapping[str, ResolvedName]) -> dict[str, Box]:
     return {name: bounding(b) for name, b in boxes.items() if name not in whole}
 
 
-def is_mtp_name(name: str, num_hidden_layers: int) -> bool:
-    """A multi-token-prediction layer's checkpoint name: ``mtp.*`` (Qwen3-Next, Qwen3.5) or a
-    decoder layer past the model's last one (DeepSeek-V3, GLM-4.5: ``model.layers.{N + i}``)."""
-    parts = name.split(".")
-    if "mtp" in parts[:2]:
-        return True
+MTP_LAYER_FIELDS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
+"""Config fields that declare a model's MTP layers: DeepSeek-V3, GLM-4.5, Qwen3-Next, MiMo
+(``num_nextn_predict_layers``); Qwen3.5 (``mtp_num_hidden_layers``)."""
+
+
+@dataclass(frozen=True)
+class MtpLayers:
+    """The MTP layers a model's config declares: ``count`` of them, after its
+    ``num_hidden_layers`` decoder layers."""
+
+    num_hidden_layers: int
+    count: int
+
+    @classmethod
+    def of(cls, config: object) -> MtpLayers | None:
+        """What ``config`` (an HF config) declares; None where it declares no MTP layer."""
+        layers = getattr(config, "num_hidden_layers", None)
+        counts = [getattr(config, field, None) for field in MTP_LAYER_FIELDS]
+        count = next((c for c in counts if isinstance(c, int) and c > 0), 0)
+        return cls(layers, count) if isinstance(layers, int) and count else None
+
+    def holds(self, name: str) -> bool:
+        """``name`` is one of the declared MTP layers' checkpoint names: ``mtp.*`` (Qwen3-Next,
+        Qwen3.5; ``mtp.layers.{i}`` with i < count) or a decoder layer just past the model's
+        last one (DeepSeek-V3, GLM-4.5: ``model.layers.{N + i}``, i < count)."""
+        parts = name.split(".")
+        if "mtp" in parts[:2]:
+            index = _layer_index(parts[parts.index("mtp") :])
+            return index is None or index < self.count
+        index = _layer_index(parts)
+        return index is not None and 0 <= index - self.num_hidden_layers < self.count
+
+
+def _layer_index(parts: Sequence[str]) -> int | None:
     for part, index in zip(parts, parts[1:], strict=False):
         if part == "layers" and index.isdigit():
-            return int(index) >= num_hidden_layers
-    return False
+            return int(index)
+    return None
 
 
 def mtp_names_left(
-    specs: Sequence[TensorSpec], loaded: Collection[str], layers: int | None
+    specs: Sequence[TensorSpec], loaded: Collection[str], mtp: MtpLayers | None
 ) -> list[str]:
-    """The MTP layers' names among ``specs`` that the model does not load (``loaded``): an engine
-    serving without a draft model ignores them (warned per version) instead of refusing them,
-    so a trainer that exports MTP is not stuck."""
-    if layers is None:
+    """The names among ``specs`` of the MTP layers the config declares (``mtp``) that the model
+    does not load (``loaded``): an engine serving without a draft model ignores them (warned
+    per version) instead of refusing them, so a trainer that exports MTP is not stuck. Any
+    other name the model does not load stays unknown (a layer the model does not have is
+    the wrong model, not MTP)."""
+    if mtp is None:
         return []
-    return [s.name for s in specs if s.name not in loaded and is_mtp_name(s.name, layers)]
+    return [s.name for s in specs if s.name not in loaded and mtp.holds(s.name)]
 
 
 def refuse_unknown(

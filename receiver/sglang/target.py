@@ -32,8 +32,8 @@ from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
 from weightsync.receiver.lora_accumulator import LoraAccumulator, check_adapter
 from weightsync.receiver.name_resolver import (
+    MtpLayers,
     ResolvedName,
-    is_mtp_name,
     kept_boxes,
     live_tensors,
     mtp_names_left,
@@ -148,6 +148,7 @@ class SglangWeightTarget(WeightTarget):
         base = [spec for spec in manifest.tensors if spec.name not in lora_names]
         main, _ = resolve_accepted(self.model, base)
         draft: dict[str, ResolvedName] = {}
+        mtp = MtpLayers.of(getattr(self.model, "config", None))
         if self._draft is not None:
             ours = {id(t) for t in live_tensors(self.model).values()}
             theirs = live_tensors(self._draft.model)
@@ -158,19 +159,17 @@ class SglangWeightTarget(WeightTarget):
             )
             # SGLang's MTP models skip the MTP layer's copy of the lm_head: they serve the
             # target's (set_embed_and_head).
-            layers = getattr(getattr(self.model, "config", None), "num_hidden_layers", None)
             ignored = [name for name in apart if name not in main] + [
                 s.name
                 for s in base
                 if s.name not in main
                 and s.name not in draft
                 and ".shared_head.head." in s.name
-                and layers is not None
-                and is_mtp_name(s.name, layers)
+                and mtp is not None
+                and mtp.holds(s.name)
             ]
         else:
-            layers = getattr(getattr(self.model, "config", None), "num_hidden_layers", None)
-            ignored = mtp_names_left(base, main, layers)
+            ignored = mtp_names_left(base, main, mtp)
         draft_model = self._draft.model if self._draft is not None else None
         refuse_unknown(base, {*main, *draft, *ignored}, self.model, draft_model)
         check_expert_shapes(self.model, [s for s in base if s.name in main], main)

@@ -29,6 +29,7 @@ from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.lora_accumulator import LoraAccumulator
 from weightsync.receiver.name_resolver import (
+    MtpLayers,
     NameResolver,
     ResolvedName,
     kept_boxes,
@@ -128,11 +129,8 @@ def _strip_base_layer(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _num_hidden_layers(model_config: Any) -> int | None:
-    config = getattr(model_config, "hf_text_config", None) or getattr(
-        model_config, "hf_config", None
-    )
-    return getattr(config, "num_hidden_layers", None)
+def _hf_text_config(model_config: Any) -> Any:
+    return getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
 
 
 class _ModelLoad:
@@ -152,23 +150,35 @@ class _ModelLoad:
         self,
         resolved: dict[str, ResolvedName],
         view: dict[str, torch.Tensor],
-        shapes: dict[str, tuple[int, ...]],
     ) -> None:
         """Keep what validation resolved for this model (after the whole-layer check)."""
         if _layerwise() is not None:
             _check_whole_layers(resolved, view, self.model)
         resolver = NameResolver(self.model, view)
         self.resolved = resolved
-        # Only whole tensors: a packed slice or a reshaped tensor (a shared expert or a
-        # routing bias that the MoE layer holds too) cannot go through the alias's loader.
         self.tied = {
             name: aliases
             for name, hit in resolved.items()
             if hit.shard_id is None
             and hit.expert_id is None
-            and tuple(view[hit.live_name].shape) == shapes[name]
-            and (aliases := resolver.aliases(hit.live_name))
+            and (aliases := self._same_loading(hit.live_name, resolver.aliases(hit.live_name)))
         }
+
+    def _same_loading(self, live_name: str, aliases: list[str]) -> list[str]:
+        """The aliases of ``live_name`` whose layer loads a checkpoint tensor as its layer does.
+
+        A tied ``lm_head`` (``ParallelLMHead``) is a vocab embedding too: its loader takes the
+        whole checkpoint tensor and keeps its own TP shard, whatever the shard's shape. An
+        alias in a layer of another kind (a shared expert or a routing bias that an MoE layer
+        holds too) loads a reshaped tensor and cannot take it through its own loader.
+        """
+        kind = type(self.model.get_submodule(live_name.rpartition(".")[0]))
+        same = []
+        for alias in aliases:
+            other = type(self.model.get_submodule(alias.rpartition(".")[0]))
+            if issubclass(other, kind) or issubclass(kind, other):
+                same.append(alias)
+        return same
 
     def begin(self) -> None:
         by_module: dict[str, set[str]] = defaultdict(set)
@@ -326,7 +336,6 @@ class VllmWeightTarget(WeightTarget):
                 )
             self.lora_store.validate(manifest.lora)
         base = [spec for spec in manifest.tensors if spec.name not in lora_names]
-        shapes = {spec.name: spec.shape for spec in base}
         view = loading_view(self.model)
         with _no_mtp_check():
             main, _ = resolve_accepted(self.model, base, view)
@@ -347,12 +356,12 @@ class VllmWeightTarget(WeightTarget):
                 draft, apart = resolve_accepted(draft_model, base, draft_view, elsewhere=shared)
             ignored = [name for name in apart if name not in main]
         else:
-            ignored = mtp_names_left(base, main, _num_hidden_layers(self.model_config))
+            ignored = mtp_names_left(base, main, MtpLayers.of(_hf_text_config(self.model_config)))
         draft_model = self._draft.model if self._draft is not None else None
         refuse_unknown(base, {*main, *draft, *ignored}, self.model, draft_model)
-        self._main.accept(main, view, shapes)
+        self._main.accept(main, view)
         if self._draft is not None:
-            self._draft.accept(draft, draft_view, shapes)
+            self._draft.accept(draft, draft_view)
         self._ignored = ignored
         self._kept = kept_boxes(main, draft)
 

@@ -10,8 +10,6 @@ a negative stride, an empty or second receiver hello left a traceback and a hang
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 import torch
@@ -152,9 +150,7 @@ def test_a_begin_past_a_bound_is_refused_naming_the_field(sender, case):
     threads = stream_threads()
     raw = raw_publisher(sender.address)
     raw.send(message)
-    started = time.monotonic()
     assert raw.outcome() == (["welcome"], code, details)
-    assert time.monotonic() - started < 5
     raw.close()
     reply = status_within(sender.address)
     assert [v.version for v in reply.versions] == [1]
@@ -242,9 +238,10 @@ def test_two_begins_on_one_stream_refuse_the_second_and_abandon_the_first(sender
     assert (v1.version, v1.state) == (1, "failed")
     assert v1.abandoned.message == details.removeprefix("ProtocolError: ")
     assert_no_threads_left(threads)
-    started = time.monotonic()
-    Publisher(sender.address).publish({"w": torch.ones(4)}, 2)
-    assert time.monotonic() - started < 5
+    # Nothing of version 1 holds version 2 (the stall timeout, 60 s, would fail this wait).
+    Publisher(sender.address).publish({"w": torch.ones(4)}, 2, timeout_s=30)
+    (_, v2) = status_within(sender.address).versions
+    assert (v2.version, v2.state) == (2, "complete")
 
 
 def test_a_repeat_begin_on_a_stream_with_no_whole_begin_is_refused(sender):
@@ -365,9 +362,7 @@ def test_a_bad_receiver_message_closes_its_stream_and_costs_no_ack_timeout(
     model, trainer = TinyNet(seed=1), TinyNet(seed=2)
     receiver = TorchReceiver(model, sender.address, receiver_id="good")
     syncs, _ = sync_in_thread(receiver)
-    started = time.monotonic()
     result = Publisher(sender.address).publish(trainer.state_dict(), 1, wait=True, timeout_s=15)
-    assert time.monotonic() - started < 10
     assert [o.receiver_id for o in result.status.receivers] == ["good"]
     assert syncs.finish(10) == [1] and digests(model) == digests(trainer)
     receiver.close()

@@ -43,20 +43,20 @@ def two_receivers(address: str, syncs: int):
 
 def test_a_version_every_receiver_rejected_ends_at_once(sock_dir):
     """Its publisher never packs; the version ends as soon as both verdicts are in, and the
-    next version does not wait for the 600 s pack timeout."""
-    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, stall_timeout_s=5) as sender:
+    next version does not wait for a timeout: both are an hour, the waits here a minute."""
+    with Sender(
+        f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, stall_timeout_s=3600, pack_timeout_s=3600
+    ) as sender:
         models, receivers, threads = two_receivers(sender.address, syncs=2)
         before = [digests(m) for m in models]
         trainer = TinyNet(seed=2)
         raw = raw_publisher(sender.address)
         raw.send(begin(1, tiny_specs(trainer, extra="ghost.weight")))
-        started = time.monotonic()
         wait_until(
             lambda: sender.coordinator.run_of(1) and sender.coordinator.run_of(1).done,
-            10,
+            60,
             "version 1 to end",
         )
-        assert time.monotonic() - started < 5
         v1 = status_within(sender.address).versions[-1]
         assert v1.state == "failed" and not v1.HasField("abandoned")
         assert {o.receiver_id: o.error.code for o in v1.receivers} == {
@@ -65,9 +65,8 @@ def test_a_version_every_receiver_rejected_ends_at_once(sock_dir):
         }
         assert [digests(m) for m in models] == before
         step(trainer, 2)
-        started = time.monotonic()
-        result = Publisher(sender.address).publish(trainer.state_dict(), 2, wait=True)
-        assert time.monotonic() - started < 10  # the stall timeout (5 s) at most
+        publisher = Publisher(sender.address)
+        result = publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=60)
         assert [o.state for o in result.status.receivers] == ["applied", "applied"]
         for model, thread in zip(models, threads, strict=True):
             first, second = thread.finish(10)
@@ -85,10 +84,9 @@ def test_a_rejected_version_tells_a_waiting_publisher_at_once(sock_dir):
         models, receivers, threads = two_receivers(sender.address, syncs=1)
         tensors = dict(TinyNet(seed=2).state_dict())
         tensors["ghost.weight"] = torch.zeros(4)
-        started = time.monotonic()
+        # A publisher left waiting would raise SyncTimeoutError instead.
         with pytest.raises(ReceiverFailedError, match="r0: NameResolutionError.*ghost.weight"):
             Publisher(sender.address).publish(tensors, 1, wait=True, timeout_s=30)
-        assert time.monotonic() - started < 10
         for thread in threads:
             assert isinstance(thread.finish(10)[0], NameResolutionError)
         for r in receivers:
@@ -97,8 +95,8 @@ def test_a_rejected_version_tells_a_waiting_publisher_at_once(sock_dir):
 
 def test_a_stalled_publisher_loses_its_version_after_the_stall_timeout(sock_dir):
     """The raw publisher begins version 1, which every receiver accepts, and never packs:
-    the version is abandoned after stall_timeout_s, and version 2, queued behind it, waits
-    no longer than that."""
+    the version is abandoned after stall_timeout_s (the message says so), and version 2,
+    queued behind it, then applies."""
     stall = 2.0
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, stall_timeout_s=stall) as s:
         models, receivers, threads = two_receivers(s.address, syncs=2)
@@ -108,10 +106,8 @@ def test_a_stalled_publisher_loses_its_version_after_the_stall_timeout(sock_dir)
         raw.send(begin(1, tiny_specs(trainer)))
         assert raw.first() == "welcome"
         assert next(raw.replies).WhichOneof("kind") == "pack"
-        started = time.monotonic()
         step(trainer, 2)
         result = Publisher(s.address).publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
-        assert stall - 0.5 < time.monotonic() - started < stall + 8
         assert [o.state for o in result.status.receivers] == ["applied", "applied"]
         kinds, _, details = raw.outcome()
         assert details == (
@@ -145,9 +141,7 @@ def test_a_publisher_that_packs_too_slowly_loses_its_version_after_the_pack_time
                 packed = pb.BucketPacked(version=1, index=reply.pack.layout.index)
                 raw.send(pb.PublisherMessage(packed=packed))
 
-        started = time.monotonic()
         kinds, _, details = raw.outcome(pack_slowly)
-        assert time.monotonic() - started < 6
         assert details.startswith(
             "WeightSyncError: version 1 abandoned: version 1: the publishers kept the sender "
             "waiting 1.5 s in all (pack_timeout_s, WEIGHTSYNC_PACK_TIMEOUT_S)"
@@ -164,9 +158,7 @@ def test_a_publisher_that_gives_up_withdraws_its_version_at_once(sock_dir):
         assert raw.first() == "welcome"
         assert next(raw.replies).WhichOneof("kind") == "pack"
         raw.close()  # cancels the stream
-        started = time.monotonic()
-        wait_until(lambda: s.coordinator.run_of(1).done, 5, "version 1 to be withdrawn")
-        assert time.monotonic() - started < 2
+        wait_until(lambda: s.coordinator.run_of(1).done, 30, "version 1 to be withdrawn")
         v1 = status_within(s.address).versions[0]
         assert v1.abandoned.message == "publisher rank 0 closed its stream"
         step(trainer, 2)
@@ -196,9 +188,8 @@ def test_a_deaf_receiver_costs_one_ack_timeout_not_one_per_version(sock_dir):
         )
         assert details.endswith("verdict); its stream is closed: register again")
         step(trainer, 2)
-        started = time.monotonic()
         result = publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
-        assert time.monotonic() - started < 1.5
+        # Not addressed to the deaf receiver, so nothing waits for its ack timeout again.
         assert [o.receiver_id for o in result.status.receivers] == ["r0", "r1"]
         for model, thread in zip(models, threads, strict=True):
             assert thread.finish(10) == [1, 2] and digests(model) == digests(trainer)

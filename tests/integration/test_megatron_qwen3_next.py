@@ -435,14 +435,15 @@ def test_vllm_receives_the_conversion_like_its_own_loader(tp1, model_type, tmp_p
         pytest.importorskip("torchvision", reason="vLLM's Qwen3.5 classes import torchvision")
     from vllm.config import set_current_vllm_config
 
+    from tests.support.vllm_models import init_distributed, load_model
     from tests.sweeps.archs import receives_like_the_engine
-    from tests.sweeps.test_vllm_sweep import _load
     from weightsync.receiver.vllm import VllmWeightTarget
 
     state = convert(tp1[model_type]["states"], model_type)
     directory = save(state, tmp_path / "hf", model_type)
-    reference, _ = _load(directory, "safetensors")
-    model, config = _load(directory, "dummy")
+    init_distributed()
+    reference, _ = load_model(directory, "safetensors")
+    model, config = load_model(directory, "dummy")
     target = VllmWeightTarget(model, config.model_config, torch.device("cpu"))
     with set_current_vllm_config(config):
         receives_like_the_engine("vLLM", target, state, model, reference)
@@ -476,10 +477,10 @@ def vllm_with_draft(directory: Path, load_format: str):
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
 
-    from tests.sweeps.test_vllm_sweep import _init_distributed, _vllm_config
+    from tests.support.vllm_models import init_distributed, vllm_config
 
-    _init_distributed()
-    config = _vllm_config(
+    init_distributed()
+    config = vllm_config(
         directory,
         load_format,
         speculative_config={"method": "mtp", "num_speculative_tokens": 1},

@@ -6,6 +6,10 @@ sender. Before: vLLM's executor raised at rank 0's error and left rank 1's reply
 next ``/pause`` answered 500 with the previous error; ``VllmServerClient.apply`` sent ``/pause``
 outside its try/finally; and a version whose publish timed out was applied by the next
 ``update_weights`` ("asked to apply version 4 but the sender announced 3").
+
+Issue 31: the model ties its embeddings (Qwen2 / Qwen3 up to 4B, Llama-3.2 1B/3B do). Before,
+each rank reloaded the embedding but not its tied ``lm_head``, whose packed CPU kernel kept the
+previous version's weights: the version was reported applied and generation was wrong.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-KIND = "llama"
+KIND = "qwen2"
+"""Tied embeddings (``tests.support.vllm.hf_config``)."""
 
 
 @pytest.fixture(scope="module")

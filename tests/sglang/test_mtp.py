@@ -115,3 +115,37 @@ def test_without_a_draft_model_the_mtp_layer_is_ignored(tmp_path, caplog):
     assert len(warned) == 1 and "version 1" in warned[0] and MTP in warned[0]
     want = sglang_load(_build("glm4_moe", draft=False), tensors)
     assert not differing(live_tensors(main).items(), live_tensors(want).items())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "declared", "extra"),
+    [
+        # no MTP declared: a third layer of a 2-layer model is the wrong model, not MTP
+        ("mixtral", None, f"{MTP}input_layernorm.weight"),
+        # one MTP layer declared (model.layers.2): the layer after it is not one
+        ("glm4_moe", 1, f"model.layers.{LAYERS + 1}.enorm.weight"),
+    ],
+)
+def test_a_layer_the_model_does_not_have_is_refused_naming_it(
+    model_type, declared, extra, tmp_path
+):
+    from tests.support.sglang import init_sglang
+    from tests.sweeps.archs import save_checkpoint
+    from weightsync.errors import NameResolutionError
+
+    init_sglang()
+    from sglang.srt.models.registry import ModelRegistry
+
+    from weightsync.receiver.sglang.target import SglangWeightTarget
+
+    arch = next(a for a in ARCHS if a.model_type == model_type)
+    tensors = save_checkpoint(arch, tmp_path)
+    config = tiny_config(arch)
+    config.num_nextn_predict_layers = declared
+    cls, _ = ModelRegistry.resolve_model_cls(config.architectures)
+    kwargs = {"quant_config": None} if "quant_config" in inspect.signature(cls).parameters else {}
+    with torch.device("cpu"):
+        model = cls(config=config, **kwargs)
+    bad = {**tensors, extra: tensors["model.norm.weight"]}
+    with pytest.raises(NameResolutionError, match=extra):
+        drive(SglangWeightTarget(model, "cpu"), manifest_of(1, bad), bad, BUCKET_BYTES)

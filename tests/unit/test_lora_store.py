@@ -107,4 +107,11 @@ def test_the_longest_name_allowed_commits(tmp_path):
     store = LoraStore(str(tmp_path / "adapters"), None)
     spec, tensors = _adapter("x" * 200)
     store.validate(spec)
-    store.register((spec, tensors), 2**63 - 1)
+    path = store.register((spec, tensors), 2**63 - 1)
+    # The stable path names the adapter and holds exactly what was sent.
+    from safetensors.torch import load_file
+
+    assert path == os.path.join(store.lora_dir, "x" * 200)
+    assert json.loads(open(os.path.join(path, "adapter_config.json")).read()) == json.loads(_CONFIG)
+    written = load_file(os.path.join(path, "adapter_model.safetensors"))
+    assert written.keys() == tensors.keys() and torch.equal(written[_TENSOR], tensors[_TENSOR])
