@@ -1,6 +1,6 @@
 """Which part of each checkpoint tensor an engine rank keeps, learned from its own loaders.
 
-The name resolver's dry run (:mod:`.name_resolver`) feeds every checkpoint name to the model's
+The loader dry run (:mod:`.loader_dry_run`) feeds every checkpoint name to the model's
 ``load_weights`` as a META tensor and runs each parameter's real ``weight_loader`` on it. A TP
 rank's loader narrows the tensor to its shard before copying it (vLLM's and SGLang's column-
 and row-parallel layers, vocab-parallel embeddings, packed ``qkv_proj`` offsets). Meta tensors

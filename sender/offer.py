@@ -27,14 +27,6 @@ OfferKey = tuple[bytes, ...]
 bytes."""
 
 
-def offer_key(
-    begins: Mapping[int, pb.BeginVersion], gpus: Mapping[int, str] | None = None
-) -> OfferKey:
-    """The :data:`OfferKey` of the ranks' begin messages (by rank) and their GPUs' UUIDs."""
-    gpus = gpus or {}
-    return tuple(rank_offer(begins[r], gpus.get(r, "")) for r in sorted(begins))
-
-
 def rank_offer(begin: pb.BeginVersion, gpu: str) -> bytes:
     """One rank's part of the :data:`OfferKey`. The sender computes it as each rank joins,
     on that rank's own stream thread, so the last rank to join does not serialize every

@@ -230,7 +230,7 @@ class TensorPlans:
         def planned(
             manifest, offers, direct: bool, bucket_size_bytes: int, gpus=None, staging_gpu=""
         ) -> TensorPlan:
-            # The offer key says each rank's GPU too (``offer_key``).
+            # The offer key says each rank's GPU too (``rank_offer``).
             key = (manifest_key, offer, direct, bucket_size_bytes, staging_gpu)
             hit = self._plans.get(key)
             if hit is None:

@@ -17,10 +17,9 @@ layers can serve without speculative decoding.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,103 +29,26 @@ from weightsync.manifest import VersionManifest
 from weightsync.receiver.lora_accumulator import LoraAccumulator
 from weightsync.receiver.name_resolver import (
     MtpLayers,
-    NameResolver,
     ResolvedName,
+    aliases,
     kept_boxes,
-    live_tensors,
     mtp_names_left,
     refuse_unknown,
     resolve_accepted,
 )
 from weightsync.receiver.target import WeightTarget
 from weightsync.receiver.vllm.lora_store import LoraStore
+from weightsync.receiver.vllm.reload import (
+    check_loaded,
+    check_whole_layers,
+    layerwise_module,
+    loading_view,
+    moe_kernel_reset,
+    no_mtp_check,
+)
 from weightsync.topology_model import Box
 
 logger = logging.getLogger(__name__)
-
-# Layerwise reload leaves these alone (vLLM builds them outside create_weights), so a partial
-# update need not cover them; see vllm.model_executor.model_loader.reload.meta.SKIP_TENSORS.
-_NOT_RELOADED = frozenset({"bias", "e_score_correction_bias"})
-
-
-def _layerwise() -> Any | None:
-    """vLLM's layerwise reload module, or None on versions without it."""
-    try:
-        from vllm.model_executor.model_loader.reload import layerwise
-    except ImportError:
-        return None
-    return layerwise
-
-
-def loading_view(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's tensors in loading (checkpoint) format, by live name.
-
-    vLLM records every layer's pre-processing parameters as meta tensors for layerwise
-    reload; after processing the live ones may be repacked (vLLM-CPU leaves 0-element
-    placeholders), so shapes and weight loaders come from the recorded metadata.
-    """
-    tensors = live_tensors(model)
-    layerwise = _layerwise()
-    if layerwise is None:
-        return tensors
-    for path, module in model.named_modules():
-        info = layerwise.LAYERWISE_INFO.get(module)
-        if info is None:
-            continue
-        params, _buffers = info.restore_metadata
-        for attr, meta in params.items():
-            tensors[f"{path}.{attr}" if path else attr] = _with_layer_refs(meta, module)
-    return tensors
-
-
-def _with_layer_refs(meta: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor:
-    """A copy of recorded metadata whose weight loader is bound to ``layer`` again.
-
-    vLLM stores the metadata with loaders unbound (no reference cycles); the stored
-    tensor itself stays untouched.
-    """
-    from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
-
-    copy = meta.data.to("meta")
-    copy.__class__ = meta.__class__
-    copy.__dict__ = meta.__dict__.copy()
-    return restore_layer_refs(copy, layer)
-
-
-def _moe_kernel_reset(model: torch.nn.Module, module_names: set[str]) -> list[tuple[Any, Any]]:
-    """Drop the cached fused-MoE kernels of the reloaded modules; return what was dropped.
-
-    vLLM-CPU 0.32 skips its expert pre-pack when ``quant_method.moe_kernel`` is already set,
-    so an in-place reload of an MoE model would keep serving the OLD packed experts. Only
-    modules that will be reloaded are reset: an untouched one is never re-processed, and a
-    layer with no kernel cannot run.
-    """
-    dropped = []
-    for name, module in model.named_modules():
-        quant_method = getattr(module, "quant_method", None)
-        kernel = getattr(quant_method, "moe_kernel", None)
-        if name in module_names and kernel is not None:
-            dropped.append((quant_method, kernel))
-            quant_method.moe_kernel = None
-    return dropped
-
-
-@contextlib.contextmanager
-def _no_mtp_check() -> Iterator[None]:
-    """A bucket holds part of the model; vLLM must not demand the MTP layers in each one."""
-    try:
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-    except ImportError:
-        yield
-        return
-    with disable_mtp_completeness_check():
-        yield
-
-
-def _strip_base_layer(name: str) -> str:
-    return name.replace(".base_layer.", ".")
 
 
 def _hf_text_config(model_config: Any) -> Any:
@@ -152,16 +74,16 @@ class _ModelLoad:
         view: dict[str, torch.Tensor],
     ) -> None:
         """Keep what validation resolved for this model (after the whole-layer check)."""
-        if _layerwise() is not None:
-            _check_whole_layers(resolved, view, self.model)
-        resolver = NameResolver(self.model, view)
+        if layerwise_module() is not None:
+            check_whole_layers(resolved, view, self.model)
         self.resolved = resolved
+        tied = aliases(self.model)
         self.tied = {
-            name: aliases
+            name: same
             for name, hit in resolved.items()
             if hit.shard_id is None
             and hit.expert_id is None
-            and (aliases := self._same_loading(hit.live_name, resolver.aliases(hit.live_name)))
+            and (same := self._same_loading(hit.live_name, tied.get(hit.live_name, [])))
         }
 
     def _same_loading(self, live_name: str, aliases: list[str]) -> list[str]:
@@ -185,9 +107,9 @@ class _ModelLoad:
         for name, hit in self.resolved.items():
             by_module[hit.module_name].add(name)
         self._pending_by_module = dict(by_module)
-        layerwise = _layerwise()
+        layerwise = layerwise_module()
         if layerwise is not None and self.resolved:
-            self._dropped_kernels = _moe_kernel_reset(self.model, set(by_module))
+            self._dropped_kernels = moe_kernel_reset(self.model, set(by_module))
             layerwise.initialize_layerwise_reload(self.model)
             self._reloading = True
 
@@ -201,9 +123,9 @@ class _ModelLoad:
             batch.append((name, tensor if pending <= here else tensor.clone()))
         for name, _ in base:
             self._pending_by_module[self.resolved[name].module_name].discard(name)
-        with torch.no_grad(), _no_mtp_check():
+        with torch.no_grad(), no_mtp_check():
             loaded = self.model.load_weights(iter(batch))
-        _check_loaded(base, self.resolved, loaded)
+        check_loaded(base, self.resolved, loaded)
         self._load_tied_aliases(batch)
 
     def _load_tied_aliases(self, batch: Sequence[tuple[str, torch.Tensor]]) -> None:
@@ -238,7 +160,7 @@ class _ModelLoad:
         if not self._reloading:
             return
         self._reloading = False
-        layerwise = _layerwise()
+        layerwise = layerwise_module()
         if layerwise is not None:
             layerwise.finalize_layerwise_reload(self.model, self.model_config)
 
@@ -337,7 +259,7 @@ class VllmWeightTarget(WeightTarget):
             self.lora_store.validate(manifest.lora)
         base = [spec for spec in manifest.tensors if spec.name not in lora_names]
         view = loading_view(self.model)
-        with _no_mtp_check():
+        with no_mtp_check():
             main, _ = resolve_accepted(self.model, base, view)
         draft: dict[str, ResolvedName] = {}
         ignored: list[str] = []
@@ -352,7 +274,7 @@ class VllmWeightTarget(WeightTarget):
             # those load through the target model only, and the draft's own copy of them
             # (``shared_head.head``) is what the engine drops after loading too.
             draft_view = loading_view(draft_model)
-            with _no_mtp_check():
+            with no_mtp_check():
                 draft, apart = resolve_accepted(draft_model, base, draft_view, elsewhere=shared)
             ignored = [name for name in apart if name not in main]
         else:
@@ -424,76 +346,3 @@ def draft_of(runner: Any, vllm_config: Any) -> tuple[torch.nn.Module, Any] | Non
         return None
     draft = get_draft_model()
     return (draft, speculative.draft_model_config) if draft is not None else None
-
-
-def _check_whole_layers(
-    resolved: dict[str, ResolvedName], view: dict[str, torch.Tensor], model: torch.nn.Module
-) -> None:
-    """A layer touched by the version must be loaded whole.
-
-    Layerwise reload rebuilds a touched layer from what arrives; a parameter (or a packed
-    slice of one) left out would come back uninitialized rather than keep its old value.
-    """
-    hit_params: dict[str, set[tuple[Any, Any]]] = defaultdict(set)
-    for hit in resolved.values():
-        hit_params[hit.live_name].add((hit.shard_id, hit.expert_id))
-    packed = dict(getattr(model, "packed_modules_mapping", {}))
-    for module_name in {h.module_name for h in resolved.values()}:
-        prefix = f"{module_name}."
-        derived = _derived_after_loading(model.get_submodule(module_name))
-        for live_name in view:
-            attr = live_name[len(prefix) :]
-            if not live_name.startswith(prefix) or "." in attr or attr in _NOT_RELOADED:
-                continue
-            if attr in derived:
-                continue
-            if not isinstance(view[live_name], torch.nn.Parameter):
-                continue
-            example = next(n for n, h in resolved.items() if h.module_name == module_name)
-            if live_name not in hit_params:
-                raise ManifestMismatchError(
-                    f"partial update: {example!r} reloads layer {module_name!r} but nothing "
-                    f"in the version loads its {attr!r}; send every tensor of that layer"
-                )
-            shards = {s for s, e in hit_params[live_name] if e is None and s is not None}
-            leaf = _strip_base_layer(module_name).rpartition(".")[2]
-            expected = len(packed.get(leaf, ()))
-            if shards and expected and len(shards) != expected:
-                raise ManifestMismatchError(
-                    f"partial update: layer {module_name!r} is packed from {expected} "
-                    f"checkpoint tensors but the version has {len(shards)} (e.g. {example!r}); "
-                    "send all of them"
-                )
-
-
-def _derived_after_loading(layer: torch.nn.Module) -> frozenset[str]:
-    """Parameters of ``layer`` that post-load processing creates, which no checkpoint holds.
-
-    Online quantization (``quantization="fp8_per_block"``) loads bf16 ``weight`` s and adds
-    ``weight_scale_inv`` while quantizing; layerwise reload restores the recorded loading
-    layout (without it) and quantizes again, so a version needs not (and cannot) send it.
-    """
-    layerwise = _layerwise()
-    info = None if layerwise is None else layerwise.LAYERWISE_INFO.get(layer)
-    recorded = {} if info is None else info.restore_metadata[0]
-    if not recorded:
-        return frozenset()
-    return frozenset(name for name, _ in layer.named_parameters(recurse=False)) - set(recorded)
-
-
-def _check_loaded(
-    batch: Sequence[tuple[str, torch.Tensor]],
-    resolved: dict[str, ResolvedName],
-    loaded: Any,
-) -> None:
-    """Exactness: a name the model silently skipped would leave old weights in place."""
-    if loaded is None:  # models whose load_weights returns nothing: nothing to check against
-        return
-    got = {_strip_base_layer(n) for n in loaded}
-    skipped = [name for name, _ in batch if _strip_base_layer(resolved[name].live_name) not in got]
-    if skipped:
-        raise ManifestMismatchError(
-            f"the model's load_weights skipped {skipped[:5]} (it resolved them, but did not "
-            "load them; a tied lm_head is loaded through the embedding); drop them from "
-            "the version"
-        )

@@ -102,7 +102,6 @@ class ShardMeta:
     shape: tuple[int, ...]
     partition_dim: int | None = None
     """Megatron's ``partition_dim`` for tensor-parallel params; None when not TP-partitioned."""
-    is_buffer: bool = False
 
     def __post_init__(self) -> None:
         if self.name.endswith("_extra_state"):
@@ -194,7 +193,6 @@ def shard_of(name: str, tensor: torch.Tensor, vpp_chunk: int, layer: int | None)
         dtype=dtype_name(tensor.dtype),
         shape=tuple(tensor.shape),
         partition_dim=partition_dim,
-        is_buffer=not isinstance(tensor, torch.nn.Parameter),
     )
 
 

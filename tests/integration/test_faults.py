@@ -243,7 +243,11 @@ def test_shm_buffers_are_owner_only(sender):
     t, _ = sync_in_thread(receiver)
     Publisher(sender.address).publish(TinyNet(seed=2).state_dict(), 1, wait=True, timeout_s=30)
     t.finish(30)
-    paths = [s.buffer.handle.shm.path for s in sender.coordinator.staging_slots()]
+    from weightsync.transports.shm import SHM_DIR, owner_key
+
+    # This process's segments for this sender: the two staging buffers.
+    mine = f"weightsync-{owner_key(sender.settings.listen)}-{os.getpid()}-"
+    paths = [os.path.join(SHM_DIR, n) for n in os.listdir(SHM_DIR) if n.startswith(mine)]
     assert len(paths) == 2
     assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in paths)
 

@@ -8,7 +8,7 @@ import torch
 from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
-from weightsync.sender.offer import offer_key
+from weightsync.sender.offer import rank_offer
 from weightsync.sender.packing import MappedOffers, pack_bucket
 from weightsync.sender.planner import plan_tensors
 from weightsync.sender.records import VersionRun
@@ -20,6 +20,11 @@ from weightsync.wire import regions_to_pb
 CPU = torch.device("cpu")
 SHM = get_transport("shm")
 MANIFEST = VersionManifest(1, tuple(TensorSpec(f"w{i}", "float32", (64,)) for i in range(4)))
+
+
+def _offer_key(begins):
+    """The offer key the sender computes of these begins (one rank_offer per rank)."""
+    return tuple(rank_offer(begins[r], "") for r in sorted(begins))
 
 
 @pytest.fixture
@@ -53,7 +58,7 @@ def test_the_sender_packs_exactly_the_offered_bytes_and_reuses_its_copies(offere
     begins, want = offered
     tensors = plan_tensors(MANIFEST, begins, False, 1024)
     assert tensors.sender_packs
-    regions = MappedOffers().regions(offer_key(begins), begins)
+    regions = MappedOffers().regions(_offer_key(begins), begins)
     run = VersionRun(MANIFEST, tensors, "p", "shm", {}, regions=regions)
     slot = slots.slots[0]
     for bucket in tensors.staged.buckets:
@@ -75,9 +80,9 @@ def test_the_sender_packs_exactly_the_offered_bytes_and_reuses_its_copies(offere
 def test_offered_memory_is_mapped_once_per_offer(offered):
     begins, _ = offered
     mapped = MappedOffers()
-    first = mapped.regions(offer_key(begins), begins)
+    first = mapped.regions(_offer_key(begins), begins)
     assert first is not None and sorted(first) == ["w0", "w1", "w2", "w3"]
-    assert mapped.regions(offer_key(begins), begins) is first
+    assert mapped.regions(_offer_key(begins), begins) is first
 
 
 def test_memory_that_does_not_map_here_leaves_the_packing_to_the_publishers(offered, caplog):
@@ -86,5 +91,5 @@ def test_memory_that_does_not_map_here_leaves_the_packing_to_the_publishers(offe
         buffer_id="gone", nbytes=4096, shm=pb.ShmHandle(path="/dev/shm/weightsync-no-such-file")
     )
     begin = pb.BeginVersion(sources=[gone], pieces=begins[0].pieces)
-    assert MappedOffers().regions(offer_key({0: begin}), {0: begin}) is None
+    assert MappedOffers().regions(_offer_key({0: begin}), {0: begin}) is None
     assert "the publishers pack" in caplog.text
