@@ -6,7 +6,9 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 bash scripts/setup.sh
 .venv/bin/python -m ruff check .
-.venv/bin/python -m pytest "$@"
+# Two workers, a test module each at a time (module-scoped engines and senders stay in one
+# process): most tests wait on sockets, subprocesses and engines, so two overlap well here.
+.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
 # SGLang pins a CUDA torch; its model classes get their own light venv (scripts/setup_sglang.sh).
 bash scripts/setup_sglang.sh
 .venv-sglang/bin/python -m pytest tests/sglang
