@@ -12,13 +12,13 @@ and the test asserts here. Nothing runs forward (tests/support/sglang.py says wh
 from __future__ import annotations
 
 import os
-import queue
 import traceback
 from typing import Any
 
 import pytest
 import torch
 
+from tests.support.processes import spawn_ranks
 from weightsync.cluster import tp_box
 from weightsync.model_shapes import model_tensors
 from weightsync.topology_model import Box
@@ -119,27 +119,8 @@ def _rank_main(rank: int, rendezvous: str, out: Any) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> dict[int, dict[str, Any]]:
     """Each rank's results by case."""
-    ctx = torch.multiprocessing.get_context("spawn")
-    out = ctx.Queue()
     rendezvous = os.path.join(tmp_path_factory.mktemp("tp2"), "rendezvous")
-    procs = [ctx.Process(target=_rank_main, args=(r, rendezvous, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got: dict[int, dict[str, Any]] = {}
-    try:
-        for _ in range(WORLD):
-            try:
-                rank, results = out.get(timeout=WAIT_S)
-            except queue.Empty:
-                codes = {p.pid: p.exitcode for p in procs}
-                pytest.fail(f"TP ranks did not report within {WAIT_S} s (exit codes {codes})")
-            got[rank] = results
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
-    return got
+    return spawn_ranks(_rank_main, (rendezvous,), WORLD, WAIT_S)
 
 
 def _result(ranks: dict[int, dict[str, Any]], rank: int, case: str) -> dict[str, Any]:

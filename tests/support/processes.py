@@ -440,3 +440,38 @@ def stop_children(children, senders: list[subprocess.Popen]) -> None:
     for proc in senders:
         for path in glob.glob(f"/dev/shm/weightsync-*-{proc.pid}-*"):
             os.unlink(path)
+
+
+# --- one process per rank ----------------------------------------------------------------------
+
+
+def spawn_ranks(target, args: tuple, world_size: int, timeout_s: float) -> dict[int, object]:
+    """Run ``target(rank, *args, out)`` in a spawned process per rank (``target`` a
+    module-level function, which puts ``(rank, result)`` on ``out``); each rank's result.
+
+    Fails the test, with the processes' exit codes, when a rank reports nothing in
+    ``timeout_s``; every process is joined (or killed) before returning.
+    """
+    import pytest
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    got: dict[int, object] = {}
+    try:
+        for _ in procs:
+            try:
+                rank, result = out.get(timeout=timeout_s)
+            except queue.Empty:
+                codes = {p.pid: p.exitcode for p in procs}
+                pytest.fail(f"ranks did not report within {timeout_s} s (exit codes {codes})")
+            got[rank] = result
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    return got

@@ -6,9 +6,7 @@ Runs in both venvs (the SGLang one has no vLLM): imports torch and transformers 
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import tempfile
 import time
 import traceback
@@ -341,31 +339,13 @@ def sweep_at_tp(
     once and ``receives(arch, checkpoint_dir, tensors)`` per architecture. Both must be
     module-level functions (spawn imports them).
     """
+    from tests.support.processes import spawn_ranks
+
     archs = list(archs)
     saved = sweep("transformers", archs, lambda a, _: save_checkpoint(a, root / a.model_type))
     archs = [a for a in archs if a.model_type in saved.passed]
-    ctx = mp.get_context("spawn")
-    reports = ctx.Queue()
-    rendezvous = str(root / "rendezvous")
-    args = (engine, archs, root, init_rank, receives, known, world_size, rendezvous, reports)
-    ranks = [ctx.Process(target=_rank_sweep, args=(rank, *args)) for rank in range(world_size)]
-    for proc in ranks:
-        proc.start()
-    got: dict[int, Report] = {}
-    try:
-        for _ in ranks:
-            try:
-                rank, report = reports.get(timeout=timeout_s)
-            except queue.Empty:
-                codes = {p.pid: p.exitcode for p in ranks}
-                pytest.fail(f"{engine} TP ranks did not report within {timeout_s} s ({codes})")
-            got[rank] = report
-    finally:
-        for proc in ranks:
-            proc.join(60)
-            if proc.is_alive():
-                proc.kill()
-    return got
+    args = (engine, archs, root, init_rank, receives, known, world_size, str(root / "rendezvous"))
+    return spawn_ranks(_rank_sweep, args, world_size, timeout_s)
 
 
 def _rank_sweep(
