@@ -32,10 +32,34 @@ from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 log = logging.getLogger("weightsync.sender")
 
 
-def _next(requests: Iterator, kind: str, context: grpc.ServicerContext):
+def _first(requests: Iterator, kind: str, context: grpc.ServicerContext, timeout_s: float):
+    """The stream's first message, which must be a ``kind``; a stream that sends nothing for
+    ``timeout_s`` is closed (a mute stream would hold its thread and stream slot forever)."""
+    got: queue.Queue = queue.Queue(maxsize=1)
+
+    def read() -> None:
+        try:
+            got.put((next(requests), None))
+        except StopIteration:
+            got.put((None, None))
+        except Exception as e:  # noqa: BLE001 - raised again on the stream's own thread
+            got.put((None, e))
+
+    # Its own thread: the stream's wait for a message cannot time out. Aborted, the stream
+    # ends, and so does this thread's wait.
+    threading.Thread(target=read, daemon=True, name=f"weightsync-{kind}").start()
     try:
-        msg = next(requests)
-    except StopIteration:
+        msg, error = got.get(timeout=timeout_s)
+    except queue.Empty:
+        context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"no {kind} within {timeout_s:g} s of opening the stream (hello_timeout_s, "
+            "WEIGHTSYNC_HELLO_TIMEOUT_S); the stream is closed: open a new one and send the "
+            f"{kind} first",
+        )
+    if error is not None:
+        raise error
+    if msg is None:
         context.abort(grpc.StatusCode.CANCELLED, f"peer closed the stream before sending {kind}")
     if msg.WhichOneof("kind") != kind:
         context.abort(
@@ -135,7 +159,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
     def Publish(self, request_iterator, context):
         """One stream per publisher rank, carrying its versions one after another (a new
         stream per version cost milliseconds of setup)."""
-        hello = _next(request_iterator, "hello", context)
+        hello = _first(request_iterator, "hello", context, self._co.settings.hello_timeout_s)
         try:
             pconn = self._co.publisher_connected(hello)
         except WeightSyncError as e:
@@ -244,7 +268,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         )
 
     def Receive(self, request_iterator, context):
-        hello = _next(request_iterator, "hello", context)
+        hello = _first(request_iterator, "hello", context, self._co.settings.hello_timeout_s)
         try:
             conn = self._co.add_receiver(hello)
         except WeightSyncError as e:

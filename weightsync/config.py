@@ -142,6 +142,7 @@ class SenderSettings(_Settings):
         "receiver_ttl_s": "a number of seconds >= 0 (default 300)",
         "max_disconnected_receivers": "an integer >= 0 (default 256)",
         "max_streams": "an integer >= 1 (default 1024)",
+        "hello_timeout_s": "a number of seconds > 0 (default 10)",
         **_SECURITY_ACCEPTED,
         "tls_ca": "a readable PEM file of the CA that signs client certificates (then every "
         "client must present one)",
@@ -193,6 +194,12 @@ class SenderSettings(_Settings):
         ge=1,
         description="open Publish/Receive streams (publisher ranks plus receivers) one sender "
         "serves; each holds a thread; past it a new stream is refused, saying so",
+    )
+    hello_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a Publish/Receive stream whose hello has not arrived this long after it "
+        "opened is closed (DEADLINE_EXCEEDED): a mute stream holds a thread and a stream slot",
     )
     token: SecretStr | None = Field(
         None, description="shared secret every client must send (authorization: Bearer)"

@@ -495,3 +495,30 @@ def test_a_status_reply_over_its_budget_leaves_out_the_oldest_versions(sender, m
     assert [v.version for v in trimmed.versions] == list(range(9 - len(trimmed.versions), 9))
     assert 0 < len(trimmed.versions) < 8
     publisher.close()
+
+
+@pytest.mark.parametrize("call", ["Publish", "Receive"])
+def test_a_stream_that_never_says_hello_is_closed_and_frees_its_slot(call):
+    """Issue 35: mute streams held their thread and stream slot forever, so a few of them
+    locked out every receiver and the trainer. Now each is closed after hello_timeout_s."""
+    from tests.support.processes import unix_sender
+    from tests.support.raw_streams import RawStream
+
+    with unix_sender(bucket_size_bytes=4096, max_streams=2, hello_timeout_s=1) as s:
+        mute = [RawStream(s.address, call, None, timeout_s=60) for _ in range(2)]
+        for stream in mute:
+            kinds, code, details = stream.outcome()
+            assert (kinds, code) == ([], grpc.StatusCode.DEADLINE_EXCEEDED)
+            assert details == (
+                "no hello within 1 s of opening the stream (hello_timeout_s, "
+                "WEIGHTSYNC_HELLO_TIMEOUT_S); the stream is closed: open a new one and send "
+                "the hello first"
+            )
+            stream.close()
+        # Both slots are free again: a receiver and the trainer's publisher get them.
+        model, trainer = TinyNet(seed=1), TinyNet(seed=2)
+        receiver = TorchReceiver(model, s.address, receiver_id="after")
+        syncs, _ = sync_in_thread(receiver)
+        Publisher(s.address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+        assert syncs.finish(30) == [1] and digests(model) == digests(trainer)
+        receiver.close()

@@ -67,6 +67,13 @@ def add_sender_args(p: argparse.ArgumentParser) -> None:
         "WEIGHTSYNC_MAX_STREAMS)",
     )
     p.add_argument(
+        "--hello-timeout-s",
+        type=arguments.seconds,
+        default=None,
+        help="close a stream that sends no hello this long after opening, freeing its slot "
+        "(default 10; WEIGHTSYNC_HELLO_TIMEOUT_S)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=arguments.port,
         default=None,
@@ -131,6 +138,7 @@ def _sender_settings(args: argparse.Namespace) -> dict:
         "transport": args.transport,
         "ack_timeout_s": args.ack_timeout_s,
         "max_streams": args.max_streams,
+        "hello_timeout_s": args.hello_timeout_s,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "broadcast_host": args.broadcast_host,
