@@ -24,12 +24,15 @@ class VersionHistory:
     def __init__(self, cond: threading.Condition, keep: int) -> None:
         self._cond, self._keep = cond, keep
         self._runs: OrderedDict[int, VersionRun] = OrderedDict()
-        self._last_version = 0
+        self._dropped = 0
+        """The newest version dropped from the history (it may have been applied)."""
         self._closed = False
 
     @property
     def last_version(self) -> int:
-        return self._last_version
+        """The last published version that counts (see :meth:`_floor`); 0: none yet."""
+        with self._cond:  # reentrant: callers may hold it already
+            return self._floor()
 
     def runs(self) -> list[VersionRun]:
         """The kept versions, oldest first (lock held)."""
@@ -39,20 +42,31 @@ class VersionHistory:
         with self._cond:
             return self._runs.get(version)
 
+    def _floor(self) -> int:
+        """The version a new one must exceed: versions only increase, past every one that was
+        applied, is in flight or wrote anything. One that failed leaving no trace (a wrong
+        manifest, a hostile huge number) does not hold the next back, and its number may be
+        published again."""
+        counted = [v for v, run in self._runs.items() if not run.left_no_trace]
+        return max([*counted, self._dropped])
+
     def check_version(self, version: int) -> None:
-        if version <= self._last_version:
+        floor = self._floor()
+        if version <= floor:
             raise VersionError(
                 f"version {version} is not greater than the last published version "
-                f"{self._last_version}; publish {self._last_version + 1} or later"
+                f"{floor}; publish {floor + 1} or later"
             )
 
     def add_run(self, run: VersionRun) -> None:
         """Record a new version (checked by :meth:`check_version`), dropping the oldest past
         ``keep``."""
-        self._last_version = run.version
+        self._runs.pop(run.version, None)  # one that left no trace, published again: newest
         self._runs[run.version] = run
         while len(self._runs) > self._keep:
-            _, dropped = self._runs.popitem(last=False)
+            number, dropped = self._runs.popitem(last=False)
+            if not dropped.left_no_trace:
+                self._dropped = max(self._dropped, number)
             if dropped.gc_hold is not None:  # one never finished must not pause it for good
                 dropped.gc_hold.release()
         self._cond.notify_all()  # WaitApplied callers waiting for it to be published
@@ -95,7 +109,7 @@ class VersionHistory:
                     if run is None:
                         raise SyncTimeoutError(
                             f"version {version} was not published within {timeout_s:g} s "
-                            f"(the last published version is {self._last_version})"
+                            f"(the last published version is {self.last_version})"
                         )
                     raise SyncTimeoutError(
                         f"version {version} not applied by every receiver within "
@@ -107,16 +121,16 @@ class VersionHistory:
         """Raise VersionError if ``version``, not in the history, can never be waited for."""
         if version == 0:
             raise VersionError("version 0 is never published: versions start at 1")
-        if version > self._last_version:
+        if version > self._floor():
             return  # not published yet: wait for it
         oldest = next(iter(self._runs), None)
         if oldest is not None and version < oldest:
             raise VersionError(
                 f"version {version} is older than this sender's history (it keeps the last "
-                f"{self._keep} versions, now {oldest}..{self._last_version}); "
+                f"{self._keep} versions, now {oldest}..{self.last_version}); "
                 "its status is gone"
             )
         raise VersionError(
             f"version {version} was never published on this sender and never will be: "
-            f"versions only increase and the last published is {self._last_version}"
+            f"versions only increase and the last published is {self.last_version}"
         )

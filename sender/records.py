@@ -214,6 +214,14 @@ class VersionRun:
     def done(self) -> bool:
         return self.state in ("complete", "failed")
 
+    @property
+    def left_no_trace(self) -> bool:
+        """It failed before any receiver applied it or was sent a byte of it (every receiver
+        rejected its manifest, or it was abandoned first): its number is not used up."""
+        return self.state == "failed" and not any(
+            o.wrote or o.state == APPLIED for o in self.outcomes.values()
+        )
+
     @cached_property
     def manifest_pb(self) -> pb.Manifest:
         """The wire manifest at this version, as the first rank sent it (every rank's is the

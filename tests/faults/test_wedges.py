@@ -18,7 +18,7 @@ import torch
 
 from tests.support import TinyNet, digests, step, sync_in_thread, wait_until
 from tests.support.raw_streams import begin, raw_publisher, raw_receiver, status_within
-from weightsync.errors import NameResolutionError, ReceiverFailedError
+from weightsync.errors import NameResolutionError, ReceiverFailedError, VersionError
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher, Sender
 from weightsync.v1 import weightsync_pb2 as pb
@@ -194,6 +194,52 @@ def test_a_deaf_receiver_costs_one_ack_timeout_not_one_per_version(sock_dir):
         for model, thread in zip(models, threads, strict=True):
             assert thread.finish(10) == [1, 2] and digests(model) == digests(trainer)
         deaf.close()
+        publisher.close()
+        for r in receivers:
+            r.close()
+
+
+def test_a_version_that_failed_leaving_no_trace_does_not_use_up_its_number(sock_dir):
+    """Issue 35: one begin of version 2^63-1 that every receiver rejected blocked every later
+    publish until the sender restarted. A version no receiver applied or was sent a byte of
+    holds nothing back: version 2 publishes after it, and a failed version 3 may be published
+    again. One that was applied still does (versions only increase)."""
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as s:
+        models, receivers, threads = two_receivers(s.address, syncs=4)
+        trainer = TinyNet(seed=2)
+        raw = raw_publisher(s.address)
+        raw.send(begin(2**63 - 1, tiny_specs(trainer, extra="ghost.weight")))
+        assert raw.first() == "welcome"
+        wait_until(
+            lambda: s.coordinator.run_of(2**63 - 1) and s.coordinator.run_of(2**63 - 1).done,
+            60,
+            "the huge version to end",
+        )
+        raw.close()
+        huge = status_within(s.address).versions[-1]
+        assert (huge.version, huge.state) == (2**63 - 1, "failed")
+        assert {o.error.code for o in huge.receivers} == {"NameResolutionError"}
+        publisher = Publisher(s.address)
+        step(trainer, 2)
+        publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
+        bad = {**trainer.state_dict(), "ghost.weight": torch.zeros(4)}
+        with pytest.raises(ReceiverFailedError, match="ghost.weight"):
+            publisher.publish(bad, 3, wait=True, timeout_s=30)
+        step(trainer, 3)
+        result = publisher.publish(trainer.state_dict(), 3, wait=True, timeout_s=30)
+        assert [o.state for o in result.status.receivers] == ["applied", "applied"]
+        assert status_within(s.address).versions[-1].state == "complete"
+        with pytest.raises(VersionError, match="not greater than the last published version 3"):
+            publisher.publish(trainer.state_dict(), 3, timeout_s=30)
+        for model, thread in zip(models, threads, strict=True):
+            got = thread.finish(30)
+            assert [type(x) if isinstance(x, Exception) else x for x in got] == [
+                NameResolutionError,
+                2,
+                NameResolutionError,
+                3,
+            ]
+            assert digests(model) == digests(trainer)
         publisher.close()
         for r in receivers:
             r.close()
