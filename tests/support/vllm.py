@@ -9,7 +9,6 @@ import os
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import contextlib  # noqa: E402
-import threading  # noqa: E402
 from collections.abc import Iterator, Sequence  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -136,29 +135,17 @@ def make_llm(path: Path, **kwargs):
 
 
 def publish_and_update(llm, address: str, weights, version: int, lora=None) -> list:
-    """Publish from a trainer thread while vLLM applies through its own weight-update calls;
-    the publish's result (or its exception) in a one-item list."""
+    """Publish while vLLM applies through its own weight-update calls
+    (:func:`~weightsync.drivers.vllm.publish_to_llm`); the publish's result, or the exception
+    raised, in a one-item list."""
+    from weightsync.drivers.vllm import publish_to_llm
     from weightsync.sender import Publisher
 
-    results: list = []
-    publisher = Publisher(address)
-
-    def publish():
+    with Publisher(address) as publisher:
         try:
-            results.append(publisher.publish(weights, version, lora=lora, wait=True, timeout_s=120))
-        except Exception as e:  # surfaced in the test's thread
-            results.append(e)
-
-    trainer = threading.Thread(target=publish)
-    trainer.start()
-    try:
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"version": version}})
-        llm.finish_weight_update(weight_version=str(version))
-    finally:
-        trainer.join(120)
-        publisher.close()
-    return results
+            return [publish_to_llm(publisher, weights, version, llm, lora=lora, timeout_s=120)]
+        except Exception as e:  # asserted on by the test
+            return [e]
 
 
 def worker_of(llm):

@@ -5,7 +5,8 @@ The RL framework's one call: :func:`publish_to_vllm` publishes a version to the 
 concurrently, has every server pause, apply exactly that version, set its weight version and
 resume; it returns once every server serves the version.
 
-The routes are vLLM's RL routes (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``).
+The routes are vLLM's RL routes (``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``). An offline
+``vllm.LLM`` in the trainer's own process takes a version through :func:`publish_to_llm`.
 """
 
 from __future__ import annotations
@@ -172,3 +173,37 @@ def publish_to_vllm(
     if failures:
         raise failures[0]
     return result
+
+
+def publish_to_llm(
+    publisher: Publisher,
+    tensors: Mapping[str, torch.Tensor],
+    version: int,
+    llm: Any,
+    *,
+    lora: LoraAdapterSpec | None = None,
+    timeout_s: float = 600.0,
+) -> PublishResult:
+    """Publish ``version`` while an offline ``vllm.LLM`` of this process (started with
+    ``weight_transfer_config={"backend": "weightsync"}`` and ``init_weight_transfer_engine``-ed
+    against the same sender) applies it through vLLM's RL calls; return once it serves it.
+
+    Returns:
+        What ``publisher.publish(..., wait=True)`` returns.
+
+    Raises:
+        What the publish raised (the sender names each receiver that failed and why), else
+        what the engine raised.
+    """
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        published = pool.submit(
+            publisher.publish, tensors, version, lora=lora, wait=True, timeout_s=timeout_s
+        )
+        try:
+            llm.start_weight_update()
+            llm.update_weights({"update_info": {"version": version}})
+            llm.finish_weight_update(weight_version=str(version))
+        except Exception:
+            published.result()  # the sender's account names the tensor; else the engine's
+            raise
+        return published.result()

