@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,77 +21,14 @@ from weightsync import trace
 from weightsync.config import ClientSettings
 from weightsync.control.client import connect
 from weightsync.control.lanes import ClientStream
-from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError
+from weightsync.errors import ProtocolError, TransportError
+from weightsync.receiver.inbox import Inbox
 from weightsync.stream_keys import KeptByKey
 from weightsync.transports.broadcast import host_id
 from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
 
 log = logging.getLogger("weightsync.receiver")
-
-
-@dataclass(frozen=True)
-class SenderLost:
-    """Queued in the inbox, between announcements, where the stream to the sender broke."""
-
-    reason: str
-
-
-class Inbox:
-    """Announcements in arrival order, and where the sender went away in between.
-
-    Losing the sender fails a version in flight; between versions it only delays the next
-    one (the connection registers again).
-    """
-
-    def __init__(self, receiver_id: str, address: str) -> None:
-        self.receiver_id, self.address = receiver_id, address
-        self._queue: queue.Queue[pb.Announcement | SenderLost] = queue.Queue()
-        self._lost = False
-        """The last thing queued was a SenderLost: say so when nothing arrives in time."""
-
-    def put(self, item: pb.Announcement | SenderLost) -> None:
-        self._queue.put(item)
-
-    def sender_lost(self, reason: str) -> None:
-        """The stream broke: what it still queued is dropped, then :class:`SenderLost`.
-
-        Those announcements belong to versions that can no longer finish; read later (a
-        ``sync()`` long after), they would write weights behind the back of the hello that
-        registered again meanwhile.
-        """
-        try:
-            while True:
-                self._queue.get_nowait()
-        except queue.Empty:
-            pass
-        self._queue.put(SenderLost(reason))
-
-    def next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
-        """The next announcement, by ``deadline`` (monotonic; None: wait forever).
-
-        Raises:
-            SyncTimeoutError: nothing by the deadline.
-            TransportError: the sender went away while ``in_version``.
-        """
-        while True:
-            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-            try:
-                item = self._queue.get(timeout=left)
-            except queue.Empty:
-                raise SyncTimeoutError(
-                    f"receiver {self.receiver_id}: no {waiting_for} in time"
-                    + (f" (the sender at {self.address} is gone)" if self._lost else "")
-                ) from None
-            if not isinstance(item, SenderLost):
-                self._lost = False
-                return item
-            self._lost = True
-            if in_version:
-                raise TransportError(
-                    f"receiver {self.receiver_id}: lost the sender at {self.address} during "
-                    f"a version: {item.reason}"
-                )
 
 
 class Connection(Protocol):
@@ -343,6 +278,10 @@ class GrpcConnection:
                 reason = "the sender ended the stream"
             except grpc.RpcError as e:
                 reason = e.details() or str(e.code())
+                if e.code() == grpc.StatusCode.ALREADY_EXISTS:
+                    log.error("receiver %s: %s", self.receiver_id, reason)
+                    self._inbox.sender_lost(reason, replaced=True)
+                    return  # registering again would take the id back: two would flap
             except ProtocolError as e:
                 reason = str(e)
             if self._closed.is_set():

@@ -30,12 +30,23 @@ import torch
 
 from weightsync import gc_pause, limits, trace
 from weightsync.config import SenderSettings
-from weightsync.errors import ConfigError, ProtocolError, TransportError, WeightSyncError
+from weightsync.errors import (
+    ConfigError,
+    ProtocolError,
+    ReplacedError,
+    TransportError,
+    WeightSyncError,
+)
 from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
+from weightsync.sender.hellos import (
+    check_manifest_not_empty,
+    check_publisher_hello,
+    check_receiver_hello,
+)
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.offer import OfferKey, rank_offer
 from weightsync.sender.outcomes import Outcomes, summary
@@ -340,13 +351,27 @@ class Coordinator:
 
     def add_receiver(self, hello: pb.ReceiverHello) -> ReceiverConn:
         """Register a receiver (ConfigError naming the field for a bad hello; any other
-        exception becomes a ConfigError too, and registers nothing)."""
+        exception becomes a ConfigError too, and registers nothing). An id already connected
+        is taken over: its old stream ends (ReplacedError) and fails what it owed."""
         check_receiver_hello(hello)
-        with _refused(
-            f"receiver {hello.receiver_id!r} could not register",
-            f"ReceiverHello (engine {hello.engine!r}, device {hello.device!r}, "
-            f"transports {list(hello.transports)}, host_id {hello.host_id!r})",
+        with (
+            _refused(
+                f"receiver {hello.receiver_id!r} could not register",
+                f"ReceiverHello (engine {hello.engine!r}, device {hello.device!r}, "
+                f"transports {list(hello.transports)}, host_id {hello.host_id!r})",
+            ),
+            self._cond,
         ):
+            old = self.registry.connected(hello.receiver_id)
+            if old is not None:
+                old.outbox.put(
+                    ReplacedError(
+                        f"receiver id {old.receiver_id!r} was registered again from another "
+                        "connection (a restarted engine takes its id back); this stream is "
+                        "closed and does not register again"
+                    )
+                )
+                self.outcomes.receiver_left(old, "replaced: its id registered again")
             return self.registry.add_receiver(hello)
 
     def receiver_gone(self, conn: ReceiverConn, why: str) -> None:
@@ -421,64 +446,6 @@ def _refused(what: str, check: str) -> Iterator[None]:
     except Exception as e:
         log.exception("refused: %s", what)
         raise ConfigError(f"{what}: {type(e).__name__}: {e}; check {check}") from e
-
-
-_PUBLISHER_DEVICES = "'cpu' or 'cuda:N' (where this rank's tensors live)"
-
-
-def check_publisher_hello(hello: pb.PublisherHello) -> None:
-    """ConfigError naming the field of a hello this sender cannot serve."""
-    limits.check_publisher_hello(hello)
-    world = max(hello.world_size, 1)
-    if hello.rank >= world:
-        raise ConfigError(
-            f"publisher rank {hello.rank} is not below world_size {world} "
-            "(PublisherHello.rank, PublisherHello.world_size)"
-        )
-    if not hello.device:
-        raise ConfigError(f"PublisherHello.device is empty; send {_PUBLISHER_DEVICES}")
-    device = _parse_device(hello.device, "PublisherHello.device", _PUBLISHER_DEVICES)
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(
-            f"PublisherHello.device {hello.device!r} is not supported; send {_PUBLISHER_DEVICES}"
-        )
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError(
-                f"PublisherHello.device {hello.device!r}: this sender sees no CUDA device; run "
-                "it where the trainer's GPUs are visible, or publish CPU tensors"
-            )
-        count = torch.cuda.device_count()
-        if not hello.device_uuid and (device.index or 0) >= count:
-            raise ConfigError(
-                f"PublisherHello.device {hello.device!r}: this sender sees {count} GPU(s); "
-                "send PublisherHello.device_uuid so it finds the GPU by UUID"
-            )
-
-
-def check_manifest_not_empty(manifest: pb.Manifest) -> None:
-    """A version with no tensors would be started and reported applied while changing
-    nothing: refused (ConfigError naming the field) before it takes the version number."""
-    if not manifest.tensors:
-        raise ConfigError(
-            f"BeginVersion.manifest of version {manifest.version} has no tensors; "
-            "publish at least one"
-        )
-
-
-def check_receiver_hello(hello: pb.ReceiverHello) -> None:
-    """ConfigError naming the field of a receiver hello that cannot be right. The device is
-    the receiver's own (its numbering, maybe another host): only its form is checked."""
-    limits.check_receiver_hello(hello)
-    if hello.device:
-        _parse_device(hello.device, "ReceiverHello.device", "'cpu', 'cuda:N', or empty")
-
-
-def _parse_device(text: str, field: str, accepted: str) -> torch.device:
-    try:
-        return torch.device(text)
-    except (RuntimeError, ValueError, TypeError) as e:
-        raise ConfigError(f"{field} {text!r} is not a device; send {accepted}") from e
 
 
 def _staging_device(rank: RankConn) -> torch.device:

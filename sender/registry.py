@@ -55,6 +55,11 @@ class Registry:
 
     # ---- receivers ----
 
+    def connected(self, receiver_id: str) -> ReceiverConn | None:
+        """The connected receiver of that id, if any (lock held)."""
+        conn = self._receivers.get(receiver_id)
+        return conn if conn is not None and conn.connected else None
+
     def add_receiver(self, hello: pb.ReceiverHello) -> ReceiverConn:
         with self._cond:
             self._prune()

@@ -74,6 +74,13 @@ class ReceiverFailedError(WeightSyncError):
     grpc_code = grpc.StatusCode.ABORTED
 
 
+class ReplacedError(WeightSyncError):
+    """Another connection registered this receiver's id (a restarted engine takes its id
+    back): this one is closed and does not register again."""
+
+    grpc_code = grpc.StatusCode.ALREADY_EXISTS
+
+
 def grpc_code_for(error: BaseException) -> grpc.StatusCode:
     """The gRPC status code a server answers with for ``error``."""
     if isinstance(error, WeightSyncError):
@@ -93,6 +100,7 @@ _CODE_TO_ERROR: dict[grpc.StatusCode, type[WeightSyncError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: SyncTimeoutError,
     grpc.StatusCode.ABORTED: ReceiverFailedError,
     grpc.StatusCode.UNAVAILABLE: TransportError,
+    grpc.StatusCode.ALREADY_EXISTS: ReplacedError,
     # A token or certificate that does not match is a setting to fix, not a protocol bug.
     grpc.StatusCode.UNAUTHENTICATED: ConfigError,
 }

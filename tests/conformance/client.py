@@ -506,7 +506,7 @@ def errors(args) -> int:
     ack = pb.ReceiverMessage(ack=pb.BucketAck(version=1, index=0, ok=True))
     out["receive_without_hello"] = _status_of(stub.Receive(iter([ack]), timeout=10))
 
-    # A receiver id that is connected already.
+    # A receiver id that is connected already: the new stream takes it over, the old one ends.
     rid = f"conformance-dup-{uuid.uuid4().hex[:6]}"
     hello = pb.ReceiverMessage(hello=pb.ReceiverHello(receiver_id=rid, engine="conformance"))
     gate = threading.Event()
@@ -517,9 +517,11 @@ def errors(args) -> int:
 
     first = stub.Receive(held(), timeout=10)
     assert next(first).welcome.receiver_id == rid
-    out["duplicate_receiver_id"] = _status_of(stub.Receive(iter([hello]), timeout=10))
+    second = stub.Receive(held(), timeout=10)
+    assert next(second).welcome.receiver_id == rid
+    out["replaced_receiver_id"] = _status_of(first)
     gate.set()
-    first.cancel()
+    second.cancel()
     emit(event="errors", cases=out)
     ch.close()
     return 0

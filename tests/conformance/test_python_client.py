@@ -190,7 +190,7 @@ def test_error_statuses(clients, sender):
 
     check("receive_without_hello", "FAILED_PRECONDITION", "expected a hello message first")
     check("publish_without_hello", "FAILED_PRECONDITION", "expected a hello message first")
-    check("duplicate_receiver_id", "INVALID_ARGUMENT", "ConfigError: ")
+    check("replaced_receiver_id", "ALREADY_EXISTS", "ReplacedError: receiver id 'conformance-dup-")
     # No receiver: the publisher packs the one bucket when asked, and the version is staged.
     assert cases["publish_ok"] == {
         "code": "OK",

@@ -27,7 +27,7 @@ from tests.support.raw_streams import (
 )
 from weightsync import limits
 from weightsync.control.client import connect
-from weightsync.errors import ConfigError, PlanError
+from weightsync.errors import ConfigError, PlanError, ReplacedError
 from weightsync.manifest import LoraAdapterSpec
 from weightsync.receiver import ReceiverCore, TorchReceiver
 from weightsync.receiver.torch_receiver import TorchModuleTarget
@@ -522,3 +522,47 @@ def test_a_stream_that_never_says_hello_is_closed_and_frees_its_slot(call):
         Publisher(s.address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
         assert syncs.finish(30) == [1] and digests(model) == digests(trainer)
         receiver.close()
+
+
+REPLACED = (
+    "ReplacedError: receiver id 'engine-0' was registered again from another connection (a "
+    "restarted engine takes its id back); this stream is closed and does not register again"
+)
+
+
+def test_a_restarted_engine_takes_its_id_back_from_a_hung_stream(sender):
+    """Issue 35: while the old process of a restarted engine hung (or a squatter held its id)
+    the new one was refused "already connected", and the squatter got its versions."""
+    hung = raw_receiver(sender.address, receiver_id="engine-0")
+    assert hung.first() == "welcome"
+    model, trainer = TinyNet(seed=1), TinyNet(seed=2)
+    receiver = TorchReceiver(model, sender.address, receiver_id="engine-0")
+    kinds, code, details = hung.outcome()
+    assert (kinds, code, details) == ([], grpc.StatusCode.ALREADY_EXISTS, REPLACED)
+    hung.close()
+    syncs, _ = sync_in_thread(receiver)
+    result = Publisher(sender.address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+    assert [(o.receiver_id, o.state) for o in result.status.receivers] == [("engine-0", "applied")]
+    assert syncs.finish(30) == [1] and digests(model) == digests(trainer)
+    receiver.close()
+
+
+def test_two_live_receivers_of_one_id_do_not_flap(sender):
+    """The one taken over is told, for good, and does not take the id back (each would
+    otherwise register again and take it from the other, forever)."""
+    first_model, second_model, trainer = TinyNet(seed=1), TinyNet(seed=3), TinyNet(seed=2)
+    first = TorchReceiver(first_model, sender.address, receiver_id="engine-0")
+    second = TorchReceiver(second_model, sender.address, receiver_id="engine-0")
+    for _ in range(2):  # every later wait says so at once
+        with pytest.raises(ReplacedError) as replaced:
+            first.sync(timeout=30)
+        assert REPLACED.removeprefix("ReplacedError: ") in str(replaced.value)
+    syncs, _ = sync_in_thread(second)
+    result = Publisher(sender.address).publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
+    assert [(o.receiver_id, o.state) for o in result.status.receivers] == [("engine-0", "applied")]
+    assert syncs.finish(30) == [1] and digests(second_model) == digests(trainer)
+    assert digests(first_model) != digests(trainer)
+    connected = [r.receiver_id for r in status_within(sender.address).receivers if r.connected]
+    assert connected == ["engine-0"]
+    first.close()
+    second.close()

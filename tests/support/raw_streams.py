@@ -15,7 +15,8 @@ import grpc
 from tests.support.waiting import wait_until
 from weightsync.control.client import connect
 from weightsync.control.lanes import connect_lane, switched
-from weightsync.receiver.connection import Inbox, KeptByStream, SenderLost
+from weightsync.receiver.connection import KeptByStream
+from weightsync.receiver.inbox import Inbox, SenderLost
 from weightsync.v1 import weightsync_pb2 as pb
 
 Outcome = tuple[list[str], grpc.StatusCode, str]

@@ -32,8 +32,9 @@ from weightsync.errors import (
 )
 from weightsync.manifest import VersionManifest, VersionPartSpec, plan_digest
 from weightsync.receiver import target as target_module
-from weightsync.receiver.connection import Inbox, KeptByStream, SenderLost
+from weightsync.receiver.connection import KeptByStream
 from weightsync.receiver.core import ReceiverCore
+from weightsync.receiver.inbox import Inbox, SenderLost
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import InPlaceTarget, WeightTarget, assembled
 from weightsync.topology_model import Box

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.sender_parts import SenderParts, new_run, sender_parts
 from weightsync.errors import ConfigError, ProtocolError, SyncTimeoutError, TransportError
-from weightsync.sender.coordinator import check_publisher_hello, check_receiver_hello
+from weightsync.sender.hellos import check_publisher_hello, check_receiver_hello
 from weightsync.sender.records import VersionRun
 from weightsync.v1 import weightsync_pb2 as pb
 
