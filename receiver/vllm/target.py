@@ -10,9 +10,10 @@ With speculative decoding ``method: "mtp"`` the worker also holds a draft model 
 ``DeepSeekMTP``, ``Qwen3NextMTP``...) whose ``load_weights`` reads the full checkpoint names and
 takes the MTP layers (``model.layers.{num_hidden_layers + i}.*``, ``mtp.*``). One version then
 loads into both models: each name goes to the model(s) whose loader takes it, both post-load
-processings run, and the version commits once. Without a draft model, MTP layer names the target
-model does not take are accepted and ignored (a warning per version): a trainer that exports MTP
-layers can serve without speculative decoding.
+processings run, and the version commits once. Without a draft model, the names of the MTP
+layers the model's config declares that the target does not take are accepted and ignored (a
+warning per version): a trainer that exports MTP layers can serve without speculative decoding.
+Any other name the model lacks is refused.
 """
 
 from __future__ import annotations
