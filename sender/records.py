@@ -217,9 +217,14 @@ class VersionRun:
     @property
     def left_no_trace(self) -> bool:
         """It failed before any receiver applied it or was sent a byte of it (every receiver
-        rejected its manifest, or it was abandoned first): its number is not used up."""
-        return self.state == "failed" and not any(
-            o.wrote or o.state == APPLIED for o in self.outcomes.values()
+        rejected its manifest, or it was abandoned first): its number is not used up. Every
+        receiver's failure is final, so that holds from the last verdict on, even before the
+        run itself is marked failed (its publisher may hear first)."""
+        outcomes = self.outcomes.values()
+        if any(o.wrote or o.state == APPLIED for o in outcomes):
+            return False
+        return self.state == "failed" or (
+            bool(outcomes) and all(o.state == FAILED for o in outcomes)
         )
 
     @cached_property
