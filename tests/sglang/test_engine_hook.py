@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from tests.support import random_weights, unix_sender, wait_until
+from tests.support.models import checkpoint_tensors
 from tests.support.sglang import expected_live, install_cpu_shims
-from tests.support.sglang_engine import checkpoint_tensors, greedy, sglang_engine, tiny_checkpoint
+from tests.support.sglang_engine import greedy, sglang_engine, tiny_checkpoint
 from weightsync.errors import ConfigError, ReceiverFailedError
 from weightsync.manifest import LoraAdapterSpec
 from weightsync.receiver.sglang.hook import ADDRESS_ENV, HOOK_PATH, model_runner_of

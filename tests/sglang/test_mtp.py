@@ -23,6 +23,7 @@ from tests.support.sglang import check_target_and_draft, install_cpu_shims, sgla
 install_cpu_shims()  # before transformers or SGLang import torchvision
 
 from tests.support import drive, manifest_of  # noqa: E402
+from tests.support.models import checkpoint_tensors  # noqa: E402
 from tests.sweeps.archs import ARCHS, BUCKET_BYTES, differing, live_tensors, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -46,7 +47,6 @@ def _config(model_type: str):
 def mtp_checkpoint(model_type: str, path: Path) -> dict[str, torch.Tensor]:
     """What transformers' ``save_pretrained`` writes for the model with one more decoder layer
     (the MTP block), plus the MTP layer's own tensors, named as the engines expect them."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     config = _config(model_type)
@@ -57,9 +57,7 @@ def mtp_checkpoint(model_type: str, path: Path) -> dict[str, torch.Tensor]:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(file))
+    tensors = checkpoint_tensors(path)
     hidden, vocab = config.hidden_size, config.vocab_size
     for name in ("enorm", "hnorm", "shared_head.norm"):
         tensors[f"{MTP}{name}.weight"] = 1 + torch.randn(hidden) * 0.05

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
+from tests.support.models import checkpoint_tensors
 from tests.support.sglang_engine import (
-    checkpoint_tensors,
     greedy,
     greedy_params,
     sglang_engine,

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.sglang import install_cpu_shims
+from tests.support.sglang import init_sglang, install_cpu_shims
 
 install_cpu_shims()  # before transformers or SGLang import torchvision
 
@@ -51,8 +51,6 @@ SENTINEL = -7.0
 
 
 def _build(arch: Arch) -> torch.nn.Module:
-    from tests.support.sglang import init_sglang
-
     init_sglang()  # its CPU shims before SGLang's first import
     from sglang.srt.models.registry import ModelRegistry
 
@@ -118,13 +116,7 @@ def test_deepseek_fused_q_kv_a_across_buckets(tmp_path):
     check(deepseek, tmp_path, bucket_bytes=4096)
 
 
-def _init_rank(world_size: int, rank: int, rendezvous: str) -> None:
-    from tests.support.sglang import init_sglang
-
-    init_sglang(world_size, rank, rendezvous)
-
-
 def test_sglang_sweep_at_engine_tp2(tmp_path):
     """Each TP rank's parameters and buffers equal those SGLang's own loader gives that rank."""
-    reports = sweep_at_tp("SGLang", tp2_archs(), tmp_path, _init_rank, _receives, KNOWN)
+    reports = sweep_at_tp("SGLang", tp2_archs(), tmp_path, init_sglang, _receives, KNOWN)
     assert_ranks_pass(reports, ("qwen3", "gemma", "qwen3_moe"))

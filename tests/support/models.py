@@ -3,6 +3,8 @@ checkpoint-shaped holders, and the tiny transformers configs every engine test b
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from weightsync.app.demo import TINY_QWEN2
@@ -83,3 +85,13 @@ def tiny_config(model_type: str, **fields: object):
     return getattr(transformers, config_class)(
         architectures=[model_class], **{**defaults, **fields}
     )
+
+
+def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors saved in a checkpoint folder (its safetensors files), by checkpoint name."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(load_file(file))
+    return tensors

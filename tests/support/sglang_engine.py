@@ -77,16 +77,6 @@ def tiny_checkpoint(directory: str | Path, arch: str = "llama", seed: int = 0) -
     return Path(directory)
 
 
-def checkpoint_tensors(directory: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors saved in a checkpoint folder (its safetensors files), by checkpoint name."""
-    from safetensors.torch import load_file
-
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
-
-
 @contextlib.contextmanager
 def _environment(values: Mapping[str, str]) -> Iterator[None]:
     saved = {name: os.environ.get(name) for name in values}

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.models import checkpoint_tensors
+
 TINY: dict[str, object] = {
     "num_hidden_layers": 2,
     "num_layers": 2,
@@ -196,7 +198,6 @@ def tiny_config(arch: Arch):
 def save_checkpoint(arch: Arch, path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     """What transformers' ``save_pretrained`` writes for ``arch``'s tiny config, at ``path``;
     returns its tensors under their checkpoint names (non-zero everywhere: random init)."""
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(arch)
@@ -206,10 +207,7 @@ def save_checkpoint(arch: Arch, path: Path, seed: int = 0) -> dict[str, torch.Te
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     model.save_pretrained(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for file in sorted(path.glob("*.safetensors")):
-        tensors.update(load_file(file))
-    return tensors
+    return checkpoint_tensors(path)
 
 
 def differing(
@@ -352,16 +350,11 @@ def _rank_sweep(
     rank, engine, archs, root, init_rank, receives, known, world_size, rendezvous, reports
 ) -> None:
     """One TP rank of :func:`sweep_at_tp`, in its own process; puts its :class:`Report`."""
-    from safetensors.torch import load_file
-
     name = f"{engine} TP={world_size} rank {rank}"
 
     def check(arch: Arch, _tmp: Path) -> None:
         path = root / arch.model_type
-        tensors: dict[str, torch.Tensor] = {}
-        for file in sorted(path.glob("*.safetensors")):
-            tensors.update(load_file(file))
-        receives(arch, path, tensors)
+        receives(arch, path, checkpoint_tensors(path))
 
     try:
         init_rank(world_size, rank, rendezvous)

