@@ -110,7 +110,6 @@ def test_the_check_sees_upward_and_sideways_imports():
 MAX_LINES = 400
 OVER_MAX = {
     "sender/publisher.py": 576,
-    "weightsync/topology.py": 570,
     "sender/driver.py": 542,
     "weightsync/app/bench/runner.py": 519,
     "sender/coordinator.py": 457,
