@@ -20,12 +20,13 @@ pieces, which its own loaders narrow as they copy (so only the shard's bytes mov
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, defaultdict
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightsync.buckets import TensorSpec, direct_entry
+from weightsync.memo import Memo, Same
 from weightsync.sender.offer import Copy
 from weightsync.topology import Box, Piece, Receiver, Source, cells, plan_topology, whole_box
 from weightsync.topology_model import fits
@@ -318,19 +319,13 @@ class DirectReads:
     last ``max_entries`` are kept."""
 
     def __init__(self, max_entries: int = 4) -> None:
-        self._max = max_entries
-        self._reads: OrderedDict[tuple, tuple[tuple, dict[str, DirectRead]]] = OrderedDict()
+        self._reads: Memo[tuple[Same, ReceiverGpus], dict[str, DirectRead]] = Memo(max_entries)
 
     def __call__(
         self, tensors: TensorPlan, receivers: ReceiverGpus, keeps: Keeps | None = None
     ) -> dict[str, DirectRead]:
         keeps = keeps or {}
-        held = (tensors, *(keeps.get(rid) for rid, _ in receivers))
-        key = (tuple(map(id, held)), receivers)
-        hit = self._reads.get(key)
-        if hit is None or any(a is not b for a, b in zip(hit[0], held, strict=True)):
-            hit = self._reads[key] = (held, plan_direct_reads(tensors, receivers, keeps))
-            while len(self._reads) > self._max:
-                self._reads.popitem(last=False)
-        self._reads.move_to_end(key)
-        return hit[1]
+        return self._reads.get(
+            (Same(tensors, *(keeps.get(rid) for rid, _ in receivers)), receivers),
+            lambda: plan_direct_reads(tensors, receivers, keeps),
+        )

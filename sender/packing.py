@@ -8,7 +8,6 @@ otherwise the publishers pack each bucket when asked (``PackBucket``).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -17,6 +16,7 @@ from weightsync import summed_copies
 from weightsync.buckets import Bucket
 from weightsync.checksum import verify_copies
 from weightsync.errors import ProtocolError, TransportError, WeightSyncError
+from weightsync.memo import Memo
 from weightsync.regions import Region, region_copies
 from weightsync.sender.offer import OfferKey
 from weightsync.sender.records import VersionRun
@@ -36,18 +36,16 @@ class MappedOffers:
     warned once: the publishers pack)."""
 
     def __init__(self, max_entries: int = 4) -> None:
-        self._max = max_entries
-        self._mapped: OrderedDict[OfferKey, tuple[Regions | None, MappedBuffers]] = OrderedDict()
+        # An entry dropped (or cleared) is only dereferenced: its mappings go with their last
+        # view (a run still packing from them keeps them).
+        self._mapped: Memo[OfferKey, tuple[Regions | None, MappedBuffers]] = Memo(max_entries)
 
     def regions(self, key: OfferKey, begins: Mapping[int, pb.BeginVersion]) -> Regions | None:
-        hit = self._mapped.get(key)
-        if hit is None:
+        def mapped() -> tuple[Regions | None, MappedBuffers]:
             buffers = MappedBuffers()
-            hit = self._mapped[key] = (_map(begins, buffers), buffers)
-            while len(self._mapped) > self._max:
-                self._mapped.popitem(last=False)
-        self._mapped.move_to_end(key)
-        return hit[0]
+            return _map(begins, buffers), buffers
+
+        return self._mapped.get(key, mapped)[0]
 
     def clear(self) -> None:
         self._mapped.clear()

@@ -18,7 +18,6 @@ DirectReads`).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING
 from weightsync.buckets import Bucket, BucketPlan, TensorSpec, plan_buckets, plan_direct
 from weightsync.config import SenderSettings
 from weightsync.manifest import VersionManifest
+from weightsync.memo import Memo
 from weightsync.sender.direct_reads import (
     DirectRead,
     Keeps,
@@ -221,8 +221,7 @@ class TensorPlans:
     staging GPU); the last ``max_entries`` layouts are kept (a trainer alternates few)."""
 
     def __init__(self, max_entries: int = 4) -> None:
-        self._max = max_entries
-        self._plans: OrderedDict[tuple, TensorPlan] = OrderedDict()
+        self._plans: Memo[tuple, TensorPlan] = Memo(max_entries)
 
     def memo(self, manifest_key: bytes, offer: OfferKey) -> PlanTensors:
         """:func:`plan_tensors` for the manifest and offer these keys stand for."""
@@ -231,15 +230,11 @@ class TensorPlans:
             manifest, offers, direct: bool, bucket_size_bytes: int, gpus=None, staging_gpu=""
         ) -> TensorPlan:
             # The offer key says each rank's GPU too (``rank_offer``).
-            key = (manifest_key, offer, direct, bucket_size_bytes, staging_gpu)
-            hit = self._plans.get(key)
-            if hit is None:
-                hit = self._plans[key] = plan_tensors(
+            return self._plans.get(
+                (manifest_key, offer, direct, bucket_size_bytes, staging_gpu),
+                lambda: plan_tensors(
                     manifest, offers, direct, bucket_size_bytes, gpus, staging_gpu
-                )
-                while len(self._plans) > self._max:
-                    self._plans.popitem(last=False)
-            self._plans.move_to_end(key)
-            return hit
+                ),
+            )
 
         return planned

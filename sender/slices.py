@@ -15,11 +15,11 @@ checksums stay one index space).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from weightsync.buckets import BucketPlan, TensorSpec, plan_buckets
+from weightsync.memo import Memo, Same
 from weightsync.sender.direct_reads import Keeps
 from weightsync.topology_model import Box, whole_box
 from weightsync.v1 import weightsync_pb2 as pb
@@ -79,17 +79,11 @@ class SlicePlans:
     ``max_entries`` are kept."""
 
     def __init__(self, max_entries: int = 4) -> None:
-        self._max = max_entries
-        self._plans: OrderedDict[tuple, tuple[tuple, tuple[SliceGroup, ...]]] = OrderedDict()
+        self._plans: Memo[tuple[Same, tuple[str, ...]], tuple[SliceGroup, ...]] = Memo(max_entries)
 
     def __call__(self, tensors: TensorPlan, keeps: Keeps) -> tuple[SliceGroup, ...]:
-        held = (tensors, *(keeps[rid] for rid in sorted(keeps)))
-        key = (tuple(map(id, held)), tuple(sorted(keeps)))
-        hit = self._plans.get(key)
-        if hit is None or any(a is not b for a, b in zip(hit[0], held, strict=True)):
-            first = len(tensors.layouts)
-            hit = self._plans[key] = (held, plan_slices(tensors.staged, keeps, first))
-            while len(self._plans) > self._max:
-                self._plans.popitem(last=False)
-        self._plans.move_to_end(key)
-        return hit[1]
+        rids = tuple(sorted(keeps))
+        return self._plans.get(
+            (Same(tensors, *(keeps[rid] for rid in rids)), rids),
+            lambda: plan_slices(tensors.staged, keeps, len(tensors.layouts)),
+        )
