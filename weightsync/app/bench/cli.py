@@ -6,10 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
+from weightsync.app.bench.config import CASES, BenchConfig
 from weightsync.app.bench.engine import ENGINES, run_vllm
 from weightsync.app.bench.models import MODELS, model_shape
 from weightsync.app.bench.report import Report
-from weightsync.app.bench.runner import CASES, BenchConfig, run
+from weightsync.app.bench.runner import run
 from weightsync.buckets import ALIGNMENT_BYTES
 from weightsync.errors import ConfigError
 

@@ -1,30 +1,26 @@
 """One bench run: floors, peer baselines and weightsync cases for one model, same bytes.
 
-The calling process is the trainer: it holds the synthetic shards, embeds the ``Sender`` (so
-staging buffers count in its memory) and publishes. Receivers are long-lived worker processes
-(spawned), one on the trainer's device and, with two GPUs, one on the other GPU.
+The calling process is the trainer: it holds the synthetic shards and publishes (each weightsync
+case: :mod:`.cases`). Receivers are long-lived worker processes (spawned), one on the trainer's
+device and, with two GPUs, one on the other GPU. After them, the node and hosts cases
+(:mod:`.node`, :mod:`.hosts`) run on workers of their own.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import torch.multiprocessing as tmp
 
 from weightsync.app.bench import baselines, floors, hosts, node
+from weightsync.app.bench.cases import measure_case, mismatch_note
+from weightsync.app.bench.config import BenchConfig
 from weightsync.app.bench.host import check_memory, machine
-from weightsync.app.bench.layout import TrainerLayout, TrainerShards, plan_layout
+from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import hf_specs, model_shape
 from weightsync.app.bench.report import (
     BASELINE,
@@ -35,84 +31,21 @@ from weightsync.app.bench.report import (
     OTHER,
     PER_TENSOR,
     SAME,
-    WEIGHTSYNC,
     Report,
     Row,
 )
 from weightsync.app.bench.worker import (
-    CaseReply,
     DropLayout,
-    Receive,
     SetLayout,
     Stop,
     WorkerLink,
     memory_extra,
     memory_start,
-    sync,
     worker_main,
 )
-from weightsync.buckets import DEFAULT_BUCKET_SIZE_BYTES, plan_buckets
-from weightsync.errors import ConfigError, SyncTimeoutError, TransportError
+from weightsync.buckets import plan_buckets
+from weightsync.errors import ConfigError
 from weightsync.logs import quieted
-from weightsync.manifest import VersionManifest
-
-CASES = ("staged", "direct", "ipc-cross", "nccl")
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    model: str = "qwen2.5-7b"
-    layers: int | None = None
-    """Cut the model to this many layers (default: all, or what fits for the MoE model)."""
-    tps: tuple[int, ...] = (1, 2)
-    cases: tuple[str, ...] = CASES
-    device: str = "auto"
-    """auto (cuda:0 when available), cuda, or cpu (shm instead of cuda_ipc)."""
-    versions: int = 5
-    """Measured versions per case; the median is reported."""
-    warmup: int = 1
-    """Versions before measuring (version 1 opens IPC handles and resolves names)."""
-    bucket_size_bytes: int = DEFAULT_BUCKET_SIZE_BYTES
-    baselines: bool = True
-    floors: bool = True
-    sender_process: bool = False
-    """The one-GPU cases' sender in a process of its own (``_sender``)."""
-    seed: int = 0
-    timeout_s: float = 300.0
-    gpus: int = 0
-    """With N >= 1: also the node case on GPUs 0..N-1 (``node.py``)."""
-    engine_tp: int = 1
-    """The node case's engine TP size (``gpus`` a multiple of it)."""
-    trainer_tps: tuple[int, ...] = (1,)
-    """The node case's trainer TP sizes, one node run each (``gpus`` a multiple of each)."""
-    hosts: int = 0
-    """With N >= 1: also the hosts case on N GPUs as two hosts (``hosts.py``; CPU: two
-    receivers)."""
-
-    def __post_init__(self) -> None:
-        unknown = set(self.cases) - set(CASES)
-        if unknown:
-            raise ConfigError(f"unknown case(s) {sorted(unknown)}; known: {', '.join(CASES)}")
-        if self.versions < 1 or self.warmup < 0:
-            raise ConfigError("--versions must be >= 1 and --warmup >= 0")
-        if self.device not in ("auto", "cuda", "cpu"):
-            raise ConfigError(f"--device {self.device!r}: pick auto, cuda or cpu")
-        if self.gpus < 0:
-            raise ConfigError(f"--gpus {self.gpus}: give a number of GPUs, or 0 for no node case")
-        if self.engine_tp < 1 or (self.gpus and self.gpus % self.engine_tp):
-            raise ConfigError(
-                f"--engine-tp {self.engine_tp}: give a TP size that divides --gpus {self.gpus}"
-            )
-        bad = [tp for tp in self.trainer_tps if tp < 1 or (self.gpus and self.gpus % tp)]
-        if bad or not self.trainer_tps:
-            raise ConfigError(
-                f"--trainer-tp {bad[0] if bad else '(none)'}: give TP sizes that divide "
-                f"--gpus {self.gpus}"
-            )
-        if self.hosts and self.hosts % self.engine_tp:
-            raise ConfigError(
-                f"--engine-tp {self.engine_tp}: give a TP size that divides --hosts {self.hosts}"
-            )
 
 
 class _Workers:
@@ -213,7 +146,7 @@ def _run(cfg: BenchConfig, console) -> Report:
             for case in cfg.cases:
                 console.print(f"{layout.name}: {case}")
                 report.rows.append(
-                    _case(cfg, case, layout, shards, workers, device, gpus, sock_dir)
+                    measure_case(cfg, case, layout, shards, workers.links, device, gpus, sock_dir)
                 )
             workers.broadcast(DropLayout(), cfg.timeout_s)
             del shards
@@ -330,190 +263,8 @@ def _floor_and_baselines(cfg: BenchConfig, shards: TrainerShards, workers: _Work
                 extra,
                 reply.extra_memory_bytes,
                 reply.bit_exact if not error else None,
-                error or _mismatch_note(reply),
+                error or mismatch_note(reply),
                 failed=bool(error) or not reply.bit_exact,
             )
         )
     return rows
-
-
-def _mismatch_note(reply: CaseReply) -> str:
-    if not reply.mismatches:
-        return ""
-    return f"{len(reply.mismatches)} tensor(s) differ, first {reply.mismatches[0]}"
-
-
-def _skip_reason(case: str, cuda: bool, gpus: int) -> str:
-
-    if case == "direct" and not cuda:
-        return "GPU only (a view of CUDA IPC-mapped trainer memory)"
-    if case in ("ipc-cross", "nccl") and gpus < 2:
-        return "needs 2 GPUs"
-    return ""
-
-
-def _case(
-    cfg: BenchConfig,
-    case: str,
-    layout: TrainerLayout,
-    shards: TrainerShards,
-    workers: _Workers,
-    device: torch.device,
-    gpus: int,
-    sock_dir: str,
-) -> Row:
-    from weightsync.sender import Publisher
-
-    cuda = device.type == "cuda"
-    transport = {"nccl": "nccl"}.get(case, "cuda_ipc" if cuda else "shm")
-    placement = OTHER if case in ("ipc-cross", "nccl") else (SAME if cuda else "cpu")
-    name = "staged" if case == "ipc-cross" else case
-    row = Row(WEIGHTSYNC, name, transport, layout.name, placement, layout.total_bytes)
-    skip = _skip_reason(case, cuda, gpus)
-    if skip:
-        return replace(row, note=f"skipped: {skip}")
-    link = workers.links[placement]
-    versions = cfg.warmup + cfg.versions
-    start = memory_start(device)
-    samples: list[float] = []
-    error = ""
-    reply: CaseReply | None = None
-    try:
-        with _sender(
-            f"unix:{sock_dir}/{case}-{layout.tp}.sock",
-            cfg.bucket_size_bytes,
-            transport,
-            cfg.sender_process,
-        ) as address:
-            try:
-                link.start(Receive(address, transport, versions, cfg.timeout_s))
-                hello = link.expect(cfg.timeout_s, "registration")
-                if hello != "registered":
-                    raise _CaseFailed()
-                with Publisher(address) as publisher:
-                    publish = _publish_fn(publisher, case, shards, cfg.timeout_s)
-                    for version in range(1, versions + 1):
-                        shards.step()
-                        sync(device)
-                        t0 = time.perf_counter()
-                        publish(version)
-                        samples.append(time.perf_counter() - t0)
-            finally:
-                # The receiver leaves before its sender stops: else it sees the stream end,
-                # says it lost the sender and registers again.
-                reply = link.result(cfg.timeout_s)
-    except _CaseFailed:
-        pass
-    except Exception as e:  # recorded in the row; the run goes on with the next case
-        error = f"{type(e).__name__}: {e}"
-    extra = memory_extra(device, start)
-    if reply is None:  # the sender never started, or the receiver sent no reply
-        reply = link.result(cfg.timeout_s)
-    error = error or reply.error
-    if error:
-        return _failed(row, error)
-    return replace(
-        row,
-        samples_s=tuple(samples[cfg.warmup :]),
-        trainer_extra_bytes=extra,
-        receiver_extra_bytes=reply.extra_memory_bytes,
-        bit_exact=reply.bit_exact,
-        note=_mismatch_note(reply),
-        failed=not reply.bit_exact,
-    )
-
-
-@contextmanager
-def _sender(
-    address: str, bucket_size_bytes: int, transport: str, own_process: bool
-) -> Iterator[str]:
-    """A case's sender at ``address``: in this process, or (``own_process``) a
-    `weightsync-sender` of its own, as users run it beside a trainer."""
-    from weightsync.sender import Sender
-
-    if not own_process:
-        with Sender(address, bucket_size_bytes=bucket_size_bytes, transport=transport):
-            yield address
-        return
-    env = {
-        **os.environ,
-        "WEIGHTSYNC_LISTEN": address,
-        "WEIGHTSYNC_BUCKET_SIZE_BYTES": str(bucket_size_bytes),
-        "WEIGHTSYNC_TRANSPORT": transport,
-    }
-    log = Path(address.removeprefix("unix:")).with_suffix(".log")
-    with log.open("w") as out:
-        # Not the bench's stdout: a sender left behind would hold a pipe reading it open.
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "weightsync.app.cli", "sender", "--log-level", "warning"],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        _wait_serving(proc, address, log)
-        yield address
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise SyncTimeoutError(
-                f"the sender at {address} did not stop within 10 s of SIGTERM (killed); its "
-                f"log: {log.read_text()[-2000:]}"
-            ) from None
-
-
-def _wait_serving(proc: subprocess.Popen, address: str, log: Path, timeout_s: float = 60) -> None:
-    """Wait until the sender process serves at ``address``; one that exits first (a bad
-    setting, the address taken) fails at once, with its log."""
-    from weightsync.control.client import connect
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            channel, _ = connect(address, 0.5)
-        except TransportError:
-            code = proc.poll()
-            if code is not None:
-                raise TransportError(
-                    f"the sender exited with code {code} before it served: "
-                    f"{log.read_text()[-2000:].strip()} (its log: {log})"
-                ) from None
-            if time.monotonic() > deadline:
-                raise TransportError(
-                    f"the sender did not serve at {address} within {timeout_s:g} s: "
-                    f"{log.read_text()[-2000:].strip()} (its log: {log})"
-                ) from None
-            continue
-        channel.close()
-        return
-
-
-class _CaseFailed(Exception):
-    """The receiver failed to register; its case reply says why."""
-
-
-def _failed(row: Row, error: str) -> Row:
-    return replace(row, note=error[:300], failed=True)
-
-
-def _publish_fn(publisher, case: str, shards: TrainerShards, timeout_s: float):
-    layout, direct = shards.layout, case == "direct"
-    if all(r.is_view for r in layout.recipes):
-        views = shards.hf_views()
-        return lambda v: publisher.publish(views, v, wait=True, timeout_s=timeout_s, direct=direct)
-    # TP > 1: receivers read the shards' pieces in place (direct), else the sender gathers.
-    specs, regions = layout.specs, shards.regions()
-    return lambda v: publisher.publish_packed(
-        VersionManifest(v, specs),
-        shards.pack,
-        device=shards.device,
-        wait=True,
-        timeout_s=timeout_s,
-        regions=regions,
-        direct=direct,
-    )
