@@ -103,9 +103,9 @@ def _positional_names(loader: Callable) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.kind in kinds)[2:]
 
 
-class _Param:
-    """One live parameter during the dry run: its loader swapped for a recorder, and the
-    real loader with a meta stand-in to check against."""
+class LoaderSwap:
+    """One live parameter while its loader is swapped (the dry run, a bake): the recorder
+    installed in its place, and the real loader with a meta stand-in to check against."""
 
     def __init__(self, name: str, param: torch.Tensor, loading: torch.Tensor) -> None:
         self.name = name
@@ -114,7 +114,10 @@ class _Param:
         self._via_property = isinstance(getattr(type(param), "weight_loader", None), property)
         self._had_own = "weight_loader" in param.__dict__
         self._original = getattr(param, "weight_loader", None)
-        self.loader = _unwrapped(getattr(loading, "weight_loader", None) or _engine_default_loader)
+        own = getattr(loading, "weight_loader", None)
+        self.own_loader = own is not None
+        """False: the engine copies it whole (its ``default_weight_loader``)."""
+        self.loader = _unwrapped(own or _engine_default_loader)
         self.meta = meta_like(loading)
         self._positional = _positional_names(self.loader)
 
@@ -191,14 +194,16 @@ class DryRun:
         self.hits: dict[str, list[ResolvedName]] = {}
         self.misfits: dict[str, str] = {}  # the real loader refused the tensor
         self.refused: dict[str, str] = {}  # the model's own code refused the name
-        self.params = [_Param(n, p, (loading or {}).get(n, p)) for n, p in model.named_parameters()]
+        self.params = [
+            LoaderSwap(n, p, (loading or {}).get(n, p)) for n, p in model.named_parameters()
+        ]
         # Experts of one fused parameter differ only in their index: one real loader run per
         # (parameter, shard, shape, dtype) checks them all (18k names in a 48x128 MoE), and
         # what it read of its input stands for what the others' would.
         self.checked: dict[tuple[object, ...], tuple[str | None, object, Box | None]] = {}
         self.reads = LoaderReads((s.name, t) for s, t in zip(self.specs, self.inputs, strict=True))
 
-    def _recorder(self, entry: _Param) -> Callable:
+    def _recorder(self, entry: LoaderSwap) -> Callable:
         def record(param: torch.Tensor, loaded_weight: torch.Tensor, *args, **kwargs) -> object:
             # What the tensor was computed from, not what is being fed: a model may read ahead,
             # cache one input until another arrives, or load from worker threads.
@@ -232,7 +237,7 @@ class DryRun:
         return record
 
     def _check(
-        self, entry: _Param, loaded: torch.Tensor, args: tuple, kwargs: dict
+        self, entry: LoaderSwap, loaded: torch.Tensor, args: tuple, kwargs: dict
     ) -> tuple[str | None, object, Box | None]:
         """The real loader on the meta parameter: why it refused (or None), what it returned
         and what it read of ``loaded`` when that is a whole input."""
