@@ -1,10 +1,13 @@
 """``VllmWeightTarget``: load received tensors into a vLLM worker's model.
 
 Per version: ``validate`` resolves every name against the live model and dry-runs its weight
-loader (nothing written); ``begin`` starts vLLM's layerwise reload; ``load`` hands each bucket
-to ``model.load_weights`` (the model's own name mapping and packing); ``commit`` finalizes the
-reload once (post-load processing, e.g. vLLM-CPU's weight repacking) and then registers the
-LoRA adapter accumulated across buckets.
+loader (nothing written), then bakes where each name of a layer vLLM serves as loaded lands
+(:mod:`.processing`, :mod:`weightsync.receiver.replay`); ``begin`` checks the bake still points
+at the live tensors (else bakes again) and starts vLLM's layerwise reload for the other layers;
+``load`` replays each bucket's baked names as batched copies straight into the live tensors
+and hands the rest to ``model.load_weights`` (the model's own name mapping and packing);
+``commit`` finalizes the reload once (post-load processing, e.g. vLLM-CPU's weight repacking)
+and then registers the LoRA adapter accumulated across buckets.
 
 With speculative decoding ``method: "mtp"`` the worker also holds a draft model (``Glm4MoeMTP``,
 ``DeepSeekMTP``, ``Qwen3NextMTP``...) whose ``load_weights`` reads the full checkpoint names and
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.lora_accumulator import LoraAccumulator
@@ -33,12 +37,15 @@ from weightsync.receiver.name_resolver import (
     ResolvedName,
     aliases,
     kept_boxes,
+    live_tensors,
     mtp_names_left,
     refuse_unknown,
     resolve_accepted,
 )
+from weightsync.receiver.replay import ReplayPlan, bake
 from weightsync.receiver.target import WeightTarget
 from weightsync.receiver.vllm.lora_store import LoraStore
+from weightsync.receiver.vllm.processing import served_as_loaded
 from weightsync.receiver.vllm.reload import (
     check_loaded,
     check_whole_layers,
@@ -47,6 +54,7 @@ from weightsync.receiver.vllm.reload import (
     moe_kernel_reset,
     no_mtp_check,
 )
+from weightsync.regions import CopyBatch
 from weightsync.topology_model import Box
 
 logger = logging.getLogger(__name__)
@@ -201,6 +209,8 @@ class VllmWeightTarget(WeightTarget):
         self._ignored: list[str] = []
         self._kept: dict[str, Box] = {}
         self._lora: LoraAccumulator | None = None
+        self._replay: ReplayPlan | None = None
+        self._accepted: tuple[list[TensorSpec], dict[str, ResolvedName], dict] | None = None
 
     @property
     def model(self) -> torch.nn.Module:
@@ -217,6 +227,12 @@ class VllmWeightTarget(WeightTarget):
     @property
     def draft_config(self) -> Any:
         return self._draft.model_config if self._draft is not None else None
+
+    @property
+    def replayed(self) -> frozenset[str]:
+        """The names versions replay straight into the live tensors (the rest go through
+        vLLM's loaders): those of layers served as loaded, after :meth:`validate`."""
+        return frozenset(self._replay.placements) if self._replay is not None else frozenset()
 
     @classmethod
     def from_worker(cls, worker: Any, lora_dir: str | None = None) -> VllmWeightTarget:
@@ -282,11 +298,29 @@ class VllmWeightTarget(WeightTarget):
             ignored = mtp_names_left(base, main, MtpLayers.of(_hf_text_config(self.model_config)))
         draft_model = self._draft.model if self._draft is not None else None
         refuse_unknown(base, {*main, *draft, *ignored}, self.model, draft_model)
-        self._main.accept(main, view)
+        self._accepted = (base, main, view)
+        self._split_replay()
         if self._draft is not None:
             self._draft.accept(draft, draft_view)
         self._ignored = ignored
         self._kept = kept_boxes(main, draft)
+
+    def _split_replay(self) -> None:
+        """Bake the accepted names of layers served as loaded (not with a draft model, which
+        shares layers with this one); the others take the engine's path."""
+        assert self._accepted is not None
+        base, main, view = self._accepted
+        self._replay = None
+        if self._draft is None:
+            modules = served_as_loaded(self.model) & {hit.module_name for hit in main.values()}
+            with no_mtp_check():
+                baked = bake(self.model, base, main, view, modules)
+            for module, why in baked.refused.items():
+                logger.info("%s takes vLLM's loader every version: %s", module, why)
+            if baked.placements:
+                self._replay = ReplayPlan(baked.placements, live_tensors(self.model))
+        replayed = self._replay.placements if self._replay is not None else {}
+        self._main.accept({n: hit for n, hit in main.items() if n not in replayed}, view)
 
     def kept(self) -> dict[str, Box]:
         return self._kept
@@ -301,6 +335,13 @@ class VllmWeightTarget(WeightTarget):
                 self._ignored[0],
             )
         self._lora = LoraAccumulator(manifest.lora) if manifest.lora is not None else None
+        if self._replay is not None:
+            moved = self._replay.stale(live_tensors(self.model))
+            if moved is not None:
+                logger.info(
+                    "version %d: %r moved since the bake: baking again", manifest.version, moved
+                )
+                self._split_replay()
         self._main.begin()
         if self._draft is not None:
             self._draft.begin()
@@ -312,6 +353,9 @@ class VllmWeightTarget(WeightTarget):
                 self._lora.add(name, tensor)
             else:
                 base.append((name, tensor))
+        if self._replay is not None:
+            replayed = [(n, t) for n, t in base if n in self._replay]
+            CopyBatch.of(self._replay.copies(replayed)).run()
         for part in (self._main, self._draft):
             mine = [(n, t) for n, t in base if part is not None and n in part.resolved]
             if part is not None and mine:

