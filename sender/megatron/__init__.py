@@ -1,15 +1,16 @@
 """Megatron-core -> HF conversion: shard metadata, per-module-kind rules, planning, packing.
 
-Pure parts (``rules``, ``name_templates``, ``name_table``, ``plan``, ``pieces``) never import
+Pure parts (``rules``, ``name_*``, ``plan``, ``coverage``, ``pieces``) never import
 megatron-core; only :func:`collect_shards` / :func:`topology_from_parallel_state` read a live
 trainer rank.
 """
 
 from .convert import check_shard_tensors, convert_megatron_to_hf, gather_local_shards
+from .coverage import check_coverage
 from .dims import ModelDims
 from .lora_export import LoraExport
 from .pieces import CopyPiece, pack_pieces
-from .plan import RankPlan, check_coverage, hf_dims, hf_manifest, plan_rank
+from .plan import RankPlan, hf_dims, hf_manifest, plan_rank
 from .publisher import MegatronPublisher
 from .shards import (
     LocalShards,

@@ -23,9 +23,10 @@ from weightsync.dtypes import dtype_name
 from weightsync.errors import PlanError, WeightSyncError
 
 from .agree import run_agreed
+from .coverage import check_coverage
 from .lora_export import LoraExport
 from .pieces import pack_pieces
-from .plan import RankPlan, check_coverage, plan_rank
+from .plan import RankPlan, plan_rank
 from .shards import LocalShards, RankTopology, ShardMeta
 
 RankState = LocalShards | tuple[Sequence[ShardMeta], Mapping[str, torch.Tensor]]

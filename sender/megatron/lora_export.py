@@ -47,8 +47,8 @@ from weightsync.errors import PlanError
 from weightsync.manifest import LoraAdapterSpec
 
 from .dims import ModelDims
+from .name_mapping import ParamMapping
 from .name_table import NameTable
-from .name_templates import ParamMapping
 from .pieces import CopyPiece
 from .rules import (
     ColumnRule,

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from weightsync.errors import PlanError
 
 from .dims import ModelDims
-from .name_templates import ARCHITECTURES, Architecture, ParamMapping
+from .name_mapping import Architecture, ParamMapping
+from .name_templates import ARCHITECTURES
 
 _CANONICAL = (
     (re.compile(r"^(decoder|mtp)\.layers\.\d+\."), r"\1.layers.{layer}."),

@@ -27,9 +27,10 @@ from weightsync.manifest import VersionManifest
 from weightsync.regions import Region, pack_regions, region_copies
 from weightsync.sender.megatron.agree import run_agreed
 from weightsync.sender.megatron.convert import check_shard_tensors
+from weightsync.sender.megatron.coverage import plan_hosts
 from weightsync.sender.megatron.lora_export import LoraExport
 from weightsync.sender.megatron.pieces import CopyPiece, piece_regions
-from weightsync.sender.megatron.plan import RankPlan, plan_hosts, plan_rank
+from weightsync.sender.megatron.plan import RankPlan, plan_rank
 from weightsync.sender.megatron.shards import collect_shards, topology_from_parallel_state
 from weightsync.sender.publisher import Publisher, PublishResult
 from weightsync.transports.broadcast import host_id as this_host_id

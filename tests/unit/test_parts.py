@@ -136,7 +136,7 @@ def dp_plans(tp: int, dp: int) -> list:
 
 def test_data_parallel_replicas_on_two_hosts_split_the_bytes():
     from weightsync.sender.megatron import check_coverage
-    from weightsync.sender.megatron.plan import plan_hosts
+    from weightsync.sender.megatron.coverage import plan_hosts
 
     plans = dp_plans(tp=2, dp=2)
     hosts = ["a", "a", "b", "b"]
@@ -155,7 +155,7 @@ def test_data_parallel_replicas_on_two_hosts_split_the_bytes():
 def test_one_host_plans_exactly_replica_0_as_before():
     from tests.unit.test_megatron_plan import config, dense_rank
     from weightsync.sender.megatron import RankTopology, plan_rank
-    from weightsync.sender.megatron.plan import plan_hosts
+    from weightsync.sender.megatron.coverage import plan_hosts
 
     narrowed, parts = plan_hosts(dp_plans(tp=2, dp=2), ["h"] * 4)
     assert parts.part_of("h") is None and len(parts.tensors_of("h")) == parts.num_tensors
@@ -165,7 +165,7 @@ def test_one_host_plans_exactly_replica_0_as_before():
 
 
 def test_a_replica_spanning_hosts_is_skipped_for_one_within_a_host():
-    from weightsync.sender.megatron.plan import plan_hosts
+    from weightsync.sender.megatron.coverage import plan_hosts
 
     _, parts = plan_hosts(dp_plans(tp=2, dp=2), ["a", "b", "c", "c"])
     # Replica 0's TP pair spans a and b: every TP-split tensor comes from replica 1 on c; the
@@ -175,7 +175,7 @@ def test_a_replica_spanning_hosts_is_skipped_for_one_within_a_host():
 
 
 def test_a_tp_group_spanning_hosts_is_refused_naming_tensor_and_hosts():
-    from weightsync.sender.megatron.plan import plan_hosts
+    from weightsync.sender.megatron.coverage import plan_hosts
 
     with pytest.raises(PlanError) as err:
         plan_hosts(dp_plans(tp=2, dp=1), ["trainer-a", "trainer-b"])
