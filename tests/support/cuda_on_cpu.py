@@ -1,6 +1,6 @@
 """Our CUDA kernels' own source, compiled for the CPU with g++ and run there, block by block.
 
-The kernels (``weightsync/copy_kernel.py``) only launch on a GPU, which CI does not have. A
+The kernels (``weightsync/copy_kernel_source.py``) only launch on a GPU, which CI does not have. A
 few lines of C++ stand in for what they use of CUDA: each block's threads are real threads
 (``threadIdx``), ``__syncthreads`` a barrier among them, ``__shared__`` memory shared by them,
 ``__shfl_down_sync`` an exchange between two barriers, ``atomicAdd`` an atomic add, and a
@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from weightsync import copy_kernel
+from weightsync import copy_kernel, copy_kernel_source
 
 _SHIM = r"""
 #include <barrier>
@@ -100,10 +100,10 @@ def compiler() -> str | None:
 
 @functools.cache
 def kernels() -> ctypes.CDLL:
-    """The kernels of ``copy_kernel._SOURCE`` built for this CPU: ``launch_<kernel>`` takes
+    """The kernels of ``copy_kernel_source.SOURCE`` built for this CPU: ``launch_<kernel>`` takes
     the block count, the threads per block, then the kernel's arguments."""
     build = Path(tempfile.mkdtemp(prefix="ws-kernels-"))
-    (build / "kernels.cpp").write_text(_SHIM + copy_kernel._SOURCE + _LAUNCHERS)
+    (build / "kernels.cpp").write_text(_SHIM + copy_kernel_source.SOURCE + _LAUNCHERS)
     # A load or store at an address its type does not align to is reported (a GPU would
     # fault; x86 does not care): see launch().
     cmd = [compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread"]
