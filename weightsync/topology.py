@@ -167,10 +167,6 @@ class TopologyPlan:
         transfers.sort(key=lambda t: t[:4])
         return tuple(t[-1] for t in transfers)
 
-    def link_seconds(self) -> dict[Link, float]:
-        """Each link's bytes over its rate: the plan's time if that link alone were loaded."""
-        return {link: n / self.rates.rate(link.kind) for link, n in self.link_bytes.items()}
-
 
 class _Spec(NamedTuple):
     order: int

@@ -98,7 +98,8 @@ def check(plan: TopologyPlan, manifest, sources, receivers) -> None:
         for link in route_links(t.route, (src.gpu, src.host), at[t.receiver]):
             links[link] += t.nbytes
     assert plan.link_bytes == links
-    assert plan.predicted_s == max(plan.link_seconds().values(), default=0)
+    seconds = [n / plan.rates.rate(link.kind) for link, n in plan.link_bytes.items()]
+    assert plan.predicted_s == max(seconds, default=0)
     assert plan.receiver_bytes == {
         r.id: sum(t.nbytes for t in plan.transfers if t.receiver == r.id)
         for r in sorted(receivers, key=lambda r: r.id)
