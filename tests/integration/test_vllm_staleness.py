@@ -29,13 +29,8 @@ import requests  # noqa: E402
 from tests.support import random_weights, unix_sender, wait_until  # noqa: E402
 from tests.support.vllm import random_checkpoint, save_checkpoint, vllm_server  # noqa: E402
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
-from weightsync.receiver.vllm.staleness import (  # noqa: E402
-    FIELDS,
-    MAX_POLICY_LAG_ARG,
-    SSE_DATA,
-    SSE_END,
-    with_fields,
-)
+from weightsync.receiver.vllm.staleness import FIELDS, MAX_POLICY_LAG_ARG  # noqa: E402
+from weightsync.receiver.vllm.staleness_openai import SSE_DATA, SSE_END, with_fields  # noqa: E402
 from weightsync.sender import Publisher  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -386,7 +381,7 @@ def test_requests_over_their_staleness_bound_end(server):
 
 def test_hooks_refuse_a_vllm_layout_they_do_not_know():
     from weightsync.errors import ConfigError
-    from weightsync.receiver.vllm import staleness
+    from weightsync.receiver.vllm import staleness, staleness_openai
 
     class Moved:
         def process(self, outputs): ...
@@ -398,4 +393,4 @@ def test_hooks_refuse_a_vllm_layout_they_do_not_know():
     with pytest.raises(ConfigError, match=r"Moved\.process lacks parameter\(s\) \['weight_ver"):
         staleness._patch(Moved, "process", lambda f: f, ("outputs", "weight_version"))
     with pytest.raises(ConfigError, match=r"Moved\.stream is no longer an async generator"):
-        staleness._patch_stream(Moved, "stream", staleness._chat_outputs)
+        staleness_openai._patch_stream(Moved, "stream", staleness_openai._chat_outputs)
