@@ -4,10 +4,11 @@ The parts, each given what it uses:
 
 - :class:`~weightsync.sender.registry.Registry`: who is connected, ``Status``;
 - :class:`~weightsync.sender.history.VersionHistory`: the last versions, ``WaitApplied``;
-- :class:`~weightsync.sender.outcomes.Outcomes`: each receiver's outcome per version, failures;
+- :class:`~weightsync.sender.outcomes.Outcomes`: receivers' replies and failures, per version;
 - :class:`~weightsync.sender.slots.SlotPool`: the staging buffers;
 - :func:`~weightsync.sender.planner.plan_version`: how a version travels (pure);
-- :class:`~weightsync.sender.driver.VersionDriver`: executes a plan, one version at a time;
+- :class:`~weightsync.sender.driver.VersionDriver`: runs each planned
+  :class:`~weightsync.sender.version.Version`, one at a time;
 - :class:`~weightsync.sender.broadcast.SenderBroadcast`: the broadcast data path.
 
 One lock (an ``RLock`` condition) guards all state; the coordinator makes it and hands it to
@@ -21,44 +22,32 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
 from weightsync import gc_pause, limits, trace
 from weightsync.config import SenderSettings
-from weightsync.errors import (
-    ConfigError,
-    ProtocolError,
-    ReplacedError,
-    TransportError,
-    WeightSyncError,
-)
+from weightsync.errors import ConfigError, ReplacedError, TransportError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
-from weightsync.sender.hellos import (
-    check_manifest_not_empty,
-    check_publisher_hello,
-    check_receiver_hello,
-)
+from weightsync.sender.hellos import check_publisher_hello, check_receiver_hello
 from weightsync.sender.history import VersionHistory
-from weightsync.sender.offer import OfferKey, rank_offer
-from weightsync.sender.outcomes import Outcomes, summary
+from weightsync.sender.joins import Bounded, StreamBegin, refused, staging_device
+from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.packing import MappedOffers
 from weightsync.sender.planner import Staging, TensorPlans, plan_version
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
 from weightsync.sender.registry import Registry
 from weightsync.sender.slices import SlicePlans
 from weightsync.sender.slots import Slot, SlotPool
+from weightsync.sender.version import Version
 from weightsync.transports import resolve_transport
 from weightsync.transports.broadcast import host_id
-from weightsync.transports.cuda_ipc import device_uuid, local_index_of
+from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import ManifestCache, error_to_pb
 
@@ -66,18 +55,6 @@ log = logging.getLogger("weightsync.sender")
 
 _Joining = tuple[VersionManifest, int, dict[int, RankConn]]
 """A version whose publisher ranks are still joining: its manifest, world size, ranks so far."""
-
-
-@dataclass
-class StreamBegin:
-    """The last begin on a publisher rank's stream that carried its manifest and offer, and
-    what the sender worked out of it once: a ``BeginVersion.repeat`` stands for it (a
-    4,719-tensor model's begin is 0.6 MB to send, parse and key every version otherwise)."""
-
-    begin: pb.BeginVersion | None = None
-    manifest: VersionManifest | None = None
-    manifest_key: bytes = b""
-    offer: bytes = b""
 
 
 class Coordinator:
@@ -114,9 +91,7 @@ class Coordinator:
         """Each receiver's direct bucket by (tensor plan, receivers' GPUs); the last 4."""
         self._mapped_offers = MappedOffers()
         """Offered memory mapped here, by offer; the last 4 are kept (cleared at close)."""
-        self._bounded: OrderedDict[tuple[bytes, OfferKey], None] = OrderedDict()
-        """(Manifest, offer) pairs checked against ``limits`` (bucket entries, offered
-        fields), by manifest key and offer; the last 16."""
+        self._bounded = Bounded()
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
         self._monitor.start()
@@ -149,7 +124,7 @@ class Coordinator:
                 behind: not the rank, not the version; ranks that had joined the version are
                 told it is abandoned.
         """
-        with _refused(
+        with refused(
             f"publisher {hello.publisher_id!r} rank {hello.rank} could not begin version "
             f"{begin.manifest.version}",
             f"PublisherHello (device {hello.device!r}, device_uuid {hello.device_uuid!r}) and "
@@ -164,18 +139,7 @@ class Coordinator:
         outbox: queue.Queue,
         last: StreamBegin,
     ) -> tuple[VersionRun | None, RankConn]:
-        if begin.repeat:
-            if last.manifest is None:
-                raise ProtocolError(
-                    f"BeginVersion of version {begin.manifest.version} repeats the last begin "
-                    "on this stream, but no begin on it carried a manifest yet; send it whole"
-                )
-            manifest = last.manifest.at(begin.manifest.version)
-        else:
-            check_manifest_not_empty(begin.manifest)
-            manifest, last.manifest_key = self._manifests(begin.manifest)  # bounds every field
-            last.begin, last.manifest = begin, manifest
-            last.offer = rank_offer(begin, hello.device_uuid)
+        manifest = last.take(begin, hello.device_uuid, self._manifests)
         trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
         manifest_key, offer = last.manifest_key, last.offer
@@ -212,7 +176,7 @@ class Coordinator:
             hold = gc_pause.Hold()  # released when the version ends (Outcomes)
             joined_at, joined_mono = time.time(), time.monotonic()
             try:
-                device = _staging_device(ranks[min(ranks)])
+                device = staging_device(ranks[min(ranks)])
                 run = self._plan_run(manifest, manifest_key, hello.publisher_id, device, ranks)
             except BaseException as e:
                 hold.release()
@@ -271,23 +235,16 @@ class Coordinator:
         publisher_id: str,
         device: torch.device,
         ranks: dict[int, RankConn],
-    ) -> VersionRun:
+    ) -> Version:
         """Plan the version (lock held), set each receiver's data path, and map the offered
         memory when the sender packs."""
         transport = resolve_transport(self.settings.transport, device)
         begins = {rank: conn.begin for rank, conn in ranks.items()}
         gpus = {rank: conn.device_uuid for rank, conn in ranks.items()}
         offered = tuple(ranks[r].offer for r in sorted(ranks))
-        if (manifest_key, offered) not in self._bounded:
-            # Before anything is planned from or mapped for them.
-            limits.check_entries(
-                len(manifest.tensors), manifest.total_bytes, self.settings.bucket_size_bytes
-            )
-            for begin in begins.values():
-                limits.check_offer(begin)
-            self._bounded[manifest_key, offered] = None
-            while len(self._bounded) > 16:
-                self._bounded.popitem(last=False)
+        self._bounded.check(
+            manifest, manifest_key, offered, begins, self.settings.bucket_size_bytes
+        )
         plan = plan_version(
             manifest,
             begins,
@@ -305,7 +262,7 @@ class Coordinator:
         if plan.tensors.sender_packs:
             # One copy of each piece: the staging GPU's is chosen (offered fixes it).
             regions = self._mapped_offers.regions(offered, plan.tensors.pack_from)
-        return VersionRun(
+        return Version(
             manifest,
             plan.tensors,
             publisher_id,
@@ -355,7 +312,7 @@ class Coordinator:
         is taken over: its old stream ends (ReplacedError) and fails what it owed."""
         check_receiver_hello(hello)
         with (
-            _refused(
+            refused(
                 f"receiver {hello.receiver_id!r} could not register",
                 f"ReceiverHello (engine {hello.engine!r}, device {hello.device!r}, "
                 f"transports {list(hello.transports)}, host_id {hello.host_id!r})",
@@ -417,7 +374,8 @@ class Coordinator:
 
     def _log_finished(self) -> None:
         while self.outcomes.finished:
-            line = summary(*self.outcomes.finished.popleft())
+            run, abandoned = self.outcomes.finished.popleft()
+            line = run.log_line(abandoned)
             log.info("%s", line.message, extra=line.extra)
 
     def close(self) -> None:
@@ -432,26 +390,3 @@ class Coordinator:
             self._broadcast.close()
             self._cond.notify_all()
         self._driver.close()
-
-
-@contextmanager
-def _refused(what: str, check: str) -> Iterator[None]:
-    """Our errors pass; any other exception (a bug, or input no check foresaw) becomes a
-    ConfigError, INVALID_ARGUMENT for the caller, saying ``what`` failed and which fields to
-    ``check``; its traceback goes to the log."""
-    try:
-        yield
-    except WeightSyncError:
-        raise
-    except Exception as e:
-        log.exception("refused: %s", what)
-        raise ConfigError(f"{what}: {type(e).__name__}: {e}; check {check}") from e
-
-
-def _staging_device(rank: RankConn) -> torch.device:
-    """Where rank 0's tensors live, as this process numbers GPUs (by UUID, since the trainer
-    and the sender may see different ``CUDA_VISIBLE_DEVICES``)."""
-    device = torch.device(rank.device)
-    if device.type != "cuda" or not rank.device_uuid:
-        return device
-    return torch.device("cuda", local_index_of(rank.device_uuid, device.index or 0))

@@ -15,7 +15,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import NamedTuple
 
 from weightsync import trace
 from weightsync.config import SenderSettings
@@ -23,20 +22,14 @@ from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError, W
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.planner import MAP
-from weightsync.sender.records import APPLIED, FAILED, PENDING, Outcome, ReceiverConn, VersionRun
+from weightsync.sender.records import Outcome, ReceiverConn, VersionRun
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import SlotPool
+from weightsync.sender.states import OutcomeState, ReceiverState, VersionState
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import boxes_from_pb, check_boxes, error_to_pb
 
 log = logging.getLogger("weightsync.sender")
-
-
-class LogLine(NamedTuple):
-    """One INFO line to write off the lock: its text and its structured fields."""
-
-    message: str
-    extra: dict
 
 
 class Outcomes:
@@ -57,8 +50,8 @@ class Outcomes:
         self._registry, self._history = registry, history
         self.finished: deque[tuple[VersionRun, str]] = deque()
         """Finished versions (and why one was abandoned), whose log lines the coordinator's
-        monitor builds and writes off the lock (:func:`summary`): not on the thread that sent
-        ``done``, whose next message may be the next version."""
+        monitor builds and writes off the lock (:meth:`VersionRun.log_line`): not on the thread
+        that sent ``done``, whose next message may be the next version."""
 
     def receiver_left(self, conn: ReceiverConn, why: str) -> None:
         """Its stream ended (later calls do nothing): it fails in every version it was still
@@ -69,7 +62,7 @@ class Outcomes:
                 return
             failed = []
             for run in self._history.runs():
-                if run.outcomes.get(conn.receiver_id, Outcome(APPLIED)).state == PENDING:
+                if conn.receiver_id in run.active():
                     failed.append(run.version)
                     self.fail(run, conn.receiver_id, ProtocolError(f"receiver {why}"))
         log.info(
@@ -96,7 +89,7 @@ class Outcomes:
         with self._cond:
             run = self._history.run_of(body.version)
             outcome = run.outcomes.get(conn.receiver_id) if run else None
-            if run is None or outcome is None or outcome.state != PENDING:
+            if run is None or outcome is None or outcome.state != OutcomeState.PENDING:
                 return  # late reply for a version it already left
             timeout = self._settings.ack_timeout_s
             if kind == "verdict":
@@ -105,7 +98,7 @@ class Outcomes:
                     return
                 if not body.accepted:
                     # Rejected before any write: it still holds its previous weights.
-                    conn.state = "dirty" if conn.dirty else "idle"
+                    conn.state = ReceiverState.DIRTY if conn.dirty else ReceiverState.IDLE
                     conn.last_error = body.error.message
                     self.fail(run, conn.receiver_id, body.error, notify=False)
             elif kind == "ack":
@@ -124,8 +117,9 @@ class Outcomes:
             elif kind == "applied":
                 outcome.got("applied", timeout)
                 if body.ok:
-                    outcome.state, outcome.applied_at = APPLIED, time.time()
-                    conn.applied_version, conn.state, conn.last_error = run.version, "idle", ""
+                    outcome.state, outcome.applied_at = OutcomeState.APPLIED, time.time()
+                    conn.applied_version, conn.last_error = run.version, ""
+                    conn.state = ReceiverState.IDLE
                     conn.dirty = False
                     # It committed: it reads nothing more, whether or not it acked every read
                     # (else the version would wait for it with no deadline left to end that).
@@ -192,7 +186,7 @@ class Outcomes:
                 )
                 continue
             outcome.expect("verdict", self._settings.ack_timeout_s)
-            conn.state = "applying"
+            conn.state = ReceiverState.APPLYING
             conn.send(start(conn))
 
     def expire(self, now: float) -> None:
@@ -201,7 +195,7 @@ class Outcomes:
         still listens registers again."""
         for run in self._history.runs():
             for rid, outcome in list(run.outcomes.items()):
-                if outcome.state == PENDING and outcome.deadline and outcome.deadline < now:
+                if outcome.overdue(now):
                     owed = ", ".join(sorted(outcome.awaiting))
                     error = SyncTimeoutError(
                         f"receiver {rid} sent nothing for {self._settings.ack_timeout_s:.0f} s "
@@ -223,14 +217,14 @@ class Outcomes:
         """Receiver ``rid`` is out of ``run``; with ``notify``, it is told to abort it."""
         detail = error if isinstance(error, pb.ErrorDetail) else error_to_pb(error)
         outcome = run.outcomes[rid]
-        outcome.state, outcome.error = FAILED, detail
+        outcome.state, outcome.error = OutcomeState.FAILED, detail
         outcome.awaiting, outcome.deadline = set(), None
         conn = self._registry.receiver(rid)
-        if conn.state == "applying":
+        if conn.state == ReceiverState.APPLYING:
             # Told to abort after a bucket (its publisher died, a timeout): it may have
             # written some; its next hello says for sure.
             conn.dirty = conn.dirty or outcome.wrote
-            conn.state = "dirty" if conn.dirty else "failed"
+            conn.state = ReceiverState.DIRTY if conn.dirty else ReceiverState.FAILED
         conn.last_error = conn.last_error or detail.message
         conn.broadcast_failed = conn.broadcast_failed or detail.code == TransportError.__name__
         self._slots.forget_reader(rid)
@@ -272,14 +266,14 @@ class Outcomes:
 
     def _fail_dirty(self, run: VersionRun, conn: ReceiverConn, error: pb.ErrorDetail) -> None:
         """The receiver failed after writing: its weights match no version until the next."""
-        conn.state, conn.dirty, conn.last_error = "dirty", True, error.message
+        conn.state, conn.dirty, conn.last_error = ReceiverState.DIRTY, True, error.message
         self.fail(run, conn.receiver_id, error, notify=False)
 
     def abort(self, run: VersionRun, detail: pb.ErrorDetail) -> None:
         """Abandon ``run``: every receiver still in it fails, its publishers get the error."""
         if run.done:
             return
-        staged = run.state == "staged"  # then failing its last receivers finishes it
+        staged = run.state == VersionState.STAGED  # then failing its last receivers finishes it
         if not staged:
             run.abandoned = detail  # first: it is abandoned, not ended by its receivers failing
         for rid in run.active():
@@ -288,7 +282,7 @@ class Outcomes:
         for rank in run.ranks.values():
             rank.outbox.put(WeightSyncError(f"version {run.version} abandoned: {detail.message}"))
         if not staged:
-            run.state = "failed"
+            run.state = VersionState.FAILED
             run.complete_s = time.monotonic() - run.started_mono
             self._metrics.version_done(run.state, run.complete_s)
             self._finished(run, detail.message)
@@ -298,30 +292,13 @@ class Outcomes:
         """``run`` is staged once its driver sent everything and no receiver still reads
         direct tensors (lock held): its publishers hear so (``staged``), and it completes once
         its receivers are done. An abandoned version is not staged."""
-        if run.state != "reading" or run.direct_readers or run.abandoned is not None:
+        if run.state != VersionState.READING or run.direct_readers or run.abandoned is not None:
             return
         run.staged_s = time.monotonic() - run.started_mono
-        run.state = "staged"
-        self.tell_staged(run)
+        run.state = VersionState.STAGED
+        run.tell_staged()
         self.maybe_complete(run)
         self._cond.notify_all()
-
-    def tell_staged(self, run: VersionRun) -> None:
-        """``staged`` to each publisher rank of ``run`` that takes it (one that waits for
-        ``done`` and said ``staged_in_done`` takes ``done`` as ``staged``)."""
-        staged = pb.SenderReply(
-            staged=pb.VersionStaged(version=run.version, receivers=len(run.outcomes))
-        )
-        for rank in run.ranks.values():
-            if not rank.staged_in_done:
-                rank.outbox.put(staged)
-
-    def tell_done(self, run: VersionRun) -> None:
-        """``done`` to every publisher rank of ``run``, when they wait for it."""
-        if run.notify_done:
-            done = pb.SenderReply(done=run.to_pb())
-            for rank in run.ranks.values():
-                rank.outbox.put(done)
 
     def maybe_complete(self, run: VersionRun) -> None:
         """Once staged and no receiver is left owing anything, the version is over; once
@@ -330,24 +307,26 @@ class Outcomes:
         the end): it completes when staged."""
         if run.active() or run.done:
             return
-        if run.state != "staged":
+        if run.state != VersionState.STAGED:
             # A receiver that applied had the end: its driver stages the version next.
-            applied = any(o.state == APPLIED for o in run.outcomes.values())
+            applied = any(o.state == OutcomeState.APPLIED for o in run.outcomes.values())
             if run.outcomes and run.abandoned is None and not applied:
                 self._every_receiver_failed(run)
             return
         run.complete_s = time.monotonic() - run.started_mono
         run.state = (
-            "complete" if all(o.state == APPLIED for o in run.outcomes.values()) else "failed"
+            VersionState.COMPLETE
+            if all(o.state == OutcomeState.APPLIED for o in run.outcomes.values())
+            else VersionState.FAILED
         )
         trace.mark("sender.complete", version=run.version)
-        self.tell_done(run)
+        run.tell_done()
         self._metrics.version_done(run.state, run.complete_s)  # after `done`: off its path
         self._finished(run)
 
     def _every_receiver_failed(self, run: VersionRun) -> None:
         """``run`` failed before it was staged: nobody is left to read the rest."""
-        run.state = "failed"
+        run.state = VersionState.FAILED
         run.complete_s = time.monotonic() - run.started_mono
         self._slots.release_version(run.version)
         self._metrics.version_done(run.state, run.complete_s)
@@ -367,48 +346,3 @@ class Outcomes:
             for run in self._history.runs():
                 if not run.done:
                     self.abort(run, error_to_pb(TransportError("the sender is shutting down")))
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
-
-
-def summary(run: VersionRun, abandoned: str = "") -> LogLine:
-    """The one log line of a finished version, with its timings as structured fields."""
-    applied = sum(o.state == APPLIED for o in run.outcomes.values())
-    direct = run.tensors.direct
-    direct_bytes = direct.nbytes if direct else 0
-    failures = {
-        rid: _one_line(o.error.message if o.error is not None else "")
-        for rid, o in run.outcomes.items()
-        if o.state == FAILED
-    }
-    message = (
-        f"version {run.version} {run.state}: {run.manifest.total_bytes / 1e6:.1f} MB "
-        f"({direct_bytes / 1e6:.1f} MB direct), {len(run.tensors.staged.buckets)} bucket(s), "
-        f"planned {run.plan_s:.3f} s, staged {run.staged_s:.3f} s, done {run.complete_s:.3f} s, "
-        "applied by "
-        f"{applied}/{len(run.outcomes)} receiver(s)"
-        + (f"; abandoned: {_one_line(abandoned)}" if abandoned else "")
-        + "".join(f"; {rid} failed: {why}" for rid, why in failures.items())
-    )
-    extra = {
-        "event": "version_finished",
-        "version": run.version,
-        "state": run.state,
-        "total_bytes": run.manifest.total_bytes,
-        "direct_bytes": direct_bytes,
-        "buckets": len(run.tensors.staged.buckets),
-        "plan_s": round(run.plan_s, 6),
-        "staged_s": round(run.staged_s, 6),
-        "done_s": round(run.complete_s, 6),
-        "applied": applied,
-        "receivers": len(run.outcomes),
-        "sender_packed": run.regions is not None,
-        "route_bytes": dict(run.route_bytes),
-        "publisher_id": run.publisher_id,
-        "failed": failures,
-    }
-    if abandoned:
-        extra["abandoned"] = _one_line(abandoned)
-    return LogLine(message, extra)

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from operator import attrgetter, is_
 
 import grpc
 import torch
@@ -19,7 +17,6 @@ from weightsync.buckets import Bucket, TensorSpec, align_up, pack_entry
 from weightsync.checksum import verify_entry
 from weightsync.config import ALIGNMENT_BYTES, ClientSettings
 from weightsync.control.client import connect
-from weightsync.control.lanes import ClientStream
 from weightsync.errors import (
     ConfigError,
     ReceiverFailedError,
@@ -29,17 +26,19 @@ from weightsync.errors import (
 )
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region, whole
+from weightsync.sender.exports import Exports
+from weightsync.sender.placement import Published, WireManifest, placement_key
+from weightsync.sender.publish_stream import PublishStream, same_begin
+from weightsync.sender.states import OutcomeState
 from weightsync.transports import MappedBuffers, get_transport
-from weightsync.transports.base import StagingBuffer, own_handle, register_own
-from weightsync.transports.cuda_ipc import device_uuid, export_handle
+from weightsync.transports.base import StagingBuffer
+from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
     ParseCache,
     bucket_from_pb,
     describe,
     error_to_pb,
-    manifest_to_pb,
-    regions_to_pb,
 )
 
 PackFn = Callable[[Bucket, torch.Tensor], None]
@@ -84,23 +83,20 @@ class Publisher:
         self.rank, self.world_size = rank, world_size
         self._channel, self._stub = connect(address, connect_timeout_s)
         self._lanes = ClientSettings().lanes  # read once: settings cost ~0.5 ms to read
-        self._stream: _PublishStream | None = None
+        self._stream: PublishStream | None = None
         self._stream_closer: weakref.finalize | None = None
         # Caches; each says its key and what invalidates it.
         self._buffers = MappedBuffers()
         """The sender's staging buffers mapped here, by buffer id; kept while this lives."""
-        self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
-        """IPC exports by storage (address, size, device); only the last offer's are kept."""
-        self._offered: tuple[Mapping, pb.BeginVersion] | None = None
-        """The last offer's wire form, by the identity of the regions mapping described."""
+        self._exports = Exports()
+        """The last offer's storages exported, and its wire form (see :class:`Exports`)."""
         self._layouts = ParseCache(bucket_from_pb)
         """Bucket layouts by their bytes; cleared when 512 are held."""
-        self._published: _Published | None = None
+        self._published: Published | None = None
         """``publish``'s manifest (checked once) and regions, by its LoRA spec, its part and
         (name, dtype, shape, address, stride) of every tensor, or for the same mapping by its
         tensors' names, identities and addresses; replaced when any changes."""
-        self._manifest: tuple[VersionManifest, pb.Manifest] | None = None
-        """The last wire manifest, by the identity of its tensor list (and its LoRA spec)."""
+        self._manifest = WireManifest()
 
     def publish(
         self,
@@ -125,10 +121,10 @@ class Publisher:
         tensors are this sender's share of a version several senders send together.
 
         Every version, the tensors' names, dtypes, shapes, addresses and strides are checked
-        against the last version's (3.5 ms for 4,719 tensors). Passing the same mapping again,
-        holding the same tensor objects at the same addresses, skips that (0.5 ms): a tensor
-        whose shape, dtype or strides change in place at the same address (``set_``,
-        ``resize_``, ``.data =`` a view of the same memory) must then come in a new mapping.
+        against the last version's. Passing the same mapping again, holding the same tensor
+        objects at the same addresses, skips most of that: a tensor whose shape, dtype or
+        strides change in place at the same address (``set_``, ``resize_``, ``.data =`` a view
+        of the same memory) must then come in a new mapping.
 
         Raises:
             ConfigError: ``named_tensors`` is empty (before any call to the sender).
@@ -164,7 +160,7 @@ class Publisher:
         lora: LoraAdapterSpec | None,
         part: VersionPartSpec | None,
         version: int,
-    ) -> _Published:
+    ) -> Published:
         """The manifest and regions of ``named_tensors``: the last ones while they still
         describe them (see :meth:`publish`)."""
         last = self._published
@@ -184,7 +180,7 @@ class Publisher:
             manifest, regions = VersionManifest(version, specs, lora, part), whole(tensors)
         else:
             manifest, regions = last.manifest, last.regions
-        self._published = _Published(mapping, tensors, key, lora, part, manifest, regions)
+        self._published = Published(mapping, tensors, key, lora, part, manifest, regions)
         return self._published
 
     def publish_packed(
@@ -230,10 +226,11 @@ class Publisher:
                 "publish at least one"
             )
         trace.mark("publish", version=version, rank=self.rank)
-        whole = (self._manifest_pb(manifest), self._offer(regions) if regions else None, direct)
+        offer = self._exports.offer(regions) if regions else None
+        whole = (self._manifest(manifest), offer, direct)
         stream = self._stream_for(device)
         begin = pb.BeginVersion(wait_applied=wait)
-        if stream.repeats and stream.last is not None and _same(stream.last, whole):
+        if stream.repeats and stream.last is not None and same_begin(stream.last, whole):
             begin.repeat = True
         else:
             begin.manifest.CopyFrom(whole[0])
@@ -291,7 +288,7 @@ class Publisher:
             _raise_for_failures(done)
         return PublishResult(manifest.version, staged_s, staged.receivers, done)
 
-    def _stream_for(self, device: torch.device) -> _PublishStream:
+    def _stream_for(self, device: torch.device) -> PublishStream:
         """The open Publish stream (one per publisher rank, kept across versions), opened
         again for another device, after a failure, or once it ended between versions (its
         sender restarted: the channel reaches the new one, the old stream never will)."""
@@ -307,7 +304,7 @@ class Publisher:
                 lanes=self._lanes,
                 staged_in_done=True,
             )
-            self._stream = _PublishStream(self._stub, hello, device)
+            self._stream = PublishStream(self._stub, hello, device)
             # A stream still open when the publisher is dropped, or at interpreter exit, can
             # abort the process in gRPC's teardown ("terminate called without an active
             # exception"): close it then, whoever forgot to.
@@ -319,61 +316,8 @@ class Publisher:
             self._stream_closer()  # closes the stream, once
         self._stream = self._stream_closer = None
 
-    def _manifest_pb(self, manifest: VersionManifest) -> pb.Manifest:
-        """The wire manifest, converted again only for another tensor list (by identity: the
-        callers keep theirs; holding it here keeps the identity meaningful)."""
-        cached = self._manifest
-        if cached is None or (
-            cached[0].tensors is not manifest.tensors
-            or cached[0].lora != manifest.lora
-            or cached[0].part != manifest.part
-        ):
-            self._manifest = cached = (manifest, manifest_to_pb(manifest))
-        return cached[1]
-
-    def _offer(self, regions: Mapping[str, Sequence[Region]]) -> pb.BeginVersion:
-        """A begin's ``sources`` and ``pieces`` describing ``regions``: worked out once per
-        mapping (by identity, so callers pass the same one while their tensors stay put); each
-        storage is exported once (Megatron keeps parameters in a few large buffers). Only
-        tensors other processes can map are offered: CUDA memory, or a staging buffer this
-        process allocated (shm)."""
-        if self._offered is None or self._offered[0] is not regions:
-            offered = regions
-            regions = {
-                n: rs
-                for n, rs in regions.items()
-                if all(r.source.is_cuda or own_handle(r.source) for r in rs)
-            }
-            offer = pb.BeginVersion()
-            index: dict[str, int] = {}
-            # Only the storages of this offer stay exported (and so referenced).
-            previous, self._exported = self._exported, {}
-
-            def locate(tensor: torch.Tensor) -> tuple[int, int]:
-                storage = tensor.untyped_storage()
-                skey = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
-                if skey not in self._exported:
-                    hit = previous.get(skey)
-                    if hit is None and not tensor.is_cuda:
-                        hit = (own_handle(tensor), tensor)
-                    if hit is None:
-                        whole_storage = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-                        whole_storage.set_(storage, 0, (storage.nbytes(),), (1,))
-                        hit = (export_handle(whole_storage), whole_storage)
-                        register_own(hit[0].buffer_id, whole_storage)
-                    self._exported[skey] = hit
-                handle = self._exported[skey][0]
-                if handle.buffer_id not in index:
-                    index[handle.buffer_id] = len(offer.sources)
-                    offer.sources.append(handle)
-                return index[handle.buffer_id], tensor.storage_offset() * tensor.element_size()
-
-            offer.pieces.extend(regions_to_pb(regions, locate))
-            self._offered = (offered, offer)
-        return self._offered[1]
-
     def _pack_one(
-        self, msg: pb.PackBucket, pack: PackFn, stream: _PublishStream, device: torch.device
+        self, msg: pb.PackBucket, pack: PackFn, stream: PublishStream, device: torch.device
     ) -> None:
         buffer = self._buffers.get(msg.buffer)
         pack(self._layouts(msg.layout), buffer)
@@ -445,130 +389,8 @@ def shm_tensors(specs: Sequence[TensorSpec]) -> tuple[StagingBuffer, dict[str, t
     return store, tensors
 
 
-def placement_key(tensors: Mapping[str, torch.Tensor]) -> tuple:
-    """Equal while last version's specs and regions still describe ``tensors``: every name,
-    dtype, shape, address and stride. Built a field at a time over all tensors, and strides
-    only of tensors not contiguous (a shape decides a contiguous tensor's addressing, and
-    ``stride()`` costs about a microsecond): for 4,719 tensors about 2 ms on the CPU box here,
-    where a tuple per tensor took 13 ms."""
-    values = list(tensors.values())
-    contiguous = tuple(map(torch.Tensor.is_contiguous, values))
-    return (
-        tuple(tensors),
-        tuple(map(attrgetter("dtype"), values)),
-        tuple(map(attrgetter("shape"), values)),
-        tuple(map(torch.Tensor.data_ptr, values)),
-        contiguous,
-        tuple(t.stride() for t, c in zip(values, contiguous, strict=True) if not c),
-    )
-
-
-@dataclass
-class _Published:
-    """What :meth:`Publisher.publish` worked out for a mapping of tensors."""
-
-    mapping: Mapping[str, torch.Tensor] | None
-    """The caller's mapping (held, so its identity is never another's)."""
-    tensors: dict[str, torch.Tensor]
-    key: tuple
-    """:func:`placement_key` of ``tensors``."""
-    lora: LoraAdapterSpec | None
-    part: VersionPartSpec | None
-    manifest: VersionManifest
-    regions: dict
-
-    def __post_init__(self) -> None:
-        self._names = tuple(self.tensors)
-        self._values = tuple(self.tensors.values())
-        self._addresses = tuple(map(torch.Tensor.data_ptr, self._values))
-
-    def same_tensors(self) -> bool:
-        """Whether ``mapping`` still holds the same tensor objects under the same names, at
-        the same addresses (a tensor given new memory by ``.data =`` shows there)."""
-        values = tuple(self.mapping.values())
-        return (
-            tuple(self.mapping) == self._names  # as many values as last time, too
-            and all(map(is_, values, self._values))
-            and tuple(map(torch.Tensor.data_ptr, values)) == self._addresses
-        )
-
-
-class _PublishStream(ClientStream):
-    """A Publish stream: the messages this publisher sends and the sender's replies."""
-
-    def __init__(self, stub, hello: pb.PublisherHello, device: torch.device) -> None:
-        super().__init__(stub.Publish, pb.PublisherMessage(hello=hello), pb.SenderReply)
-        self.device = device
-        """Where the tensors it publishes live (the hello says it; another needs a new stream)."""
-        self.watchdog = _Watchdog(self.cancel)
-        """Cancels the replies when a version's deadline passes."""
-        self.repeats = False
-        """The sender takes ``BeginVersion.repeat`` (its welcome said so)."""
-        self.last: _Whole | None = None
-        """What the last whole begin on this stream carried."""
-
-    def close(self) -> None:
-        self.end()
-        self.cancel()
-        self.watchdog.close()
-
-
-class _Watchdog:
-    """Calls ``expire`` once an armed deadline passes before it is disarmed. One thread for
-    every version of a stream, where a ``threading.Timer`` per version started a thread on
-    each version's latency path (while the stream's own threads need the GIL)."""
-
-    def __init__(self, expire: Callable[[], object]) -> None:
-        self._expire = expire
-        self._cond = threading.Condition()
-        self._deadline: float | None = None
-        self._expired = threading.Event()
-        self._closed = False
-        self._thread: threading.Thread | None = None
-
-    def arm(self, timeout_s: float) -> threading.Event:
-        """Start the clock; the event returned is set if it runs out."""
-        with self._cond:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._watch, name="deadline", daemon=True)
-                self._thread.start()
-            self._expired = threading.Event()
-            self._deadline = time.monotonic() + timeout_s
-            self._cond.notify()
-            return self._expired
-
-    def disarm(self) -> None:
-        with self._cond:
-            self._deadline = None
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify()
-
-    def _watch(self) -> None:
-        with self._cond:
-            while not self._closed:
-                left = None if self._deadline is None else self._deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    self._deadline = None
-                    self._expired.set()
-                    self._expire()
-                else:
-                    self._cond.wait(left)
-
-
-_Whole = tuple[pb.Manifest, pb.BeginVersion | None, bool]
-"""What a whole begin carries: the wire manifest (any version), the offer, allow_direct."""
-
-
-def _same(a: _Whole, b: _Whole) -> bool:
-    """The same begin but its version: the cached wire messages are the same objects."""
-    return a[0] is b[0] and a[1] is b[1] and a[2] == b[2]
-
-
 def _raise_for_failures(status: pb.VersionStatus) -> None:
-    failed = [o for o in status.receivers if o.state != "applied"]
+    failed = [o for o in status.receivers if o.state != OutcomeState.APPLIED]
     if failed:
         lines = "; ".join(f"{o.receiver_id}: {describe(o.error)}" for o in failed)
         raise ReceiverFailedError(

@@ -1,8 +1,8 @@
 """The sender's records of its peers and versions: receivers, publisher ranks, version runs.
 
-Plain data, no locks and no threads: the registry, the version history and the outcomes
-(``registry.py``, ``history.py``, ``outcomes.py``) mutate them with the sender's lock held;
-the servicer only moves their queued messages.
+No locks and no threads: the registry, the version history, the outcomes and a version's own
+steps (``registry.py``, ``history.py``, ``outcomes.py``, ``version.py``) change them with the
+sender's lock held; the servicer only moves their queued messages.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 from weightsync import gc_pause
 from weightsync.buckets import TensorSpec
@@ -21,6 +22,7 @@ from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.outbox import Outbox, batched
 from weightsync.sender.planner import TensorPlan
 from weightsync.sender.slices import SliceGroup
+from weightsync.sender.states import OutcomeState, ReceiverState, VersionState
 from weightsync.stream_keys import SentKeys
 from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
@@ -28,10 +30,6 @@ from weightsync.v1 import weightsync_pb2 as pb
 
 class RunAborted(Exception):
     """The version was abandoned while a driver waited; the driver just stops."""
-
-
-# Outcome states of one receiver for one version.
-PENDING, APPLIED, FAILED = "pending", "applied", "failed"
 
 
 @dataclass
@@ -51,7 +49,7 @@ class ReceiverConn:
     outbox: Outbox = field(default_factory=lambda: Outbox(batched))
     connected: bool = True
     applied_version: int = 0
-    state: str = "idle"
+    state: ReceiverState = ReceiverState.IDLE
     dirty: bool = False
     """Some bucket of a failed version was written: its weights match no version."""
     last_error: str = ""
@@ -145,7 +143,7 @@ class RankConn:
 class Outcome:
     """What one receiver did with one version."""
 
-    state: str = PENDING
+    state: OutcomeState = OutcomeState.PENDING
     error: pb.ErrorDetail | None = None
     applied_at: float = 0.0
     awaiting: set[str] = field(default_factory=set)
@@ -162,6 +160,11 @@ class Outcome:
     def got(self, what: str, timeout_s: float) -> None:
         self.awaiting.discard(what)
         self.deadline = time.monotonic() + timeout_s if self.awaiting else None
+
+    def overdue(self, now: float) -> bool:
+        """It still owes a reply, past its deadline."""
+        pending = self.state == OutcomeState.PENDING
+        return pending and self.deadline is not None and self.deadline < now
 
 
 @dataclass
@@ -198,9 +201,7 @@ class VersionRun:
     plan_s: float = 0.0
     staged_s: float = 0.0
     complete_s: float = 0.0
-    state: str = "packing"
-    """packing, reading (every bucket and the end sent: only direct reads are owed before it
-    is staged), staged, complete or failed."""
+    state: VersionState = VersionState.PACKING
     abandoned: pb.ErrorDetail | None = None
     """Why the version was abandoned, when it was (Status shows it)."""
     gc_hold: gc_pause.Hold | None = field(default=None, repr=False, compare=False)
@@ -212,7 +213,7 @@ class VersionRun:
 
     @property
     def done(self) -> bool:
-        return self.state in ("complete", "failed")
+        return self.state in (VersionState.COMPLETE, VersionState.FAILED)
 
     @property
     def left_no_trace(self) -> bool:
@@ -221,10 +222,10 @@ class VersionRun:
         receiver's failure is final, so that holds from the last verdict on, even before the
         run itself is marked failed (its publisher may hear first)."""
         outcomes = self.outcomes.values()
-        if any(o.wrote or o.state == APPLIED for o in outcomes):
+        if any(o.wrote or o.state == OutcomeState.APPLIED for o in outcomes):
             return False
-        return self.state == "failed" or (
-            bool(outcomes) and all(o.state == FAILED for o in outcomes)
+        return self.state == VersionState.FAILED or (
+            bool(outcomes) and all(o.state == OutcomeState.FAILED for o in outcomes)
         )
 
     @cached_property
@@ -246,7 +247,7 @@ class VersionRun:
 
     def active(self) -> list[str]:
         """Receivers still taking part (not failed, not yet applied)."""
-        return [rid for rid, o in self.outcomes.items() if o.state == PENDING]
+        return [rid for rid, o in self.outcomes.items() if o.state == OutcomeState.PENDING]
 
     def to_pb(self) -> pb.VersionStatus:
         direct = self.tensors.direct
@@ -272,3 +273,70 @@ class VersionRun:
                 for rid, o in sorted(self.outcomes.items())
             ],
         )
+
+    def tell_staged(self) -> None:
+        """``staged`` to each publisher rank of the version that takes it (one that waits for
+        ``done`` and said ``staged_in_done`` takes ``done`` as ``staged``)."""
+        staged = pb.SenderReply(
+            staged=pb.VersionStaged(version=self.version, receivers=len(self.outcomes))
+        )
+        for rank in self.ranks.values():
+            if not rank.staged_in_done:
+                rank.outbox.put(staged)
+
+    def tell_done(self) -> None:
+        """``done`` to every publisher rank of the version, when they wait for it."""
+        if self.notify_done:
+            done = pb.SenderReply(done=self.to_pb())
+            for rank in self.ranks.values():
+                rank.outbox.put(done)
+
+    def log_line(self, abandoned: str = "") -> LogLine:
+        """The one log line of a finished version, with its timings as structured fields."""
+        applied = sum(o.state == OutcomeState.APPLIED for o in self.outcomes.values())
+        direct = self.tensors.direct
+        direct_bytes = direct.nbytes if direct else 0
+        failures = {
+            rid: _one_line(o.error.message if o.error is not None else "")
+            for rid, o in self.outcomes.items()
+            if o.state == OutcomeState.FAILED
+        }
+        message = (
+            f"version {self.version} {self.state}: {self.manifest.total_bytes / 1e6:.1f} MB "
+            f"({direct_bytes / 1e6:.1f} MB direct), {len(self.tensors.staged.buckets)} bucket(s), "
+            f"planned {self.plan_s:.3f} s, staged {self.staged_s:.3f} s, "
+            f"done {self.complete_s:.3f} s, applied by {applied}/{len(self.outcomes)} receiver(s)"
+            + (f"; abandoned: {_one_line(abandoned)}" if abandoned else "")
+            + "".join(f"; {rid} failed: {why}" for rid, why in failures.items())
+        )
+        extra = {
+            "event": "version_finished",
+            "version": self.version,
+            "state": self.state,
+            "total_bytes": self.manifest.total_bytes,
+            "direct_bytes": direct_bytes,
+            "buckets": len(self.tensors.staged.buckets),
+            "plan_s": round(self.plan_s, 6),
+            "staged_s": round(self.staged_s, 6),
+            "done_s": round(self.complete_s, 6),
+            "applied": applied,
+            "receivers": len(self.outcomes),
+            "sender_packed": self.regions is not None,
+            "route_bytes": dict(self.route_bytes),
+            "publisher_id": self.publisher_id,
+            "failed": failures,
+        }
+        if abandoned:
+            extra["abandoned"] = _one_line(abandoned)
+        return LogLine(message, extra)
+
+
+class LogLine(NamedTuple):
+    """One INFO line to write off the lock: its text and its structured fields."""
+
+    message: str
+    extra: dict
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

@@ -23,7 +23,8 @@ from weightsync.errors import ConfigError
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.planner import BROADCAST, data_paths
-from weightsync.sender.records import PENDING, PublisherConn, ReceiverConn, VersionRun
+from weightsync.sender.records import PublisherConn, ReceiverConn, VersionRun
+from weightsync.sender.states import OutcomeState, ReceiverState
 from weightsync.v1 import weightsync_pb2 as pb
 
 log = logging.getLogger("weightsync.sender")
@@ -80,7 +81,7 @@ class Registry:
             conn.applied_version, conn.dirty = hello.applied_version, hello.dirty
             conn.layout_keys, conn.manifest_keys = hello.layout_keys, hello.manifest_keys
             conn.batches = hello.batches
-            conn.state = "dirty" if hello.dirty else "idle"
+            conn.state = ReceiverState.DIRTY if hello.dirty else ReceiverState.IDLE
             conn.data_path = data_paths([conn], self._settings.transport, self.staging_uuid)[rid]
             self._receivers[rid] = conn
             self._metrics.set_receivers_connected(self._count_connected())
@@ -122,7 +123,7 @@ class Registry:
         if not conn.connected:
             return None
         conn.connected = False
-        was, conn.state = conn.state, "disconnected"
+        was, conn.state = conn.state, ReceiverState.DISCONNECTED
         self._gone[conn.receiver_id] = time.monotonic()
         conn.outbox.put(None)
         self._metrics.set_receivers_connected(self._count_connected())
@@ -146,7 +147,7 @@ class Registry:
 
     def _owes_a_version(self, rid: str) -> bool:
         return any(
-            o is not None and o.state == PENDING
+            o is not None and o.state == OutcomeState.PENDING
             for o in (run.outcomes.get(rid) for run in self._history.runs())
         )
 

@@ -23,7 +23,8 @@ from weightsync.limits import (
     check_publisher_message,
     check_receiver_message,
 )
-from weightsync.sender.coordinator import Coordinator, StreamBegin
+from weightsync.sender.coordinator import Coordinator
+from weightsync.sender.joins import StreamBegin
 from weightsync.sender.outbox import Outbox, Unsent, batched
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
 from weightsync.v1 import weightsync_pb2 as pb

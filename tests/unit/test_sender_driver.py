@@ -17,12 +17,13 @@ from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.planner import plan_tensors
-from weightsync.sender.records import RankConn, VersionRun
+from weightsync.sender.records import RankConn
 from weightsync.sender.slots import SlotPool
+from weightsync.sender.version import Version
 from weightsync.v1 import weightsync_pb2 as pb
 
 
-def _direct_run(version: int) -> VersionRun:
+def _direct_run(version: int) -> Version:
     """Two tensors the publisher offers whole: nothing is staged."""
     manifest = VersionManifest(
         version, (TensorSpec("a", "float32", (64,)), TensorSpec("b", "float32", (64,)))
@@ -40,7 +41,7 @@ def _direct_run(version: int) -> VersionRun:
     tensors = plan_tensors(manifest, {0: begin}, True, SETTINGS.bucket_size_bytes)
     assert tensors.direct is not None and not tensors.staged.buckets
     ranks = {0: RankConn(0, "cpu", begin, outbox=queue.Queue())}
-    return VersionRun(manifest, tensors, "p", "shm", ranks, notify_done=True)
+    return Version(manifest, tensors, "p", "shm", ranks, notify_done=True)
 
 
 def _until(check, what: str) -> None:

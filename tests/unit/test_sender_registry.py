@@ -13,9 +13,9 @@ from tests.support.sender_parts import SETTINGS, published, sender_parts
 from weightsync.errors import ConfigError, SyncTimeoutError, VersionError
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.history import VersionHistory
-from weightsync.sender.outcomes import summary
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import ReadEvent, SlotPool
+from weightsync.sender.states import VersionState
 from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -111,7 +111,7 @@ def test_receivers_that_apply_before_the_driver_stages_the_version_complete_it_o
         parts.outcomes.on_receiver_message(conn, pb.ReceiverMessage(applied=applied))
     assert not run.done and run.ranks[0].outbox.empty()
     with parts.cond:
-        run.state = "reading"  # what the driver's _staged does
+        run.state = VersionState.READING  # what Version.run does once it sent the end
         parts.outcomes.reads_done(run)
     assert run.state == "complete"
     outbox = run.ranks[0].outbox
@@ -123,7 +123,7 @@ def test_receivers_that_apply_before_the_driver_stages_the_version_complete_it_o
 def test_a_staged_version_completes_when_every_receiver_applied_and_tells_the_publisher(parts):
     conns = [parts.registry.add_receiver(hello(rid)) for rid in ("a", "b")]
     run = published(parts, 1, wait_applied=True)
-    run.state = "staged"
+    run.state = VersionState.STAGED
     for i, conn in enumerate(conns):
         assert not run.done
         applied = pb.VersionApplied(version=1, ok=True)
@@ -134,7 +134,8 @@ def test_a_staged_version_completes_when_every_receiver_applied_and_tells_the_pu
     assert parts.history.wait_applied(1, timeout_s=0.1).state == "complete"
     done = run.ranks[0].outbox.get_nowait()
     assert done.done.version == 1 and [o.state for o in done.done.receivers] == ["applied"] * 2
-    assert "applied by 2/2" in summary(*parts.outcomes.finished[0]).message
+    run, abandoned = parts.outcomes.finished[0]
+    assert "applied by 2/2" in run.log_line(abandoned).message
 
 
 def test_a_receiver_gone_mid_version_fails_only_its_outcome(parts):

@@ -12,6 +12,7 @@ from tests.support.sender_parts import SenderParts, new_run, sender_parts
 from weightsync.errors import ConfigError, ProtocolError, SyncTimeoutError, TransportError
 from weightsync.sender.hellos import check_publisher_hello, check_receiver_hello
 from weightsync.sender.records import VersionRun
+from weightsync.sender.states import VersionState
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -26,7 +27,7 @@ def publish(parts: SenderParts, version: int) -> VersionRun:
     with parts.cond:
         parts.history.check_version(version)
         parts.history.add_run(run)
-        run.state = "staged"
+        run.state = VersionState.STAGED
         parts.outcomes.maybe_complete(run)
     return run
 

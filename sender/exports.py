@@ -1,0 +1,64 @@
+"""A publisher's offer: where its tensors live, for a sender on its host to map and read."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from weightsync.regions import Region
+from weightsync.transports.base import own_handle, register_own
+from weightsync.transports.cuda_ipc import export_handle
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import regions_to_pb
+
+
+class Exports:
+    """The storages of a publisher's last offer, exported, and that offer's wire form."""
+
+    def __init__(self) -> None:
+        self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
+        """IPC exports by storage (address, size, device); only the last offer's are kept."""
+        self._last: tuple[Mapping, pb.BeginVersion] | None = None
+        """The last offer's wire form, by the identity of the regions mapping described."""
+
+    def offer(self, regions: Mapping[str, Sequence[Region]]) -> pb.BeginVersion:
+        """A begin's ``sources`` and ``pieces`` describing ``regions``: worked out once per
+        mapping (by identity, so callers pass the same one while their tensors stay put); each
+        storage is exported once (Megatron keeps parameters in a few large buffers). Only
+        tensors other processes can map are offered: CUDA memory, or a staging buffer this
+        process allocated (shm)."""
+        if self._last is None or self._last[0] is not regions:
+            offered = regions
+            regions = {
+                n: rs
+                for n, rs in regions.items()
+                if all(r.source.is_cuda or own_handle(r.source) for r in rs)
+            }
+            offer = pb.BeginVersion()
+            index: dict[str, int] = {}
+            # Only the storages of this offer stay exported (and so referenced).
+            previous, self._exported = self._exported, {}
+
+            def locate(tensor: torch.Tensor) -> tuple[int, int]:
+                storage = tensor.untyped_storage()
+                skey = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
+                if skey not in self._exported:
+                    hit = previous.get(skey)
+                    if hit is None and not tensor.is_cuda:
+                        hit = (own_handle(tensor), tensor)
+                    if hit is None:
+                        whole_storage = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+                        whole_storage.set_(storage, 0, (storage.nbytes(),), (1,))
+                        hit = (export_handle(whole_storage), whole_storage)
+                        register_own(hit[0].buffer_id, whole_storage)
+                    self._exported[skey] = hit
+                handle = self._exported[skey][0]
+                if handle.buffer_id not in index:
+                    index[handle.buffer_id] = len(offer.sources)
+                    offer.sources.append(handle)
+                return index[handle.buffer_id], tensor.storage_offset() * tensor.element_size()
+
+            offer.pieces.extend(regions_to_pb(regions, locate))
+            self._last = (offered, offer)
+        return self._last[1]

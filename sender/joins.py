@@ -1,0 +1,104 @@
+"""Publisher ranks joining a version: what a stream's begin stands for, the limits a
+version's manifest and offers are checked against once, and where the version is staged;
+and how a begin or a receiver's hello is refused."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from weightsync import limits
+from weightsync.errors import ConfigError, ProtocolError, WeightSyncError
+from weightsync.manifest import VersionManifest
+from weightsync.sender.hellos import check_manifest_not_empty
+from weightsync.sender.offer import OfferKey, rank_offer
+from weightsync.sender.records import RankConn
+from weightsync.transports.cuda_ipc import local_index_of
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import ManifestCache
+
+log = logging.getLogger("weightsync.sender")
+
+
+@dataclass
+class StreamBegin:
+    """The last begin on a publisher rank's stream that carried its manifest and offer, and
+    what the sender worked out of it once: a ``BeginVersion.repeat`` stands for it (a large
+    model's begin is costly to send, parse and key every version)."""
+
+    begin: pb.BeginVersion | None = None
+    manifest: VersionManifest | None = None
+    manifest_key: bytes = b""
+    offer: bytes = b""
+
+    def take(
+        self, begin: pb.BeginVersion, device_uuid: str, manifests: ManifestCache
+    ) -> VersionManifest:
+        """The manifest ``begin`` stands for; a whole begin becomes the stream's last."""
+        if begin.repeat:
+            if self.manifest is None:
+                raise ProtocolError(
+                    f"BeginVersion of version {begin.manifest.version} repeats the last begin "
+                    "on this stream, but no begin on it carried a manifest yet; send it whole"
+                )
+            return self.manifest.at(begin.manifest.version)
+        check_manifest_not_empty(begin.manifest)
+        manifest, self.manifest_key = manifests(begin.manifest)  # bounds every field
+        self.begin, self.manifest = begin, manifest
+        self.offer = rank_offer(begin, device_uuid)
+        return manifest
+
+
+class Bounded:
+    """(Manifest, offer) pairs checked against ``limits`` (bucket entries, offered fields),
+    by manifest key and offer; the last 16."""
+
+    def __init__(self) -> None:
+        self._checked: OrderedDict[tuple[bytes, OfferKey], None] = OrderedDict()
+
+    def check(
+        self,
+        manifest: VersionManifest,
+        manifest_key: bytes,
+        offered: OfferKey,
+        begins: Mapping[int, pb.BeginVersion],
+        bucket_size_bytes: int,
+    ) -> None:
+        """Raise a limit's error unless the pair was checked before; before anything is
+        planned from or mapped for them."""
+        if (manifest_key, offered) in self._checked:
+            return
+        limits.check_entries(len(manifest.tensors), manifest.total_bytes, bucket_size_bytes)
+        for begin in begins.values():
+            limits.check_offer(begin)
+        self._checked[manifest_key, offered] = None
+        while len(self._checked) > 16:
+            self._checked.popitem(last=False)
+
+
+def staging_device(rank: RankConn) -> torch.device:
+    """Where rank 0's tensors live, as this process numbers GPUs (by UUID, since the trainer
+    and the sender may see different ``CUDA_VISIBLE_DEVICES``)."""
+    device = torch.device(rank.device)
+    if device.type != "cuda" or not rank.device_uuid:
+        return device
+    return torch.device("cuda", local_index_of(rank.device_uuid, device.index or 0))
+
+
+@contextmanager
+def refused(what: str, check: str) -> Iterator[None]:
+    """Our errors pass; any other exception (a bug, or input no check foresaw) becomes a
+    ConfigError, INVALID_ARGUMENT for the caller, saying ``what`` failed and which fields to
+    ``check``; its traceback goes to the log."""
+    try:
+        yield
+    except WeightSyncError:
+        raise
+    except Exception as e:
+        log.exception("refused: %s", what)
+        raise ConfigError(f"{what}: {type(e).__name__}: {e}; check {check}") from e

@@ -1,0 +1,86 @@
+"""A publisher rank's ``Publish`` stream, kept across its versions, and the deadline of each."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+
+from weightsync.control.lanes import ClientStream
+from weightsync.v1 import weightsync_pb2 as pb
+
+
+class PublishStream(ClientStream):
+    """A Publish stream: the messages this publisher sends and the sender's replies."""
+
+    def __init__(self, stub, hello: pb.PublisherHello, device: torch.device) -> None:
+        super().__init__(stub.Publish, pb.PublisherMessage(hello=hello), pb.SenderReply)
+        self.device = device
+        """Where the tensors it publishes live (the hello says it; another needs a new stream)."""
+        self.watchdog = Watchdog(self.cancel)
+        """Cancels the replies when a version's deadline passes."""
+        self.repeats = False
+        """The sender takes ``BeginVersion.repeat`` (its welcome said so)."""
+        self.last: Whole | None = None
+        """What the last whole begin on this stream carried."""
+
+    def close(self) -> None:
+        self.end()
+        self.cancel()
+        self.watchdog.close()
+
+
+class Watchdog:
+    """Calls ``expire`` once an armed deadline passes before it is disarmed. One thread for
+    every version of a stream, where a ``threading.Timer`` per version started a thread on
+    each version's latency path (while the stream's own threads need the GIL)."""
+
+    def __init__(self, expire: Callable[[], object]) -> None:
+        self._expire = expire
+        self._cond = threading.Condition()
+        self._deadline: float | None = None
+        self._expired = threading.Event()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, timeout_s: float) -> threading.Event:
+        """Start the clock; the event returned is set if it runs out."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="deadline", daemon=True)
+                self._thread.start()
+            self._expired = threading.Event()
+            self._deadline = time.monotonic() + timeout_s
+            self._cond.notify()
+            return self._expired
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._deadline = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self._closed:
+                left = None if self._deadline is None else self._deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    self._deadline = None
+                    self._expired.set()
+                    self._expire()
+                else:
+                    self._cond.wait(left)
+
+
+Whole = tuple[pb.Manifest, pb.BeginVersion | None, bool]
+"""What a whole begin carries: the wire manifest (any version), the offer, allow_direct."""
+
+
+def same_begin(a: Whole, b: Whole) -> bool:
+    """The same begin but its version: the cached wire messages are the same objects."""
+    return a[0] is b[0] and a[1] is b[1] and a[2] == b[2]
