@@ -2,11 +2,14 @@
 
 Per version: ``validate`` dry-runs the model's own ``load_weights`` on meta tensors, which
 tells where every name lands and checks it with each parameter's own loader (nothing
-written); ``begin`` undoes in-place
-quantization packing; ``load`` hands each bucket to the model's own ``load_weights`` (its
-name mapping, packed qkv/gate_up slices, fused experts, TP slicing); ``commit`` runs the
-model's post-load fix-ups and quantization processing once, then loads the LoRA adapter
-accumulated across buckets through SGLang's tensor adapter loading.
+written), then bakes where each name of a layer SGLang serves as loaded lands
+(:mod:`.processing`, :mod:`weightsync.receiver.replay`); ``begin`` checks the bake still points
+at the live tensors (else bakes again) and undoes in-place quantization packing; ``load``
+replays each bucket's baked names as batched copies into the live parameters and hands the
+rest to the model's own ``load_weights`` (its name mapping, packed qkv/gate_up slices, fused
+experts, TP slicing); ``commit`` runs the model's post-load fix-ups and quantization
+processing once, then loads the LoRA adapter accumulated across buckets through SGLang's
+tensor adapter loading.
 
 SGLang's ``load_weights`` skips names it does not know without a word; that is why nothing
 reaches it before ``validate`` has resolved every name.
@@ -28,8 +31,10 @@ from typing import Any, Protocol
 
 import torch
 
+from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.receiver.bake import bake
 from weightsync.receiver.lora_accumulator import LoraAccumulator, check_adapter
 from weightsync.receiver.name_resolver import (
     MtpLayers,
@@ -40,8 +45,11 @@ from weightsync.receiver.name_resolver import (
     refuse_unknown,
     resolve_accepted,
 )
+from weightsync.receiver.replay import ReplayPlan
+from weightsync.receiver.sglang.processing import served_as_loaded
 from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes
 from weightsync.receiver.target import WeightTarget
+from weightsync.regions import CopyBatch
 from weightsync.topology_model import Box
 
 logger = logging.getLogger(__name__)
@@ -63,18 +71,42 @@ class _ModelLoad:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.resolved: dict[str, ResolvedName] = {}
+        """The names ``load_weights`` takes (the others of this model are replayed)."""
+        self.replay: ReplayPlan | None = None
+        self._accepted: tuple[list[TensorSpec], dict[str, ResolvedName]] = ([], {})
         self._held: dict[str, torch.Tensor] = {}
+
+    def accept(self, specs: list[TensorSpec], resolved: dict[str, ResolvedName]) -> None:
+        """Keep what validation resolved; bake the names of layers served as loaded."""
+        self._accepted = (specs, resolved)
+        modules = served_as_loaded(self.model)
+        live = live_tensors(self.model)
+        baked = bake(self.model, specs, resolved, live, modules)
+        for module, why in baked.refused.items():
+            logger.info("%s takes SGLang's load_weights every version: %s", module, why)
+        self.replay = ReplayPlan(baked.placements, live) if baked.placements else None
+        self.resolved = {n: hit for n, hit in resolved.items() if n not in baked.placements}
+
+    def takes(self, name: str) -> bool:
+        return name in self.resolved or (self.replay is not None and name in self.replay)
 
     def begin(self) -> None:
         self._held = {}
+        if self.replay is not None and self.replay.stale(live_tensors(self.model)) is not None:
+            self.accept(*self._accepted)
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         base: list[tuple[str, torch.Tensor]] = []
+        replayed: list[tuple[str, torch.Tensor]] = []
         for name, tensor in tensors:
-            if self.resolved[name].loaded_with:
+            if self.replay is not None and name in self.replay:
+                replayed.append((name, tensor))
+            elif self.resolved[name].loaded_with:
                 base.extend(self._with_partners(name, tensor))
             else:
                 base.append((name, tensor))
+        if replayed:
+            CopyBatch.of(self.replay.copies(replayed)).run()
         if base:
             # Weight loaders copy into the live parameters, so bucket views need no copy.
             with torch.no_grad():
@@ -92,7 +124,7 @@ class _ModelLoad:
     def post_load(self) -> None:
         # Derived weights (e.g. DeepSeek's absorbed MLA matrices) need every input in place.
         post_load = getattr(self.model, "post_load_weights", None)
-        if callable(post_load) and self.resolved:
+        if callable(post_load) and (self.resolved or self.replay is not None):
             post_load()
 
 
@@ -136,6 +168,13 @@ class SglangWeightTarget(WeightTarget):
     def model(self) -> torch.nn.Module:
         return self._main.model
 
+    @property
+    def replayed(self) -> frozenset[str]:
+        """The names versions replay straight into the live parameters (the rest go through
+        SGLang's ``load_weights``), after :meth:`validate`."""
+        replay = self._main.replay
+        return frozenset(replay.placements) if replay is not None else frozenset()
+
     def _models(self) -> list[_ModelLoad]:
         return [self._main] if self._draft is None else [self._main, self._draft]
 
@@ -173,8 +212,10 @@ class SglangWeightTarget(WeightTarget):
         draft_model = self._draft.model if self._draft is not None else None
         refuse_unknown(base, {*main, *draft, *ignored}, self.model, draft_model)
         check_expert_shapes(self.model, [s for s in base if s.name in main], main)
-        self._main.resolved = main
-        if self._draft is not None:
+        if self._draft is None:
+            self._main.accept(base, main)
+        else:  # the draft shares layers with this model: both take their loaders
+            self._main.resolved = main
             check_expert_shapes(self._draft.model, [s for s in base if s.name in draft], draft)
             self._draft.resolved = draft
         self._ignored = ignored
@@ -220,14 +261,14 @@ class SglangWeightTarget(WeightTarget):
                 self._lora.add(name, tensor)  # copied out: the bucket buffer is reused
             elif name in self._ignored:
                 continue
-            elif not any(name in part.resolved for part in self._models()):
+            elif not any(part.takes(name) for part in self._models()):
                 raise ManifestMismatchError(
                     f"{name!r} arrived in a bucket but the validated manifest does not list it"
                 )
             else:
                 base.append((name, tensor))
         for part in self._models():
-            mine = [(name, tensor) for name, tensor in base if name in part.resolved]
+            mine = [(name, tensor) for name, tensor in base if part.takes(name)]
             if mine:
                 part.load(mine)
 

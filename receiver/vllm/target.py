@@ -31,6 +31,7 @@ import torch
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
+from weightsync.receiver.bake import bake
 from weightsync.receiver.lora_accumulator import LoraAccumulator
 from weightsync.receiver.name_resolver import (
     MtpLayers,
@@ -42,7 +43,7 @@ from weightsync.receiver.name_resolver import (
     refuse_unknown,
     resolve_accepted,
 )
-from weightsync.receiver.replay import ReplayPlan, bake
+from weightsync.receiver.replay import ReplayPlan
 from weightsync.receiver.target import WeightTarget
 from weightsync.receiver.vllm.lora_store import LoraStore
 from weightsync.receiver.vllm.processing import served_as_loaded
@@ -312,7 +313,7 @@ class VllmWeightTarget(WeightTarget):
         base, main, view = self._accepted
         self._replay = None
         if self._draft is None:
-            modules = served_as_loaded(self.model) & {hit.module_name for hit in main.values()}
+            modules = served_as_loaded(self.model)
             with no_mtp_check():
                 baked = bake(self.model, base, main, view, modules)
             for module, why in baked.refused.items():

@@ -10,27 +10,10 @@ from collections.abc import Callable, Mapping
 import torch
 
 from weightsync.buckets import TensorSpec
+from weightsync.receiver.bake import Baked, bake, loaded_stand_ins, loader_swaps
 from weightsync.receiver.name_resolver import resolve_by_loading
-from weightsync.receiver.replay import (
-    Baked,
-    ReplayPlan,
-    bake,
-    loaded_stand_ins,
-    loader_swaps,
-)
+from weightsync.receiver.replay import ReplayPlan
 from weightsync.regions import CopyBatch
-
-
-def baked(
-    model: torch.nn.Module,
-    tensors: Mapping[str, torch.Tensor],
-    loading: Mapping[str, torch.Tensor],
-) -> tuple[Baked, set[str]]:
-    """The bake of every module ``tensors`` land in, and those modules."""
-    specs = [TensorSpec.of(name, t) for name, t in tensors.items()]
-    resolved = resolve_by_loading(model, specs, loading)
-    modules = {hit.module_name for hit in resolved.values()}
-    return bake(model, specs, resolved, loading, modules), modules
 
 
 def replay_differs(
@@ -41,17 +24,25 @@ def replay_differs(
 ) -> tuple[list[str], dict[str, str]]:
     """The live names where ``tensors`` replayed over an earlier version (other random values)
     differ from the engine's own loading of them, and the modules the bake refused (why).
-    ``corrupt`` plants a fault in the bake first."""
-    plan_of, modules = baked(model, tensors, loading)
+    Every module may be replayed here (what the engine processes after loading is compared in
+    loading format). ``corrupt`` plants a fault in the bake first."""
+    specs = [TensorSpec.of(name, t) for name, t in tensors.items()]
+    resolved = resolve_by_loading(model, specs, loading)
+    modules = {name for name, _ in model.named_modules()}
+    baked = bake(model, specs, resolved, loading, modules)
     if corrupt is not None:
-        corrupt(plan_of)
+        corrupt(baked)
+    # The engine's loaders of the refused modules may not run on stand-ins at all.
+    kept = {n: t for n, t in tensors.items() if resolved[n].module_name not in baked.refused}
     swaps = loader_swaps(model, loading)
-    earlier = [(n, torch.randn_like(t) if t.is_floating_point() else t) for n, t in tensors.items()]
-    got = loaded_stand_ins(model, earlier, swaps, modules, index=False)
-    want = loaded_stand_ins(model, list(tensors.items()), swaps, modules, index=False)
-    plan = ReplayPlan(plan_of.placements, got)
-    written = {p.live_name for ps in plan_of.placements.values() for p in ps}
-    CopyBatch.of(plan.copies([(n, t) for n, t in tensors.items() if n in plan])).run()
+    # Fresh inputs each time: some loaders change theirs in place (SGLang's Gemma norm += 1).
+    earlier = [(n, torch.randn_like(t) if t.is_floating_point() else t) for n, t in kept.items()]
+    got = loaded_stand_ins(model, earlier, swaps, modules, untouched=None)
+    now = [(n, t.clone()) for n, t in kept.items()]
+    want = loaded_stand_ins(model, now, swaps, modules, untouched=None)
+    plan = ReplayPlan(baked.placements, got)
+    written = {p.live_name for ps in baked.placements.values() for p in ps}
+    CopyBatch.of(plan.copies([(n, t) for n, t in kept.items() if n in plan])).run()
     differing = [
         name
         for name in want
@@ -60,6 +51,6 @@ def replay_differs(
     unexplained = [
         name
         for name in want
-        if name not in written and name.rpartition(".")[0] not in plan_of.refused
+        if name not in written and name.rpartition(".")[0] not in baked.refused
     ]
-    return differing + [f"{n} (not replayed, not refused)" for n in unexplained], plan_of.refused
+    return differing + [f"{n} (not replayed, not refused)" for n in unexplained], baked.refused
