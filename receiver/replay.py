@@ -11,13 +11,17 @@ each engine's rule of what it processes after loading).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from weightsync.memo import Memo
 from weightsync.receiver.name_resolver import aliases
-from weightsync.regions import Pair
+from weightsync.regions import CopyBatch, Pair
+
+KEPT_BATCHES = 256
+"""Batches kept for mapped buffers' views (a bucket each, a few buffers)."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,7 @@ class ReplayPlan:
         used = {p.live_name for ps in self.placements.values() for p in ps}
         self._live = {name: live[name] for name in used}
         self._prints = {name: _fingerprint(t) for name, t in self._live.items()}
+        self._batches: Memo[Hashable, CopyBatch] = Memo(KEPT_BATCHES)
 
     def __contains__(self, name: str) -> bool:
         return name in self.placements
@@ -92,6 +97,18 @@ class ReplayPlan:
             for name, tensor in tensors
             for p in self.placements[name]
         ]
+
+    def apply(self, tensors: Sequence[tuple[str, torch.Tensor]], key: Hashable = None) -> None:
+        """Replay ``tensors`` (names of this plan). ``key``: they are views that are the same
+        objects whenever it comes again (a mapped buffer's), so their batch is built once."""
+        if key is None:
+            CopyBatch.of(self.copies(tensors)).run()
+            return
+        self._batches.get(key, lambda: CopyBatch.of(self.copies(tensors), reused=True)).run()
+
+    def forget(self) -> None:
+        """The views of the keyed batches are not coming again."""
+        self._batches.clear()
 
     def stale(self, live: Mapping[str, torch.Tensor]) -> str | None:
         """The first live tensor the plan writes that is no longer where it was baked."""

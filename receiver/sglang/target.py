@@ -26,7 +26,7 @@ Tested with SGLang 0.5.23 (model classes built on CPU).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -49,7 +49,6 @@ from weightsync.receiver.replay import ReplayPlan
 from weightsync.receiver.sglang.processing import served_as_loaded
 from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes
 from weightsync.receiver.target import WeightTarget
-from weightsync.regions import CopyBatch
 from weightsync.topology_model import Box
 
 logger = logging.getLogger(__name__)
@@ -95,7 +94,7 @@ class _ModelLoad:
         if self.replay is not None and self.replay.stale(live_tensors(self.model)) is not None:
             self.accept(*self._accepted)
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def load(self, tensors: Sequence[tuple[str, torch.Tensor]], key: Hashable = None) -> None:
         base: list[tuple[str, torch.Tensor]] = []
         replayed: list[tuple[str, torch.Tensor]] = []
         for name, tensor in tensors:
@@ -106,7 +105,7 @@ class _ModelLoad:
             else:
                 base.append((name, tensor))
         if replayed:
-            CopyBatch.of(self.replay.copies(replayed)).run()
+            self.replay.apply(replayed, key)
         if base:
             # Weight loaders copy into the live parameters, so bucket views need no copy.
             with torch.no_grad():
@@ -255,6 +254,17 @@ class SglangWeightTarget(WeightTarget):
             self._restored = True
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._load(tensors, None)
+
+    def load_views(self, key: Hashable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._load(tensors, key)
+
+    def forget_views(self) -> None:
+        for part in self._models():
+            if part.replay is not None:
+                part.replay.forget()
+
+    def _load(self, tensors: Sequence[tuple[str, torch.Tensor]], key: Hashable) -> None:
         base: list[tuple[str, torch.Tensor]] = []
         for name, tensor in tensors:
             if self._lora is not None and self._lora.wants(name):
@@ -270,7 +280,7 @@ class SglangWeightTarget(WeightTarget):
         for part in self._models():
             mine = [(name, tensor) for name, tensor in base if part.takes(name)]
             if mine:
-                part.load(mine)
+                part.load(mine, key)
 
     def commit(self, manifest: VersionManifest) -> None:
         for part in self._models():

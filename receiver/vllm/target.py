@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -55,7 +55,6 @@ from weightsync.receiver.vllm.reload import (
     moe_kernel_reset,
     no_mtp_check,
 )
-from weightsync.regions import CopyBatch
 from weightsync.topology_model import Box
 
 logger = logging.getLogger(__name__)
@@ -348,6 +347,16 @@ class VllmWeightTarget(WeightTarget):
             self._draft.begin()
 
     def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._load(tensors, None)
+
+    def load_views(self, key: Hashable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self._load(tensors, key)
+
+    def forget_views(self) -> None:
+        if self._replay is not None:
+            self._replay.forget()
+
+    def _load(self, tensors: Sequence[tuple[str, torch.Tensor]], key: Hashable) -> None:
         base: list[tuple[str, torch.Tensor]] = []
         for name, tensor in tensors:
             if self._lora is not None and self._lora.wants(name):
@@ -356,7 +365,8 @@ class VllmWeightTarget(WeightTarget):
                 base.append((name, tensor))
         if self._replay is not None:
             replayed = [(n, t) for n, t in base if n in self._replay]
-            CopyBatch.of(self._replay.copies(replayed)).run()
+            if replayed:
+                self._replay.apply(replayed, key)
         for part in (self._main, self._draft):
             mine = [(n, t) for n, t in base if part is not None and n in part.resolved]
             if part is not None and mine:
