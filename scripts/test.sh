@@ -8,7 +8,9 @@ bash scripts/setup.sh
 .venv/bin/python -m ruff check .
 # Two workers, a test module each at a time (module-scoped engines and senders stay in one
 # process): most tests wait on sockets, subprocesses and engines, so two overlap well here.
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+# "loadgroup" is loadfile, except that the modules of one xdist_group (those sharing one vLLM
+# server) go to one worker together (tests/conftest.py).
+.venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
 # SGLang pins a CUDA torch; its model classes get their own light venv (scripts/setup_sglang.sh).
 bash scripts/setup_sglang.sh
 .venv-sglang/bin/python -m pytest tests/sglang

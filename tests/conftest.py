@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from tests.support import socket_dir
+from tests.support.groups import xdist_groups
 
 # The whole suite runs authenticated: every sender (in-process, the CLI, engines' own) requires
 # this token and every client sends it; subprocesses inherit it (docs/security.md).
@@ -51,3 +52,86 @@ def _no_vllm_groups_left():
         gc.collect()
         state.destroy_model_parallel()
         state.destroy_distributed_environment()
+
+
+# --- test modules that share a vLLM server -----------------------------------------------------
+#
+# Modules marked with one ``xdist_group`` (``tests.support.vllm.ServerConfig.mark``) share one
+# ``vllm serve`` of that configuration: they run one after another (here, and on one worker with
+# ``-n 2 --dist loadgroup``, scripts/test.sh), the server starts for the first and stops after
+# the last.
+
+_VLLM_SERVERS = pytest.StashKey["object"]()
+
+
+@pytest.fixture(scope="session")
+def vllm_servers(request, tmp_path_factory):
+    """The shared ``vllm serve`` processes (``tests.support.vllm.SharedServers``)."""
+    from tests.support.vllm import SharedServers
+
+    servers = SharedServers(tmp_path_factory)
+    request.config.stash[_VLLM_SERVERS] = servers
+    try:
+        yield servers
+    finally:
+        del request.config.stash[_VLLM_SERVERS]
+        servers.close()
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests of one ``xdist_group`` run together, where the group's first test was
+    collected; every other test keeps its place. On an xdist worker with ``--dist loadgroup``,
+    a grouped test's id ends with ``@<group>``, which the scheduler below reads."""
+    first: dict[tuple[str, ...], int] = {}
+    anchors = []
+    for i, item in enumerate(items):
+        groups = tuple(sorted(xdist_groups(item)))
+        anchors.append(first.setdefault(groups, i) if groups else i)
+        if groups and getattr(config.option, "loadgroup", False):
+            _suffix_nodeid(item, "@" + "_".join(groups))
+    order = sorted(range(len(items)), key=lambda i: (anchors[i], i))
+    items[:] = [items[i] for i in order]
+
+
+def _suffix_nodeid(item, suffix: str) -> None:
+    """What pytest-xdist's worker does for ``--dist loadgroup`` (3.8 sets ``item._nodeid``,
+    which pytest 9.2 no longer reads: its ids are ``NodeId``\ s in ``item._id``)."""
+    if item.nodeid.endswith(suffix):
+        return
+    if hasattr(item, "_id"):
+        from _pytest.nodeid import NodeId
+
+        item._id = NodeId.parse(item.nodeid + suffix)
+    else:
+        item._nodeid = item.nodeid + suffix
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """A shared server stops once the next test to run here is not of its group."""
+    try:
+        return (yield)
+    finally:
+        servers = item.config.stash.get(_VLLM_SERVERS, None)
+        if servers is not None:
+            servers.keep_only(xdist_groups(nextitem) if nextitem is not None else set())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadgroup`` as ``--dist loadfile`` (a test module stays on one worker: its
+    module-scoped engines and senders start once), except that the modules of one
+    ``xdist_group`` go to one worker together. (pytest-xdist's own ``loadgroup`` spreads the
+    tests without a group one by one.)"""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            # A grouped test's id ends with "@<group>" (pytest_collection_modifyitems).
+            if nodeid.rfind("@") > nodeid.rfind("]"):
+                return nodeid.rsplit("@", 1)[1]
+            return nodeid.split("::", 1)[0]
+
+    return ModulesAndGroups(config, log)

@@ -1,5 +1,6 @@
 """End to end over HTTP: a real ``vllm serve`` process (multiprocess engine, the backend
-loaded from the ``vllm.general_plugins`` entry point) fed by a real sender."""
+loaded from the ``vllm.general_plugins`` entry point; the TP=1 server this module shares)
+fed by a real sender."""
 
 from __future__ import annotations
 
@@ -8,27 +9,20 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 from tests.support import random_weights  # noqa: E402
-from tests.support.vllm import (  # noqa: E402
-    hf_reference,
-    random_checkpoint,
-    server_greedy,
-    vllm_server,
-)
+from tests.support.vllm import SERVER_TP1, hf_reference, server_greedy  # noqa: E402
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
 from weightsync.errors import ReceiverFailedError  # noqa: E402
 from weightsync.sender import Publisher  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, SERVER_TP1.mark]
 
-KIND = "llama"
+KIND = SERVER_TP1.kind
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("http")
-    model, template = random_checkpoint(KIND, root / "model")
-    with vllm_server(model, root / "server.log") as base_url:
-        yield root, base_url, str(model), template
+def server(request, vllm_servers, tmp_path_factory):
+    served = vllm_servers.get(SERVER_TP1, request.node)
+    return tmp_path_factory.mktemp("http"), served.base_url, served.model, served.template
 
 
 def test_three_versions_over_http_then_bad_version_keeps_serving(server, sender_address):

