@@ -12,14 +12,14 @@ import torch
 from weightsync.receiver.replay import modules_as_loaded
 
 
-def _as_loaded_methods() -> tuple[type, ...]:
+def _as_loaded_methods(cuda: bool | None) -> tuple[type, ...]:
     """The quantization methods whose ``process_weights_after_loading`` leaves the weights as
-    they are on this platform: the unquantized linear and embedding ones on CUDA (on CPU they
-    repack, on XPU they may transpose; the fused-MoE one builds backend kernels that may
-    shuffle). Exact types: a subclass may process."""
+    they are on CUDA (``cuda`` None: on this platform): the unquantized linear and embedding
+    ones (on CPU they repack, on XPU they may transpose; the fused-MoE one builds backend
+    kernels that may shuffle). Exact types: a subclass may process."""
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cuda():
+    if not (current_platform.is_cuda() if cuda is None else cuda):
         return ()
     from vllm.model_executor.layers.linear import UnquantizedLinearMethod
     from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -27,9 +27,10 @@ def _as_loaded_methods() -> tuple[type, ...]:
     return (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)
 
 
-def served_as_loaded(model: torch.nn.Module) -> set[str]:
-    """The names of the modules of ``model`` whose tensors vLLM serves as loaded."""
-    methods = _as_loaded_methods()
+def served_as_loaded(model: torch.nn.Module, cuda: bool | None = None) -> set[str]:
+    """The names of the modules of ``model`` whose tensors vLLM serves as loaded (``cuda``:
+    as it would on CUDA, or not; default this platform: the bench bakes a CUDA plan on CPU)."""
+    methods = _as_loaded_methods(cuda)
 
     def processed(module: torch.nn.Module) -> bool:
         quant_method = getattr(module, "quant_method", None)

@@ -23,10 +23,15 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--engine",
         choices=ENGINES,
-        help="measure versions into a real engine instead (in this process; vllm-cpu on a "
-        "machine without GPU; try --model qwen3-dense-cpu or qwen3-moe-cpu): end to end and "
-        "engine side per version, beside a memcpy and a torch._foreach_copy_ of the same bytes",
+        help="vllm: measure versions into a real engine instead (in this process; vllm-cpu "
+        "on a machine without GPU; try --model qwen3-dense-cpu or qwen3-moe-cpu): end to end "
+        "and engine side per version, beside a memcpy and a torch._foreach_copy_ of the same "
+        "bytes. replay: with --save-plan, bake --model in vLLM's model class as on CUDA and "
+        "save the plan; with --plan, time its replay into plain tensors of vLLM's layout on "
+        "--device (no vLLM needed there) against _foreach_copy_ of the same bytes",
     )
+    p.add_argument("--save-plan", metavar="JSON", help="--engine replay: bake and save here")
+    p.add_argument("--plan", metavar="JSON", help="--engine replay: the saved plan to time")
     p.add_argument(
         "--layers",
         type=int,
@@ -159,6 +164,8 @@ def run_bench(args: argparse.Namespace, console) -> int:
 
 def _engine_bench(args: argparse.Namespace, console) -> int:
     """``--engine``: the medians, their ratios, and a JSON of them in ``--out``."""
+    if args.engine == "replay":
+        return _replay_bench(args, console)
     bucket = config_from_args(args).bucket_size_bytes
     shape = model_shape(args.model, args.layers)
     result = run_vllm(shape, args.versions, args.warmup, bucket, args.seed, console)
@@ -173,6 +180,29 @@ def _engine_bench(args: argparse.Namespace, console) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"bench-engine-{result['engine']}-{result['model']}.json"
+    path.write_text(json.dumps(result, indent=2))
+    console.print(f"JSON: {path}")
+    return 0
+
+
+def _replay_bench(args: argparse.Namespace, console) -> int:
+    """``--engine replay``: save a plan, or time one (a JSON of the figures in ``--out``)."""
+    import torch
+
+    from weightsync.app.bench.replay import run_plan, save_plan
+
+    if bool(args.save_plan) == bool(args.plan):
+        raise ConfigError("--engine replay needs exactly one of --save-plan and --plan")
+    if args.save_plan:
+        save_plan(model_shape(args.model, args.layers), Path(args.save_plan), console)
+        return 0
+    device = torch.device(
+        "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+    )
+    result = run_plan(Path(args.plan), device, args.versions, console)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"bench-replay-{result['model']}.json"
     path.write_text(json.dumps(result, indent=2))
     console.print(f"JSON: {path}")
     return 0

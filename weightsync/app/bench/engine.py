@@ -29,7 +29,7 @@ import torch
 from weightsync.app.bench.models import DTYPE, ModelShape, hf_specs
 from weightsync.errors import ConfigError
 
-ENGINES = ("vllm",)
+ENGINES = ("vllm", "replay")
 
 
 @dataclass
