@@ -153,17 +153,19 @@ def _bake_group(
         inputs.append((spec.name, values.view(spec.shape)))
         index.append((spec.name, start, n))
         start += n
-    shifted = [(name, values + SHIFT) for name, values in inputs]
     try:
-        runs = [
-            loaded_stand_ins(model, feed, swaps, modules, untouched=mark)
-            for feed, mark in ((inputs, UNTOUCHED), (shifted, UNTOUCHED - 1))
-        ]
+        first = loaded_stand_ins(model, inputs, swaps, modules, untouched=UNTOUCHED)
+        for _, values in inputs:  # in place: a large embedding's inputs are GBs of int64
+            values.add_(SHIFT)
+        second = loaded_stand_ins(model, inputs, swaps, modules, untouched=UNTOUCHED - 1)
     except _Refused as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - any failure means: not replayable, engine path
         return f"its load_weights failed on index values: {type(e).__name__}: {e}"
-    return {name: _placements(name, t, runs[1].get(name), index) for name, t in runs[0].items()}
+    del inputs
+    return {
+        name: _placements(name, first.pop(name), second.get(name), index) for name in list(first)
+    }
 
 
 def loader_swaps(
