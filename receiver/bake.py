@@ -34,19 +34,9 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.buckets import TensorSpec
+from weightsync.receiver.landings import BASE, SHIFT, STEP, UNTOUCHED, placements
 from weightsync.receiver.loader_dry_run import LoaderSwap, ResolvedName
 from weightsync.receiver.replay import Placement
-
-BASE = (1 << 41) + 12345
-STEP = 1_000_003
-CONSTANT_BELOW = 1 << 32
-"""Stand-in values below this (in magnitude) are constants or untouched, never an input's."""
-SHIFT = 977
-"""The second bake's inputs are the first's plus this: an input's element moves with it, a
-constant stays, and a value computed from inputs (however small) does neither."""
-UNTOUCHED = -1
-"""What the first bake's stand-ins start as (the second's: one less, so a loader's constant,
-equal in both, is told from an element no loader wrote)."""
 
 GROUP_ELEMENTS = 1 << 26
 """Inputs baked per ``load_weights`` call (int64: 512 MiB, and as much again of stand-ins)."""
@@ -164,7 +154,7 @@ def _bake_group(
         return f"its load_weights failed on index values: {type(e).__name__}: {e}"
     del inputs
     return {
-        name: _placements(name, first.pop(name), second.get(name), index) for name in list(first)
+        name: placements(name, first.pop(name), second.get(name), index) for name in list(first)
     }
 
 
@@ -269,110 +259,3 @@ def _guarded(model: torch.nn.Module) -> Iterator[None]:
                 rebound.append(f"{path}.{name}")
     if rebound:
         raise _Refused(f"its loaders rebind {rebound[0]!r}")
-
-
-def _placements(
-    live_name: str,
-    stand_in: torch.Tensor,
-    shifted: torch.Tensor | None,
-    inputs: Sequence[tuple[str, int, int]],
-) -> list[Placement] | str:
-    """Where each input's elements landed in ``stand_in`` (``shifted``: the same loaders'
-    result for inputs plus :data:`SHIFT`); see the module docstring."""
-    computed = f"the loaders of {live_name!r} compute values, not only move them"
-    flat = stand_in.data.reshape(-1)
-    moved = (flat >= CONSTANT_BELOW) | (flat <= -CONSTANT_BELOW)
-    untouched = flat == UNTOUCHED
-    expected = flat + moved * SHIFT - untouched.long()
-    if shifted is None or not torch.equal(shifted.data.reshape(-1), expected):
-        return computed
-    constant = ~moved & ~untouched
-    if bool(flat[constant].any()):
-        return f"the loaders of {live_name!r} write constants other than 0"
-    pos = moved.nonzero().squeeze(1)
-    rel = flat[pos] - BASE
-    if bool(((rel < 0) | (rel % STEP != 0)).any()):
-        return computed
-    src = rel // STEP
-    starts = torch.tensor([s for _, s, _ in inputs], dtype=torch.int64)
-    which = torch.searchsorted(starts, src, right=True) - 1
-    shape = tuple(stand_in.shape)
-    out: list[Placement] = []
-    for j in which.unique().tolist():
-        name, start, numel = inputs[j]
-        sel = which == j
-        offsets = src[sel] - start
-        if bool((offsets >= numel).any()):
-            return f"{live_name!r} holds values no input had"
-        unreadable = f"{name!r} lands in {live_name!r} in an order no strided view reads"
-        try:
-            boxes = list(_boxes(pos[sel], offsets, shape))
-        except _NotABox:
-            return unreadable
-        for box_start, values in boxes:
-            stride = _stride(values)
-            if stride is None:
-                return unreadable
-            first = int(values.reshape(-1)[0])
-            out.append(Placement(name, live_name, box_start, tuple(values.shape), first, stride))
-    zeros = constant.nonzero().squeeze(1)
-    if len(zeros):
-        if not out:
-            return f"the loaders of {live_name!r} write only constants"
-        try:  # the zeros come with the first input placed here (vocab padding: its rows)
-            boxes = list(_boxes(zeros, torch.zeros_like(zeros), shape))
-        except _NotABox:
-            return f"the loaders of {live_name!r} write zeros no box holds"
-        for box_start, values in boxes:
-            size = tuple(values.shape)
-            out.append(
-                Placement(out[0].name, live_name, box_start, size, 0, (0,) * len(size), True)
-            )
-    return out
-
-
-def _boxes(
-    positions: torch.Tensor, offsets: torch.Tensor, shape: tuple[int, ...]
-) -> Iterator[tuple[tuple[int, ...], torch.Tensor]]:
-    """``positions`` (ascending flat indices of ``shape``) as full boxes, each with the input
-    offsets laid out in it: one box, or one per run of consecutive rows (a fused checkpoint
-    tensor split into two slots of a packed parameter)."""
-    if not shape:
-        yield (), offsets.reshape(())
-        return
-    coords = torch.stack(torch.unravel_index(positions, shape))
-    rows = coords[0]
-    breaks = ((rows[1:] - rows[:-1]) > 1).nonzero().squeeze(1).add(1).tolist()
-    for part in torch.tensor_split(torch.arange(len(positions)), breaks):
-        c = coords[:, part]
-        lo, hi = c.min(dim=1).values, c.max(dim=1).values
-        size = tuple((hi - lo + 1).tolist())
-        if math.prod(size) != len(part):
-            raise _NotABox
-        yield tuple(lo.tolist()), offsets[part].reshape(size)
-
-
-class _NotABox(Exception):
-    pass
-
-
-def _stride(values: torch.Tensor) -> tuple[int, ...] | None:
-    """The strides that read ``values`` (input offsets laid out in a box) from the input, or
-    None when no strided view does."""
-    if values.numel() == 0:
-        return None
-    first = values.reshape(-1)[0]
-    stride = []
-    expected = torch.zeros_like(values) + first
-    for d, n in enumerate(values.shape):
-        if n == 1:
-            stride.append(0)
-            continue
-        step = int(values.select(d, 1).reshape(-1)[0] - first)
-        if step < 0:
-            return None
-        stride.append(step)
-        shape = [1] * values.dim()
-        shape[d] = n
-        expected = expected + torch.arange(n, dtype=torch.int64).view(shape) * step
-    return tuple(stride) if torch.equal(expected, values) else None
