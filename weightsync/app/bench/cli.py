@@ -33,6 +33,12 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--save-plan", metavar="JSON", help="--engine replay: bake and save here")
     p.add_argument("--plan", metavar="JSON", help="--engine replay: the saved plan to time")
     p.add_argument(
+        "--every-layer",
+        action="store_true",
+        help="--save-plan: bake the fused MoE experts too (vLLM processes them on CUDA, so "
+        "their replay measures vLLM's layout, not what an engine replays)",
+    )
+    p.add_argument(
         "--layers",
         type=int,
         default=None,
@@ -194,7 +200,8 @@ def _replay_bench(args: argparse.Namespace, console) -> int:
     if bool(args.save_plan) == bool(args.plan):
         raise ConfigError("--engine replay needs exactly one of --save-plan and --plan")
     if args.save_plan:
-        save_plan(model_shape(args.model, args.layers), Path(args.save_plan), console)
+        shape = model_shape(args.model, args.layers)
+        save_plan(shape, Path(args.save_plan), console, every_layer=args.every_layer)
         return 0
     device = torch.device(
         "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
@@ -202,7 +209,8 @@ def _replay_bench(args: argparse.Namespace, console) -> int:
     result = run_plan(Path(args.plan), device, args.versions, console)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"bench-replay-{result['model']}.json"
+    every = "-every-layer" if result["every_layer"] else ""
+    path = out / f"bench-replay-{result['model']}{every}.json"
     path.write_text(json.dumps(result, indent=2))
     console.print(f"JSON: {path}")
     return 0

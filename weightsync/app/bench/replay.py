@@ -36,8 +36,12 @@ from weightsync.receiver.replay import Placement, ReplayPlan
 ALIGN = 256
 
 
-def save_plan(shape: ModelShape, path: Path, console) -> dict[str, object]:
-    """Bake ``shape`` in vLLM's model class as on CUDA; write the plan to ``path``."""
+def save_plan(
+    shape: ModelShape, path: Path, console, *, every_layer: bool = False
+) -> dict[str, object]:
+    """Bake ``shape`` in vLLM's model class as on CUDA; write the plan to ``path``.
+    ``every_layer``: the fused experts too, which vLLM processes on CUDA (the replay then
+    measures their layout, not what an engine would replay)."""
     try:
         model = _vllm_model(shape)
     except ImportError as e:
@@ -49,11 +53,17 @@ def save_plan(shape: ModelShape, path: Path, console) -> dict[str, object]:
     specs = hf_specs(shape)
     view = loading_view(model)
     resolved = resolve_by_loading(model, specs, view)
-    baked = bake(model, specs, resolved, view, served_as_loaded(model, cuda=True))
+    modules = (
+        {name for name, _ in model.named_modules()}
+        if every_layer
+        else served_as_loaded(model, cuda=True)
+    )
+    baked = bake(model, specs, resolved, view, modules)
     used = {p.live_name for ps in baked.placements.values() for p in ps}
     plan = {
         "model": shape.name,
         "layers": shape.layers,
+        "every_layer": every_layer,
         "specs": [[s.name, list(s.shape), s.dtype] for s in specs],
         "live": {n: [list(view[n].shape), dtype_name(view[n].dtype)] for n in sorted(used)},
         "placements": [
@@ -139,6 +149,7 @@ def run_plan(path: Path, device: torch.device, versions: int, console) -> dict[s
         "engine": "replay",
         "model": plan["model"],
         "layers": plan["layers"],
+        "every_layer": plan["every_layer"],
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "tensors": len(specs),
         "replayed_tensors": len(replayed),
