@@ -24,8 +24,10 @@ from typing import TYPE_CHECKING
 
 from weightsync.buckets import Bucket, BucketPlan, TensorSpec, plan_buckets, plan_direct
 from weightsync.config import SenderSettings
+from weightsync.errors import PlanError
 from weightsync.manifest import VersionManifest
 from weightsync.memo import Memo
+from weightsync.regions import entry_rows
 from weightsync.sender.direct_reads import (
     DirectRead,
     Keeps,
@@ -203,7 +205,7 @@ def plan_tensors(
         )
     layouts = tuple(bucket_to_pb(b) for b in (*plan.buckets, direct_bucket) if b)
     specs = {e.spec.name: e.spec for b in plan.buckets for e in b.entries}
-    sender_packs = bool(plan.buckets) and offer.covers(specs)
+    sender_packs = bool(plan.buckets) and offer.covers(specs) and _whole_rows(plan)
     return TensorPlan(
         plan,
         direct_bucket,
@@ -214,6 +216,19 @@ def plan_tensors(
         offer.pack_from,
         direct_specs,
     )
+
+
+def _whole_rows(plan: BucketPlan) -> bool:
+    """Whether every staged chunk is a range of whole dim-0 rows: the sender packs offered
+    regions row by row, so a row wider than a bucket (split mid-row, protocol §5 rule 3) is
+    left to the publishers' ``pack``."""
+    try:
+        for bucket in plan.buckets:
+            for entry in bucket.entries:
+                entry_rows(entry)
+    except PlanError:
+        return False
+    return True
 
 
 class TensorPlans:
