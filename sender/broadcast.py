@@ -10,17 +10,19 @@ version: receivers that map the staging buffers, and the other groups, go on.
 from __future__ import annotations
 
 import threading
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from weightsync.errors import TransportError
-from weightsync.sender.outcomes import Outcomes
-from weightsync.sender.records import ReceiverConn, VersionRun
+from weightsync.sender.records import ReceiverConn
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import Slot
 from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, PendingBroadcast
 from weightsync.v1 import weightsync_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightsync.sender.version import Version
 
 Members = tuple[str, ...]
 """The receivers of one group, in rank order (rank 0 is the sender)."""
@@ -33,15 +35,15 @@ class QueuedBroadcast(NamedTuple):
     that every receiver failed ends without waiting for its broadcasts): its failure then
     concerns its own version and group, never the new ones."""
 
-    run: VersionRun
+    run: Version
     members: Members
     pending: PendingBroadcast
 
 
 class SenderBroadcast:
     """Invites, connects and feeds the groups; ``cond`` is the sender's lock (see
-    ``outcomes.py``); ``registry`` says who gets broadcasts, ``outcomes`` fails them when their
-    group does.
+    ``outcomes.Shared``); ``registry`` says who gets broadcasts; a group that fails fails its
+    members in their version.
 
     One group for the broadcast receivers that get the staged buckets, and one per slice group
     (``slices.py``: receivers that keep the same boxes get buckets of those boxes)."""
@@ -52,10 +54,9 @@ class SenderBroadcast:
         timeout_s: float,
         cond: threading.Condition,
         registry: Registry,
-        outcomes: Outcomes,
     ) -> None:
         self._store_host, self._timeout_s = store_host, timeout_s
-        self._cond, self._registry, self._outcomes = cond, registry, outcomes
+        self._cond, self._registry = cond, registry
         self._groups: dict[Members, BroadcastGroup | None] = {}
         """Each group by its members; None until built (or when it failed)."""
         self._joined: dict[Members, tuple[ReceiverConn, ...]] = {}
@@ -68,16 +69,16 @@ class SenderBroadcast:
         group = self._groups.get(members)
         return group.spec.group_id if group else ""
 
-    def staged_members(self, run: VersionRun) -> Members:
+    def staged_members(self, run: Version) -> Members:
         """The group of ``run``'s broadcast receivers in no slice group: they get the staged
         buckets (lock held)."""
         return tuple(r for r in self._registry.broadcast_members(run) if r not in run.sliced)
 
-    def groups_of(self, run: VersionRun) -> list[Members]:
+    def groups_of(self, run: Version) -> list[Members]:
         """The groups ``run`` needs: :meth:`staged_members`, then each slice group's."""
         return [m for m in (self.staged_members(run), *(g.members for g in run.slices)) if m]
 
-    def invite(self, run: VersionRun, device: torch.device) -> None:
+    def invite(self, run: Version, device: torch.device) -> None:
         """Send each broadcast receiver of ``run`` its join message if its group must be
         (re)built (lock held). A rendezvous that cannot be hosted fails the group's members."""
         wanted = self.groups_of(run)
@@ -105,7 +106,7 @@ class SenderBroadcast:
             for rank, rid in enumerate(members, start=1):
                 self._registry.receiver(rid).send(pb.Announcement(join=spec.join_message(rank)))
 
-    def connect(self, run: VersionRun) -> None:
+    def connect(self, run: Version) -> None:
         """Build rank 0 of every invited group: blocks until each member joined (gloo), or
         fails them."""
         invited, self._invited = self._invited, []
@@ -116,7 +117,7 @@ class SenderBroadcast:
                 self._groups.pop(members, None)
                 self._fail(run, members, e)
 
-    def send(self, run: VersionRun, slot: Slot, nbytes: int, members: Members) -> None:
+    def send(self, run: Version, slot: Slot, nbytes: int, members: Members) -> None:
         """Queue the broadcast of the slot's bucket to ``members``' group; packing into the
         slot again waits for it (:meth:`finish`)."""
         group = self._groups.get(members)
@@ -162,12 +163,12 @@ class SenderBroadcast:
         if group is not None:
             group.close()
 
-    def _fail(self, run: VersionRun, members: Members, error: TransportError) -> None:
+    def _fail(self, run: Version, members: Members, error: TransportError) -> None:
         with self._cond:
             active = set(run.active())
             for rid in members:
                 if rid in active:
-                    self._outcomes.fail(run, rid, error)
+                    run.fail(rid, error)
 
 
 def in_step(joined: tuple[ReceiverConn, ...], now: tuple[ReceiverConn, ...]) -> bool:
@@ -180,7 +181,7 @@ def in_step(joined: tuple[ReceiverConn, ...], now: tuple[ReceiverConn, ...]) -> 
     )
 
 
-def group_name(run: VersionRun, members: Members) -> str:
+def group_name(run: Version, members: Members) -> str:
     """How errors name a broadcast group of ``run``: the staged buckets' group or a slice
     group, and its receivers."""
     which = next(

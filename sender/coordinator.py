@@ -4,16 +4,19 @@ The parts, each given what it uses:
 
 - :class:`~weightsync.sender.registry.Registry`: who is connected, ``Status``;
 - :class:`~weightsync.sender.history.VersionHistory`: the last versions, ``WaitApplied``;
-- :class:`~weightsync.sender.outcomes.Outcomes`: receivers' replies and failures, per version;
+- :class:`~weightsync.sender.outcomes.Outcomes`: receivers' replies, each to its version, and
+  their failures across versions;
 - :class:`~weightsync.sender.slots.SlotPool`: the staging buffers;
 - :func:`~weightsync.sender.planner.plan_version`: how a version travels (pure);
-- :class:`~weightsync.sender.driver.VersionDriver`: runs each planned
-  :class:`~weightsync.sender.version.Version`, one at a time;
+- :class:`~weightsync.sender.version.Version`: one planned version, which takes its receivers'
+  replies;
+- :class:`~weightsync.sender.driver.VersionDriver`: runs each version, one at a time;
 - :class:`~weightsync.sender.broadcast.SenderBroadcast`: the broadcast data path.
 
 One lock (an ``RLock`` condition) guards all state; the coordinator makes it and hands it to
-each part. A monitor thread fails receivers that owe a reply past ``ack_timeout_s``, so a dead
-or stalled receiver never blocks the others.
+each part (every version gets it with the rest of :class:`~weightsync.sender.outcomes.Shared`).
+A monitor thread fails receivers that owe a reply past ``ack_timeout_s``, so a dead or stalled
+receiver never blocks the others.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -30,20 +34,23 @@ from weightsync import gc_pause, limits, trace
 from weightsync.config import SenderSettings
 from weightsync.errors import ConfigError, ReplacedError, TransportError, WeightSyncError
 from weightsync.manifest import VersionManifest
+from weightsync.memo import Memo
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.hellos import check_publisher_hello, check_receiver_hello
 from weightsync.sender.history import VersionHistory
-from weightsync.sender.joins import Bounded, StreamBegin, refused, staging_device
-from weightsync.sender.outcomes import Outcomes
+from weightsync.sender.joins import StreamBegin, refused, staging_device
+from weightsync.sender.offer import OfferKey
+from weightsync.sender.outcomes import Outcomes, Shared
 from weightsync.sender.packing import MappedOffers
 from weightsync.sender.planner import Staging, TensorPlans, plan_version
-from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
+from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn
 from weightsync.sender.registry import Registry
+from weightsync.sender.reports import log_line
 from weightsync.sender.slices import SlicePlans
-from weightsync.sender.slots import Slot, SlotPool
+from weightsync.sender.slots import SlotPool
 from weightsync.sender.version import Version
 from weightsync.transports import resolve_transport
 from weightsync.transports.broadcast import host_id
@@ -63,22 +70,15 @@ class Coordinator:
     def __init__(self, settings: SenderSettings, metrics: SenderMetrics) -> None:
         self.settings = settings
         self._cond = threading.Condition()
-        self._slots = SlotPool(settings.num_buffers, settings.bucket_size_bytes)
+        slots = SlotPool(settings.num_buffers, settings.bucket_size_bytes)
         self.history = VersionHistory(self._cond, settings.history)
         self.registry = Registry(self._cond, settings, metrics, self.history, host_id())
-        self.outcomes = Outcomes(
-            self._cond, settings, metrics, self._slots, self.registry, self.history
-        )
+        self._shared = Shared(self._cond, settings, metrics, slots, self.registry, deque())
+        self._outcomes = Outcomes(self._shared, self.history)
         self._broadcast = SenderBroadcast(
-            settings.broadcast_host,
-            settings.ack_timeout_s,
-            self._cond,
-            self.registry,
-            self.outcomes,
+            settings.broadcast_host, settings.ack_timeout_s, self._cond, self.registry
         )
-        self._driver = VersionDriver(
-            self._cond, settings, metrics, self.outcomes, self._slots, self._broadcast
-        )
+        self._driver = VersionDriver(self._shared, self._broadcast)
         self._joining: dict[tuple[str, int], _Joining] = {}
         """By (publisher id, version)."""
         # Caches; each says its key and what invalidates it.
@@ -91,7 +91,8 @@ class Coordinator:
         """Each receiver's direct bucket by (tensor plan, receivers' GPUs); the last 4."""
         self._mapped_offers = MappedOffers()
         """Offered memory mapped here, by offer; the last 4 are kept (cleared at close)."""
-        self._bounded = Bounded()
+        self._bounded: Memo[tuple[bytes, OfferKey], None] = Memo(16)
+        """(Manifest key, offer key) pairs checked against ``limits``; the last 16 used."""
         self._stop = threading.Event()
         self._monitor = threading.Thread(target=self._watch_deadlines, daemon=True)
         self._monitor.start()
@@ -113,7 +114,7 @@ class Coordinator:
         begin: pb.BeginVersion,
         outbox: queue.Queue,
         last: StreamBegin,
-    ) -> tuple[VersionRun | None, RankConn]:
+    ) -> tuple[Version | None, RankConn]:
         """Add one publisher rank to a version (its replies go to ``outbox``, the rank's
         stream; ``last``: the stream's last whole begin, which a repeat stands for); the last
         rank to join plans the version and starts its driver.
@@ -138,7 +139,7 @@ class Coordinator:
         begin: pb.BeginVersion,
         outbox: queue.Queue,
         last: StreamBegin,
-    ) -> tuple[VersionRun | None, RankConn]:
+    ) -> tuple[Version | None, RankConn]:
         manifest = last.take(begin, hello.device_uuid, self._manifests)
         trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
@@ -173,7 +174,7 @@ class Coordinator:
             ranks[hello.rank] = conn
             if len(ranks) < world:
                 return None, conn
-            hold = gc_pause.Hold()  # released when the version ends (Outcomes)
+            hold = gc_pause.Hold()  # released when the version ends
             joined_at, joined_mono = time.time(), time.monotonic()
             try:
                 device = staging_device(ranks[min(ranks)])
@@ -192,11 +193,11 @@ class Coordinator:
             self._driver.start(run, device)
         except TransportError as e:
             with self._cond:
-                self.outcomes.abort(run, error_to_pb(e))
+                run.abort(error_to_pb(e))
         except Exception as e:
             log.exception("version %d: the driver did not start", run.version)
             with self._cond:
-                self.outcomes.abort(run, error_to_pb(WeightSyncError(f"{type(e).__name__}: {e}")))
+                run.abort(error_to_pb(WeightSyncError(f"{type(e).__name__}: {e}")))
         return run, conn
 
     def _abandon_joining(self, key: tuple[str, int], failed: RankConn, error: BaseException):
@@ -242,9 +243,15 @@ class Coordinator:
         begins = {rank: conn.begin for rank, conn in ranks.items()}
         gpus = {rank: conn.device_uuid for rank, conn in ranks.items()}
         offered = tuple(ranks[r].offer for r in sorted(ranks))
-        self._bounded.check(
-            manifest, manifest_key, offered, begins, self.settings.bucket_size_bytes
-        )
+
+        def check_limits() -> None:
+            # Before anything is planned from or mapped for them; once per pair.
+            size = self.settings.bucket_size_bytes
+            limits.check_entries(len(manifest.tensors), manifest.total_bytes, size)
+            for begin in begins.values():
+                limits.check_offer(begin)
+
+        self._bounded.get((manifest_key, offered), check_limits)
         plan = plan_version(
             manifest,
             begins,
@@ -274,9 +281,10 @@ class Coordinator:
             route_bytes=plan.route_bytes,
             slices=plan.slices,
             manifest_key=manifest_key,
+            shared=self._shared,
         )
 
-    def on_packed(self, run: VersionRun, rank: RankConn, packed: pb.BucketPacked) -> None:
+    def on_packed(self, run: Version, rank: RankConn, packed: pb.BucketPacked) -> None:
         """A publisher rank packed its part of a bucket of ``run`` (one of an earlier version:
         ignored).
 
@@ -296,13 +304,12 @@ class Coordinator:
             rank.packed.add(packed.index)
             self._cond.notify_all()
 
-    def publisher_failed(self, run: VersionRun, error: WeightSyncError | pb.ErrorDetail) -> None:
+    def publisher_failed(self, run: Version, error: WeightSyncError | pb.ErrorDetail) -> None:
         """A publisher rank failed or left: the version is abandoned unless already staged."""
         with self._cond:
             if run.staged_s or run.done:
                 return
-            detail = error if isinstance(error, pb.ErrorDetail) else error_to_pb(error)
-            self.outcomes.abort(run, detail)
+            run.abort(error if isinstance(error, pb.ErrorDetail) else error_to_pb(error))
 
     # ---- receivers and queries ----
 
@@ -328,14 +335,14 @@ class Coordinator:
                         "closed and does not register again"
                     )
                 )
-                self.outcomes.receiver_left(old, "replaced: its id registered again")
+                self._outcomes.receiver_left(old, "replaced: its id registered again")
             return self.registry.add_receiver(hello)
 
     def receiver_gone(self, conn: ReceiverConn, why: str) -> None:
-        self.outcomes.receiver_left(conn, why)
+        self._outcomes.receiver_left(conn, why)
 
     def on_receiver_message(self, conn: ReceiverConn, msg: pb.ReceiverMessage) -> None:
-        self.outcomes.on_receiver_message(conn, msg)
+        self._outcomes.on_receiver_message(conn, msg)
 
     def status(self) -> pb.StatusReply:
         """The registry's Status, its oldest versions dropped while it is over
@@ -351,17 +358,12 @@ class Coordinator:
     ) -> pb.VersionStatus:
         return self.history.wait_applied(version, timeout_s, alive)
 
-    def run_of(self, version: int) -> VersionRun | None:
+    def run_of(self, version: int) -> Version | None:
         return self.history.run_of(version)
 
     @property
     def last_version(self) -> int:
         return self.history.last_version
-
-    def staging_slots(self) -> tuple[Slot, ...]:
-        """The staging slots now allocated (their buffers: ``slot.buffer``)."""
-        with self._cond:
-            return self._slots.slots
 
     # ---- lifecycle ----
 
@@ -370,12 +372,12 @@ class Coordinator:
         while not self._stop.wait(0.2):
             self._log_finished()
             with self._cond:
-                self.outcomes.expire(time.monotonic())
+                self._outcomes.expire(time.monotonic())
 
     def _log_finished(self) -> None:
-        while self.outcomes.finished:
-            run, abandoned = self.outcomes.finished.popleft()
-            line = run.log_line(abandoned)
+        while self._shared.finished:
+            run, abandoned = self._shared.finished.popleft()
+            line = log_line(run, abandoned)
             log.info("%s", line.message, extra=line.extra)
 
     def close(self) -> None:
@@ -383,9 +385,9 @@ class Coordinator:
         self._log_finished()
         with self._cond:
             self.history.close()
-            self.outcomes.close()
+            self._outcomes.close()
             self.registry.close()
-            self._slots.close()
+            self._shared.slots.close()
             self._mapped_offers.clear()
             self._broadcast.close()
             self._cond.notify_all()

@@ -1,6 +1,6 @@
 """The version driver: one thread runs the versions in turn (:meth:`Version.run`), and the
-staging they share: the slots, sized for each version and reused after their last readers,
-and the end of a version, where its checksums are finished.
+staging they share: the slots, sized for each version, claimed for its buckets and reused after
+their last readers, and the one wait at a version's end for what its packing queued.
 
 The thread is started once: a thread per version cost latency on every version.
 """
@@ -11,23 +11,24 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 
 import torch
 
 from weightsync import trace
-from weightsync.checksum import ALGORITHM, finish_all
-from weightsync.config import SenderSettings
+from weightsync.buckets import Bucket
+from weightsync.checksum import row_sums
 from weightsync.errors import SyncTimeoutError, TransportError, WeightSyncError
-from weightsync.metrics import SenderMetrics
+from weightsync.sender.announcements import Send, largest_bucket
 from weightsync.sender.broadcast import SenderBroadcast
-from weightsync.sender.outcomes import Outcomes
-from weightsync.sender.records import RunAborted, VersionRun
-from weightsync.sender.slots import Slot, SlotPool
-from weightsync.sender.version import Send, Version
+from weightsync.sender.outcomes import Shared
+from weightsync.sender.publisher_packs import PublisherPacks
+from weightsync.sender.records import RunAborted
+from weightsync.sender.slots import Slot
+from weightsync.sender.version import Version
 from weightsync.transports import get_transport
-from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 
 log = logging.getLogger("weightsync.sender")
@@ -55,19 +56,11 @@ class _Queued:
 
 
 class VersionDriver:
-    """Runs versions one at a time; ``cond`` is the sender's lock (see ``outcomes.py``)."""
+    """Runs versions one at a time, staged in ``shared.slots``, broadcast by ``broadcast``."""
 
-    def __init__(
-        self,
-        cond: threading.Condition,
-        settings: SenderSettings,
-        metrics: SenderMetrics,
-        outcomes: Outcomes,
-        slots: SlotPool,
-        broadcast: SenderBroadcast,
-    ) -> None:
-        self.cond, self.settings, self.metrics = cond, settings, metrics
-        self.outcomes, self.slots, self.broadcast = outcomes, slots, broadcast
+    def __init__(self, shared: Shared, broadcast: SenderBroadcast) -> None:
+        self.broadcast = broadcast
+        self._cond, self._settings, self._slots = shared.cond, shared.settings, shared.slots
         self._queued: queue.Queue[_Queued | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._idle = True
@@ -92,13 +85,13 @@ class VersionDriver:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run_all, name="driver", daemon=True)
                 self._thread.start()
-            inline = self._idle and self.slots.fits(version.largest_bucket(), device)
+            inline = self._idle and self._slots.fits(largest_bucket(version), device)
             item = _Queued(version, device, inline)
             self._idle = False
             self._queued.put(item)
         if item.started is not None:
             try:
-                sends = self._start(version, device)
+                sends = version.start(self, device)
             except BaseException as e:
                 item.made(e)
             else:
@@ -114,35 +107,56 @@ class VersionDriver:
         while (item := self._queued.get()) is not None:
             version, device = item.version, item.device
             inline = item.started is not None
-            start = item.sends if inline else partial(self._start, version, device)
+            start = item.sends if inline else partial(version.start, self, device)
             try:
                 version.run(self, device, start)
             except Exception as e:
                 # A bug must fail its version, not every later one with the thread.
                 log.exception("version %d: the driver failed", version.version)
-                with self.cond:
-                    self.outcomes.abort(
-                        version, error_to_pb(WeightSyncError(f"{type(e).__name__}: {e}"))
-                    )
+                with self._cond:
+                    version.abort(error_to_pb(WeightSyncError(f"{type(e).__name__}: {e}")))
             with self._lock:
                 self._idle = self._queued.empty()
-
-    def _start(self, version: Version, device: torch.device) -> list[Send]:
-        """The version's start, from whichever thread makes it."""
-        return version.start(self, device)
 
     # ---- the staging versions share (lock held unless said) ----
 
     def ensure_slots(self, version: Version, device: torch.device) -> None:
         """Slots on ``device`` that hold the largest bucket (reallocated once all are free)."""
-        need = version.largest_bucket()
-        if self.slots.fits(need, device):
+        need = largest_bucket(version)
+        if self._slots.fits(need, device):
             return
         what = "receivers to release staging buffers"
-        self.wait(version, self.slots.all_free, self.settings.ack_timeout_s, what)
-        for slot in self.slots.slots:
+        self.wait(version, self._slots.all_free, self._settings.ack_timeout_s, what)
+        for slot in self._slots.slots:
             self.before_reuse(slot, torch.device(slot.device), on_stream=False)
-        self.slots.reallocate(need, device, get_transport(version.transport))
+        self._slots.reallocate(need, device, get_transport(version.transport))
+
+    def claim_slots(
+        self,
+        version: Version,
+        issued: deque[tuple[Send, Slot]],
+        todo: deque[Send],
+        packs: PublisherPacks | None,
+    ) -> None:
+        """Give each free slot the next bucket of ``todo`` (waits for one if none is
+        ``issued``); the publishers are asked to pack them when they pack (``packs``)."""
+        with self._cond:
+            if version.done:
+                raise RunAborted()
+            if not issued:
+                what = "a free staging buffer"
+                self.wait(version, self._slots.any_free, self._settings.ack_timeout_s + 5, what)
+            fresh = []
+            while todo and (slot := self._slots.claim()) is not None:
+                send = todo.popleft()
+                issued.append((send, slot))
+                fresh.append((send, slot))
+                trace.mark("sender.issue", index=send.bucket.index)
+        if packs is not None and fresh:
+            packs.asked()
+            for send, slot in fresh:
+                self.before_reuse(slot, torch.device(slot.device), on_stream=False)
+                packs.ask(send.layout, slot)
 
     def before_reuse(self, slot: Slot, device: torch.device, on_stream: bool) -> None:
         """Order packing into ``slot`` after its last readers: by a stream wait when this
@@ -158,40 +172,34 @@ class VersionDriver:
         if (broadcast or events) and not on_stream and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
 
-    def end(self, version: Version, device: torch.device) -> None:
-        """Every bucket is announced (lock not held): wait once for the packing (after this,
-        the publishers' memory is no longer read), then :meth:`send_end`."""
-        for slot in self.slots.slots:
+    def packed(
+        self,
+        version: Version,
+        bucket: Bucket,
+        slot: Slot,
+        device: torch.device,
+        sums: torch.Tensor | None,
+    ) -> None:
+        """The bucket in ``slot`` is packed (queued, on CUDA): queue its checksum (unless the
+        pack took it: ``sums``) and, on CUDA, record the event receivers' reads wait for."""
+        version.sums[bucket.index] = (
+            sums if sums is not None else row_sums(slot.buffer.tensor, bucket.nbytes)
+        )
+        if slot.packed_event is not None:
+            slot.packed_event[0].record(torch.cuda.current_stream(device))
+        trace.mark("sender.checksum_queued", index=bucket.index)
+        trace.gpu_mark("sender.gpu_packed", device, index=bucket.index)
+
+    def drain(self, device: torch.device) -> None:
+        """Every bucket is announced (lock not held): wait once for the broadcasts and the
+        packing; after this the publishers' memory is no longer read."""
+        for slot in self._slots.slots:
             self.broadcast.finish(slot)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         trace.flush_gpu()
-        with self.cond:
-            self.send_end(version)
 
-    def send_end(self, version: Version) -> None:
-        """Every receiver still in ``version`` gets its end, with every bucket's checksum; they
-        commit after checking theirs."""
-        sent = [s.bucket for s in version.sends()]
-        values = dict(
-            zip(
-                [b.index for b in sent],
-                finish_all([version.sums[b.index] for b in sent], [b.nbytes for b in sent]),
-                strict=True,
-            )
-        )
-        # By index; 0 for the staged buckets nobody took (every receiver in a slice group).
-        checksums = [values.get(i, 0) for i in range(max(values, default=-1) + 1)]
-        end = pb.Announcement(
-            end=pb.VersionEnd(
-                version=version.version, checksum_algorithm=ALGORITHM, checksums=checksums
-            )
-        )
-        self.outcomes.address(version, "applied", lambda c: end)
-
-    def wait(
-        self, run: VersionRun, ready: Callable[[], object], timeout_s: float, what: str
-    ) -> None:
+    def wait(self, run: Version, ready: Callable[[], object], timeout_s: float, what: str) -> None:
         """Wait until ``ready()``; RunAborted once ``run`` is over."""
         deadline = time.monotonic() + timeout_s
         while not ready():
@@ -202,6 +210,6 @@ class VersionDriver:
                 raise SyncTimeoutError(
                     f"version {run.version}: waited {timeout_s:.0f} s for {what}"
                 )
-            self.cond.wait(min(left, 1.0))
+            self._cond.wait(min(left, 1.0))
         if run.done:
             raise RunAborted()

@@ -11,10 +11,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from weightsync.errors import ProtocolError, SyncTimeoutError, TransportError, VersionError
-from weightsync.sender.records import VersionRun
+from weightsync.sender.reports import version_status
+from weightsync.sender.states import OutcomeState, VersionState
 from weightsync.v1 import weightsync_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightsync.sender.version import Version
 
 
 class VersionHistory:
@@ -23,7 +28,7 @@ class VersionHistory:
 
     def __init__(self, cond: threading.Condition, keep: int) -> None:
         self._cond, self._keep = cond, keep
-        self._runs: OrderedDict[int, VersionRun] = OrderedDict()
+        self._runs: OrderedDict[int, Version] = OrderedDict()
         self._dropped = 0
         """The newest version dropped from the history (it may have been applied)."""
         self._closed = False
@@ -34,11 +39,11 @@ class VersionHistory:
         with self._cond:  # reentrant: callers may hold it already
             return self._floor()
 
-    def runs(self) -> list[VersionRun]:
+    def runs(self) -> list[Version]:
         """The kept versions, oldest first (lock held)."""
         return list(self._runs.values())
 
-    def run_of(self, version: int) -> VersionRun | None:
+    def run_of(self, version: int) -> Version | None:
         with self._cond:
             return self._runs.get(version)
 
@@ -47,7 +52,7 @@ class VersionHistory:
         applied, is in flight or wrote anything. One that failed leaving no trace (a wrong
         manifest, a hostile huge number) does not hold the next back, and its number may be
         published again."""
-        counted = [v for v, run in self._runs.items() if not run.left_no_trace]
+        counted = [v for v, run in self._runs.items() if not left_no_trace(run)]
         return max([*counted, self._dropped])
 
     def check_version(self, version: int) -> None:
@@ -58,14 +63,14 @@ class VersionHistory:
                 f"{floor}; publish {floor + 1} or later"
             )
 
-    def add_run(self, run: VersionRun) -> None:
+    def add_run(self, run: Version) -> None:
         """Record a new version (checked by :meth:`check_version`), dropping the oldest past
         ``keep``."""
         self._runs.pop(run.version, None)  # one that left no trace, published again: newest
         self._runs[run.version] = run
         while len(self._runs) > self._keep:
             number, dropped = self._runs.popitem(last=False)
-            if not dropped.left_no_trace:
+            if not left_no_trace(dropped):
                 self._dropped = max(self._dropped, number)
             if dropped.gc_hold is not None:  # one never finished must not pause it for good
                 dropped.gc_hold.release()
@@ -97,7 +102,7 @@ class VersionHistory:
                 if run is None:
                     self._check_coming(version)
                 elif run.done:
-                    return run.to_pb()
+                    return version_status(run)
                 if self._closed:
                     raise TransportError(
                         f"the sender shut down while WaitApplied waited for version {version}"
@@ -134,3 +139,16 @@ class VersionHistory:
             f"version {version} was never published on this sender and never will be: "
             f"versions only increase and the last published is {self.last_version}"
         )
+
+
+def left_no_trace(version: Version) -> bool:
+    """Whether ``version`` failed before any receiver applied it or was sent a byte of it
+    (every receiver rejected its manifest, or it was abandoned first): then its number is not
+    used up. Every receiver's failure is final, so that holds from the last verdict on, even
+    before the version itself is marked failed (its publisher may hear first)."""
+    outcomes = version.outcomes.values()
+    if any(o.wrote or o.state == OutcomeState.APPLIED for o in outcomes):
+        return False
+    return version.state == VersionState.FAILED or (
+        bool(outcomes) and all(o.state == OutcomeState.FAILED for o in outcomes)
+    )

@@ -1,22 +1,19 @@
-"""Publisher ranks joining a version: what a stream's begin stands for, the limits a
-version's manifest and offers are checked against once, and where the version is staged;
-and how a begin or a receiver's hello is refused."""
+"""Publisher ranks joining a version: what a stream's begin stands for and where the version
+is staged; and how a begin or a receiver's hello is refused."""
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
-from weightsync import limits
 from weightsync.errors import ConfigError, ProtocolError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.sender.hellos import check_manifest_not_empty
-from weightsync.sender.offer import OfferKey, rank_offer
+from weightsync.sender.offer import rank_offer
 from weightsync.sender.records import RankConn
 from weightsync.transports.cuda_ipc import local_index_of
 from weightsync.v1 import weightsync_pb2 as pb
@@ -52,33 +49,6 @@ class StreamBegin:
         self.begin, self.manifest = begin, manifest
         self.offer = rank_offer(begin, device_uuid)
         return manifest
-
-
-class Bounded:
-    """(Manifest, offer) pairs checked against ``limits`` (bucket entries, offered fields),
-    by manifest key and offer; the last 16."""
-
-    def __init__(self) -> None:
-        self._checked: OrderedDict[tuple[bytes, OfferKey], None] = OrderedDict()
-
-    def check(
-        self,
-        manifest: VersionManifest,
-        manifest_key: bytes,
-        offered: OfferKey,
-        begins: Mapping[int, pb.BeginVersion],
-        bucket_size_bytes: int,
-    ) -> None:
-        """Raise a limit's error unless the pair was checked before; before anything is
-        planned from or mapped for them."""
-        if (manifest_key, offered) in self._checked:
-            return
-        limits.check_entries(len(manifest.tensors), manifest.total_bytes, bucket_size_bytes)
-        for begin in begins.values():
-            limits.check_offer(begin)
-        self._checked[manifest_key, offered] = None
-        while len(self._checked) > 16:
-            self._checked.popitem(last=False)
 
 
 def staging_device(rank: RankConn) -> torch.device:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,11 +20,13 @@ from weightsync.errors import ProtocolError, TransportError, WeightSyncError
 from weightsync.memo import Memo
 from weightsync.regions import Region, region_copies
 from weightsync.sender.offer import OfferKey
-from weightsync.sender.records import VersionRun
 from weightsync.sender.slots import PackCopies, Slot
 from weightsync.transports import MappedBuffers
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import regions_from_pb
+
+if TYPE_CHECKING:
+    from weightsync.sender.version import Version
 
 log = logging.getLogger("weightsync.sender")
 
@@ -65,7 +68,7 @@ def _map(begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers) -> Regio
     return regions
 
 
-def pack_bucket(run: VersionRun, bucket: Bucket, slot: Slot) -> torch.Tensor | None:
+def pack_bucket(run: Version, bucket: Bucket, slot: Slot) -> torch.Tensor | None:
     """Queue the copies that pack ``bucket`` into ``slot`` from ``run.regions`` (set); returns
     the bucket checksum's reduction when the copies took it (:mod:`.summed_copies`), else None.
 

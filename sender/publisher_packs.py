@@ -12,12 +12,13 @@ from typing import TYPE_CHECKING
 from weightsync.buckets import Bucket
 from weightsync.config import SenderSettings
 from weightsync.errors import SyncTimeoutError
-from weightsync.sender.records import RunAborted, VersionRun
+from weightsync.sender.records import RunAborted
 from weightsync.sender.slots import Slot, SlotPool
 from weightsync.v1 import weightsync_pb2 as pb
 
 if TYPE_CHECKING:
-    from weightsync.sender.version import Send
+    from weightsync.sender.announcements import Send
+    from weightsync.sender.version import Version
 
 
 class PublisherPacks:
@@ -25,7 +26,7 @@ class PublisherPacks:
     ``stall_timeout_s`` since they last packed a bucket or were asked for one, and at most
     ``pack_timeout_s`` in all."""
 
-    def __init__(self, run: VersionRun, cond: threading.Condition, settings: SenderSettings):
+    def __init__(self, run: Version, cond: threading.Condition, settings: SenderSettings):
         self._run, self._cond = run, cond
         self._stall_s, self._total_s = settings.stall_timeout_s, settings.pack_timeout_s
         self._since = time.monotonic()

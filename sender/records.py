@@ -1,8 +1,8 @@
-"""The sender's records of its peers and versions: receivers, publisher ranks, version runs.
+"""The sender's records of its peers: receivers, publisher ranks, and what one receiver did
+with one version (the version itself: ``version.py``).
 
-No locks and no threads: the registry, the version history, the outcomes and a version's own
-steps (``registry.py``, ``history.py``, ``outcomes.py``, ``version.py``) change them with the
-sender's lock held; the servicer only moves their queued messages.
+No locks and no threads: the registry and the versions (``registry.py``, ``version.py``) change
+them with the sender's lock held; the servicer only moves their queued messages.
 """
 
 from __future__ import annotations
@@ -11,18 +11,11 @@ import queue
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import NamedTuple
 
-from weightsync import gc_pause
 from weightsync.buckets import TensorSpec
-from weightsync.manifest import VersionManifest
-from weightsync.regions import Region
-from weightsync.sender.direct_reads import DirectRead
+from weightsync.errors import TransportError
 from weightsync.sender.outbox import Outbox, batched
-from weightsync.sender.planner import TensorPlan
-from weightsync.sender.slices import SliceGroup
-from weightsync.sender.states import OutcomeState, ReceiverState, VersionState
+from weightsync.sender.states import OutcomeState, ReceiverState
 from weightsync.stream_keys import SentKeys
 from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
@@ -77,7 +70,7 @@ class ReceiverConn:
     lane: bool = False
     """Its stream moved to a same-host lane (``weightsync/control/lanes.py``)."""
     held: list[pb.Announcement] | None = None
-    """Announcements held to go out as one batch (:meth:`Outcomes.together`)."""
+    """Announcements held to go out as one batch (:meth:`Registry.together`)."""
     counted: object = field(default=None, repr=False)
     """The tensor list ``keeps`` were checked against and ``kept_bytes`` counts (manifests
     of one layout share it)."""
@@ -93,6 +86,31 @@ class ReceiverConn:
             else keeps[spec.name].numel * spec.torch_dtype.itemsize
             for spec in specs
         )
+
+    # What its weights are now (``state``), as a version moves it:
+
+    def rejected(self, error: str) -> None:
+        """It rejected a version before writing: it still holds its previous weights."""
+        self.state = ReceiverState.DIRTY if self.dirty else ReceiverState.IDLE
+        self.last_error = error
+
+    def applied(self, version: int) -> None:
+        self.applied_version, self.last_error = version, ""
+        self.state, self.dirty = ReceiverState.IDLE, False
+
+    def failed_writing(self, error: str) -> None:
+        """It failed a version after writing: its weights match no version until the next."""
+        self.state, self.dirty, self.last_error = ReceiverState.DIRTY, True, error
+
+    def left_version(self, detail: pb.ErrorDetail, wrote: bool) -> None:
+        """It is out of a version (``wrote``: a bucket of it was announced to it)."""
+        if self.state == ReceiverState.APPLYING:
+            # Told to abort after a bucket (its publisher died, a timeout): it may have
+            # written some; its next hello says for sure.
+            self.dirty = self.dirty or wrote
+            self.state = ReceiverState.DIRTY if self.dirty else ReceiverState.FAILED
+        self.last_error = self.last_error or detail.message
+        self.broadcast_failed = self.broadcast_failed or detail.code == TransportError.__name__
 
     def send(self, msg: pb.Announcement | None) -> None:
         if self.held is not None and msg is not None:
@@ -165,178 +183,3 @@ class Outcome:
         """It still owes a reply, past its deadline."""
         pending = self.state == OutcomeState.PENDING
         return pending and self.deadline is not None and self.deadline < now
-
-
-@dataclass
-class VersionRun:
-    """One published version from begin to every receiver's outcome."""
-
-    manifest: VersionManifest
-    tensors: TensorPlan
-    """How its tensors travel: staged buckets, the direct bucket, their wire layouts."""
-    publisher_id: str
-    transport: str
-    ranks: dict[int, RankConn]
-    regions: Mapping[str, Sequence[Region]] | None = None
-    """The publishers' memory mapped here: set when the sender packs every bucket itself."""
-    notify_done: bool = False
-    """A publisher waits on its stream for every receiver's outcome."""
-    direct_reads: Mapping[str, DirectRead] = field(default_factory=dict)
-    """Each receiver's own direct bucket, from its nearest copies (as planned)."""
-    route_bytes: Mapping[str, int] = field(default_factory=dict)
-    """Bytes the receivers take by each route (``planner.ROUTES``), as planned."""
-    slices: tuple[SliceGroup, ...] = ()
-    """Broadcast receivers that get buckets of the boxes they keep instead of the staged
-    buckets (``slices.py``)."""
-    manifest_key: bytes = b""
-    """An id of the manifest without its version (``VersionStart.manifest_key``)."""
-    direct_readers: set[str] = field(default_factory=set)
-    """Receivers still copying the direct tensors out of the publishers' memory."""
-    sums: dict[int, object] = field(default_factory=dict)
-    """Each staged bucket's checksum reduction, queued behind its packing (finished at end)."""
-    outcomes: dict[str, Outcome] = field(default_factory=dict)
-    started_at: float = field(default_factory=time.time)
-    started_mono: float = field(default_factory=time.monotonic)
-    """When its last rank joined, before it was planned."""
-    plan_s: float = 0.0
-    staged_s: float = 0.0
-    complete_s: float = 0.0
-    state: VersionState = VersionState.PACKING
-    abandoned: pb.ErrorDetail | None = None
-    """Why the version was abandoned, when it was (Status shows it)."""
-    gc_hold: gc_pause.Hold | None = field(default=None, repr=False, compare=False)
-    """The garbage collector's pause from planning to the version's end (``gc_pause``)."""
-
-    @property
-    def version(self) -> int:
-        return self.manifest.version
-
-    @property
-    def done(self) -> bool:
-        return self.state in (VersionState.COMPLETE, VersionState.FAILED)
-
-    @property
-    def left_no_trace(self) -> bool:
-        """It failed before any receiver applied it or was sent a byte of it (every receiver
-        rejected its manifest, or it was abandoned first): its number is not used up. Every
-        receiver's failure is final, so that holds from the last verdict on, even before the
-        run itself is marked failed (its publisher may hear first)."""
-        outcomes = self.outcomes.values()
-        if any(o.wrote or o.state == OutcomeState.APPLIED for o in outcomes):
-            return False
-        return self.state == VersionState.FAILED or (
-            bool(outcomes) and all(o.state == OutcomeState.FAILED for o in outcomes)
-        )
-
-    @cached_property
-    def manifest_pb(self) -> pb.Manifest:
-        """The wire manifest at this version, as the first rank sent it (every rank's is the
-        same; a rank that repeated its last begin sent it for an earlier version)."""
-        sent = self.ranks[min(self.ranks)].begin.manifest
-        if sent.version == self.version:
-            return sent
-        msg = pb.Manifest()
-        msg.CopyFrom(sent)
-        msg.version = self.version
-        return msg
-
-    @cached_property
-    def sliced(self) -> frozenset[str]:
-        """The receivers in a slice group (they get its buckets, not the staged ones)."""
-        return frozenset(rid for g in self.slices for rid in g.members)
-
-    def active(self) -> list[str]:
-        """Receivers still taking part (not failed, not yet applied)."""
-        return [rid for rid, o in self.outcomes.items() if o.state == OutcomeState.PENDING]
-
-    def to_pb(self) -> pb.VersionStatus:
-        direct = self.tensors.direct
-        return pb.VersionStatus(
-            version=self.version,
-            state=self.state,
-            total_bytes=self.manifest.total_bytes,
-            direct_bytes=direct.nbytes if direct else 0,
-            staged_bytes=self.tensors.staged.total_bytes,
-            sender_packed=self.regions is not None,
-            route_bytes=self.route_bytes,
-            abandoned=self.abandoned,
-            num_tensors=len(self.manifest.tensors),
-            num_buckets=len(self.tensors.staged.buckets) + (1 if direct else 0),
-            started_at_unix_s=self.started_at,
-            plan_s=self.plan_s,
-            staged_s=self.staged_s,
-            complete_s=self.complete_s,
-            receivers=[
-                pb.ReceiverOutcome(
-                    receiver_id=rid, state=o.state, error=o.error, applied_at_unix_s=o.applied_at
-                )
-                for rid, o in sorted(self.outcomes.items())
-            ],
-        )
-
-    def tell_staged(self) -> None:
-        """``staged`` to each publisher rank of the version that takes it (one that waits for
-        ``done`` and said ``staged_in_done`` takes ``done`` as ``staged``)."""
-        staged = pb.SenderReply(
-            staged=pb.VersionStaged(version=self.version, receivers=len(self.outcomes))
-        )
-        for rank in self.ranks.values():
-            if not rank.staged_in_done:
-                rank.outbox.put(staged)
-
-    def tell_done(self) -> None:
-        """``done`` to every publisher rank of the version, when they wait for it."""
-        if self.notify_done:
-            done = pb.SenderReply(done=self.to_pb())
-            for rank in self.ranks.values():
-                rank.outbox.put(done)
-
-    def log_line(self, abandoned: str = "") -> LogLine:
-        """The one log line of a finished version, with its timings as structured fields."""
-        applied = sum(o.state == OutcomeState.APPLIED for o in self.outcomes.values())
-        direct = self.tensors.direct
-        direct_bytes = direct.nbytes if direct else 0
-        failures = {
-            rid: _one_line(o.error.message if o.error is not None else "")
-            for rid, o in self.outcomes.items()
-            if o.state == OutcomeState.FAILED
-        }
-        message = (
-            f"version {self.version} {self.state}: {self.manifest.total_bytes / 1e6:.1f} MB "
-            f"({direct_bytes / 1e6:.1f} MB direct), {len(self.tensors.staged.buckets)} bucket(s), "
-            f"planned {self.plan_s:.3f} s, staged {self.staged_s:.3f} s, "
-            f"done {self.complete_s:.3f} s, applied by {applied}/{len(self.outcomes)} receiver(s)"
-            + (f"; abandoned: {_one_line(abandoned)}" if abandoned else "")
-            + "".join(f"; {rid} failed: {why}" for rid, why in failures.items())
-        )
-        extra = {
-            "event": "version_finished",
-            "version": self.version,
-            "state": self.state,
-            "total_bytes": self.manifest.total_bytes,
-            "direct_bytes": direct_bytes,
-            "buckets": len(self.tensors.staged.buckets),
-            "plan_s": round(self.plan_s, 6),
-            "staged_s": round(self.staged_s, 6),
-            "done_s": round(self.complete_s, 6),
-            "applied": applied,
-            "receivers": len(self.outcomes),
-            "sender_packed": self.regions is not None,
-            "route_bytes": dict(self.route_bytes),
-            "publisher_id": self.publisher_id,
-            "failed": failures,
-        }
-        if abandoned:
-            extra["abandoned"] = _one_line(abandoned)
-        return LogLine(message, extra)
-
-
-class LogLine(NamedTuple):
-    """One INFO line to write off the lock: its text and its structured fields."""
-
-    message: str
-    extra: dict
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())

@@ -26,7 +26,8 @@ from weightsync.limits import (
 from weightsync.sender.coordinator import Coordinator
 from weightsync.sender.joins import StreamBegin
 from weightsync.sender.outbox import Outbox, Unsent, batched
-from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn, VersionRun
+from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn
+from weightsync.sender.version import Version
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.v1 import weightsync_pb2_grpc as pb_grpc
 
@@ -133,7 +134,7 @@ def take_queued(
 ) -> tuple[list[pb.Announcement], WeightSyncError | object | None]:
     """The announcements to send next: the first to come, and up to ``most`` in all of those
     queued behind it, with what stopped the take: an error to end the stream with, None (the
-    stream is over) or another sentinel (take again). A list queued (``Outcomes.together``)
+    stream is over) or another sentinel (take again). A list queued (``Registry.together``)
     is taken whole, whatever ``most``."""
     items: list[pb.Announcement] = []
     item = outbox.get()
@@ -250,7 +251,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         self,
         hello: pb.PublisherHello,
         version: int,
-        run: VersionRun | None,
+        run: Version | None,
         rank: RankConn | None,
         begin: pb.BeginVersion,
     ) -> None:

@@ -1,32 +1,56 @@
-"""A version as the sender runs it: planned, then started, its buckets sent, ended, staged.
+"""A version as the sender runs it, from its plan to every receiver's outcome.
 
-:meth:`Version.run` holds the steps in order. The receivers' replies (verdicts, acks,
-applied) are fed to the version by ``outcomes.py``: they free slots, stage the version
-once the last direct read ends, and finish it. Nothing here waits for the GPU per bucket: on
-CUDA, packing, checksums, broadcasts and the receivers' reads are ordered by streams and
-interprocess events, and the version waits once, at its end (``VersionDriver.end``).
+:meth:`Version.run` holds the sender's steps in order, on the driver's thread: start (address
+it to the receivers), then per bucket: claim a staging slot, pack, queue its checksum, announce
+(and broadcast); then the end; then, once no receiver reads the publishers' memory, staged.
+The receivers' replies arrive on their streams' threads (:meth:`~Version.on_verdict`,
+:meth:`~Version.on_ack`, :meth:`~Version.on_applied`) and move it on: an ack frees a slot, the
+last direct read stages it, the last receiver to finish ends it. A receiver fails alone
+(:meth:`~Version.fail`); the version fails whole when abandoned (:meth:`~Version.abort`) or
+when every receiver failed.
+
+Nothing waits for the GPU per bucket: on CUDA, packing, checksums, broadcasts and the
+receivers' reads are ordered by streams and interprocess events, and the version waits once,
+at its end. The steps of :meth:`~Version.run` take the sender's lock (``Shared.cond``) for what
+they change; the replies and the transitions are called with it held.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync import trace
-from weightsync.buckets import Bucket
-from weightsync.checksum import row_sums
-from weightsync.errors import WeightSyncError
+from weightsync import gc_pause, trace
+from weightsync.errors import ProtocolError, TransportError, WeightSyncError
+from weightsync.manifest import VersionManifest
+from weightsync.regions import Region
+from weightsync.sender.announcements import (
+    Send,
+    address,
+    direct_buckets,
+    end_message,
+    open_version,
+    packed_bucket,
+    sends,
+    starts,
+)
 from weightsync.sender.broadcast import Members
+from weightsync.sender.direct_reads import DirectRead
+from weightsync.sender.outcomes import Shared, declare_keeps
 from weightsync.sender.packing import pack_bucket
-from weightsync.sender.planner import BROADCAST, MAP
+from weightsync.sender.planner import BROADCAST, MAP, TensorPlan
 from weightsync.sender.publisher_packs import PublisherPacks
-from weightsync.sender.records import ReceiverConn, RunAborted, VersionRun
+from weightsync.sender.records import Outcome, RankConn, ReceiverConn, RunAborted
+from weightsync.sender.reports import tell_done, tell_staged
 from weightsync.sender.slices import SliceGroup
 from weightsync.sender.slots import Slot
-from weightsync.sender.states import VersionState
+from weightsync.sender.states import OutcomeState, VersionState
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 
@@ -34,25 +58,74 @@ if TYPE_CHECKING:
     from weightsync.sender.driver import VersionDriver
 
 
-class Send(NamedTuple):
-    """One bucket to pack and send: a staged bucket (``group`` None: to the receivers that map
-    and those that get the staged buckets by broadcast) or a slice group's."""
+@dataclass
+class Version:
+    """One published version: how it travels, its publisher ranks, each receiver's outcome."""
 
-    bucket: Bucket
-    layout: pb.BucketLayout
-    group: SliceGroup | None
+    manifest: VersionManifest
+    tensors: TensorPlan
+    """How its tensors travel: staged buckets, the direct bucket, their wire layouts."""
+    publisher_id: str
+    transport: str
+    ranks: dict[int, RankConn]
+    shared: Shared = field(kw_only=True, repr=False, compare=False)
+    regions: Mapping[str, Sequence[Region]] | None = None
+    """The publishers' memory mapped here: set when the sender packs every bucket itself."""
+    notify_done: bool = False
+    """A publisher waits on its stream for every receiver's outcome."""
+    direct_reads: Mapping[str, DirectRead] = field(default_factory=dict)
+    """Each receiver's own direct bucket, from its nearest copies (as planned)."""
+    route_bytes: Mapping[str, int] = field(default_factory=dict)
+    """Bytes the receivers take by each route (``planner.ROUTES``), as planned."""
+    slices: tuple[SliceGroup, ...] = ()
+    """Broadcast receivers that get buckets of the boxes they keep instead of the staged
+    buckets (``slices.py``)."""
+    manifest_key: bytes = b""
+    """An id of the manifest without its version (``VersionStart.manifest_key``)."""
+    direct_readers: set[str] = field(default_factory=set)
+    """Receivers still copying the direct tensors out of the publishers' memory."""
+    sums: dict[int, object] = field(default_factory=dict)
+    """Each staged bucket's checksum reduction, queued behind its packing (finished at end)."""
+    outcomes: dict[str, Outcome] = field(default_factory=dict)
+    started_at: float = field(default_factory=time.time)
+    started_mono: float = field(default_factory=time.monotonic)
+    """When its last rank joined, before it was planned."""
+    plan_s: float = 0.0
+    staged_s: float = 0.0
+    complete_s: float = 0.0
+    state: VersionState = VersionState.PACKING
+    abandoned: pb.ErrorDetail | None = None
+    """Why the version was abandoned, when it was (Status shows it)."""
+    gc_hold: gc_pause.Hold | None = field(default=None, repr=False, compare=False)
+    """The garbage collector's pause from planning to the version's end (``gc_pause``)."""
 
+    @property
+    def version(self) -> int:
+        return self.manifest.version
 
-class Version(VersionRun):
-    """A planned version (its record: :class:`VersionRun`) and the steps that send it."""
+    @property
+    def done(self) -> bool:
+        return self.state in (VersionState.COMPLETE, VersionState.FAILED)
+
+    def active(self) -> list[str]:
+        """Receivers still taking part (not failed, not yet applied)."""
+        return [rid for rid, o in self.outcomes.items() if o.state == OutcomeState.PENDING]
+
+    @cached_property
+    def sliced(self) -> frozenset[str]:
+        """The receivers in a slice group (they get its buckets, not the staged ones)."""
+        return frozenset(rid for g in self.slices for rid in g.members)
+
+    # ---- the sender's steps, on the driver's thread ----
 
     def run(
         self, driver: VersionDriver, device: torch.device, start: Callable[[], list[Send]]
     ) -> None:
         """Send the version, staged on ``device``, from its start to staged (``start``
-        addresses it to the receivers, or returns what an earlier start made). The version
-        ends here when it is abandoned or fails: its publishers hear at once."""
-        packs = PublisherPacks(self, driver.cond, driver.settings) if self.regions is None else None
+        addresses it to the receivers, or returns what an earlier :meth:`start` made). The
+        version ends here when it is abandoned or fails: its publishers hear at once."""
+        cond, slots = self.shared.cond, self.shared.slots
+        packs = PublisherPacks(self, cond, self.shared.settings) if self.regions is None else None
         issued: deque[tuple[Send, Slot]] = deque()
         try:
             todo = deque(start())
@@ -61,205 +134,102 @@ class Version(VersionRun):
             while issued or todo:
                 # Every free slot gets the next bucket at once, so packing never waits for
                 # an announcement round trip between buckets.
-                self._claim_slots(driver, issued, todo, packs)
+                driver.claim_slots(self, issued, todo, packs)
                 send, slot = issued[0]
                 if packs is None:
                     driver.before_reuse(slot, device, on_stream=device.type == "cuda")
                     sums = pack_bucket(self, send.bucket, slot)
-                elif packs.packed_or_slot_free(send.bucket, todo, driver.slots):
+                elif packs.packed_or_slot_free(send.bucket, todo, slots):
                     sums = None
                 else:
                     continue  # a slot freed first: it gets the next bucket
                 issued.popleft()
-                self._checksum(send.bucket, slot, device, sums)
+                driver.packed(self, send.bucket, slot, device, sums)
                 members = self._announce(driver, slot, send)
                 if members:
                     driver.broadcast.send(self, slot, send.bucket.nbytes, members)
             if not ended:
-                driver.end(self, device)
-            self._staged(driver)
+                driver.drain(device)
+                with cond:
+                    self._send_end()
+            self._all_sent()
         except RunAborted:
             if self.abandoned is None:
-                self._release_publishers(driver, issued, device, packs)
+                self._release_publishers(issued, device, packs)
         except WeightSyncError as e:
-            with driver.cond:
-                driver.outcomes.abort(self, error_to_pb(e))
+            with cond:
+                self.abort(error_to_pb(e))
         finally:
-            with driver.cond:
-                driver.slots.stop_packing()
-                driver.cond.notify_all()
+            with cond:
+                slots.stop_packing()
+                cond.notify_all()
 
     def start(self, driver: VersionDriver, device: torch.device) -> list[Send]:
         """Address the version to the receivers: its start, the direct bucket if it has one,
         and its end if it stages nothing, to each receiver in one message; returns the buckets
-        to stage (:meth:`sends`: they depend on whom it was addressed to)."""
-        with driver.cond:
+        to stage (they depend on whom it was addressed to)."""
+        with self.shared.cond:
             if self.done:
                 # Abandoned while it queued behind another version (its publisher gave up
                 # or left): announcing it would leave receivers inside a version that never
                 # ends, failing the next one.
                 raise RunAborted()
             driver.ensure_slots(self, device)
-            outcomes = driver.outcomes
-            with outcomes.together():
-                outcomes.open_version(self, _starts(self))
+            with self.shared.registry.together():
+                open_version(self, starts(self))
                 driver.broadcast.invite(self, device)
                 trace.mark("sender.start", version=self.version)
-                if self.tensors.direct is not None:
-                    self._announce_direct(driver)
+                direct = self.tensors.direct
+                if direct is not None:
+                    readers = address(self, f"bucket:{direct.index}", direct_buckets(self))
+                    self.direct_readers.update(c.receiver_id for c in readers)
                     trace.mark("sender.direct_announced", version=self.version)
-                sends = self.sends()
-                if not sends:
-                    driver.send_end(self)
-            driver.metrics.version_started(self.version)
-            return sends
-
-    def sends(self) -> list[Send]:
-        """Every bucket to send, in order: the staged ones (unless every receiver is in a
-        slice group), then each slice group's."""
-        everyone_sliced = bool(self.slices) and set(self.outcomes) <= self.sliced
-        staged = () if everyone_sliced else self.tensors.staged.buckets
-        sends = [Send(b, self.tensors.layouts[b.index], None) for b in staged]
-        for group in self.slices:
-            sends += [
-                Send(b, layout, group)
-                for b, layout in zip(group.plan.buckets, group.layouts, strict=True)
-            ]
-        return sends
-
-    def largest_bucket(self) -> int:
-        """Bytes every staging slot must hold (at least 256)."""
-        buckets = [*self.tensors.staged.buckets, *(b for g in self.slices for b in g.plan.buckets)]
-        return max((b.nbytes for b in buckets), default=0) or 256
-
-    def _announce_direct(self, driver: VersionDriver) -> None:
-        """Each receiver gets its own direct bucket (its nearest copies); one that registered
-        after the plan reads the lowest ranks' copies."""
-        direct = self.tensors.direct
-
-        def own(conn: ReceiverConn) -> pb.Announcement:
-            read = self.direct_reads.get(conn.receiver_id)
-            if read is None:
-                return pb.Announcement(
-                    bucket=pb.BucketAnnouncement(
-                        version=self.version,
-                        layout=self.tensors.layouts[direct.index],
-                        sources=self.tensors.direct_sources,
-                    )
-                )
-            bucket = pb.BucketAnnouncement(version=self.version, layout_key=read.key)
-            # A receiver that keeps layouts gets the key alone once it has the layout: listing
-            # every tensor again costs the sender and each receiver per version.
-            if not conn.layout_keys or conn.layouts_sent.needs(read.key):
-                bucket.layout.CopyFrom(read.layout)
-                bucket.sources.extend(read.sources)
-            return pb.Announcement(bucket=bucket)
-
-        for conn in driver.outcomes.address(self, f"bucket:{direct.index}", own):
-            self.direct_readers.add(conn.receiver_id)
-
-    def _claim_slots(
-        self,
-        driver: VersionDriver,
-        issued: deque[tuple[Send, Slot]],
-        todo: deque[Send],
-        packs: PublisherPacks | None,
-    ) -> None:
-        """Give each free slot the next bucket (waits for one if none is in flight); the
-        publishers are asked to pack them when they pack."""
-        with driver.cond:
-            if self.done:
-                raise RunAborted()
-            if not issued:
-                driver.wait(
-                    self,
-                    driver.slots.any_free,
-                    driver.settings.ack_timeout_s + 5,
-                    "a free staging buffer",
-                )
-            fresh = []
-            while todo and (slot := driver.slots.claim()) is not None:
-                send = todo.popleft()
-                issued.append((send, slot))
-                fresh.append((send, slot))
-                trace.mark("sender.issue", index=send.bucket.index)
-        if packs is not None and fresh:
-            packs.asked()
-            for send, slot in fresh:
-                driver.before_reuse(slot, torch.device(slot.device), on_stream=False)
-                packs.ask(send.layout, slot)
-
-    def _checksum(
-        self, bucket: Bucket, slot: Slot, device: torch.device, sums: torch.Tensor | None
-    ) -> None:
-        """Queue the bucket's checksum (unless the pack took it: ``sums``) and, on CUDA, the
-        event receivers' reads wait for."""
-        self.sums[bucket.index] = (
-            sums if sums is not None else row_sums(slot.buffer.tensor, bucket.nbytes)
-        )
-        if slot.packed_event is not None:
-            slot.packed_event[0].record(torch.cuda.current_stream(device))
-        trace.mark("sender.checksum_queued", index=bucket.index)
-        trace.gpu_mark("sender.gpu_packed", device, index=bucket.index)
+                todo = sends(self)
+                if not todo:
+                    self._send_end()
+            self.shared.metrics.version_started(self.version)
+            return todo
 
     def _announce(self, driver: VersionDriver, slot: Slot, send: Send) -> Members:
         """Announce a packed bucket to its receivers; returns the broadcast group that waits
         for its bytes (empty: none)."""
-        layout = send.layout
-        with driver.cond:
+        index = send.layout.index
+        with self.shared.cond:
             if self.done:
                 raise RunAborted()
-            if send.group is None:
-                members = driver.broadcast.staged_members(self)
-
-                def to(rid: str) -> bool:
-                    return rid not in self.sliced
-
-            else:
-                members = send.group.members
-                to = set(members).__contains__
-            mapped = pb.Announcement(
-                bucket=pb.BucketAnnouncement(
-                    version=self.version,
-                    layout=layout,
-                    buffer=slot.buffer.handle,
-                    ready_event=slot.packed_event[1] if slot.packed_event else b"",
-                )
-            )
+            group = send.group
+            # A slice group's buckets go to its members, the staged ones to the rest.
+            members = group.members if group else driver.broadcast.staged_members(self)
+            to = set(members).__contains__ if group else lambda rid: rid not in self.sliced
             group_id = driver.broadcast.group_id(members)
-            sent = pb.Announcement(
-                bucket=pb.BucketAnnouncement(version=self.version, layout=layout, group_id=group_id)
+            message = packed_bucket(self, send.layout, slot, group_id)
+            conns = address(self, f"bucket:{index}", message, to)
+            slot.announced(
+                self.version, index, {c.receiver_id for c in conns if c.data_path == MAP}
             )
-            conns = driver.outcomes.address(
-                self,
-                f"bucket:{layout.index}",
-                lambda c: sent if c.data_path == BROADCAST else mapped,
-                to,
-            )
-            readers = {c.receiver_id for c in conns if c.data_path == MAP}
-            slot.announced(self.version, layout.index, readers)
-            trace.mark("sender.announce", index=layout.index)
-            driver.metrics.bucket_announced(layout.nbytes)
-            driver.cond.notify_all()
+            trace.mark("sender.announce", index=index)
+            self.shared.metrics.bucket_announced(send.layout.nbytes)
+            self.shared.cond.notify_all()
             return members if any(c.data_path == BROADCAST for c in conns) else ()
 
-    def _staged(self, driver: VersionDriver) -> None:
+    def _send_end(self) -> None:
+        """Every receiver still in the version gets the end; each owes ``applied`` back."""
+        end = end_message(self)
+        address(self, "applied", lambda _: end)
+
+    def _all_sent(self) -> None:
         """Every bucket and the end are sent: the version is staged once no receiver still
         reads direct tensors from the publishers' memory (which must not change until then).
         The last such read's ack, or the failure of its receiver, stages it where it arrives:
         waking the driver for it cost latency."""
-        with driver.cond:
+        with self.shared.cond:
             if self.done:
                 raise RunAborted()
             self.state = VersionState.READING
-            driver.outcomes.reads_done(self)
+            self.reads_done()
 
     def _release_publishers(
-        self,
-        driver: VersionDriver,
-        issued: deque[tuple[Send, Slot]],
-        device: torch.device,
-        packs: PublisherPacks | None,
+        self, issued: deque[tuple[Send, Slot]], device: torch.device, packs: PublisherPacks | None
     ) -> None:
         """The version ended early, every receiver having failed: the publishers are told at
         once (``staged``, and ``done`` when they wait for it) instead of packing buckets
@@ -268,29 +238,161 @@ class Version(VersionRun):
         (:meth:`PublisherPacks.settle`)."""
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-        with driver.cond:
+        with self.shared.cond:
             if packs is not None:
                 packs.settle({send.bucket.index for send, _ in issued})
-            self.tell_staged()
-            self.tell_done()
+            tell_staged(self)
+            tell_done(self)
 
+    # ---- the receivers' replies ----
 
-def _starts(version: Version) -> Callable[[ReceiverConn], pb.Announcement]:
-    """Each receiver's start: the manifest (or its key alone, for a receiver that holds it)
-    and how many buckets it gets; receivers alike share one message."""
-    counts = {rid: len(g.plan.buckets) for g in version.slices for rid in g.members}
-    starts: dict[tuple[int, bool], pb.Announcement] = {}
+    def on_verdict(self, conn: ReceiverConn, verdict: pb.ManifestVerdict) -> None:
+        """The receiver checked the manifest: it takes part, declaring the boxes it keeps, or
+        it rejected the version before writing anything."""
+        if self._owed(conn, "verdict") is None:
+            return
+        if not verdict.accepted:
+            conn.rejected(verdict.error.message)
+            self.fail(conn.receiver_id, verdict.error, notify=False)
+        else:
+            try:
+                declare_keeps(conn, verdict, self.manifest.tensors)
+            except ProtocolError as e:
+                self.fail(conn.receiver_id, e)
+                return
+        self._moved()
 
-    def start(conn: ReceiverConn) -> pb.Announcement:
-        n = counts.get(conn.receiver_id, len(version.tensors.staged.buckets))
-        whole = not conn.manifest_keys or conn.manifests_sent.needs(version.manifest_key)
-        if (n, whole) not in starts:
-            manifest = version.manifest_pb if whole else pb.Manifest(version=version.version)
-            starts[n, whole] = pb.Announcement(
-                start=pb.VersionStart(
-                    manifest=manifest, num_buckets=n, manifest_key=version.manifest_key
-                )
-            )
-        return starts[n, whole]
+    def on_ack(self, conn: ReceiverConn, ack: pb.BucketAck) -> None:
+        """The receiver queued its reads of a bucket (its slot is free of it once its read
+        event completes), or failed the bucket."""
+        if self._owed(conn, f"bucket:{ack.index}") is None:
+            return
+        rid = conn.receiver_id
+        try:
+            self.shared.slots.release_reader(rid, self.version, ack.index, ack.read_event)
+        except TransportError as e:
+            self._fail_dirty(conn, error_to_pb(e))
+        direct = self.tensors.direct
+        if direct is not None and ack.index == direct.index:
+            self.direct_readers.discard(rid)
+        if not ack.ok:
+            self._fail_dirty(conn, ack.error)
+        self._moved()
 
-    return start
+    def on_applied(self, conn: ReceiverConn, applied: pb.VersionApplied) -> None:
+        """The receiver committed the version, or failed it after writing."""
+        outcome = self._owed(conn, "applied")
+        if outcome is None:
+            return
+        if applied.ok:
+            outcome.state, outcome.applied_at = OutcomeState.APPLIED, time.time()
+            conn.applied(self.version)
+            # It committed: it reads nothing more, whether or not it acked every read (else
+            # the version would wait for it with no deadline left to end that).
+            self.direct_readers.discard(conn.receiver_id)
+            self.shared.metrics.receiver_applied(conn.receiver_id, self.version)
+        else:
+            self._fail_dirty(conn, applied.error)
+        self._moved()
+
+    def _owed(self, conn: ReceiverConn, what: str) -> Outcome | None:
+        """The receiver's outcome, ``what`` no longer owed; None for a late reply (it already
+        left the version), which changes nothing."""
+        outcome = self.outcomes.get(conn.receiver_id)
+        if outcome is None or outcome.state != OutcomeState.PENDING:
+            return None
+        outcome.got(what, self.shared.settings.ack_timeout_s)
+        return outcome
+
+    def _moved(self) -> None:
+        """A receiver moved on: the version may be staged or over now; waiters wake."""
+        self.reads_done()
+        self.maybe_complete()
+        self.shared.cond.notify_all()
+
+    # ---- failures and the version's end ----
+
+    def fail(self, rid: str, error: BaseException | pb.ErrorDetail, notify: bool = True) -> None:
+        """Receiver ``rid`` is out of the version; with ``notify``, it is told to abort it."""
+        detail = error if isinstance(error, pb.ErrorDetail) else error_to_pb(error)
+        outcome = self.outcomes[rid]
+        outcome.state, outcome.error = OutcomeState.FAILED, detail
+        outcome.awaiting, outcome.deadline = set(), None
+        conn = self.shared.registry.receiver(rid)
+        conn.left_version(detail, outcome.wrote)
+        self.shared.slots.forget_reader(rid)
+        self.direct_readers.discard(rid)
+        if notify:
+            conn.send(pb.Announcement(abort=pb.VersionAbort(version=self.version, reason=detail)))
+        self.shared.metrics.receiver_failed(rid)
+        self._moved()
+
+    def _fail_dirty(self, conn: ReceiverConn, error: pb.ErrorDetail) -> None:
+        """The receiver failed after writing: its weights match no version until the next."""
+        conn.failed_writing(error.message)
+        self.fail(conn.receiver_id, error, notify=False)
+
+    def abort(self, detail: pb.ErrorDetail) -> None:
+        """Abandon the version: every receiver still in it fails, its publishers get the
+        error."""
+        if self.done:
+            return
+        staged = self.state == VersionState.STAGED  # then failing its last receivers ends it
+        if not staged:
+            self.abandoned = detail  # first: it is abandoned, not ended by receivers failing
+        for rid in self.active():
+            self.fail(rid, detail)
+        self.shared.slots.release_version(self.version)
+        for rank in self.ranks.values():
+            rank.outbox.put(WeightSyncError(f"version {self.version} abandoned: {detail.message}"))
+        if not staged:
+            self._over(VersionState.FAILED, detail.message)
+        self.shared.cond.notify_all()
+
+    def reads_done(self) -> None:
+        """Staged once every bucket and the end are sent and no receiver still reads direct
+        tensors: its publishers hear so (``staged``), and it completes once its receivers are
+        done. An abandoned version is not staged."""
+        reading = self.state == VersionState.READING
+        if not reading or self.direct_readers or self.abandoned is not None:
+            return
+        self.staged_s = time.monotonic() - self.started_mono
+        self.state = VersionState.STAGED
+        tell_staged(self)
+        self.maybe_complete()
+        self.shared.cond.notify_all()
+
+    def maybe_complete(self) -> None:
+        """Once staged and no receiver is left owing anything, the version is over; once
+        every receiver it was addressed to failed, at once (its driver stops packing and
+        tells the publishers). Receivers can apply it before its driver staged it (they had
+        the end): it completes when staged."""
+        if self.active() or self.done:
+            return
+        if self.state != VersionState.STAGED:
+            # A receiver that applied had the end: its driver stages the version next.
+            applied = any(o.state == OutcomeState.APPLIED for o in self.outcomes.values())
+            if self.outcomes and self.abandoned is None and not applied:
+                # Every receiver failed before it was staged: nobody is left to read the rest.
+                self.shared.slots.release_version(self.version)
+                trace.mark("sender.complete", version=self.version)
+                self._over(VersionState.FAILED)
+                self.shared.cond.notify_all()
+            return
+        every = all(o.state == OutcomeState.APPLIED for o in self.outcomes.values())
+        trace.mark("sender.complete", version=self.version)
+        self._over(VersionState.COMPLETE if every else VersionState.FAILED)
+
+    def _over(self, state: VersionState, why: str = "") -> None:
+        """The version is over (``why``: it was abandoned). A staged one's publishers hear
+        ``done`` now (an earlier end told them already: the error, or ``staged`` and ``done``
+        once the driver stopped); the collector may run again; its log line is due."""
+        staged = self.state == VersionState.STAGED
+        self.complete_s = time.monotonic() - self.started_mono
+        self.state = state
+        if staged:
+            tell_done(self)
+        self.shared.metrics.version_done(state, self.complete_s)  # after `done`: off its path
+        if self.gc_hold is not None:
+            self.gc_hold.release()
+        self.shared.finished.append((self, why))

@@ -57,7 +57,8 @@ def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir, direct):
         )[0]
         thread.join(300)
         status = sender.coordinator.status()
-        staging = {s.buffer.handle.WhichOneof("kind") for s in sender.coordinator.staging_slots()}
+        # The transport each version was staged with: its slots' buffers are that kind.
+        staging = {sender.coordinator.run_of(v.version).transport for v in status.versions}
     print(
         "versions:",
         [(v.version, v.state, round(v.complete_s * 1e3, 1)) for v in status.versions],

@@ -15,7 +15,7 @@ from weightsync.errors import SyncTimeoutError, WeightSyncError
 from weightsync.receiver import ReceiverCore
 from weightsync.receiver.torch_receiver import TorchModuleTarget
 from weightsync.sender import Publisher, Sender
-from weightsync.sender.driver import VersionDriver
+from weightsync.sender.version import Version
 
 
 class GatedTarget(TorchModuleTarget):
@@ -83,14 +83,14 @@ def test_a_version_given_up_while_queued_is_never_started(sock_dir):
 def test_a_bug_driving_a_version_abandons_it_and_the_next_version_runs(sock_dir, monkeypatch):
     """One thread drives every version: an exception no check foresaw must fail its version
     (the publisher hears it at once) and leave the thread driving the next ones."""
-    start = VersionDriver._start
+    start = Version.start
 
-    def buggy_start(self, run, device):
-        if run.version == 2:
+    def buggy_start(self, driver, device):
+        if self.version == 2:
             raise RuntimeError("injected bug")
-        return start(self, run, device)
+        return start(self, driver, device)
 
-    monkeypatch.setattr(VersionDriver, "_start", buggy_start)
+    monkeypatch.setattr(Version, "start", buggy_start)
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024) as sender:
         model, trainer = TinyNet(seed=1), TinyNet(seed=2)
         receiver = ReceiverCore(TorchModuleTarget(model), sender.address, receiver_id="r")

@@ -76,7 +76,7 @@ def test_shape_or_dtype_mismatch_is_rejected_before_any_write(sender):
 
 
 def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(sender, monkeypatch):
-    import weightsync.sender.driver as driver
+    import weightsync.sender.announcements as announcements
 
     model = TinyNet(seed=1)
     receiver = TorchReceiver(model, sender.address, receiver_id="r")
@@ -85,18 +85,18 @@ def test_corrupted_bucket_is_rejected_marked_dirty_and_healed_by_republishing(se
     t, results = sync_in_thread(receiver, n=3)
     publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=30)
 
-    real = driver.finish_all
+    real = announcements.finish_all
 
     def corrupt_second_bucket(sums, sizes):
         values = real(sums, sizes)
         values[1] ^= 1
         return values
 
-    monkeypatch.setattr(driver, "finish_all", corrupt_second_bucket)
+    monkeypatch.setattr(announcements, "finish_all", corrupt_second_bucket)
     step(trainer, 2)
     with pytest.raises(ReceiverFailedError, match="bucket 1 of version 2 .* fails its checksum"):
         publisher.publish(trainer.state_dict(), 2, wait=True, timeout_s=30)
-    monkeypatch.setattr(driver, "finish_all", real)
+    monkeypatch.setattr(announcements, "finish_all", real)
     wait_until(lambda: len(results) >= 2, 10, "the receiver's sync of version 2 did not return")
     assert isinstance(results[1], ChecksumError)
     assert receiver.dirty and receiver.applied_version == 1

@@ -51,15 +51,15 @@ def test_a_version_lets_go_when_it_ends_or_leaves_the_history():
     from weightsync.wire import error_to_pb
 
     parts = sender_parts()
-    ended, forgotten = new_run(1), new_run(2)
+    ended, forgotten = new_run(parts, 1), new_run(parts, 2)
     for run in (ended, forgotten):
         run.gc_hold = gc_pause.Hold()
         with parts.cond:
             parts.history.add_run(run)
     with parts.cond:
-        parts.outcomes.abort(ended, error_to_pb(RuntimeError("gone")))
+        ended.abort(error_to_pb(RuntimeError("gone")))
     assert not gc.isenabled()  # version 2 is still in flight
     for version in range(3, 3 + SETTINGS.history):
         with parts.cond:
-            parts.history.add_run(new_run(version))
+            parts.history.add_run(new_run(parts, version))
     assert gc.isenabled()

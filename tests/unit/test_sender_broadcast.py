@@ -82,7 +82,7 @@ def test_a_failed_broadcast_of_an_older_group_leaves_the_rebuilt_group_and_its_v
     for rid in ("r0", "r1"):
         parts.registry.add_receiver(hello(rid))
     members = ("r0", "r1")
-    broadcast = SenderBroadcast("127.0.0.1", 5, parts.cond, parts.registry, parts.outcomes)
+    broadcast = SenderBroadcast("127.0.0.1", 5, parts.cond, parts.registry)
     old, new = published(parts, 1), published(parts, 2)
     old_group, new_group = _Group(), _Group()
     broadcast._groups[members] = new_group

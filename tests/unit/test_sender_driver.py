@@ -10,20 +10,18 @@ import time
 import pytest
 import torch
 
-from tests.support.sender_parts import SETTINGS, sender_parts
+from tests.support.sender_parts import SETTINGS, SenderParts, sender_parts
 from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
-from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.planner import plan_tensors
 from weightsync.sender.records import RankConn
-from weightsync.sender.slots import SlotPool
 from weightsync.sender.version import Version
 from weightsync.v1 import weightsync_pb2 as pb
 
 
-def _direct_run(version: int) -> Version:
+def _direct_run(parts: SenderParts, version: int) -> Version:
     """Two tensors the publisher offers whole: nothing is staged."""
     manifest = VersionManifest(
         version, (TensorSpec("a", "float32", (64,)), TensorSpec("b", "float32", (64,)))
@@ -41,7 +39,7 @@ def _direct_run(version: int) -> Version:
     tensors = plan_tensors(manifest, {0: begin}, True, SETTINGS.bucket_size_bytes)
     assert tensors.direct is not None and not tensors.staged.buckets
     ranks = {0: RankConn(0, "cpu", begin, outbox=queue.Queue())}
-    return Version(manifest, tensors, "p", "shm", ranks, notify_done=True)
+    return Version(manifest, tensors, "p", "shm", ranks, shared=parts.shared, notify_done=True)
 
 
 def _until(check, what: str) -> None:
@@ -69,10 +67,9 @@ def test_a_direct_version_is_staged_once_its_reader_is_done_and_done_once(messag
     parts = sender_parts()
     hello = pb.ReceiverHello(receiver_id="r0", engine="torch", device="cpu", host_id="here")
     conn = parts.registry.add_receiver(hello)
-    slots = SlotPool(2, SETTINGS.bucket_size_bytes)
-    broadcast = SenderBroadcast("127.0.0.1", 5, parts.cond, parts.registry, parts.outcomes)
-    driver = VersionDriver(parts.cond, SETTINGS, SenderMetrics(), parts.outcomes, slots, broadcast)
-    run = _direct_run(1)
+    broadcast = SenderBroadcast("127.0.0.1", 5, parts.cond, parts.registry)
+    driver = VersionDriver(parts.shared, broadcast)
+    run = _direct_run(parts, 1)
     assert run.tensors.direct.index == 0
     with parts.cond:
         parts.history.check_version(1)
@@ -89,4 +86,4 @@ def test_a_direct_version_is_staged_once_its_reader_is_done_and_done_once(messag
     replies = [outbox.get_nowait() for _ in range(outbox.qsize())]
     assert [r.WhichOneof("kind") for r in replies] == ["staged", "done"]
     assert replies[1].done.state == state
-    slots.close()
+    parts.shared.slots.close()

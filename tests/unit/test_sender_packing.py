@@ -5,14 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.sender_parts import sender_parts
 from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
 from weightsync.sender.offer import rank_offer
 from weightsync.sender.packing import MappedOffers, pack_bucket
 from weightsync.sender.planner import plan_tensors
-from weightsync.sender.records import VersionRun
 from weightsync.sender.slots import SlotPool
+from weightsync.sender.version import Version
 from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import regions_to_pb
@@ -59,7 +60,8 @@ def test_the_sender_packs_exactly_the_offered_bytes_and_reuses_its_copies(offere
     tensors = plan_tensors(MANIFEST, begins, False, 1024)
     assert tensors.sender_packs
     regions = MappedOffers().regions(_offer_key(begins), begins)
-    run = VersionRun(MANIFEST, tensors, "p", "shm", {}, regions=regions)
+    shared = sender_parts().shared
+    run = Version(MANIFEST, tensors, "p", "shm", {}, shared=shared, regions=regions)
     slot = slots.slots[0]
     for bucket in tensors.staged.buckets:
         slot.buffer.tensor.zero_()
@@ -72,7 +74,7 @@ def test_the_sender_packs_exactly_the_offered_bytes_and_reuses_its_copies(offere
     pack_bucket(run, tensors.staged.buckets[0], slot)
     assert slot.copies is copies  # same plan and regions: the copies worked out once
     replanned = plan_tensors(MANIFEST, begins, False, 1024)
-    other = VersionRun(MANIFEST, replanned, "p", "shm", {}, regions=regions)
+    other = Version(MANIFEST, replanned, "p", "shm", {}, shared=shared, regions=regions)
     pack_bucket(other, tensors.staged.buckets[0], slot)
     assert slot.copies is not copies and list(slot.copies.by_bucket) == [0]
 

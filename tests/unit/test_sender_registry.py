@@ -1,5 +1,5 @@
-"""The sender's registry and outcomes: each receiver's state through a version, without
-sockets."""
+"""The sender's registry, outcomes and versions: each receiver's state through a version,
+without sockets."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from weightsync.errors import ConfigError, SyncTimeoutError, VersionError
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.registry import Registry
+from weightsync.sender.reports import log_line
 from weightsync.sender.slots import ReadEvent, SlotPool
 from weightsync.sender.states import VersionState
 from weightsync.transports import get_transport
@@ -112,7 +113,7 @@ def test_receivers_that_apply_before_the_driver_stages_the_version_complete_it_o
     assert not run.done and run.ranks[0].outbox.empty()
     with parts.cond:
         run.state = VersionState.READING  # what Version.run does once it sent the end
-        parts.outcomes.reads_done(run)
+        run.reads_done()
     assert run.state == "complete"
     outbox = run.ranks[0].outbox
     replies = [outbox.get_nowait() for _ in range(outbox.qsize())]
@@ -134,8 +135,8 @@ def test_a_staged_version_completes_when_every_receiver_applied_and_tells_the_pu
     assert parts.history.wait_applied(1, timeout_s=0.1).state == "complete"
     done = run.ranks[0].outbox.get_nowait()
     assert done.done.version == 1 and [o.state for o in done.done.receivers] == ["applied"] * 2
-    run, abandoned = parts.outcomes.finished[0]
-    assert "applied by 2/2" in run.log_line(abandoned).message
+    run, abandoned = parts.shared.finished[0]
+    assert "applied by 2/2" in log_line(run, abandoned).message
 
 
 def test_a_receiver_gone_mid_version_fails_only_its_outcome(parts):
@@ -153,7 +154,7 @@ def test_an_abandoned_version_fails_its_receivers_and_tells_its_publishers(parts
     run = published(parts, 1)
     drained(conn)
     with parts.cond:
-        parts.outcomes.abort(run, pb.ErrorDetail(message="publisher rank 0 closed its stream"))
+        run.abort(pb.ErrorDetail(message="publisher rank 0 closed its stream"))
     assert run.state == "failed" and run.outcomes["r"].state == "failed"
     assert drained(conn) == ["abort"]
     assert "abandoned: publisher rank 0" in str(run.ranks[0].outbox.get_nowait())
@@ -217,7 +218,7 @@ def test_announcements_sent_together_reach_a_batching_receiver_as_one_message(pa
     batching = parts.registry.add_receiver(pb.ReceiverHello(receiver_id="new", batches=True))
     single = parts.registry.add_receiver(hello("old"))
     start, end = pb.Announcement(start=pb.VersionStart()), pb.Announcement(end=pb.VersionEnd())
-    with parts.cond, parts.outcomes.together():
+    with parts.cond, parts.registry.together():
         for conn in (batching, single):
             conn.send(start)
             conn.send(end)

@@ -11,8 +11,8 @@ import pytest
 from tests.support.sender_parts import SenderParts, new_run, sender_parts
 from weightsync.errors import ConfigError, ProtocolError, SyncTimeoutError, TransportError
 from weightsync.sender.hellos import check_publisher_hello, check_receiver_hello
-from weightsync.sender.records import VersionRun
 from weightsync.sender.states import VersionState
+from weightsync.sender.version import Version
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -21,14 +21,14 @@ def parts():
     return sender_parts()
 
 
-def publish(parts: SenderParts, version: int) -> VersionRun:
+def publish(parts: SenderParts, version: int) -> Version:
     """A version with no receivers, staged: complete at once."""
-    run = new_run(version)
+    run = new_run(parts, version)
     with parts.cond:
         parts.history.check_version(version)
         parts.history.add_run(run)
         run.state = VersionState.STAGED
-        parts.outcomes.maybe_complete(run)
+        run.maybe_complete()
     return run
 
 

@@ -1,0 +1,109 @@
+"""What a version reports: ``staged`` and ``done`` to its publishers (:func:`tell_staged`,
+:func:`tell_done`), its entry in ``Status``, ``WaitApplied`` and ``done``
+(:func:`version_status`), and its one log line once it is over (:func:`log_line`)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from weightsync.sender.states import OutcomeState
+from weightsync.v1 import weightsync_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightsync.sender.version import Version
+
+
+def tell_staged(version: Version) -> None:
+    """``staged`` to each publisher rank that takes it (one that waits for ``done`` and said
+    ``staged_in_done`` takes ``done`` as ``staged``)."""
+    staged = pb.SenderReply(
+        staged=pb.VersionStaged(version=version.version, receivers=len(version.outcomes))
+    )
+    for rank in version.ranks.values():
+        if not rank.staged_in_done:
+            rank.outbox.put(staged)
+
+
+def tell_done(version: Version) -> None:
+    """``done`` to every publisher rank of the version, when they wait for it."""
+    if version.notify_done:
+        done = pb.SenderReply(done=version_status(version))
+        for rank in version.ranks.values():
+            rank.outbox.put(done)
+
+
+def version_status(version: Version) -> pb.VersionStatus:
+    direct = version.tensors.direct
+    return pb.VersionStatus(
+        version=version.version,
+        state=version.state,
+        total_bytes=version.manifest.total_bytes,
+        direct_bytes=direct.nbytes if direct else 0,
+        staged_bytes=version.tensors.staged.total_bytes,
+        sender_packed=version.regions is not None,
+        route_bytes=version.route_bytes,
+        abandoned=version.abandoned,
+        num_tensors=len(version.manifest.tensors),
+        num_buckets=len(version.tensors.staged.buckets) + (1 if direct else 0),
+        started_at_unix_s=version.started_at,
+        plan_s=version.plan_s,
+        staged_s=version.staged_s,
+        complete_s=version.complete_s,
+        receivers=[
+            pb.ReceiverOutcome(
+                receiver_id=rid, state=o.state, error=o.error, applied_at_unix_s=o.applied_at
+            )
+            for rid, o in sorted(version.outcomes.items())
+        ],
+    )
+
+
+class LogLine(NamedTuple):
+    """One INFO line to write off the lock: its text and its structured fields."""
+
+    message: str
+    extra: dict
+
+
+def log_line(version: Version, abandoned: str = "") -> LogLine:
+    """The one log line of a finished version, with its timings as structured fields."""
+    applied = sum(o.state == OutcomeState.APPLIED for o in version.outcomes.values())
+    direct = version.tensors.direct
+    direct_bytes = direct.nbytes if direct else 0
+    failures = {
+        rid: _one_line(o.error.message if o.error is not None else "")
+        for rid, o in version.outcomes.items()
+        if o.state == OutcomeState.FAILED
+    }
+    message = (
+        f"version {version.version} {version.state}: {version.manifest.total_bytes / 1e6:.1f} MB "
+        f"({direct_bytes / 1e6:.1f} MB direct), {len(version.tensors.staged.buckets)} bucket(s), "
+        f"planned {version.plan_s:.3f} s, staged {version.staged_s:.3f} s, "
+        f"done {version.complete_s:.3f} s, applied by {applied}/{len(version.outcomes)} receiver(s)"
+        + (f"; abandoned: {_one_line(abandoned)}" if abandoned else "")
+        + "".join(f"; {rid} failed: {why}" for rid, why in failures.items())
+    )
+    extra = {
+        "event": "version_finished",
+        "version": version.version,
+        "state": version.state,
+        "total_bytes": version.manifest.total_bytes,
+        "direct_bytes": direct_bytes,
+        "buckets": len(version.tensors.staged.buckets),
+        "plan_s": round(version.plan_s, 6),
+        "staged_s": round(version.staged_s, 6),
+        "done_s": round(version.complete_s, 6),
+        "applied": applied,
+        "receivers": len(version.outcomes),
+        "sender_packed": version.regions is not None,
+        "route_bytes": dict(version.route_bytes),
+        "publisher_id": version.publisher_id,
+        "failed": failures,
+    }
+    if abandoned:
+        extra["abandoned"] = _one_line(abandoned)
+    return LogLine(message, extra)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
