@@ -59,9 +59,12 @@ class Outcome(NamedTuple):
     error: str
 
 
-def sender_process(address: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+def sender_process(
+    address: str, env: dict[str, str] | None = None, preexec_fn=None
+) -> subprocess.Popen:
     """A real `weightsync-sender` daemon, ready once its health check answers; ``env`` is
-    set in its environment (e.g. ``WEIGHTSYNC_HOST_ID``)."""
+    set in its environment (e.g. ``WEIGHTSYNC_HOST_ID``), ``preexec_fn`` runs in the child
+    before it starts (e.g. to lower a resource limit)."""
     proc = subprocess.Popen(
         [
             os.path.join(os.path.dirname(sys.executable), "weightsync-sender"),
@@ -73,6 +76,7 @@ def sender_process(address: str, env: dict[str, str] | None = None) -> subproces
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env={**os.environ, **(env or {})},
+        preexec_fn=preexec_fn,
     )
     try:
         channel, _ = connect(address, timeout_s=30)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import secrets
 import socket
 from concurrent import futures
@@ -34,7 +35,12 @@ CHANNEL_OPTIONS = [
 SERVER_OPTIONS = CHANNEL_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.so_reuseport", 0),
+    # A connection that has not finished its HTTP/2 (and TLS) handshake holds a descriptor
+    # with no token checked yet: drop it after 5 s rather than gRPC's 120.
+    ("grpc.server_handshake_timeout_ms", 5_000),
 ]
+FD_LIMIT_CAP = 1 << 20
+"""The descriptor limit the server raises itself to when the hard limit is unlimited."""
 
 
 # Every open stream (a receiver, a publisher rank) holds a worker thread for its whole life;
@@ -58,6 +64,7 @@ def create_server(
         ConfigError: a malformed address, or one another process already listens on.
     """
     security = security or ServerSecurity()
+    raise_fd_limit()
     address = parse_address(listen)
     claim_unix_socket(address)
     check_bindable(address)
@@ -84,6 +91,24 @@ def create_server(
     if port == 0:
         raise ConfigError(f"cannot listen on {listen}: address in use or not local")
     return server, address.with_port(port), _serving(health_servicer)
+
+
+def raise_fd_limit() -> int:
+    """Raise this process's descriptor soft limit to its hard limit; returns the new soft limit.
+
+    Every connection holds a descriptor before any token is checked: under the common soft
+    limit of 1024, a flood of connections that never speak starved the trainer's and engines'
+    calls. The hard limit (often 2^19 or more) needs no privilege to reach.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT_CAP if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):  # a container's nr_open below the hard limit
+            pass
+    return soft
 
 
 def _add_port(server: grpc.Server, target: str, listen: str, security: ServerSecurity) -> int:
