@@ -1,6 +1,7 @@
 """``ReceiverCore``: the version state machine every engine adapter reuses.
 
-One version: the sender's ``start`` -> validate the manifest (verdict) -> ``begin`` -> per
+One version from one sender (``ReceiverCore._apply``): the sender's ``start`` -> validate the
+manifest unless accepted last (:mod:`.accepted`; verdict) -> ``begin`` -> per
 bucket: read it (:mod:`.reader`, in :mod:`.broadcast`'s landing buffers for broadcast buckets),
 load it, ack it -> ``end``: verify checksums, ``commit``, "applied". A failure after ``begin``
 aborts the target and tells the sender at once. Announcements come through a
@@ -28,6 +29,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.manifest import VersionManifest
+from weightsync.receiver.accepted import Accepted
 from weightsync.receiver.connection import (
     Connection,
     WeightsState,
@@ -39,7 +41,7 @@ from weightsync.receiver.reader import VersionReads
 from weightsync.receiver.several_senders import SeveralSenders
 from weightsync.receiver.target import WeightTarget
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import ManifestCache, boxes_to_pb, describe, error_to_pb
+from weightsync.wire import describe, error_to_pb
 
 # Long enough for a loaded machine to deliver the last "applied" when a receiver is dropped
 # or its process exits unclosed: losing it makes the sender report a version this receiver
@@ -111,11 +113,7 @@ class ReceiverCore(SeveralSenders):
         """Shared with the connections, which tell their sender in every hello (not ``self``:
         a connection must not keep this object alive, see ``_leave_finalizer``)."""
         self.last_error: WeightSyncError | None = None
-        self._manifests = ManifestCache()
-        self._validated: tuple[bytes, int] | None = None
-        self._kept: dict[tuple[bytes, int], list[pb.TensorBox]] = {}
-        """(manifest key, target generation) the target last accepted: the same tensor list
-        for the same model need not be checked again."""
+        self._accepted = Accepted()
         self._load_lock = threading.Lock()
         """Parts load from a thread each; the target takes one bucket at a time."""
         self._touched = False
@@ -191,65 +189,14 @@ class ReceiverCore(SeveralSenders):
             msg = link.connection.next(deadline, "version", in_version=False)
         trace.mark("receiver.start")
         with gc_pause.paused():
-            return self._start(link, msg.start)
-
-    def _start(self, link: Link, start: pb.VersionStart) -> int:
-        """Apply the version ``start`` begins (or refuse it, nothing written)."""
-        version = start.manifest.version
-        try:
-            # Parsing bounds every field too: a manifest past a bound is rejected like one
-            # that does not fit the model, before any write.
-            manifest, key = self._manifest(link, start)
-            refuse_split(manifest, link.address)
-            self._validate(manifest, key)
-            keeps = self._keeps(manifest, key)  # the target's own code: may raise too
-        except Exception as e:
-            error = self._refuse([link], version, e)
-            if error is e:
-                raise
-            raise error from e
-        return self._apply(link, manifest, lambda: self._verdict(link, version, None, keeps))
-
-    def _manifest(self, link: Link, start: pb.VersionStart) -> tuple[VersionManifest, bytes]:
-        """The version's manifest and its key; a manifest sent by key alone is taken from the
-        stream's copy only when the cache let it go."""
-        msg = start.manifest
-        if start.manifest_key and not msg.tensors and start.manifest_key not in self._manifests:
-            msg = link.connection.kept.manifest(start)
-        return self._manifests(msg, start.manifest_key)
-
-    def _verdict(
-        self,
-        link: Link,
-        version: int,
-        error: WeightSyncError | None,
-        keeps: list[pb.TensorBox] | None = None,
-    ) -> None:
-        verdict = pb.ManifestVerdict(version=version, accepted=error is None)
-        if error is not None:
-            verdict.error.CopyFrom(error_to_pb(error))
-        elif keeps is not None:
-            link.connection.kept.declare(verdict, keeps)
-        link.connection.send(pb.ReceiverMessage(verdict=verdict))
-
-    def _keeps(self, manifest: VersionManifest, key: bytes) -> list[pb.TensorBox]:
-        """The boxes of ``manifest``'s tensors the target keeps (after validating), declared
-        in the verdict so the sender plans this receiver's bytes."""
-        cached = (key, self.target.generation)
-        if cached not in self._kept:
-            if len(self._kept) >= 16:
-                self._kept.clear()
-            kept = self.target.kept()
-            names = {spec.name for spec in manifest.tensors} if kept else set()
-            self._kept[cached] = boxes_to_pb({n: b for n, b in kept.items() if n in names})
-        return self._kept[cached]
+            return self._apply(link, msg.start)
 
     def _refuse(self, links: Sequence[Link], version: int, e: Exception) -> WeightSyncError:
         """Reject ``version`` before any write, telling the senders of ``links``; returns the
         error to raise."""
         error = as_weightsync_error(e, f"validating version {version}")
         for link in links:
-            self._verdict(link, version, error)
+            link.verdict(version, error)
         self.last_error = error
         return error
 
@@ -260,13 +207,7 @@ class ReceiverCore(SeveralSenders):
             f"receiver {self.receiver_id} skipped version {stale}: its engine asked for "
             f"version {wanted} (version {stale} was given up on)"
         )
-        self._verdict(link, stale, error)
-
-    def _validate(self, manifest: VersionManifest, key: bytes) -> None:
-        validated = (key, self.target.generation)
-        if validated != self._validated:
-            self.target.validate(manifest)
-            self._validated = validated
+        link.verdict(stale, error)
 
     def _begin(self, manifest: VersionManifest) -> None:
         self._touched = False
@@ -284,18 +225,16 @@ class ReceiverCore(SeveralSenders):
     ) -> None:
         """Read one bucket into the model (``load``) or only take part in its transfer (its
         version already failed here: the sender and its broadcast group go on in step).
-        ``bucket`` has its layout (:meth:`KeptByStream.bucket`: it may be an announcement of an
+        ``bucket`` has its layout (:meth:`.Link.bucket`: it may be an announcement of an
         earlier version); ``version``: the one it was announced for now. ``launched`` is called
         once its copies are under way."""
         read_event = b""
         with link.broadcast.reading(bucket) as landed:
             if load:
                 if landed is not None and link.landings != link.broadcast.landings:
-                    # A landing buffer was replaced: views of the old one are kept no longer.
-                    # Under the load lock: another sender's part may be loading meanwhile.
+                    # A landing buffer was replaced: views of the old one are kept no longer
+                    # (the target hears it with this bucket's arrival).
                     link.reader.forget_landed()
-                    with self._load_lock:
-                        self.target.forget_views()
                     link.landings = link.broadcast.landings
                 prepared = link.reader.prepare(bucket, reads, landed)
                 with self._load_lock:
@@ -356,11 +295,27 @@ class ReceiverCore(SeveralSenders):
                 if not link.connection.closed:
                     link.connection.send(pb.ReceiverMessage(applied=failed))
 
-    def _apply(self, link: Link, manifest: VersionManifest, accept: Callable[[], None]) -> int:
-        """Apply the version ``manifest`` starts; ``accept`` sends the verdict: at once, or,
-        when its first bucket is in hand already (a direct-only version's start, bucket and
-        end come in one message), once that bucket's copies are launched (~0.1 ms sooner)."""
-        version = manifest.version
+    def _apply(self, link: Link, start: pb.VersionStart) -> int:
+        """Apply the version ``start`` begins from the one sender, or refuse it before any
+        write. The verdict goes at once or, when the version's first bucket is in hand
+        already (a direct-only version's start, bucket and end come in one message), once
+        that bucket's copies are launched (~0.1 ms sooner)."""
+        version = start.manifest.version
+        try:
+            manifest, key = self._accepted.manifest(link, start)
+            refuse_split(manifest, link.address)
+            self._accepted.validate(self.target, manifest, key)
+            keeps = self._accepted.keeps(self.target, manifest, key)  # the target's code too
+        except Exception as e:
+            error = self._refuse([link], version, e)
+            if error is e:
+                raise
+            raise error from e
+
+        def accept() -> None:
+            link.verdict(version, None, keeps)
+
+        pending: Callable[[], None] | None = accept
         reads = VersionReads(version, manifest.tensors)
         index = -1
         waiting_for = f"bucket of version {version}"
@@ -368,7 +323,7 @@ class ReceiverCore(SeveralSenders):
             msg = _in_hand(link, waiting_for)
             if msg is None or msg.WhichOneof("kind") != "bucket":
                 accept()
-                accept = None
+                pending = None
             self._begin(manifest)
             while True:
                 if msg is None:
@@ -376,12 +331,12 @@ class ReceiverCore(SeveralSenders):
                 kind = msg.WhichOneof("kind")
                 trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
-                    bucket = link.connection.kept.bucket(msg.bucket)
+                    bucket = link.bucket(msg.bucket)
                     index = bucket.layout.index
                     self._bucket(
-                        link, bucket, msg.bucket.version, reads, load=True, launched=accept
+                        link, bucket, msg.bucket.version, reads, load=True, launched=pending
                     )
-                    accept = None
+                    pending = None
                 elif kind == "end":
                     self._end(link, reads, msg.end)
                     return self._commit(manifest)

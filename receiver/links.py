@@ -11,6 +11,7 @@ from weightsync.receiver.connection import Connection, GrpcConnection, WeightsSt
 from weightsync.receiver.reader import BucketReader
 from weightsync.receiver.target import WeightTarget
 from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import error_to_pb
 
 
 @dataclass(eq=False)
@@ -28,6 +29,41 @@ class Link:
     """A start taken from the connection but left unanswered (the sync() gave up first)."""
     landings: int = 0
     """``broadcast.landings`` when its landing buffers' views were last kept."""
+
+    # What the connection's stream sent by key is the connection's (``Connection.kept``):
+    # these three are the only ways in.
+
+    def bucket(self, announced: pb.BucketAnnouncement) -> pb.BucketAnnouncement:
+        """The announcement with ``announced``'s layout and sources (for one sent by key
+        alone, the kept one, of an earlier version: take the version from ``announced``).
+
+        Raises:
+            ProtocolError: the key is kept no longer (the stream it came on has ended).
+        """
+        return self.connection.kept.bucket(announced)
+
+    def manifest(self, start: pb.VersionStart) -> pb.Manifest:
+        """``start``'s manifest with its tensors (the stream's copy, for one sent by key).
+
+        Raises:
+            ProtocolError: the stream holds no manifest of that key.
+        """
+        return self.connection.kept.manifest(start)
+
+    def verdict(
+        self,
+        version: int,
+        error: WeightSyncError | None,
+        keeps: list[pb.TensorBox] | None = None,
+    ) -> None:
+        """Accept ``version`` (declaring ``keeps``, or saying they are the same as last
+        declared on this stream) or refuse it with ``error``."""
+        verdict = pb.ManifestVerdict(version=version, accepted=error is None)
+        if error is not None:
+            verdict.error.CopyFrom(error_to_pb(error))
+        elif keeps is not None:
+            self.connection.kept.declare(verdict, keeps)
+        self.connection.send(pb.ReceiverMessage(verdict=verdict))
 
 
 def open_link(

@@ -15,7 +15,7 @@ import torch
 from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, TensorSpec, entry_view
 from weightsync.checksum import ALGORITHM, finish_all, row_sums
 from weightsync.errors import ChecksumError, ProtocolError, TransportError
-from weightsync.receiver.target import TensorBox, WeightTarget
+from weightsync.receiver.target import Arrival, TensorBox, WeightTarget
 from weightsync.topology_model import fits
 from weightsync.transports import MappedBuffers
 from weightsync.transports.cuda_ipc import EventCache, new_event
@@ -55,26 +55,26 @@ class BucketLoad:
     checksum: tuple[VersionReads, Bucket] | None = None
     """The bucket whose checksum (over ``buffers[0]``) the version's reads still need."""
 
+    replaced: bool = False
+    """The views of the reader's earlier keys are not coming again (:attr:`Arrival.replaced`)."""
+
     def write(self, target: WeightTarget) -> None:
-        sums = None
-        if self.checksum is not None and self.key is not None and not self.boxes:
-            bucket = self.checksum[1]
-            sums = target.load_summed(
-                self.key, self.tensors, self.chunks, self.buffers[0], bucket.nbytes
+        # The target may take the checksum in its copies when all of them read the buffer.
+        summed = self.checksum is not None and self.key is not None and not self.boxes
+        bucket = self.checksum[1] if self.checksum is not None else None
+        sums = target.load(
+            Arrival(
+                self.tensors,
+                self.boxes,
+                self.chunks,
+                self.key,
+                self.replaced,
+                self.buffers[0] if summed else None,
+                bucket.nbytes if summed else 0,
             )
-        else:
-            if self.tensors or not self.boxes:
-                if self.key is None:
-                    target.load(self.tensors)
-                else:
-                    target.load_views(self.key, self.tensors)
-            if self.boxes:
-                target.load_boxes(self.key, self.boxes)
-            for entry, data in self.chunks:
-                target.load_chunk(entry, data)
+        )
         if self.checksum is not None:
-            reads, bucket = self.checksum
-            reads.checksum(bucket, self.buffers[0], sums)
+            self.checksum[0].checksum(bucket, self.buffers[0], sums if summed else None)
 
 
 def wait_for_streams(devices: set[torch.device]) -> None:
@@ -181,6 +181,8 @@ class BucketReader:
         self._boxes: dict[Hashable, tuple[Sequence[TensorSpec], list[TensorBox]]] = {}
         """By ``_views`` key of a mapped bucket: its boxes, and the tensor list they were
         checked against."""
+        self._forgot = False
+        """Landing buffers' views were dropped since the last bucket prepared."""
         self._release_event: tuple[torch.cuda.Event, bytes] | None = None
         """Recorded behind each staged bucket's reads on our GPU; the sender waits for it."""
 
@@ -200,7 +202,8 @@ class BucketReader:
             views = self._views.get(key) or self._cache(
                 key, self._view(self._layouts(msg.layout, layout), sources)
             )
-            return BucketLoad(views.whole, [], sources, key, self._checked(key, views, reads))
+            boxes = self._checked(key, views, reads)
+            return BucketLoad(views.whole, [], sources, key, boxes, replaced=self._replaced())
         bucket = self._layouts(msg.layout, layout)
         buffer = landed if landed is not None else self._packed_buffer(msg, bucket)
         if landed is not None:
@@ -229,13 +232,21 @@ class BucketReader:
         # Only the kept views themselves may be loaded by key (not assembled tensors).
         kept = len(whole) == len(views.whole) and len(boxes) == len(views.boxed)
         checksum = (reads, bucket) if self.verify_checksums else None
-        return BucketLoad(whole, chunks, [buffer], key if kept else None, boxes, checksum)
+        return BucketLoad(
+            whole, chunks, [buffer], key if kept else None, boxes, checksum, self._replaced()
+        )
 
     def forget_landed(self) -> None:
-        """Drop the views of landing buffers (one was replaced; the old may be freed)."""
+        """Drop the views of landing buffers (one was replaced; the old may be freed), and
+        tell the target so with the next bucket (:attr:`BucketLoad.replaced`)."""
         for key in self._landed:
             self._views.pop(key, None)
         self._landed.clear()
+        self._forgot = True
+
+    def _replaced(self) -> bool:
+        replaced, self._forgot = self._forgot, False
+        return replaced
 
     def _checked(self, key: Hashable, views: BucketViews, reads: VersionReads) -> list[TensorBox]:
         """The boxes of a mapped bucket's views, checked once per manifest's tensor list (a

@@ -16,12 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.memo import Memo
 from weightsync.receiver.name_resolver import aliases
+from weightsync.receiver.target import Batches
 from weightsync.regions import CopyBatch, Pair
-
-KEPT_BATCHES = 256
-"""Batches kept for mapped buffers' views (a bucket each, a few buffers)."""
 
 
 @dataclass(frozen=True)
@@ -85,7 +82,7 @@ class ReplayPlan:
         used = {p.live_name for ps in self.placements.values() for p in ps}
         self._live = {name: live[name] for name in used}
         self._prints = {name: _fingerprint(t) for name, t in self._live.items()}
-        self._batches: Memo[Hashable, CopyBatch] = Memo(KEPT_BATCHES)
+        self._batches = Batches()
 
     def __contains__(self, name: str) -> bool:
         return name in self.placements
@@ -100,11 +97,9 @@ class ReplayPlan:
 
     def apply(self, tensors: Sequence[tuple[str, torch.Tensor]], key: Hashable = None) -> None:
         """Replay ``tensors`` (names of this plan). ``key``: they are views that are the same
-        objects whenever it comes again (a mapped buffer's), so their batch is built once."""
-        if key is None:
-            CopyBatch.of(self.copies(tensors)).run()
-            return
-        self._batches.get(key, lambda: CopyBatch.of(self.copies(tensors), reused=True)).run()
+        objects whenever it comes again (:attr:`~.target.Arrival.key`), so their batch is
+        built once."""
+        self._batches.run(key, lambda: CopyBatch.of(self.copies(tensors), reused=key is not None))
 
     def forget(self) -> None:
         """The views of the keyed batches are not coming again."""

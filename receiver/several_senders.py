@@ -6,8 +6,8 @@ at a time) -> every part's ``end`` with matching checksums -> ``commit`` once, "
 every sender. A part that fails fails the version for every sender.
 
 :class:`SeveralSenders` is the half of ``ReceiverCore`` that does this; it calls the core's
-per-version steps (``_manifest``, ``_validate``, ``_begin``, ``_bucket``, ``_end``,
-``_commit``, ``_fail``...), which the single-sender path shares.
+per-version steps (``_begin``, ``_bucket``, ``_end``, ``_commit``, ``_fail``...) and what the
+target accepted (:mod:`.accepted`), which the single-sender path shares.
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ class SeveralSenders:
                 kind = msg.WhichOneof("kind")
                 trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
-                    bucket = link.connection.kept.bucket(msg.bucket)
+                    bucket = link.bucket(msg.bucket)
                     where = f"its bucket {bucket.layout.index}"
                     load = not run.failed.is_set()
                     self._bucket(link, bucket, msg.bucket.version, reads, load=load)
@@ -188,7 +188,7 @@ class SeveralSenders:
             assert isinstance(payload, pb.Announcement)
             link, version = self._links[i], payload.start.manifest.version
             if link.decline is not None and link.decline[0] == version:
-                self._verdict(link, version, link.decline[1])
+                link.verdict(version, link.decline[1])
                 link.decline = None
                 run.replies[i].put("decline")
             elif version < wanted:
@@ -217,14 +217,15 @@ class SeveralSenders:
         arrived, keys = [], []
         try:
             for i in range(len(self._links)):
-                manifest, key = self._manifest(self._links[i], started[i])
+                manifest, key = self._accepted.manifest(self._links[i], started[i])
                 arrived.append(ArrivedPart(self._links[i].address, manifest))
                 check_part(arrived[-1], self.addresses)
                 keys.append(len(key).to_bytes(8, "little") + key)
             union = join_parts(arrived)
-            self._validate(union, b"".join(keys))
+            self._accepted.validate(self.target, union, b"".join(keys))
             keeps = [
-                self._keeps(part.manifest, key) for part, key in zip(arrived, keys, strict=True)
+                self._accepted.keeps(self.target, part.manifest, key)
+                for part, key in zip(arrived, keys, strict=True)
             ]
         except Exception as e:
             error = self._refuse(self._links, run.version, e)
@@ -234,12 +235,11 @@ class SeveralSenders:
                 raise
             raise error from e
         for link, kept in zip(self._links, keeps, strict=True):
-            self._verdict(link, run.version, None, kept)
+            link.verdict(run.version, None, kept)
         return self._apply_parts(run, arrived, union)
 
     def _superseded(self, link: Link, stale: int, newer: int) -> None:
-        self._verdict(
-            link,
+        link.verdict(
             stale,
             VersionError(
                 f"receiver {self.receiver_id} skipped version {stale} from the sender at "
@@ -254,7 +254,7 @@ class SeveralSenders:
         others when theirs starts."""
         for i, link in enumerate(self._links):
             if i in started:
-                self._verdict(link, run.version, error)
+                link.verdict(run.version, error)
                 run.replies[i].put("decline")
             elif run.version:
                 link.decline = (run.version, error)

@@ -1,9 +1,13 @@
-"""``WeightTarget``: what an engine adapter implements; the receiver core drives it per version."""
+"""``WeightTarget``: what an engine adapter implements; the receiver core drives it per version.
+
+Each bucket reaches the target as one :class:`Arrival` (``WeightTarget.load``); a target that
+works out its copies once per mapped buffer keeps them in :class:`Batches`.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -14,6 +18,7 @@ from weightsync.buckets import BucketEntry, byte_view
 from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
+from weightsync.memo import Memo
 from weightsync.regions import CopyBatch, Pair
 from weightsync.summed_copies import SummedCopies
 from weightsync.topology_model import Box
@@ -67,32 +72,101 @@ def _slices(box: Box, origin: Sequence[int]) -> tuple[slice, ...]:
     return tuple(slice(a - o, b - o) for a, b, o in zip(box.start, box.stop, origin, strict=True))
 
 
+Named = Sequence[tuple[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One bucket's writes, for :meth:`WeightTarget.load`. Iterating it gives ``tensors``."""
+
+    tensors: Named = ()
+    """Complete tensors. They may be views of a reused buffer: copy what you keep."""
+    boxes: Sequence[TensorBox] = ()
+    """Tensors that come as boxes: the pieces of tensors a sharded trainer holds (every piece
+    of a tensor in one arrival), or the box of each this rank keeps (:meth:`WeightTarget.keeps`)."""
+    chunks: Sequence[tuple[BucketEntry, torch.Tensor]] = ()
+    """Only for a target with :attr:`~WeightTarget.chunks_in_place`: chunks of tensors larger
+    than a bucket, each the bytes ``entry.tensor_offset`` to ``+ entry.nbytes`` of tensor
+    ``entry.name``, to write in place."""
+    key: Hashable = None
+    """Set when ``tensors``, ``boxes`` and ``chunks`` are views that are the same objects
+    whenever the key comes again (a mapped buffer's, kept by the reader): a target may work
+    out its writes once per key. None: these are not coming again."""
+    replaced: bool = False
+    """The views of earlier keys are not coming again (their buffer was replaced): drop what
+    was kept for them, and with it the buffer."""
+    bucket: torch.Tensor | None = None
+    """Set when every tensor and chunk is a view of ``bucket`` and its checksum is wanted:
+    the target may take it of its first ``nbytes`` in the same pass
+    (:mod:`~weightsync.summed_copies`) and return the reduction
+    :func:`~weightsync.checksum.row_sums` would (None: the reader reads the bucket again)."""
+    nbytes: int = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors)
+
+    @staticmethod
+    def of(arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> Arrival:
+        """``arrival``, or complete tensors given as ``(name, tensor)`` pairs (a bench or
+        test driving a target without the core) as an arrival not coming again."""
+        return arrival if isinstance(arrival, Arrival) else Arrival(tuple(arrival))
+
+    def whole(self) -> Iterator[tuple[Named, Hashable]]:
+        """Complete tensors and their key, for a target that loads only those: ``tensors``
+        with ``key``, then the tensors ``boxes`` hold, each of its whole shape and filled in
+        its boxes (:func:`assembled`, key None)."""
+        if self.tensors or not self.boxes:
+            yield self.tensors, self.key
+        for group in assembled(self.boxes):
+            yield group, None
+
+
+KEPT_BATCHES = 256
+"""Batches kept for mapped buffers' views (a bucket each, a few buffers)."""
+
+
+class Batches(Memo[Hashable, "CopyBatch | SummedCopies"]):
+    """Batches of copies (:class:`~weightsync.regions.CopyBatch`, or
+    :class:`~weightsync.summed_copies.SummedCopies`) kept by an arrival's key, the last
+    ``max_entries`` used: working one out costs about a millisecond per version for a 7B
+    model's 339 tensors, on the path before the copies start, and a mapped buffer's views come
+    every version. :meth:`clear` when their views are not coming again
+    (:attr:`Arrival.replaced`)."""
+
+    def __init__(self, max_entries: int = KEPT_BATCHES) -> None:
+        super().__init__(max_entries)
+
+    def run(
+        self, key: Hashable, build: Callable[[], CopyBatch | SummedCopies]
+    ) -> torch.Tensor | None:
+        """Run the batch kept for ``key`` (built on first use; None: built, run, not kept);
+        returns what it returns (a summed batch's checksum reduction)."""
+        return (build() if key is None else self.get(key, build)).run()
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
 class WeightTarget(ABC):
     """Where received weights go: a torch module, a vLLM worker, an SGLang model runner.
 
     Per version the core calls ``validate`` (skipped while the manifest's tensor list and
-    ``generation`` are those last accepted) -> ``begin`` -> per bucket ``load``, then
-    ``load_chunk`` for each chunk when ``chunks_in_place`` -> ``commit``; ``abort`` instead of
-    ``commit`` when anything failed after ``begin``. All calls come from the thread in
-    ``ReceiverCore.sync``.
+    ``generation`` are those last accepted) and ``keeps`` -> ``begin`` -> ``load`` per bucket
+    -> ``commit``; ``abort`` instead of ``commit`` when anything failed after ``begin``. All
+    calls come from the thread in ``ReceiverCore.sync`` (with several senders, one at a time).
     """
 
     device: torch.device
     """Where bucket bytes should be mapped or copied before ``load``."""
 
     chunks_in_place: ClassVar[bool] = False
-    """True: each chunk of a tensor larger than a bucket goes to ``load_chunk`` as it arrives.
-    False: the core reassembles the tensor (a full-size temporary) and passes it to ``load``
-    with the rest of the bucket its last chunk came in."""
+    """True: each chunk of a tensor larger than a bucket comes in :attr:`Arrival.chunks` as it
+    arrives. False: the core reassembles the tensor (a full-size temporary) and passes it in
+    :attr:`Arrival.tensors` of the bucket its last chunk came in."""
 
     generation: int = 0
     """Bump it when the target starts loading into another model (vLLM's draft model): the
     core then validates the next manifest again, even one equal to the last accepted."""
-
-    def __init_subclass__(cls, **kwargs: object) -> None:
-        super().__init_subclass__(**kwargs)
-        if cls.chunks_in_place and cls.load_chunk is WeightTarget.load_chunk:
-            raise TypeError(f"{cls.__name__} sets chunks_in_place but defines no load_chunk")
 
     @abstractmethod
     def validate(self, manifest: VersionManifest) -> None:
@@ -103,7 +177,7 @@ class WeightTarget(ABC):
             ManifestMismatchError: a shape or dtype differing from the live parameter.
         """
 
-    def kept(self) -> Mapping[str, Box]:
+    def keeps(self) -> Mapping[str, Box]:
         """After :meth:`validate`: the tensors of that manifest this rank keeps only a box of
         (an engine TP rank's shard, as its loaders slice them), declared to the sender. A
         tensor not listed is kept whole; the default keeps everything whole."""
@@ -114,51 +188,10 @@ class WeightTarget(ABC):
         """Prepare for loading (e.g. vLLM's layerwise reload setup)."""
 
     @abstractmethod
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """Load complete tensors. They may be views of a reused buffer: copy what you keep."""
-
-    def load_views(self, key: Hashable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        """:meth:`load` of views that are the same objects whenever ``key`` comes again (a
-        mapped buffer's views, kept by the reader): a target may work out its writes once per
-        key. The default loads them."""
-        self.load(tensors)
-
-    def load_summed(
-        self,
-        key: Hashable,
-        tensors: Sequence[tuple[str, torch.Tensor]],
-        chunks: Sequence[tuple[BucketEntry, torch.Tensor]],
-        bucket: torch.Tensor,
-        nbytes: int,
-    ) -> torch.Tensor | None:
-        """:meth:`load_views` and :meth:`load_chunk` of views of ``bucket``, also taking the
-        checksum of its first ``nbytes`` where the target's copies can
-        (:mod:`~weightsync.summed_copies`): returns the reduction
-        :func:`~weightsync.checksum.row_sums` would, or None (the reader then reads the bucket
-        again for it). The default loads them and returns None."""
-        self.load_views(key, tensors)
-        for entry, data in chunks:
-            self.load_chunk(entry, data)
-        return None
-
-    def load_boxes(self, key: Hashable, boxes: Sequence[TensorBox]) -> None:
-        """Load tensors that come as boxes: the pieces of tensors a sharded trainer holds
-        (every piece of a tensor in one call), or the box of each this rank keeps. ``key`` as
-        for :meth:`load_views` (None: these are not coming again). The default loads each
-        tensor whole, filled in its boxes (:func:`assembled`)."""
-        for group in assembled(boxes):
-            self.load(group)
-
-    def forget_views(self) -> None:
-        """The views :meth:`load_views` had are not coming again (their buffer was replaced):
-        drop what was kept for them, and with it the buffer. The default keeps nothing."""
-        return
-
-    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
-        """Write ``data``, the bytes ``entry.tensor_offset`` to ``+ entry.nbytes`` of tensor
-        ``entry.name``, in place. Called only when ``chunks_in_place``; ``data`` is a view of a
-        reused buffer."""
-        raise NotImplementedError(f"{type(self).__name__} does not write chunks in place")
+    def load(self, arrival: Arrival) -> torch.Tensor | None:
+        """Load one bucket's :class:`Arrival`; returns the checksum reduction of
+        :attr:`Arrival.bucket` where it took one, else None. A target that loads only
+        complete tensors loads :meth:`Arrival.whole`."""
 
     @abstractmethod
     def commit(self, manifest: VersionManifest) -> None:
@@ -172,13 +205,12 @@ class WeightTarget(ABC):
 class InPlaceTarget(WeightTarget):
     """A target where every received tensor has one live tensor of the same shape and dtype,
     written in place (a torch module, the bench's engine-like model): no per-version setup,
-    chunks written straight into their slice."""
+    chunks written straight into their slice, a mapped buffer's copies worked out once and
+    batched (:class:`Batches`), with its checksum taken in the same launch where it can."""
 
     chunks_in_place = True
-    _MAX_BATCHES = 256
-    _batches: dict[Hashable, CopyBatch | SummedCopies] | None = None
-    """The copies of :meth:`load_views`, :meth:`load_boxes` and :meth:`load_summed` by key
-    (set on first use)."""
+    _batches: Batches | None = None
+    """Set on first use (subclasses need not call ``__init__``)."""
 
     @abstractmethod
     def live_tensor(self, name: str) -> torch.Tensor:
@@ -206,52 +238,43 @@ class InPlaceTarget(WeightTarget):
     def begin(self, manifest: VersionManifest) -> None:
         pass
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self.copies(tensors, reused=False).run()
+    def load(self, arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+        arrival = Arrival.of(arrival)
+        if self._batches is None or arrival.replaced:
+            self._batches = Batches()
+        key, batches = arrival.key, self._batches
+        if arrival.bucket is not None and key is not None and not arrival.boxes:
 
-    def load_views(self, key: Hashable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        # Working out the batch costs about a millisecond per version for a 7B model's 339
-        # tensors, on the path before the copies start: once per bucket of mapped views. A
-        # load replaced (by a subclass or on the instance, to wrap or watch it) keeps getting
-        # every call.
-        if not self._copies_load():
-            return self.load(tensors)
-        self._batch(key, lambda: self.copies(tensors)).run()
+            @torch.no_grad()  # views of live parameters, as chunk writes take them
+            def summed() -> CopyBatch | SummedCopies:
+                pairs = self.copy_pairs(arrival.tensors)
+                pairs += [
+                    p for entry, data in arrival.chunks for p in self.chunk_copies(entry, data)
+                ]
+                return summed_copies.copies(
+                    pairs, arrival.bucket, arrival.nbytes, destination=False
+                )
 
-    def load_summed(
-        self,
-        key: Hashable,
-        tensors: Sequence[tuple[str, torch.Tensor]],
-        chunks: Sequence[tuple[BucketEntry, torch.Tensor]],
-        bucket: torch.Tensor,
-        nbytes: int,
-    ) -> torch.Tensor | None:
-        own_chunks = type(self).load_chunk is InPlaceTarget.load_chunk
-        if not self._copies_load() or (chunks and not own_chunks):
-            return super().load_summed(key, tensors, chunks, bucket, nbytes)
-
-        @torch.no_grad()  # views of live parameters, as load_chunk takes them
-        def build() -> CopyBatch | SummedCopies:
-            pairs = self.copy_pairs(tensors)
-            pairs += [pair for entry, data in chunks for pair in self.chunk_copies(entry, data)]
-            return summed_copies.copies(pairs, bucket, nbytes, destination=False)
-
-        return self._batch(("summed", key), build).run()
-
-    def load_boxes(self, key: Hashable, boxes: Sequence[TensorBox]) -> None:
-        """Each box straight into its part of the live tensor (no whole tensor assembled)."""
-        if not self._copies_load():
-            return super().load_boxes(key, boxes)
-        copies = (pair for b in boxes for pair in self.box_copies(b))
-        self._batch(
-            None if key is None else ("boxes", key),
-            lambda: CopyBatch.of(copies, reused=key is not None),
-        ).run()
+            return batches.run(("summed", key), summed)
+        if arrival.tensors or not arrival.boxes:
+            batches.run(key, lambda: self.copies(arrival.tensors, reused=key is not None))
+        if arrival.boxes:
+            # Each box straight into its part of the live tensor (no whole tensor assembled).
+            copies = (pair for b in arrival.boxes for pair in self.box_copies(b))
+            batches.run(
+                None if key is None else ("boxes", key),
+                lambda: CopyBatch.of(copies, reused=key is not None),
+            )
+        with torch.no_grad():
+            for entry, data in arrival.chunks:
+                for live, chunk in self.chunk_copies(entry, data):
+                    live.copy_(chunk, non_blocking=True)
+        return None
 
     def box_copies(self, piece: TensorBox) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The copy that writes what this rank keeps of ``piece`` (none when it keeps none of
-        it): ``live_tensor`` holds the box :meth:`kept` declares (default: all of it)."""
-        kept = self.kept().get(piece.name)
+        it): ``live_tensor`` holds the box :meth:`keeps` declares (default: all of it)."""
+        kept = self.keeps().get(piece.name)
         have = piece.box if kept is None else piece.box.intersect(kept)
         if have is None:
             return []
@@ -261,43 +284,15 @@ class InPlaceTarget(WeightTarget):
         origin = (0,) * len(piece.shape) if kept is None else kept.start
         return [(live[_slices(have, origin)], piece.data[_slices(have, piece.start)])]
 
-    def _copies_load(self) -> bool:
-        return getattr(self.load, "__func__", None) is InPlaceTarget.load
-
-    def _batch(
-        self, key: Hashable, build: Callable[[], CopyBatch | SummedCopies]
-    ) -> CopyBatch | SummedCopies:
-        """The batch kept for ``key`` (built on first use; None: built, not kept)."""
-        if key is None:
-            return build()
-        if self._batches is None:
-            self._batches = {}
-        batch = self._batches.get(key)
-        if batch is None:
-            if len(self._batches) >= self._MAX_BATCHES:
-                self._batches.clear()
-            batch = self._batches[key] = build()
-        return batch
-
-    def forget_views(self) -> None:
-        self._batches = None
-
-    def copies(
-        self, tensors: Sequence[tuple[str, torch.Tensor]], *, reused: bool = True
-    ) -> CopyBatch:
+    def copies(self, tensors: Named, *, reused: bool = True) -> CopyBatch:
         """The copies that load ``tensors``, batched (:class:`~weightsync.regions.CopyBatch`):
         not a launch each for thousands of MoE experts. ``reused``: kept and run again."""
         return CopyBatch.of(self.copy_pairs(tensors), reused=reused)
 
-    def copy_pairs(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> list[Pair]:
+    def copy_pairs(self, tensors: Named) -> list[Pair]:
         """The ``(live, received)`` copies that load ``tensors`` (default: each whole into
         its :meth:`live_tensor`)."""
         return [(self.live_tensor(name), tensor) for name, tensor in tensors]
-
-    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
-        with torch.no_grad():
-            for live, chunk in self.chunk_copies(entry, data):
-                live.copy_(chunk, non_blocking=True)
 
     def chunk_copies(self, entry: BucketEntry, data: torch.Tensor) -> list[Pair]:
         """The ``(live, received)`` copies that write chunk ``data`` of ``entry`` (default:

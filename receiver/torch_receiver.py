@@ -11,7 +11,7 @@ load the same tensors.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ import torch
 from weightsync.errors import ManifestMismatchError, NameResolutionError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.core import ReceiverCore
-from weightsync.receiver.target import InPlaceTarget, WeightTarget
+from weightsync.receiver.target import Arrival, InPlaceTarget, WeightTarget
 
 _LISTED = 5
 
@@ -178,9 +178,9 @@ class TransformersTarget(WeightTarget):
     def begin(self, manifest: VersionManifest) -> None:
         self._pending = {}
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def load(self, arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> None:
         with torch.no_grad():
-            for name, tensor in tensors:
+            for name, tensor in (t for group, _ in Arrival.of(arrival).whole() for t in group):
                 if name in self._direct:
                     self.live[name].copy_(tensor)
                 else:

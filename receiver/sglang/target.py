@@ -26,7 +26,7 @@ Tested with SGLang 0.5.23 (model classes built on CPU).
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -48,7 +48,7 @@ from weightsync.receiver.name_resolver import (
 from weightsync.receiver.replay import ReplayPlan
 from weightsync.receiver.sglang.processing import served_as_loaded
 from weightsync.receiver.sglang.sglang_resolver import check_expert_shapes
-from weightsync.receiver.target import WeightTarget
+from weightsync.receiver.target import Arrival, WeightTarget
 from weightsync.topology_model import Box
 
 logger = logging.getLogger(__name__)
@@ -220,7 +220,7 @@ class SglangWeightTarget(WeightTarget):
         self._ignored = ignored
         self._kept = kept_boxes(main, draft)
 
-    def kept(self) -> dict[str, Box]:
+    def keeps(self) -> dict[str, Box]:
         return self._kept
 
     def _validate_lora(self, spec: LoraAdapterSpec, version: int) -> None:
@@ -253,16 +253,13 @@ class SglangWeightTarget(WeightTarget):
                     DefaultModelLoader.restore_weights_before_loading(part.model, self.device)
             self._restored = True
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self._load(tensors, None)
-
-    def load_views(self, key: Hashable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self._load(tensors, key)
-
-    def forget_views(self) -> None:
-        for part in self._models():
+    def load(self, arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> None:
+        arrival = Arrival.of(arrival)
+        for part in self._models() if arrival.replaced else ():
             if part.replay is not None:
                 part.replay.forget()
+        for tensors, key in arrival.whole():
+            self._load(tensors, key)
 
     def _load(self, tensors: Sequence[tuple[str, torch.Tensor]], key: Hashable) -> None:
         base: list[tuple[str, torch.Tensor]] = []

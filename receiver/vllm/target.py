@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +44,7 @@ from weightsync.receiver.name_resolver import (
     resolve_accepted,
 )
 from weightsync.receiver.replay import ReplayPlan
-from weightsync.receiver.target import WeightTarget
+from weightsync.receiver.target import Arrival, WeightTarget
 from weightsync.receiver.vllm.lora_store import LoraStore
 from weightsync.receiver.vllm.processing import served_as_loaded
 from weightsync.receiver.vllm.reload import (
@@ -322,7 +322,7 @@ class VllmWeightTarget(WeightTarget):
         replayed = self._replay.placements if self._replay is not None else {}
         self._main.accept({n: hit for n, hit in main.items() if n not in replayed}, view)
 
-    def kept(self) -> dict[str, Box]:
+    def keeps(self) -> dict[str, Box]:
         return self._kept
 
     def begin(self, manifest: VersionManifest) -> None:
@@ -346,31 +346,25 @@ class VllmWeightTarget(WeightTarget):
         if self._draft is not None:
             self._draft.begin()
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self._load(tensors, None)
-
-    def load_views(self, key: Hashable, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self._load(tensors, key)
-
-    def forget_views(self) -> None:
-        if self._replay is not None:
+    def load(self, arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> None:
+        arrival = Arrival.of(arrival)
+        if arrival.replaced and self._replay is not None:
             self._replay.forget()
-
-    def _load(self, tensors: Sequence[tuple[str, torch.Tensor]], key: Hashable) -> None:
-        base: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in tensors:
-            if self._lora is not None and self._lora.wants(name):
-                self._lora.add(name, tensor)
-            else:
-                base.append((name, tensor))
-        if self._replay is not None:
-            replayed = [(n, t) for n, t in base if n in self._replay]
-            if replayed:
-                self._replay.apply(replayed, key)
-        for part in (self._main, self._draft):
-            mine = [(n, t) for n, t in base if part is not None and n in part.resolved]
-            if part is not None and mine:
-                part.load(mine)
+        for tensors, key in arrival.whole():
+            base: list[tuple[str, torch.Tensor]] = []
+            for name, tensor in tensors:
+                if self._lora is not None and self._lora.wants(name):
+                    self._lora.add(name, tensor)
+                else:
+                    base.append((name, tensor))
+            if self._replay is not None:
+                replayed = [(n, t) for n, t in base if n in self._replay]
+                if replayed:
+                    self._replay.apply(replayed, key)
+            for part in (self._main, self._draft):
+                mine = [(n, t) for n, t in base if part is not None and n in part.resolved]
+                if part is not None and mine:
+                    part.load(mine)
 
     def commit(self, manifest: VersionManifest) -> None:
         self._main.finish()

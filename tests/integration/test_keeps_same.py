@@ -14,7 +14,7 @@ from weightsync.topology_model import Box
 class KeepsHalf(TorchModuleTarget):
     """Declares that it keeps the first half of rows of every 2-D tensor (loading all of it)."""
 
-    def kept(self) -> dict[str, Box]:
+    def keeps(self) -> dict[str, Box]:
         return {
             name: Box((0, 0), (t.shape[0] // 2, t.shape[1]))
             for name, t in self.live.items()

@@ -1,5 +1,5 @@
 """Issue 11 at TP=2 in SGLang: each rank of SGLang's REAL model classes declares the box of each
-checkpoint tensor its loaders keep (``SglangWeightTarget.kept``), that box is the one
+checkpoint tensor its loaders keep (``SglangWeightTarget.keeps``), that box is the one
 ``weightsync.cluster.tp_box`` models (a padded vocabulary included), and the box suffices: a
 version whose tensors hold NaN everywhere outside the rank's declared box loads bit-identical
 to SGLang's own load of the clean tensors.
@@ -76,7 +76,7 @@ def _case(arch: str, fields: dict[str, Any]) -> dict[str, Any]:
     clean = random_weights(checkpoint_specs(hf), seed=11)
     target = SglangWeightTarget(model, "cpu")
     target.validate(manifest_of(1, clean))
-    kept = dict(target.kept())
+    kept = dict(target.keeps())
     masked = _outside_nan(clean, kept)
     drive(target, manifest_of(1, masked), masked, BUCKET_BYTES)
     reference = sglang_load(_model(arch, fields)[0], clean)

@@ -9,6 +9,7 @@ import torch
 
 from weightsync.buckets import ChunkAssembler, TensorSpec, pack_entry, plan_buckets, unpack_bucket
 from weightsync.manifest import LoraAdapterSpec, VersionManifest
+from weightsync.receiver.target import Arrival
 
 
 def manifest_of(
@@ -60,7 +61,7 @@ def drive(
         for bucket in plan.buckets:
             for entry in bucket.entries:
                 pack_entry(buffer, entry, tensors[entry.name])
-            target.load(list(unpack_bucket(buffer, bucket, assembler)))
+            target.load(Arrival(tuple(unpack_bucket(buffer, bucket, assembler))))
             buffer.fill_(0xFF)  # the next bucket reuses the buffer
         target.commit(manifest)
     except Exception as e:

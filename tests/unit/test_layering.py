@@ -108,9 +108,7 @@ def test_the_check_sees_upward_and_sideways_imports():
 
 
 MAX_LINES = 400
-OVER_MAX = {
-    "receiver/core.py": 420,
-}
+OVER_MAX: dict[str, int] = {}
 """Modules still over :data:`MAX_LINES` (issue 34), each at most its size today: this list only
 shrinks. Split a module past the limit; when one drops under it, remove its entry."""
 

@@ -4,14 +4,13 @@ version state machine driven by an in-memory connection."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.support.raw_streams import MemoryConnection
 from weightsync.buckets import (
-    BucketEntry,
     BucketPlan,
     TensorSpec,
     byte_view,
@@ -36,7 +35,7 @@ from weightsync.receiver.connection import KeptByStream
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.inbox import Inbox, SenderLost
 from weightsync.receiver.reader import BucketReader, VersionReads
-from weightsync.receiver.target import InPlaceTarget, WeightTarget, assembled
+from weightsync.receiver.target import Arrival, InPlaceTarget, WeightTarget, assembled
 from weightsync.topology_model import Box
 from weightsync.transports import get_transport
 from weightsync.transports.base import StagingBuffer
@@ -72,6 +71,8 @@ class Recorder(WeightTarget):
         """Raise a RuntimeError (as engines do) in this ``load`` call (0-based)."""
         self.collector_on: list[bool] = []
         """Whether Python's garbage collector was on, per ``load`` call."""
+        self.chunks: list[tuple[str, int]] = []
+        """The chunks written in place (a target with ``chunks_in_place``)."""
 
     def validate(self, manifest: VersionManifest) -> None:
         self.calls.append("validate")
@@ -81,13 +82,19 @@ class Recorder(WeightTarget):
     def begin(self, manifest: VersionManifest) -> None:
         self.calls.append("begin")
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def load(self, arrival: Arrival) -> torch.Tensor | None:
         self.collector_on.append(gc.isenabled())
-        if len(self.loaded) == self.fail_on_load:
-            raise RuntimeError("CUDA error: out of memory")
-        self.loaded.append([name for name, _ in tensors])
-        for name, tensor in tensors:
-            self.live[name].copy_(tensor)
+        for tensors, _ in arrival.whole():
+            if len(self.loaded) == self.fail_on_load:
+                raise RuntimeError("CUDA error: out of memory")
+            self.loaded.append([name for name, _ in tensors])
+            for name, tensor in tensors:
+                self.live[name].copy_(tensor)
+        for entry, data in arrival.chunks:
+            self.chunks.append((entry.name, entry.chunk_index))
+            live = byte_view(self.live[entry.name])
+            live[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(data)
+        return None
 
     def commit(self, manifest: VersionManifest) -> None:
         self.calls.append("commit")
@@ -99,15 +106,6 @@ class Recorder(WeightTarget):
 
 class InPlace(Recorder):
     chunks_in_place = True
-
-    def __init__(self, live: dict[str, torch.Tensor]) -> None:
-        super().__init__(live)
-        self.chunks: list[tuple[str, int]] = []
-
-    def load_chunk(self, entry: BucketEntry, data: torch.Tensor) -> None:
-        self.chunks.append((entry.name, entry.chunk_index))
-        live = byte_view(self.live[entry.name])
-        live[entry.tensor_offset : entry.tensor_offset + entry.nbytes].copy_(data)
 
 
 class Staged:
@@ -258,10 +256,12 @@ class Summing(InPlace):
         self.bucket_sums = bucket_sums
         self.summed: list[int] = []
 
-    def load_summed(self, key, tensors, chunks, bucket, nbytes):
-        self.summed.append(nbytes)
-        super().load_summed(key, tensors, chunks, bucket, nbytes)
-        return self.bucket_sums.get(bucket.data_ptr())
+    def load(self, arrival: Arrival) -> torch.Tensor | None:
+        assert super().load(arrival) is None
+        if arrival.bucket is None:
+            return None
+        self.summed.append(arrival.nbytes)
+        return self.bucket_sums.get(arrival.bucket.data_ptr())
 
 
 def test_the_checksum_a_targets_loads_took_stands_in_for_a_second_read_of_the_bucket(stage):
@@ -358,11 +358,11 @@ def test_an_engine_exception_in_validate_is_wrapped_saying_where(stage):
     assert connection.sent[0].verdict.error.message == str(caught.value)
 
 
-def test_a_target_whose_kept_raises_refuses_the_version_in_its_verdict(stage):
-    """``kept()`` is the engine's code too: its exception is answered in the verdict at once
+def test_a_target_whose_keeps_raises_refuses_the_version_in_its_verdict(stage):
+    """``keeps()`` is the engine's code too: its exception is answered in the verdict at once
     (it had left the sender waiting out its ack timeout for a verdict that never came)."""
     target = Recorder(zeros_like(weights(1)))
-    target.kept = lambda: {}["model.layers.0.mlp"]
+    target.keeps = lambda: {}["model.layers.0.mlp"]
     core, connection = core_for(target)
     connection.announce(*stage(weights(1), version=3).announcements())
     with pytest.raises(WeightSyncError) as caught:
@@ -447,13 +447,6 @@ def test_a_second_start_inside_a_version_is_a_protocol_error(stage):
     with pytest.raises(ProtocolError, match="unexpected start inside version 1"):
         core.sync(timeout=5)
     assert connection.sent[-1].applied.error.code == "ProtocolError"
-
-
-def test_a_target_that_writes_chunks_in_place_must_say_how():
-    with pytest.raises(TypeError, match="Broken sets chunks_in_place but defines no load_chunk"):
-
-        class Broken(Recorder):
-            chunks_in_place = True
 
 
 # -- a version split over several senders -----------------------------------------------------
@@ -665,20 +658,21 @@ class LiveTensors(InPlaceTarget):
     recording the calls it gets."""
 
     def __init__(self, live: dict[str, torch.Tensor], keeps: dict[str, Box] | None = None):
-        self.device, self.live, self.keeps, self.calls = CPU, live, keeps or {}, []
+        self.device, self.live, self.kept_boxes, self.calls = CPU, live, keeps or {}, []
 
     def validate(self, manifest: VersionManifest) -> None:
         self.calls.append("validate")
 
-    def kept(self) -> dict[str, Box]:
-        return self.keeps
+    def keeps(self) -> dict[str, Box]:
+        return self.kept_boxes
 
     def live_tensor(self, name: str) -> torch.Tensor:
         return self.live[name]
 
-    def load_boxes(self, key, boxes) -> None:
-        self.calls.append(("boxes", key is not None, len(boxes)))
-        super().load_boxes(key, boxes)
+    def load(self, arrival: Arrival) -> torch.Tensor | None:
+        if arrival.boxes:
+            self.calls.append(("boxes", arrival.key is not None, len(arrival.boxes)))
+        return super().load(arrival)
 
 
 @pytest.mark.parametrize("target_kind", ["whole tensors", "in place", "in place, one shard"])
@@ -843,9 +837,9 @@ class Watching(Recorder):
         self.sent_at.append(("begin", self.connection.kinds()))
         self.connection.announce(*self.then)
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+    def load(self, arrival: Arrival) -> torch.Tensor | None:
         self.sent_at.append(("load", self.connection.kinds()))
-        super().load(tensors)
+        return super().load(arrival)
 
 
 @pytest.mark.parametrize("in_hand", [True, False], ids=["bucket in hand", "bucket later"])

@@ -15,14 +15,14 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Collection, Iterator
 
 import torch
 
 from weightsync.errors import NameResolutionError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.core import ReceiverCore
-from weightsync.receiver.target import WeightTarget
+from weightsync.receiver.target import Arrival, WeightTarget
 
 _LISTED = 5
 
@@ -61,13 +61,14 @@ class StreamTarget(WeightTarget):
     def begin(self, manifest: VersionManifest) -> None:
         pass
 
-    def load(self, tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
-        if self.closed.is_set():
-            raise StreamClosed("the consumer stopped reading the version's tensors")
-        self.items.put(("tensors", list(tensors)))
-        self.taken.acquire()
-        if self.closed.is_set():
-            raise StreamClosed("the consumer stopped reading the version's tensors")
+    def load(self, arrival: Arrival) -> None:
+        for tensors, _ in arrival.whole():
+            if self.closed.is_set():
+                raise StreamClosed("the consumer stopped reading the version's tensors")
+            self.items.put(("tensors", list(tensors)))
+            self.taken.acquire()
+            if self.closed.is_set():
+                raise StreamClosed("the consumer stopped reading the version's tensors")
 
     def commit(self, manifest: VersionManifest) -> None:
         pass

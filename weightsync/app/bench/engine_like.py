@@ -250,7 +250,7 @@ class EngineLikeTarget(InPlaceTarget):
                 kept[spec.name] = box
         self._kept = kept
 
-    def kept(self) -> dict[str, Box]:
+    def keeps(self) -> dict[str, Box]:
         """Its TP shards, as vLLM's loaders would keep them (declared to the sender)."""
         return self._kept
 

@@ -1,0 +1,60 @@
+"""What a receiver's target last accepted, so a version like the last is not checked again:
+manifests parsed by key, the (tensor list, target generation) last validated, and the boxes
+the target keeps of each manifest (declared to the sender in the verdict)."""
+
+from __future__ import annotations
+
+from weightsync.manifest import VersionManifest
+from weightsync.receiver.links import Link
+from weightsync.receiver.target import WeightTarget
+from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import ManifestCache, boxes_to_pb
+
+_KEPT_MANIFESTS = 16
+
+
+class Accepted:
+    """Shared by the single-sender path (:mod:`.core`) and the several-senders one
+    (:mod:`.several_senders`); the target is passed in, as the core's may be replaced."""
+
+    def __init__(self) -> None:
+        self._manifests = ManifestCache()
+        self._validated: tuple[bytes, int] | None = None
+        """(manifest key, target generation) the target last accepted: the same tensor list
+        for the same model need not be checked again."""
+        self._keeps: dict[tuple[bytes, int], list[pb.TensorBox]] = {}
+
+    def manifest(self, link: Link, start: pb.VersionStart) -> tuple[VersionManifest, bytes]:
+        """The version's manifest and its key; a manifest sent by key alone is taken from the
+        stream's copy only when the cache let it go. Parsing bounds every field too: a
+        manifest past a bound is rejected like one that does not fit the model.
+
+        Raises:
+            ProtocolError: sent by a key the stream does not hold.
+        """
+        msg = start.manifest
+        if start.manifest_key and not msg.tensors and start.manifest_key not in self._manifests:
+            msg = link.manifest(start)
+        return self._manifests(msg, start.manifest_key)
+
+    def validate(self, target: WeightTarget, manifest: VersionManifest, key: bytes) -> None:
+        """``target.validate(manifest)``, unless it accepted this tensor list last."""
+        validated = (key, target.generation)
+        if validated != self._validated:
+            target.validate(manifest)
+            self._validated = validated
+
+    def keeps(
+        self, target: WeightTarget, manifest: VersionManifest, key: bytes
+    ) -> list[pb.TensorBox]:
+        """The boxes of ``manifest``'s tensors ``target`` keeps (after validating), declared
+        in the verdict so the sender plans this receiver's bytes: the same list object while
+        the manifest and generation are (the stream then says ``keeps_same``)."""
+        cached = (key, target.generation)
+        if cached not in self._keeps:
+            if len(self._keeps) >= _KEPT_MANIFESTS:
+                self._keeps.clear()
+            kept = target.keeps()
+            names = {spec.name for spec in manifest.tensors} if kept else set()
+            self._keeps[cached] = boxes_to_pb({n: b for n, b in kept.items() if n in names})
+        return self._keeps[cached]
