@@ -387,7 +387,7 @@ class Coordinator:
             self.history.close()
             self._outcomes.close()
             self.registry.close()
-            self._shared.slots.close()
+            self._shared.slots.close_all()
             self._mapped_offers.clear()
             self._broadcast.close()
             self._cond.notify_all()

@@ -123,6 +123,7 @@ class VersionDriver:
     def ensure_slots(self, version: Version, device: torch.device) -> None:
         """Slots on ``device`` that hold the largest bucket (reallocated once all are free)."""
         need = largest_bucket(version)
+        self._slots.free_settled()
         if self._slots.fits(need, device):
             return
         what = "receivers to release staging buffers"

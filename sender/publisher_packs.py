@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from weightsync.buckets import Bucket
@@ -19,6 +20,11 @@ from weightsync.v1 import weightsync_pb2 as pb
 if TYPE_CHECKING:
     from weightsync.sender.announcements import Send
     from weightsync.sender.version import Version
+
+
+MAX_LENT = 8
+"""Staging slots at most lent to publishers of ended versions at once (each a bucket's
+buffer): past it, a version that ends early waits for its publishers as before."""
 
 
 class PublisherPacks:
@@ -69,10 +75,25 @@ class PublisherPacks:
                 raise RunAborted()
             return packed()
 
-    def settle(self, asked: set[int]) -> None:
-        """The version ended early (lock held): wait until the ranks still there packed the
-        buckets they were asked for (at most ``stall_timeout_s``: a stalled one is not waited
-        for), so that nothing writes into a slot once it is reused."""
+    def release(self, issued: Iterable[tuple[Send, Slot]], slots: SlotPool) -> None:
+        """The version ended early (lock held): nothing may write into a slot once it is
+        reused, and ranks still there may yet pack the buckets they were asked for. Those
+        slots are lent to them (:meth:`SlotPool.lend`): the next version packs into new ones
+        at once. Past :data:`MAX_LENT` lent slots, wait for the ranks instead (at most
+        ``stall_timeout_s``: a stalled one is not waited for)."""
+        ranks = list(self._run.ranks.values())
+        pending = [
+            (slot, send.bucket.index)
+            for send, slot in issued
+            if any(not (r.left or send.bucket.index in r.packed) for r in ranks)
+        ]
+        if slots.lent + len(pending) > MAX_LENT:
+            self._settle({index for _, index in pending})
+            return
+        for slot, index in pending:
+            slots.lend(slot, lambda i=index: all(r.left or i in r.packed for r in ranks))
+
+    def _settle(self, asked: set[int]) -> None:
         deadline = time.monotonic() + self._stall_s
         ranks = self._run.ranks.values()
         while any(not (r.left or asked <= r.packed) for r in ranks):

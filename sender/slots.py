@@ -93,6 +93,7 @@ class SlotPool:
         """By default an EventCache: receivers' read events opened once by handle, kept for
         the sender's life (a receiver records into the same few events every version)."""
         self._slots: list[Slot] = []
+        self._lent: list[tuple[Slot, Callable[[], bool]]] = []
 
     @property
     def slots(self) -> tuple[Slot, ...]:
@@ -158,14 +159,46 @@ class SlotPool:
             if slot.version == version:
                 slot.readers.clear()
 
+    def lend(self, slot: Slot, settled: Callable[[], bool]) -> None:
+        """``slot`` stays with publishers that may still write into it (their version ended
+        before they packed): it leaves the pool, which allocates a replacement when next
+        sized, and its buffer is freed once ``settled()`` (they packed or left)."""
+        self._slots.remove(slot)
+        self._lent.append((slot, settled))
+
+    @property
+    def lent(self) -> int:
+        return len(self._lent)
+
+    def free_settled(self) -> None:
+        """Free the lent slots whose publishers are done with them."""
+        keep = []
+        for slot, settled in self._lent:
+            if settled():
+                _free(slot)
+            else:
+                keep.append((slot, settled))
+        self._lent = keep
+
     def stop_packing(self) -> None:
         for slot in self._slots:
             slot.packing = False
 
     def close(self) -> None:
-        """Free every slot's buffer and event."""
+        """Free every slot's buffer and event (not the lent ones: :meth:`close_all`)."""
         for slot in self._slots:
-            if slot.packed_event is not None:
-                release_event(slot.packed_event[1])
-            transport_for_handle(slot.buffer.handle).release(slot.buffer)
+            _free(slot)
         self._slots = []
+
+    def close_all(self) -> None:
+        """The sender stops: free every slot, lent ones too."""
+        self.close()
+        for slot, _ in self._lent:
+            _free(slot)
+        self._lent = []
+
+
+def _free(slot: Slot) -> None:
+    if slot.packed_event is not None:
+        release_event(slot.packed_event[1])
+    transport_for_handle(slot.buffer.handle).release(slot.buffer)

@@ -240,7 +240,7 @@ class Version:
             torch.cuda.current_stream(device).synchronize()
         with self.shared.cond:
             if packs is not None:
-                packs.settle({send.bucket.index for send, _ in issued})
+                packs.release(issued, self.shared.slots)
             tell_staged(self)
             tell_done(self)
 

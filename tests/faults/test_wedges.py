@@ -243,3 +243,35 @@ def test_a_version_that_failed_leaving_no_trace_does_not_use_up_its_number(sock_
         publisher.close()
         for r in receivers:
             r.close()
+
+
+def test_a_version_every_receiver_rejected_does_not_wait_for_its_publisher(sock_dir):
+    """Issue 35 item 4: a version every receiver rejected ends at once, but its publisher, asked
+    to pack, may still write into the staging slots; the next version waited for it (up to the
+    stall timeout) before reusing them. Those slots are lent to it instead, so the next
+    version, from another publisher, is applied while the first still holds them."""
+    from tests.support.raw_streams import RawStream
+
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1024, stall_timeout_s=600) as s:
+        models, receivers, threads = two_receivers(s.address, syncs=2)
+        trainer = TinyNet(seed=2)
+        first = pb.PublisherMessage(hello=pb.PublisherHello(publisher_id="raw", device="cpu"))
+        raw = RawStream(s.address, "Publish", first, timeout_s=600)
+        raw.send(begin(5, tiny_specs(trainer, extra="ghost.weight")))
+        assert raw.first() == "welcome"
+        publisher = Publisher(s.address)
+        step(trainer, 6)
+        result = publisher.publish(trainer.state_dict(), 6, wait=True, timeout_s=60)
+        assert [o.state for o in result.status.receivers] == ["applied", "applied"]
+        assert s.coordinator.run_of(5).done  # the raw publisher is still there, never packed
+        raw.close()
+        for model, thread in zip(models, threads, strict=True):
+            got = thread.finish(30)
+            assert [type(x) if isinstance(x, Exception) else x for x in got] == [
+                NameResolutionError,
+                6,
+            ]
+            assert digests(model) == digests(trainer)
+        publisher.close()
+        for r in receivers:
+            r.close()
