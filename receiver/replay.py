@@ -12,12 +12,12 @@ each engine's rule of what it processes after loading).
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from weightsync.receiver.name_resolver import aliases
-from weightsync.receiver.target import Batches
+from weightsync.receiver.target import Arrival, Batches, TensorBox
 from weightsync.regions import CopyBatch, Pair
 
 
@@ -44,6 +44,55 @@ class Placement:
         received = received.contiguous()
         src = received.as_strided(self.size, self.stride, received.storage_offset() + self.offset)
         return dst, src
+
+    def read_dims(self, shape: tuple[int, ...]) -> tuple[list[int | None], list[int]] | None:
+        """What this placement reads of a received tensor of ``shape``, as a box of it: for
+        each placement dim the tensor dim it walks (None: size 1), and the box's first
+        element; None when the read is no box (a stride no single dim of ``shape`` has)."""
+        if not shape:
+            return None
+        contiguous = torch.empty(shape, device="meta").stride()
+        first = [int(c) for c in torch.unravel_index(torch.tensor(self.offset), shape)]
+        dims: list[int | None] = []
+        for n, step in zip(self.size, self.stride, strict=True):
+            walks = [k for k, c in enumerate(contiguous) if c == step and shape[k] > 1]
+            if n == 1:
+                dims.append(None)
+            elif len(walks) != 1 or walks[0] in dims or first[walks[0]] + n > shape[walks[0]]:
+                return None
+            else:
+                dims.append(walks[0])
+        return dims, first
+
+    def piece_pair(
+        self, live: torch.Tensor, piece: TensorBox, read: tuple[list[int | None], list[int]]
+    ) -> Pair | None:
+        """The copy of what ``piece`` holds of this placement's read (``read``:
+        :meth:`read_dims`) straight into the live box; None when it holds none of it."""
+        dims, first = read
+        lo, hi = list(first), [a + 1 for a in first]
+        for d, k in enumerate(dims):
+            if k is not None:
+                hi[k] = first[k] + self.size[d]
+        for k, (a, n) in enumerate(zip(piece.start, piece.data.shape, strict=True)):
+            lo[k], hi[k] = max(lo[k], a), min(hi[k], a + n)
+            if lo[k] >= hi[k]:
+                return None
+        src = piece.data[
+            tuple(slice(a - p, b - p) for a, b, p in zip(lo, hi, piece.start, strict=True))
+        ]
+        walked = [k for k in dims if k is not None]
+        src = src.permute(walked + [k for k in range(src.dim()) if k not in walked])
+        src = src.reshape(src.shape[: len(walked)]) if walked else src.reshape(())
+        box = []
+        for d, k in enumerate(dims):
+            if k is None:
+                src = src.unsqueeze(d)
+                box.append(slice(self.start[d], self.start[d] + 1))
+            else:
+                at = self.start[d] + lo[k] - first[k]
+                box.append(slice(at, at + hi[k] - lo[k]))
+        return live[tuple(box)], src
 
 
 def modules_as_loaded(
@@ -100,6 +149,48 @@ class ReplayPlan:
         objects whenever it comes again (:attr:`~.target.Arrival.key`), so their batch is
         built once."""
         self._batches.run(key, lambda: CopyBatch.of(self.copies(tensors), reused=key is not None))
+
+    def take_pieces(self, arrival: Arrival) -> Arrival:
+        """Replay what ``arrival`` holds of this plan as pieces (forgetting the kept batches
+        first when it says its views were replaced); returns it with the pieces left."""
+        if arrival.replaced:
+            self.forget()
+        if not arrival.boxes:
+            return arrival
+        return replace(arrival, boxes=tuple(self.apply_pieces(arrival.boxes, arrival.key)))
+
+    def apply_pieces(self, pieces: Sequence[TensorBox], key: Hashable = None) -> list[TensorBox]:
+        """Replay the pieces of tensors of this plan straight from ``pieces`` (no whole tensor
+        assembled), batched as :meth:`apply`; returns the pieces it left (other names, or a
+        placement whose read is no box of its tensor)."""
+        mine = [p for p in pieces if p.name in self.placements and self._reads(p) is not None]
+        if mine:
+            self._batches.run(
+                ("pieces", key) if key is not None else None,
+                lambda: CopyBatch.of(self._piece_copies(mine), reused=key is not None),
+            )
+        return [p for p in pieces if not any(p is m for m in mine)]
+
+    def _reads(self, piece: TensorBox) -> list | None:
+        reads = [p.read_dims(piece.shape) for p in self.placements[piece.name] if not p.zero]
+        return None if any(r is None for r in reads) else reads
+
+    def _piece_copies(self, pieces: Sequence[TensorBox]) -> list[Pair]:
+        pairs, zeroed = [], set()
+        for piece in pieces:
+            placements = self.placements[piece.name]
+            reads = iter(self._reads(piece) or ())
+            for p in placements:
+                live = self._live[p.live_name]
+                if p.zero:
+                    if piece.name not in zeroed:
+                        pairs.append(p.pair(live, live))
+                    continue
+                pair = p.piece_pair(live, piece, next(reads))
+                if pair is not None:
+                    pairs.append(pair)
+            zeroed.add(piece.name)
+        return pairs
 
     def forget(self) -> None:
         """The views of the keyed batches are not coming again."""

@@ -255,9 +255,8 @@ class SglangWeightTarget(WeightTarget):
 
     def load(self, arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> None:
         arrival = Arrival.of(arrival)
-        for part in self._models() if arrival.replaced else ():
-            if part.replay is not None:
-                part.replay.forget()
+        if self._main.replay is not None:  # its pieces straight in: one copy, nothing assembled
+            arrival = self._main.replay.take_pieces(arrival)
         for tensors, key in arrival.whole():
             self._load(tensors, key)
 

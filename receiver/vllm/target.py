@@ -348,8 +348,8 @@ class VllmWeightTarget(WeightTarget):
 
     def load(self, arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> None:
         arrival = Arrival.of(arrival)
-        if arrival.replaced and self._replay is not None:
-            self._replay.forget()
+        if self._replay is not None:  # its pieces straight in: one copy, nothing assembled
+            arrival = self._replay.take_pieces(arrival)
         for tensors, key in arrival.whole():
             base: list[tuple[str, torch.Tensor]] = []
             for name, tensor in tensors:

@@ -13,6 +13,7 @@ from weightsync.buckets import TensorSpec
 from weightsync.receiver.bake import Baked, bake, loaded_stand_ins, loader_swaps
 from weightsync.receiver.name_resolver import resolve_by_loading
 from weightsync.receiver.replay import ReplayPlan
+from weightsync.receiver.target import TensorBox, assembled
 from weightsync.regions import CopyBatch
 
 
@@ -40,13 +41,24 @@ def replay_differs(
     got = loaded_stand_ins(model, earlier, swaps, modules, untouched=None)
     now = [(n, t.clone()) for n, t in kept.items()]
     want = loaded_stand_ins(model, now, swaps, modules, untouched=None)
+    # The same version again, from pieces of each tensor (a sharded trainer's), over the
+    # earlier one: placed straight from the pieces, or assembled where a read is no box.
+    by_pieces = loaded_stand_ins(model, earlier, swaps, modules, untouched=None)
     plan = ReplayPlan(baked.placements, got)
     written = {p.live_name for ps in baked.placements.values() for p in ps}
     CopyBatch.of(plan.copies([(n, t) for n, t in kept.items() if n in plan])).run()
+    pieces_plan = ReplayPlan(baked.placements, by_pieces)
+    left = pieces_plan.apply_pieces(
+        [b for n, t in kept.items() if n in plan for b in _pieces(n, t)]
+    )
+    for group in assembled(left):
+        pieces_plan.apply(group)
     differing = [
-        name
+        f"{name}{how}"
         for name in want
-        if name in written and not torch.equal(got[name].view(-1), want[name].data.view(-1))
+        if name in written
+        for how, have in (("", got), (" (from pieces)", by_pieces))
+        if not torch.equal(have[name].view(-1), want[name].data.view(-1))
     ]
     unexplained = [
         name
@@ -54,3 +66,16 @@ def replay_differs(
         if name not in written and name.rpartition(".")[0] not in baked.refused
     ]
     return differing + [f"{n} (not replayed, not refused)" for n in unexplained], baked.refused
+
+
+def _pieces(name: str, tensor: torch.Tensor) -> list[TensorBox]:
+    """``tensor`` as up to four boxes: its first two dims each cut in two (uneven halves)."""
+    cuts = [[(0, n)] if n < 2 else [(0, n // 2 + 1), (n // 2 + 1, n)] for n in tensor.shape[:2]]
+    boxes = []
+    for rows in cuts[0] if cuts else [None]:
+        for cols in cuts[1] if len(cuts) > 1 else [None]:
+            index = tuple(slice(a, b) for a, b in (r for r in (rows, cols) if r is not None))
+            start = tuple(r[0] for r in (rows, cols) if r is not None)
+            start += (0,) * (tensor.dim() - len(start))
+            boxes.append(TensorBox(name, tuple(tensor.shape), start, tensor[index]))
+    return boxes
