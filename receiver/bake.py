@@ -21,7 +21,8 @@ Refused (the engine's own path loads them every version), for the whole module:
 - a loader that writes or rebinds other state of its module (SGLang's Gemma norm keeps
   ``weight + 1``): while baking every live tensor's data, and every tensor a module holds as a
   plain attribute, is one element broadcast to its shape, so such a write raises, and a
-  rebound attribute is put back.
+  rebound attribute is put back. So nothing may run the model meanwhile: the targets are
+  called on the engine's own thread (vLLM's worker RPC, SGLang's scheduler), between steps.
 """
 
 from __future__ import annotations
