@@ -1,0 +1,53 @@
+"""Block FP8 (issue 36, trainer-side FP8): our quantizer equals the engines' reference
+quantizer bit for bit, values and scales, on shapes that fill the blocks and shapes that do
+not, from bf16 and float32, with plain and with UE8M0 (power-of-two) scales."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from weightsync.fp8 import FP8, dequantize_block_fp8, quantize_block_fp8
+
+SHAPES = [(256, 128), (300, 200), (1, 7), (128, 1000)]
+
+
+def _weight(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * 0.02
+    w[0, 0] = 3.0  # one large value: its block's scale differs from the others'
+    if shape[0] > 1:
+        w[-1] = 0.0  # a zero row: blocks of zeros at the amax floor
+    return w.to(dtype)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_equals_vllms_reference_quantizer(shape, dtype, ue8m0):
+    from vllm.utils.deep_gemm import per_block_cast_to_fp8
+
+    w = _weight(shape, dtype, seed=sum(shape))
+    values, scale_inv = quantize_block_fp8(w, ue8m0=ue8m0)
+    ref_values, ref_scale = per_block_cast_to_fp8(w, [128, 128], use_ue8m0=ue8m0)
+    assert values.dtype == FP8 and values.shape == w.shape
+    assert scale_inv.dtype == torch.float32
+    assert scale_inv.shape == (-(-shape[0] // 128), -(-shape[1] // 128))
+    assert torch.equal(values.view(torch.uint8), ref_values.view(torch.uint8))
+    assert torch.equal(scale_inv, ref_scale)
+
+
+def test_dequantizes_back_within_e4m3s_precision():
+    w = _weight((300, 200), torch.float32, seed=1)
+    values, scale_inv = quantize_block_fp8(w)
+    back = dequantize_block_fp8(values, scale_inv)
+    # e4m3 keeps 3 mantissa bits: within 1/16 of each value, plus a block's smallest step
+    step = scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[:300, :200] * 2**-9
+    assert bool(((back - w).abs() <= w.abs() / 16 + step).all())
+
+
+def test_refuses_what_it_cannot_quantize_naming_it():
+    with pytest.raises(ValueError, match=r"not \(4,\) torch.float32"):
+        quantize_block_fp8(torch.zeros(4))
+    with pytest.raises(ValueError, match="torch.int64"):
+        quantize_block_fp8(torch.zeros(4, 4, dtype=torch.int64))

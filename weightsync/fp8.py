@@ -1,0 +1,68 @@
+"""Block FP8 as the engines' FP8 checkpoints hold it (DeepSeek-V3's format, which vLLM's and
+SGLang's block-FP8 linear layers load): e4m3 values and, per 128 x 128 block, the float32
+factor that turns them back (``weight_scale_inv``). Pure tensor code, any device; the sender
+side of issue 36 (trainer-side FP8) quantizes with it.
+
+It matches the engines' reference quantizer bit for bit (vLLM's
+``vllm.utils.deep_gemm.per_block_cast_to_fp8``, SGLang's of the same name with UE8M0 scales):
+block amax in float32 clamped to 1e-4, divided by e4m3's largest value (448), optionally
+rounded up to a power of two (UE8M0, what DeepGEMM wants), and each block multiplied by the
+reciprocal of its scale before the cast, as they do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max
+BLOCK = (128, 128)
+AMAX_FLOOR = 1e-4
+"""A block of zeros still gets a finite scale."""
+
+
+def quantize_block_fp8(
+    weight: torch.Tensor, block: tuple[int, int] = BLOCK, *, ue8m0: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` (2-D, any float dtype) as e4m3 values of its shape and the float32
+    ``weight_scale_inv`` of shape ``(ceil(rows / block[0]), ceil(cols / block[1]))``: value
+    times its block's scale gives back the weight, to e4m3's precision.
+
+    Raises:
+        ValueError: ``weight`` is not 2-D or not floating point.
+    """
+    if weight.dim() != 2 or not weight.is_floating_point():
+        raise ValueError(
+            f"block FP8 quantizes 2-D float weights, not {tuple(weight.shape)} {weight.dtype}"
+        )
+    rows, cols = weight.shape
+    bm, bn = block
+    padded = weight.new_zeros((-(-rows // bm) * bm, -(-cols // bn) * bn))
+    padded[:rows, :cols] = weight
+    blocks = padded.view(-1, bm, padded.size(1) // bn, bn)
+    amax = blocks.abs().float().amax(dim=(1, 3), keepdim=True).clamp(AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    if ue8m0:
+        scale = _ceil_to_power_of_two(scale)
+    values = (blocks * (1.0 / scale)).to(FP8)
+    return values.view_as(padded)[:rows, :cols].contiguous(), scale.view(
+        blocks.size(0), blocks.size(2)
+    )
+
+
+def dequantize_block_fp8(
+    values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = BLOCK
+) -> torch.Tensor:
+    """The float32 weight ``values`` and their block scales stand for."""
+    rows, cols = values.shape
+    scales = scale_inv.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return values.float() * scales[:rows, :cols]
+
+
+def _ceil_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
+    """Each positive float32 rounded up to a power of two, by its bits (as DeepGEMM does: a
+    nonzero mantissa bumps the exponent, kept within the normal range)."""
+    bits = scale.abs().float().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    exponent = (exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)).clamp(1, 254)
+    return (exponent << 23).view(torch.float32)
