@@ -9,6 +9,8 @@ from weightsync import limits
 from weightsync.errors import ConfigError
 from weightsync.v1 import weightsync_pb2 as pb
 
+RECEIVER_TRANSPORTS = ("shm", "cuda_ipc")
+"""The staging transports a receiver may name in ``ReceiverHello.transports``."""
 _PUBLISHER_DEVICES = "'cpu' or 'cuda:N' (where this rank's tensors live)"
 
 
@@ -56,6 +58,12 @@ def check_receiver_hello(hello: pb.ReceiverHello) -> None:
     """ConfigError naming the field of a receiver hello that cannot be right. The device is
     the receiver's own (its numbering, maybe another host): only its form is checked."""
     limits.check_receiver_hello(hello)
+    for i, name in enumerate(hello.transports):
+        if name not in RECEIVER_TRANSPORTS:
+            raise ConfigError(
+                f"ReceiverHello.transports[{i}] {name!r} is not a transport; known: "
+                f"{', '.join(RECEIVER_TRANSPORTS)} (or send none: any)"
+            )
     if hello.device:
         _parse_device(hello.device, "ReceiverHello.device", "'cpu', 'cuda:N', or empty")
 

@@ -188,8 +188,9 @@ def test_error_statuses(clients, sender):
         assert got["code"] == code, f"{case}: {got}"
         assert got["details"].startswith(prefix), f"{case}: {got}"
 
-    check("receive_without_hello", "FAILED_PRECONDITION", "expected a hello message first")
-    check("publish_without_hello", "FAILED_PRECONDITION", "expected a hello message first")
+    first = "ProtocolError: expected a hello message first, got a message of kind"
+    check("receive_without_hello", "FAILED_PRECONDITION", f"{first} 'ack'")
+    check("publish_without_hello", "FAILED_PRECONDITION", f"{first} 'begin'")
     check("replaced_receiver_id", "ALREADY_EXISTS", "ReplacedError: receiver id 'conformance-dup-")
     # No receiver: the publisher packs the one bucket when asked, and the version is staged.
     assert cases["publish_ok"] == {

@@ -17,6 +17,7 @@ import torch
 from tests.support import TinyNet, digests, sync_in_thread
 from tests.support.raw_streams import (
     MemoryConnection,
+    RawStream,
     assert_no_threads_left,
     assert_nothing_joining,
     begin,
@@ -566,3 +567,58 @@ def test_two_live_receivers_of_one_id_do_not_flap(sender):
     assert connected == ["engine-0"]
     first.close()
     second.close()
+
+
+@pytest.mark.parametrize(
+    ("call", "first", "code", "details"),
+    [
+        (
+            "Publish",
+            pb.PublisherMessage(),
+            INVALID,
+            "ConfigError: expected a hello message first, got a PublisherMessage with no kind "
+            "set; send the hello first",
+        ),
+        (
+            "Receive",
+            pb.ReceiverMessage(),
+            INVALID,
+            "ConfigError: expected a hello message first, got a ReceiverMessage with no kind "
+            "set; send the hello first",
+        ),
+        (
+            "Publish",
+            begin(1),
+            PRECONDITION,
+            "ProtocolError: expected a hello message first, got a message of kind 'begin'; "
+            "send the hello first",
+        ),
+        (
+            "Receive",
+            pb.ReceiverMessage(ack=pb.BucketAck(version=1)),
+            PRECONDITION,
+            "ProtocolError: expected a hello message first, got a message of kind 'ack'; send "
+            "the hello first",
+        ),
+    ],
+)
+def test_a_first_message_that_is_no_hello_is_refused_by_name(sender, call, first, code, details):
+    """Issue 35 item 1: a first message with no kind was FAILED_PRECONDITION "expected a hello
+    message first, got None" (Python's None, no error name): it is INVALID_ARGUMENT like a
+    kindless message after the hello, and every refusal names its error."""
+    raw = RawStream(sender.address, call, first)
+    assert raw.outcome() == ([], code, details)
+    raw.close()
+
+
+def test_a_receiver_hello_naming_an_unknown_transport_ends_the_stream(sender):
+    """Issue 35 item 8: ``ReceiverHello.transports`` naming no transport is refused."""
+    raw = raw_receiver(sender.address, transports=["shm", "rdma"])
+    assert raw.outcome() == (
+        [],
+        INVALID,
+        "ConfigError: ReceiverHello.transports[1] 'rdma' is not a transport; known: shm, "
+        "cuda_ipc (or send none: any)",
+    )
+    raw.close()
+    assert status_within(sender.address).receivers == []

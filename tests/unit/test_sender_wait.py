@@ -101,3 +101,20 @@ def test_good_hellos_pass():
         check_receiver_hello(pb.ReceiverHello(device=device))
     with pytest.raises(ConfigError, match="ReceiverHello.device 'gpu0' is not a device"):
         check_receiver_hello(pb.ReceiverHello(device="gpu0"))
+
+
+def test_a_receiver_hello_naming_an_unknown_transport_is_refused():
+    """Issue 35 item 8: a transport name no sender knows was taken silently (the receiver then
+    failed every version with a TransportError); it is refused, the known ones named."""
+    from weightsync.sender.hellos import RECEIVER_TRANSPORTS
+    from weightsync.transports import _CLASSES
+
+    assert set(RECEIVER_TRANSPORTS) == set(_CLASSES)
+    check_receiver_hello(pb.ReceiverHello(transports=["shm", "cuda_ipc"]))
+    check_receiver_hello(pb.ReceiverHello(transports=[]))
+    with pytest.raises(ConfigError) as e:
+        check_receiver_hello(pb.ReceiverHello(transports=["shm", "rdma"]))
+    assert str(e.value) == (
+        "ReceiverHello.transports[1] 'rdma' is not a transport; known: shm, cuda_ipc "
+        "(or send none: any)"
+    )
