@@ -79,36 +79,9 @@ def _first(requests: Iterator, kind: str, context: grpc.ServicerContext, timeout
     return getattr(msg, kind)
 
 
-_READ_AHEAD = 256
-"""A receiver's messages taken off its stream and not yet handled, at most."""
 _GONE_GRACE_S = 1.0
-"""How long a receiver's messages are still awaited once its call ended (the last ones
-arrive through its reader: a lane's, or gRPC's already received)."""
-_WAKE = object()
-
-
-def _read_ahead(requests: Iterator, inbox: queue.Queue, done: threading.Event) -> None:
-    """Take a receiver's messages off its stream as they arrive, into ``inbox``, then None
-    (the stream ended) or the error that ended it. gRPC drops a message it received but was
-    not yet asked for when the client cancels the call: a receiver that sends ``applied`` and
-    closes at once while the previous message is still handled would lose it."""
-
-    def put(item) -> bool:
-        while not done.is_set():
-            try:
-                inbox.put(item, timeout=0.5)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    try:
-        for msg in requests:
-            if not put(msg):
-                return  # its consumer ended (a message refused)
-        put(None)
-    except Exception as e:  # noqa: BLE001 - raised again on the consumer's thread
-        put(e)
+"""How long after a receiver's call ended its reader has to hand over the message it took
+off the stream before the receiver is ended in the registry without it."""
 
 
 def _abort(context: grpc.ServicerContext, error: WeightSyncError):
@@ -315,27 +288,24 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             conn = self._co.add_receiver(hello)
         except WeightSyncError as e:
             _abort(context, e)
-        inbox: queue.Queue = queue.Queue(maxsize=_READ_AHEAD)
-        gone, done = threading.Event(), threading.Event()
-
-        def rpc_over() -> None:
-            gone.set()
-            try:
-                inbox.put_nowait(_WAKE)
-            except queue.Full:
-                pass  # the consumer is busy with the messages queued: it sees `gone` after
-
-        context.add_callback(rpc_over)
+        context.add_callback(lambda: self._gone_later(conn))
         out = _Outgoing(self._lanes, hello.lanes, conn.outbox, conn)
         requests = out.incoming(request_iterator, pb.ReceiverMessage)
-        threading.Thread(target=_read_ahead, args=(requests, inbox, done), daemon=True).start()
-        threading.Thread(
-            target=self._consume_receiver, args=(conn, inbox, gone, done), daemon=True
-        ).start()
+        threading.Thread(target=self._consume_receiver, args=(conn, requests), daemon=True).start()
         welcome = pb.ReceiverWelcome(receiver_id=conn.receiver_id, keeps_same=True, lane=out.offer)
         yield from out.deliver(
             self._announcements(conn, welcome, context), pb.Announcement(lane=pb.LaneSwitch())
         )
+
+    def _gone_later(self, conn: ReceiverConn) -> None:
+        """The receiver's call ended. Its reader ends it in the registry once it handled the
+        message it had taken off the stream (a receiver that sent ``applied`` and cancelled
+        its call at once is applied, not failed by its leaving); failing it here first lost
+        that message. A reader that does not end (stuck on a lane whose peer is stopped) is
+        overtaken after :data:`_GONE_GRACE_S`."""
+        timer = threading.Timer(_GONE_GRACE_S, self._co.receiver_gone, (conn, "disconnected"))
+        timer.daemon = True
+        timer.start()
 
     @staticmethod
     def _announcements(conn: ReceiverConn, welcome: pb.ReceiverWelcome, context) -> Iterator:
@@ -354,44 +324,23 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             elif isinstance(end, WeightSyncError):
                 _abort(context, end)
 
-    def _consume_receiver(
-        self,
-        conn: ReceiverConn,
-        inbox: queue.Queue,
-        gone: threading.Event,
-        done: threading.Event,
-    ) -> None:
-        """Handle a receiver's messages as :func:`_read_ahead` queues them; a message refused
-        ends the stream with the error (the receiver fails in its versions at once rather than
-        at the ack timeout of each). Once the call is over (``gone``), the messages that came
-        before its end are still handled: a receiver that sent ``applied`` and closed at once
-        is applied, not failed by its leaving."""
+    def _consume_receiver(self, conn: ReceiverConn, requests) -> None:
+        """Read a receiver's stream; a message refused ends it with the error (the receiver
+        fails in its versions at once rather than at the ack timeout of each)."""
         why = "closed its stream"
         try:
-            while True:
-                try:
-                    item = inbox.get(timeout=_GONE_GRACE_S if gone.is_set() else None)
-                except queue.Empty:
-                    why = "disconnected"  # the call ended; its reader is stuck (a lane)
-                    break
-                if item is _WAKE:
-                    continue
-                if item is None:
-                    break
-                if isinstance(item, BaseException):
-                    raise item
-                check_receiver_message(item)
-                self._co.on_receiver_message(conn, item)
+            for msg in requests:
+                check_receiver_message(msg)
+                self._co.on_receiver_message(conn, msg)
         except WeightSyncError as e:
             why = f"refused: {e}"
             conn.outbox.put(e)
         except grpc.RpcError:
-            why = "its stream broke"
+            why = "disconnected"  # its call was cancelled or broke
         except Exception as e:
             why = f"the sender failed on its message: {type(e).__name__}: {e}"
             log.exception("receiver %s: stream failed", conn.receiver_id)
         finally:
-            done.set()
             self._co.receiver_gone(conn, why)
 
     def Status(self, request, context):
