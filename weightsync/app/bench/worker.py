@@ -168,9 +168,9 @@ def _run_case(conn: Connection, cmd, target: EngineLikeTarget, shards) -> CaseRe
             from weightsync.receiver.core import ReceiverCore
 
             try:
-                core = ReceiverCore(
-                    target, cmd.address, engine="bench", transports=(cmd.transport,)
-                )
+                # A broadcast ("nccl") receiver maps no staging buffer: it names none.
+                staging = () if cmd.transport == "nccl" else (cmd.transport,)
+                core = ReceiverCore(target, cmd.address, engine="bench", transports=staging)
             except Exception:
                 conn.send("failed")  # the trainer waits for a word before publishing
                 raise
