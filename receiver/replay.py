@@ -132,6 +132,7 @@ class ReplayPlan:
         self._live = {name: live[name] for name in used}
         self._prints = {name: _fingerprint(t) for name, t in self._live.items()}
         self._batches = Batches()
+        self._reads_of: dict[str, list | None] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.placements
@@ -169,11 +170,16 @@ class ReplayPlan:
                 ("pieces", key) if key is not None else None,
                 lambda: CopyBatch.of(self._piece_copies(mine), reused=key is not None),
             )
-        return [p for p in pieces if not any(p is m for m in mine)]
+        taken = {id(p) for p in mine}
+        return [p for p in pieces if id(p) not in taken]
 
     def _reads(self, piece: TensorBox) -> list | None:
-        reads = [p.read_dims(piece.shape) for p in self.placements[piece.name] if not p.zero]
-        return None if any(r is None for r in reads) else reads
+        """What each of the name's placements reads (:meth:`Placement.read_dims`), worked out
+        once per name (its tensor's shape is the baked manifest's): None if one is no box."""
+        if piece.name not in self._reads_of:
+            reads = [p.read_dims(piece.shape) for p in self.placements[piece.name] if not p.zero]
+            self._reads_of[piece.name] = None if None in reads else reads
+        return self._reads_of[piece.name]
 
     def _piece_copies(self, pieces: Sequence[TensorBox]) -> list[Pair]:
         pairs, zeroed = [], set()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -189,8 +190,6 @@ def _bucket_views(specs: list[TensorSpec], device: torch.device) -> dict[str, to
 
 def _median(step: Callable[[], object], versions: int, device: torch.device) -> float:
     """Median seconds of ``step`` over ``versions`` runs after one warm-up (device-synced)."""
-    import time
-
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *_: None)
     step()
     sync(device)
