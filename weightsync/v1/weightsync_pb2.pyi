@@ -267,7 +267,7 @@ class LaneSwitch(_message.Message):
     def __init__(self) -> None: ...
 
 class ReceiverHello(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys", "batches", "manifest_keys", "lanes")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys", "batches", "manifest_keys", "lanes", "exports")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -281,6 +281,7 @@ class ReceiverHello(_message.Message):
     BATCHES_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_KEYS_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
+    EXPORTS_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -294,7 +295,8 @@ class ReceiverHello(_message.Message):
     batches: bool
     manifest_keys: bool
     lanes: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ..., batches: _Optional[bool] = ..., manifest_keys: _Optional[bool] = ..., lanes: _Optional[bool] = ...) -> None: ...
+    exports: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ..., batches: _Optional[bool] = ..., manifest_keys: _Optional[bool] = ..., lanes: _Optional[bool] = ..., exports: _Optional[bool] = ...) -> None: ...
 
 class TensorBox(_message.Message):
     __slots__ = ("name", "start", "size")
@@ -345,18 +347,32 @@ class VersionApplied(_message.Message):
     def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReceiverMessage(_message.Message):
-    __slots__ = ("hello", "verdict", "ack", "applied", "lane")
+    __slots__ = ("hello", "verdict", "ack", "applied", "lane", "exported")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    EXPORTED_FIELD_NUMBER: _ClassVar[int]
     hello: ReceiverHello
     verdict: ManifestVerdict
     ack: BucketAck
     applied: VersionApplied
     lane: LaneSwitch
-    def __init__(self, hello: _Optional[_Union[ReceiverHello, _Mapping]] = ..., verdict: _Optional[_Union[ManifestVerdict, _Mapping]] = ..., ack: _Optional[_Union[BucketAck, _Mapping]] = ..., applied: _Optional[_Union[VersionApplied, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ...) -> None: ...
+    exported: BucketExported
+    def __init__(self, hello: _Optional[_Union[ReceiverHello, _Mapping]] = ..., verdict: _Optional[_Union[ManifestVerdict, _Mapping]] = ..., ack: _Optional[_Union[BucketAck, _Mapping]] = ..., applied: _Optional[_Union[VersionApplied, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ..., exported: _Optional[_Union[BucketExported, _Mapping]] = ...) -> None: ...
+
+class BucketExported(_message.Message):
+    __slots__ = ("version", "index", "ok", "error")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    OK_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    index: int
+    ok: bool
+    error: ErrorDetail
+    def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReceiverWelcome(_message.Message):
     __slots__ = ("receiver_id", "keeps_same", "lane")
@@ -433,7 +449,7 @@ class VersionAbort(_message.Message):
     def __init__(self, version: _Optional[int] = ..., reason: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class Announcement(_message.Message):
-    __slots__ = ("welcome", "start", "bucket", "end", "abort", "join", "batch", "lane")
+    __slots__ = ("welcome", "start", "bucket", "end", "abort", "join", "batch", "lane", "export")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
@@ -442,6 +458,7 @@ class Announcement(_message.Message):
     JOIN_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    EXPORT_FIELD_NUMBER: _ClassVar[int]
     welcome: ReceiverWelcome
     start: VersionStart
     bucket: BucketAnnouncement
@@ -450,7 +467,8 @@ class Announcement(_message.Message):
     join: GroupJoin
     batch: AnnouncementBatch
     lane: LaneSwitch
-    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ..., join: _Optional[_Union[GroupJoin, _Mapping]] = ..., batch: _Optional[_Union[AnnouncementBatch, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ...) -> None: ...
+    export: PackBucket
+    def __init__(self, welcome: _Optional[_Union[ReceiverWelcome, _Mapping]] = ..., start: _Optional[_Union[VersionStart, _Mapping]] = ..., bucket: _Optional[_Union[BucketAnnouncement, _Mapping]] = ..., end: _Optional[_Union[VersionEnd, _Mapping]] = ..., abort: _Optional[_Union[VersionAbort, _Mapping]] = ..., join: _Optional[_Union[GroupJoin, _Mapping]] = ..., batch: _Optional[_Union[AnnouncementBatch, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ..., export: _Optional[_Union[PackBucket, _Mapping]] = ...) -> None: ...
 
 class AnnouncementBatch(_message.Message):
     __slots__ = ("items",)
@@ -477,7 +495,7 @@ class PublisherStatus(_message.Message):
     def __init__(self, publisher_id: _Optional[str] = ..., ranks_connected: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., ranks_on_lanes: _Optional[int] = ...) -> None: ...
 
 class ReceiverStatus(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error", "data_path", "kept_bytes", "lane")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "connected", "applied_version", "state", "last_error", "data_path", "kept_bytes", "lane", "catch_up")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +507,7 @@ class ReceiverStatus(_message.Message):
     DATA_PATH_FIELD_NUMBER: _ClassVar[int]
     KEPT_BYTES_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UP_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -500,7 +519,8 @@ class ReceiverStatus(_message.Message):
     data_path: str
     kept_bytes: int
     lane: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., data_path: _Optional[str] = ..., kept_bytes: _Optional[int] = ..., lane: _Optional[bool] = ...) -> None: ...
+    catch_up: str
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., data_path: _Optional[str] = ..., kept_bytes: _Optional[int] = ..., lane: _Optional[bool] = ..., catch_up: _Optional[str] = ...) -> None: ...
 
 class ReceiverOutcome(_message.Message):
     __slots__ = ("receiver_id", "state", "error", "applied_at_unix_s")
@@ -556,7 +576,7 @@ class VersionStatus(_message.Message):
     def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ..., direct_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., sender_packed: _Optional[bool] = ..., route_bytes: _Optional[_Mapping[str, int]] = ..., abandoned: _Optional[_Union[ErrorDetail, _Mapping]] = ..., plan_s: _Optional[float] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("sender_version", "transport", "bucket_size_bytes", "num_buffers", "publishers", "receivers", "versions")
+    __slots__ = ("sender_version", "transport", "bucket_size_bytes", "num_buffers", "publishers", "receivers", "versions", "catch_ups")
     SENDER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -564,6 +584,7 @@ class StatusReply(_message.Message):
     PUBLISHERS_FIELD_NUMBER: _ClassVar[int]
     RECEIVERS_FIELD_NUMBER: _ClassVar[int]
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    CATCH_UPS_FIELD_NUMBER: _ClassVar[int]
     sender_version: str
     transport: str
     bucket_size_bytes: int
@@ -571,7 +592,28 @@ class StatusReply(_message.Message):
     publishers: _containers.RepeatedCompositeFieldContainer[PublisherStatus]
     receivers: _containers.RepeatedCompositeFieldContainer[ReceiverStatus]
     versions: _containers.RepeatedCompositeFieldContainer[VersionStatus]
-    def __init__(self, sender_version: _Optional[str] = ..., transport: _Optional[str] = ..., bucket_size_bytes: _Optional[int] = ..., num_buffers: _Optional[int] = ..., publishers: _Optional[_Iterable[_Union[PublisherStatus, _Mapping]]] = ..., receivers: _Optional[_Iterable[_Union[ReceiverStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionStatus, _Mapping]]] = ...) -> None: ...
+    catch_ups: _containers.RepeatedCompositeFieldContainer[CatchUpStatus]
+    def __init__(self, sender_version: _Optional[str] = ..., transport: _Optional[str] = ..., bucket_size_bytes: _Optional[int] = ..., num_buffers: _Optional[int] = ..., publishers: _Optional[_Iterable[_Union[PublisherStatus, _Mapping]]] = ..., receivers: _Optional[_Iterable[_Union[ReceiverStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionStatus, _Mapping]]] = ..., catch_ups: _Optional[_Iterable[_Union[CatchUpStatus, _Mapping]]] = ...) -> None: ...
+
+class CatchUpStatus(_message.Message):
+    __slots__ = ("receiver_id", "version", "source", "state", "bytes", "started_at_unix_s", "complete_s", "error")
+    RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_S_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    receiver_id: str
+    version: int
+    source: str
+    state: str
+    bytes: int
+    started_at_unix_s: float
+    complete_s: float
+    error: ErrorDetail
+    def __init__(self, receiver_id: _Optional[str] = ..., version: _Optional[int] = ..., source: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class WaitAppliedRequest(_message.Message):
     __slots__ = ("version", "timeout_s")
