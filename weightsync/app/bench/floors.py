@@ -2,9 +2,10 @@
 
 - ``d2d copy``: one device-to-device copy of every tensor into a preallocated twin, in one
   process (colocated floor; CUDA events; on CPU a memcpy timed with ``perf_counter``).
-- ``broadcast``: one broadcast of all bytes as one buffer between two processes on two GPUs
-  (cross-GPU floor), over a private ``torch.distributed`` group on its own file store; gloo
-  on CPU (exercises the code; not a floor for anything).
+- ``broadcast``: one broadcast of all bytes as one buffer from GPU 0 to the other processes,
+  one per GPU (two by default: the cross-GPU floor; N for the fan-out case), over a private
+  ``torch.distributed`` group on its own file store; gloo on CPU (exercises the code; not a
+  floor for anything).
 """
 
 from __future__ import annotations
@@ -45,19 +46,21 @@ def d2d_copy(src: list[torch.Tensor], dst: list[torch.Tensor], reps: int) -> lis
     return out
 
 
-def _broadcast_rank(rank: int, store_path: str, nbytes: int, reps: int, out: mp.Queue) -> None:
+def _broadcast_rank(
+    rank: int, world: int, store_path: str, nbytes: int, reps: int, out: mp.Queue
+) -> None:
     import torch.distributed as dist
 
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() > 1
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= max(world, 2)
     device = torch.device(f"cuda:{rank}" if cuda else "cpu")
     if cuda:
         torch.cuda.set_device(device)
-    store = dist.FileStore(store_path, 2)
+    store = dist.FileStore(store_path, world)
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         store=store,
         rank=rank,
-        world_size=2,
+        world_size=world,
         timeout=timedelta(seconds=120),
     )
     try:
@@ -80,16 +83,21 @@ def _broadcast_rank(rank: int, store_path: str, nbytes: int, reps: int, out: mp.
         dist.destroy_process_group()
 
 
-def broadcast(nbytes: int, reps: int, timeout_s: float = 300.0) -> tuple[list[float], str]:
-    """Seconds of each of ``reps`` broadcasts of ``nbytes`` from process 0 to process 1 (the
-    slower rank's time per repetition), and the backend used ("nccl" or "gloo")."""
+def broadcast(
+    nbytes: int, reps: int, timeout_s: float = 300.0, ranks: int = 2
+) -> tuple[list[float], str]:
+    """Seconds of each of ``reps`` broadcasts of ``nbytes`` from process 0 (GPU 0) to the
+    other ``ranks`` - 1 processes, one per GPU (the slowest rank's time per repetition), and
+    the backend used ("nccl" or "gloo")."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="ws-bench-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_broadcast_rank, args=(r, store, nbytes, reps, out), daemon=True)
-            for r in range(2)
+            ctx.Process(
+                target=_broadcast_rank, args=(r, ranks, store, nbytes, reps, out), daemon=True
+            )
+            for r in range(ranks)
         ]
         for p in procs:
             p.start()
@@ -100,7 +108,7 @@ def broadcast(nbytes: int, reps: int, timeout_s: float = 300.0) -> tuple[list[fl
                 results[rank] = times
         except queue.Empty as e:
             raise SyncTimeoutError(
-                f"broadcast floor: the two processes reported nothing within {timeout_s:.0f} s "
+                f"broadcast floor: the {ranks} processes reported nothing within {timeout_s:.0f} s "
                 f"(exit codes {[p.exitcode for p in procs]})"
             ) from e
         finally:
@@ -108,5 +116,5 @@ def broadcast(nbytes: int, reps: int, timeout_s: float = 300.0) -> tuple[list[fl
                 p.join(30)
                 if p.is_alive():
                     p.terminate()
-    per_rep = [max(a, b) for a, b in zip(results[0], results[1], strict=True)]
+    per_rep = [max(times) for times in zip(*(results[r] for r in range(ranks)), strict=True)]
     return per_rep, "nccl" if kind == "cuda" else "gloo"

@@ -1,0 +1,331 @@
+"""The NCCL fan-out case of ``weightsync bench --fanout N`` (issue 32): one trainer GPU, a
+receiver on every GPU.
+
+The trainer (this process) holds the whole model on GPU 0 (TP=1, HF tensors as views of one
+flat buffer) and publishes to a ``Sender(transport="nccl")`` embedded here, with
+``publish(wait=True)``; a ``TorchReceiver`` process on each of GPUs 0..N-1 holds a plain
+module of the same tensors. The receiver on GPU 0 maps the staging buffers (NCCL cannot put
+two ranks on one GPU); the others get every bucket by broadcast. The floor, in the same run:
+one NCCL broadcast of the same bytes as one buffer from GPU 0 to GPUs 1..N-1
+(``floors.broadcast``), the slowest rank per repetition.
+
+Timing: the trainer's wall time of each ``publish(wait=True)`` (start -> every receiver
+applied), median over the measured versions. Every version is checked bit for bit on every
+receiver (each fills the expected bytes on its own GPU from the version's seed, as the
+trainer did) before the next is published, so the check is not timed.
+
+Run alone: ``python -m weightsync.app.bench.fanout --gpus 2`` (prints one JSON line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
+from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
+
+FANOUT_FLOOR = "one broadcast"
+"""The fan-out case's floor: one broadcast of the model's bytes from GPU 0 to the others."""
+ALIGN = 256
+
+
+@dataclass(frozen=True)
+class FanoutRun:
+    """One fan-out measurement."""
+
+    receivers: int
+    nbytes: int
+    publish_s: tuple[float, ...]
+    """Each measured version's ``publish(wait=True)`` wall time."""
+    broadcast_s: tuple[float, ...]
+    """Each repetition of one broadcast of ``nbytes`` from GPU 0 to GPUs 1..N-1 (empty when
+    not measured)."""
+    bit_exact: bool
+    complete_s: tuple[float, ...] = ()
+    """The sender's ``complete_s`` of each measured version."""
+    route_bytes: dict[str, int] | None = None
+    """The last version's bytes by route, all receivers together."""
+
+    @property
+    def seconds(self) -> float:
+        return statistics.median(self.publish_s)
+
+    @property
+    def floor_s(self) -> float | None:
+        return statistics.median(self.broadcast_s) if self.broadcast_s else None
+
+    @property
+    def ratio(self) -> float | None:
+        """Median publish over median broadcast (None without a floor)."""
+        floor = self.floor_s
+        return self.seconds / floor if floor else None
+
+    def rows(self) -> list:
+        from weightsync.app.bench.report import FLOOR, WEIGHTSYNC, Row
+
+        placement = fanout_placement(self.receivers)
+        routes = ", ".join(
+            f"{k} {n / 1e9:.1f} GB" for k, n in (self.route_bytes or {}).items() if n
+        )
+        rows = []
+        if self.broadcast_s:
+            rows.append(
+                Row(
+                    FLOOR,
+                    FANOUT_FLOOR,
+                    "nccl",
+                    "one buffer",
+                    placement,
+                    self.nbytes,
+                    self.broadcast_s,
+                )
+            )
+        rows.append(
+            Row(
+                WEIGHTSYNC,
+                "nccl fan-out",
+                "nccl",
+                "TP=1",
+                placement,
+                self.nbytes,
+                self.publish_s,
+                bit_exact=self.bit_exact,
+                note=f"routes: {routes}" if routes else "",
+                failed=not self.bit_exact,
+            )
+        )
+        return rows
+
+
+def fanout_placement(receivers: int) -> str:
+    """The receivers' placement in the report: one per GPU, the trainer on GPU 0."""
+    return f"fan-out: GPU 0 -> {receivers} GPUs"
+
+
+def _offsets(specs) -> tuple[list[int], int]:
+    """Each tensor's byte offset in the flat buffer (aligned), and the buffer's size."""
+    offsets, at = [], 0
+    for spec in specs:
+        offsets.append(at)
+        at += -(-spec.nbytes // ALIGN) * ALIGN
+    return offsets, at
+
+
+def _views(flat: torch.Tensor, specs, offsets: Sequence[int]) -> dict[str, torch.Tensor]:
+    return {
+        s.name: flat[o : o + s.nbytes].view(s.torch_dtype).view(s.shape)
+        for s, o in zip(specs, offsets, strict=True)
+    }
+
+
+def _fill(flat: torch.Tensor, version: int) -> None:
+    """Random bytes, the same for the same version on any GPU of one kind."""
+    g = torch.Generator(flat.device).manual_seed(version)
+    flat.random_(0, 256, generator=g)
+
+
+def _module(specs, device: torch.device) -> torch.nn.Module:
+    """A plain module whose ``state_dict`` names are the HF names."""
+    root = torch.nn.Module()
+    for spec in specs:
+        *path, leaf = spec.name.split(".")
+        mod = root
+        for part in path:
+            if not hasattr(mod, part):
+                mod.add_module(part, torch.nn.Module())
+            mod = getattr(mod, part)
+        data = torch.empty(spec.shape, dtype=spec.torch_dtype, device=device)
+        mod.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
+    return root
+
+
+def _receiver(shape: ModelShape, rank: int, address: str, versions: int, timeout_s, out) -> None:
+    from weightsync.receiver.torch_receiver import TorchReceiver
+
+    device = torch.device("cuda", rank)
+    torch.cuda.set_device(device)
+    specs = hf_specs(shape)
+    model = _module(specs, device)
+    live = dict(model.state_dict())
+    offsets, total = _offsets(specs)
+    expected = torch.empty(total, dtype=torch.uint8, device=device)
+    want = _views(expected, specs, offsets)
+    receiver = TorchReceiver(model, address, receiver_id=f"fan{rank}")
+    out.put(("ready", rank))
+    try:
+        for _ in range(versions):
+            version = receiver.sync(timeout=timeout_s)
+            _fill(expected, version)
+            wrong = [
+                n
+                for n, t in want.items()
+                if not torch.equal(
+                    live[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                )
+            ]
+            why = (
+                f"version {version}: {len(wrong)} tensor(s) differ, first {wrong[:3]}"
+                if wrong
+                else ""
+            )
+            out.put(("applied", rank, why))
+    finally:
+        receiver.close()
+
+
+def _child(what: str, body, *args) -> None:
+    try:
+        body(*args)
+    except BaseException as e:
+        args[-1].put(("failed", what, f"{type(e).__name__}: {e}"))
+        raise
+
+
+def _expect(out, kind: str, n: int, timeout_s: float) -> list[tuple]:
+    got = []
+    while len(got) < n:
+        try:
+            item = out.get(timeout=timeout_s)
+        except queue.Empty:
+            raise SyncTimeoutError(
+                f"fan-out bench: {len(got)} of {n} '{kind}' reports within {timeout_s:g} s"
+            ) from None
+        if item[0] == "failed":
+            raise WeightSyncError(f"fan-out bench: the {item[1]} failed: {item[2]}")
+        if item[0] != kind:
+            raise RuntimeError(f"fan-out bench: unexpected report {item[:2]!r}")
+        got.append(item)
+    return got
+
+
+def measure_fanout(
+    shape: ModelShape,
+    gpus: int,
+    versions: int,
+    warmup: int,
+    timeout_s: float,
+    bucket_size_bytes: int | None = None,
+    floor_reps: int | None = None,
+) -> FanoutRun:
+    """Publish ``warmup`` + ``versions`` versions from GPU 0 to a receiver on each of GPUs
+    0..``gpus``-1 over ``Sender(transport="nccl")``; first the floor, ``floor_reps``
+    broadcasts (default ``versions``; 0: none) of the same bytes from GPU 0 to the others.
+
+    Raises:
+        ConfigError: fewer than 2 GPUs asked for, or more than the machine has.
+    """
+    from weightsync.app.bench.floors import broadcast
+    from weightsync.sender import Publisher, Sender
+
+    if not 2 <= gpus <= torch.cuda.device_count():
+        raise ConfigError(
+            f"--fanout {gpus}: needs 2 or more GPUs, this machine has {torch.cuda.device_count()}"
+        )
+    specs = hf_specs(shape)
+    nbytes = sum(s.nbytes for s in specs)
+    reps = versions if floor_reps is None else floor_reps
+    floor = tuple(broadcast(nbytes, reps, timeout_s, ranks=gpus)[0]) if reps else ()
+    device = torch.device("cuda", 0)
+    offsets, total = _offsets(specs)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    views = _views(flat, specs, offsets)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    sock_dir = tempfile.mkdtemp(prefix="ws-fanout-", dir="/tmp")
+    procs: list = []
+    settings = {} if bucket_size_bytes is None else {"bucket_size_bytes": bucket_size_bytes}
+    samples, statuses, wrong = [], [], []
+    try:
+        with Sender(
+            f"unix:{sock_dir}/s.sock", transport="nccl", ack_timeout_s=timeout_s, **settings
+        ) as sender:
+            for r in range(gpus):
+                args = (shape, r, sender.address, warmup + versions, timeout_s, out)
+                procs.append(
+                    ctx.Process(target=_child, args=(f"receiver on GPU {r}", _receiver, *args))
+                )
+                procs[-1].start()
+            _expect(out, "ready", gpus, timeout_s)
+            with Publisher(sender.address) as publisher:
+                for version in range(1, warmup + versions + 1):
+                    _fill(flat, version)
+                    torch.cuda.synchronize(device)
+                    start = time.perf_counter()
+                    result = publisher.publish(views, version, wait=True, timeout_s=timeout_s)
+                    samples.append(time.perf_counter() - start)
+                    statuses.append(result.status)
+                    wrong += [why for _, _, why in _expect(out, "applied", gpus, timeout_s) if why]
+            for p in procs:
+                p.join(60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    for line in wrong:
+        print(f"fan-out bench: NOT bit-exact: {line}", flush=True)
+    last = statuses[-1]
+    return FanoutRun(
+        gpus,
+        nbytes,
+        tuple(samples[warmup:]),
+        floor,
+        not wrong,
+        tuple(s.complete_s for s in statuses[warmup:] if s is not None),
+        dict(last.route_bytes) if last is not None and hasattr(last, "route_bytes") else None,
+    )
+
+
+def summary(run: FanoutRun) -> str:
+    """One line: the fan-out's timing against one broadcast."""
+    floor = run.floor_s
+    against = (
+        f"; one broadcast of the same bytes {floor * 1e3:.1f} ms: {run.ratio:.2f}x" if floor else ""
+    )
+    return (
+        f"nccl fan-out GPU 0 -> {run.receivers} GPUs, {run.nbytes / 1e9:.2f} GB: publish "
+        f"{run.seconds * 1e3:.1f} ms (median of {len(run.publish_s)}){against}, bit-exact "
+        f"{run.bit_exact}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--versions", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--floor-reps", type=int, default=None)
+    p.add_argument("--bucket-size-mb", type=int, default=None)
+    p.add_argument("--timeout-s", type=float, default=120.0)
+    args = p.parse_args(argv)
+    bucket = args.bucket_size_mb * 1024 * 1024 if args.bucket_size_mb else None
+    run = measure_fanout(
+        model_shape(args.model, args.layers),
+        args.gpus,
+        args.versions,
+        args.warmup,
+        args.timeout_s,
+        bucket,
+        args.floor_reps,
+    )
+    print(summary(run), flush=True)
+    print(json.dumps({**asdict(run), "seconds": run.seconds, "ratio": run.ratio}), flush=True)
+    return 0 if run.bit_exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
