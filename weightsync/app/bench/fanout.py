@@ -218,10 +218,14 @@ def measure_fanout(
     timeout_s: float,
     bucket_size_bytes: int | None = None,
     floor_reps: int | None = None,
+    flat: bool = False,
+    **sender_settings,
 ) -> FanoutRun:
     """Publish ``warmup`` + ``versions`` versions from GPU 0 to a receiver on each of GPUs
     0..``gpus``-1 over ``Sender(transport="nccl")``; first the floor, ``floor_reps``
     broadcasts (default ``versions``; 0: none) of the same bytes from GPU 0 to the others.
+    The trainer's tensors are allocated one by one, as a model's parameters are, or (``flat``)
+    as views of one buffer, as Megatron keeps them. ``sender_settings`` go to the sender.
 
     Raises:
         ConfigError: fewer than 2 GPUs asked for, or more than the machine has.
@@ -239,13 +243,17 @@ def measure_fanout(
     floor = tuple(broadcast(nbytes, reps, timeout_s, ranks=gpus)[0]) if reps else ()
     device = torch.device("cuda", 0)
     offsets, total = _offsets(specs)
-    flat = torch.empty(total, dtype=torch.uint8, device=device)
-    views = _views(flat, specs, offsets)
+    buffer = torch.empty(total, dtype=torch.uint8, device=device)
+    views = _views(buffer, specs, offsets)
+    if not flat:  # separate storages, filled from the buffer every version
+        views = {n: torch.empty_like(v) for n, v in views.items()}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     sock_dir = tempfile.mkdtemp(prefix="ws-fanout-", dir="/tmp")
     procs: list = []
-    settings = {} if bucket_size_bytes is None else {"bucket_size_bytes": bucket_size_bytes}
+    settings = dict(sender_settings)
+    if bucket_size_bytes is not None:
+        settings["bucket_size_bytes"] = bucket_size_bytes
     samples, statuses, wrong = [], [], []
     try:
         with Sender(
@@ -260,7 +268,10 @@ def measure_fanout(
             _expect(out, "ready", gpus, timeout_s)
             with Publisher(sender.address) as publisher:
                 for version in range(1, warmup + versions + 1):
-                    _fill(flat, version)
+                    _fill(buffer, version)
+                    if not flat:
+                        for view, o in zip(views.values(), offsets, strict=True):
+                            view.view(-1).view(torch.uint8).copy_(buffer[o : o + view.nbytes])
                     torch.cuda.synchronize(device)
                     start = time.perf_counter()
                     result = publisher.publish(views, version, wait=True, timeout_s=timeout_s)
@@ -311,7 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--floor-reps", type=int, default=None)
     p.add_argument("--bucket-size-mb", type=int, default=None)
     p.add_argument("--timeout-s", type=float, default=120.0)
+    p.add_argument("--flat", action="store_true", help="trainer tensors as views of one buffer")
+    p.add_argument("--num-buffers", type=int, default=None, help="the sender's staging slots")
     args = p.parse_args(argv)
+    extra = {} if args.num_buffers is None else {"num_buffers": args.num_buffers}
     bucket = args.bucket_size_mb * 1024 * 1024 if args.bucket_size_mb else None
     run = measure_fanout(
         model_shape(args.model, args.layers),
@@ -321,6 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.timeout_s,
         bucket,
         args.floor_reps,
+        args.flat,
+        **extra,
     )
     print(summary(run), flush=True)
     print(json.dumps({**asdict(run), "seconds": run.seconds, "ratio": run.ratio}), flush=True)
