@@ -11,11 +11,15 @@ Commands (each prints JSON lines on stdout):
 - ``wait-applied V``: ``WaitApplied(V)``.
 - ``receive``: register, then apply ``--versions`` versions from shm staging buffers,
   verifying every bucket's checksum; prints one ``applied`` line per version with each
-  tensor's bytes; leaves when stdin closes.
+  tensor's bytes; leaves in order (half-close, read each stream to its end) when stdin closes,
+  or at once with ``--leave``, and prints the status each sender ended its stream with.
+  ``--address`` given once per sender registers with several: a version split over them
+  (``Manifest.part``, §4.1) is joined from its parts.
 - ``publish``: publish one version of ``--tensors`` (JSON: name, dtype, shape) with bytes made
   from ``--seed``; ``--mode offer`` places them in a shared-memory buffer of its own and offers
-  it (the sender packs), ``--mode pack`` packs each bucket into the sender's staging buffer
-  when asked.
+  it (the sender packs, or asks for ``pack`` where it cannot), ``--mode pack`` packs each
+  bucket into the sender's staging buffer when asked. ``--plan`` (every part's tensors) with
+  ``--part I --sender-id S`` publishes part ``I`` of a split version instead.
 - ``errors``: provoke the protocol's error statuses and report the codes and details.
 """
 
@@ -39,6 +43,7 @@ class _Forbidden(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _Forbidden())
 
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import mmap  # noqa: E402
@@ -150,22 +155,32 @@ class ShmMaps:
 
 
 class Version:
-    def __init__(self, manifest) -> None:
-        self.number = manifest.version
-        self.specs = {t.name: {"dtype": t.dtype, "shape": list(t.shape)} for t in manifest.tensors}
+    """One version being applied: the union of its parts' tensors (one part when whole)."""
+
+    def __init__(self, number: int, manifests) -> None:
+        self.number = number
+        self.specs = {
+            t.name: {"dtype": t.dtype, "shape": list(t.shape)} for m in manifests for t in m.tensors
+        }
         self.data = {name: bytearray(nbytes_of(s)) for name, s in self.specs.items()}
         self.filled = dict.fromkeys(self.specs, 0)
-        self.sums: dict[int, int] = {}
+        self.sums: dict[tuple[int, int], int] = {}  # (sender, bucket index) -> checksum
+        self.ends: dict[int, object] = {}  # sender -> VersionEnd
+        self.aborted: dict[int, object] = {}  # sender -> VersionAbort.reason
 
 
-def receive(args) -> int:
-    ch = channel_to(args.address)
-    stub = pb_grpc.WeightSyncStub(ch)
-    requests: queue.Queue = queue.Queue()
-    requests.put(
-        pb.ReceiverMessage(
+class Stream:
+    """One ``Receive`` stream to one sender; its messages go to ``inbox`` from a thread, as
+    ``(sender, "msg", message)`` and, when the sender ends the stream, ``(sender, "closed",
+    status code name, details)``."""
+
+    def __init__(self, index: int, address: str, receiver_id: str, inbox: queue.Queue) -> None:
+        self.index, self.address = index, address
+        self.channel = channel_to(address)
+        self.requests: queue.Queue = queue.Queue()
+        self.send(
             hello=pb.ReceiverHello(
-                receiver_id=args.receiver_id,
+                receiver_id=receiver_id,
                 engine="conformance-python",
                 rank=0,
                 device="cpu",
@@ -173,98 +188,311 @@ def receive(args) -> int:
                 host_id="",  # empty: same host as the sender, map its buffers
             )
         )
-    )
-    stream = stub.Receive(iter(requests.get, None))
-    first = next(stream)
-    assert first.WhichOneof("kind") == "welcome", first
-    rid = first.welcome.receiver_id
-    emit(event="registered", receiver_id=rid)
+        self.call = pb_grpc.WeightSyncStub(self.channel).Receive(iter(self.requests.get, None))
+        first = next(self.call)
+        assert first.WhichOneof("kind") == "welcome", first
+        self.receiver_id = first.welcome.receiver_id
+        threading.Thread(target=self._read, args=(inbox,), daemon=True).start()
 
-    def send(**kind) -> None:
-        requests.put(pb.ReceiverMessage(**kind))
+    def _read(self, inbox: queue.Queue) -> None:
+        try:
+            for msg in self.call:
+                inbox.put((self.index, "msg", msg))
+        except grpc.RpcError as e:
+            inbox.put((self.index, "closed", e.code().name, e.details()))
+        else:
+            inbox.put((self.index, "closed", "OK", ""))
 
-    maps = ShmMaps()
-    current: Version | None = None
-    applied = 0
-    for msg in stream:
-        kind = msg.WhichOneof("kind")
-        if kind == "start":
-            current = Version(msg.start.manifest)
-            unknown = [n for n, s in current.specs.items() if s["dtype"] not in ITEMSIZE]
-            if unknown or args.reject:
-                # Rejected before any write: ignore the rest of this version (no acks).
-                first = (unknown or list(current.specs) or [""])[0]
-                reason = f"unknown dtype of {first!r}" if unknown else "rejected on purpose"
-                error = pb.ErrorDetail(code="NameResolutionError", message=reason, tensor=first)
-                send(
-                    verdict=pb.ManifestVerdict(version=current.number, accepted=False, error=error)
+    def send(self, **kind) -> None:
+        self.requests.put(pb.ReceiverMessage(**kind))
+
+    def half_close(self) -> None:
+        """The orderly leave (docs/protocol.md §4): no more requests; the sender handles what
+        came before and ends the stream ``OK``."""
+        self.requests.put(None)
+
+
+def _plan_error(message: str) -> pb.ErrorDetail:
+    return pb.ErrorDetail(code="PlanError", message=message)
+
+
+class Receiver:
+    """Applies versions from one sender, or versions split over several (``Manifest.part``,
+    docs/protocol.md §4.1): one ``Stream`` per sender."""
+
+    def __init__(self, streams: list[Stream], reject: bool) -> None:
+        self.streams, self.reject = streams, reject
+        self.maps = ShmMaps()
+        self.collecting: int | None = None  # the version whose starts are being collected
+        self.starts: dict[int, object] = {}  # sender -> its Manifest of that version
+        # sender -> its buckets and end of the version being collected, unread and unacked
+        # until every part started and the verdict accepts it (§4.1)
+        self.held: dict[int, list] = {}
+        self.current: Version | None = None
+        self.finished = 0  # versions applied, failed or rejected
+
+    def describe(self, i: int, manifest) -> str:
+        address = self.streams[i].address
+        if not manifest.HasField("part"):
+            return f"the whole version from the sender at {address}"
+        p = manifest.part
+        return f"part {p.index} of {p.count} from sender {p.sender_id} at {address}"
+
+    def refuse(self, i: int, version: int, error: pb.ErrorDetail) -> None:
+        self.streams[i].send(
+            verdict=pb.ManifestVerdict(version=version, accepted=False, error=error)
+        )
+
+    # -- start: collect, check, answer every sender alike --------------------------------
+
+    def on_start(self, i: int, start) -> None:
+        m = start.manifest
+        v = m.version
+        if self.current is not None:
+            what = f"version {v} started while version {self.current.number} is still applied"
+            self.refuse(i, v, pb.ErrorDetail(code="ProtocolError", message=what))
+            return
+        if len(self.streams) == 1:
+            if m.HasField("part"):
+                why = (
+                    f"version {v} is {self.describe(i, m)}, but this receiver is registered "
+                    "with one sender; register it with every sender"
                 )
-                emit(event="rejected", version=current.number, error=to_dict(error))
-                current = None
-                applied += 1
-                if applied >= args.versions:
-                    break
-                continue
-            send(verdict=pb.ManifestVerdict(version=current.number, accepted=True))
-        elif kind == "bucket":
-            b = msg.bucket
-            if current is None or b.version != current.number:
-                continue  # a version this receiver is not applying
-            if b.sources or b.group_id or b.buffer.WhichOneof("kind") != "shm":
-                raise SystemExit(f"bucket {b.layout.index}: only shm staging is implemented")
-            mm = maps.get(b.buffer)
-            data = mm[: b.layout.nbytes]  # copy out before the ack: the slot is then reused
-            current.sums[b.layout.index] = checksum(data, b.layout.nbytes)
-            for e in b.layout.entries:
-                name = e.tensor.name
-                piece = data[e.offset : e.offset + e.nbytes]
-                current.data[name][e.tensor_offset : e.tensor_offset + e.nbytes] = piece
-                current.filled[name] += e.nbytes
-            send(ack=pb.BucketAck(version=b.version, index=b.layout.index, ok=True))
-        elif kind == "end":
-            end = msg.end
-            if current is None or end.version != current.number:
-                continue
-            error = None
-            if end.checksum_algorithm != CHECKSUM_ALGORITHM:
-                error = f"unknown checksum algorithm {end.checksum_algorithm!r}"
-            for index, got in sorted(current.sums.items()):
-                want = end.checksums[index] if index < len(end.checksums) else None
-                if error is None and got != want:
-                    error = f"bucket {index}: checksum {got:#018x}, sender says {want}"
-            short = [n for n, f in current.filled.items() if f != len(current.data[n])]
-            if error is None and short:
-                error = f"tensor {short[0]!r} is incomplete"
-            verdict = pb.VersionApplied(version=current.number, ok=error is None)
-            if error:
-                verdict.error.CopyFrom(pb.ErrorDetail(code="ChecksumError", message=error))
-            send(applied=verdict)
-            emit(
-                event="applied" if error is None else "failed",
-                version=current.number,
-                error=error,
-                buckets=len(current.sums),
-                checksums={str(i): f"{v:#018x}" for i, v in current.sums.items()},
-                tensors={
-                    n: {**current.specs[n], "hex": bytes(current.data[n]).hex()}
-                    for n in current.specs
-                },
+                self.answer(v, {i: m}, _plan_error(why))
+            else:
+                self.answer(v, {i: m}, None)
+            return
+        if self.collecting is None or v > self.collecting:
+            for j, old in self.starts.items():  # superseded: refused
+                msg = f"version {old.version} is superseded by version {v}"
+                self.refuse(j, old.version, _plan_error(msg))
+            self.collecting, self.starts, self.held = v, {}, {}
+        elif v < self.collecting:
+            msg = f"version {v} is older than version {self.collecting}, being collected"
+            self.refuse(i, v, _plan_error(msg))
+            return
+        if i in self.starts:
+            self.refuse(i, v, _plan_error(f"version {v}: a second start from one sender"))
+            return
+        self.starts[i] = m
+        if len(self.starts) == len(self.streams):
+            starts, held = self.starts, self.held
+            self.collecting, self.starts, self.held = None, {}, {}
+            if self.answer(v, starts, self.check_parts(v, starts)):
+                for i, msgs in sorted(held.items()):  # now read what came early, in order
+                    for kind, msg in msgs:
+                        (self.on_bucket if kind == "bucket" else self.on_end)(i, msg)
+
+    def check_parts(self, v: int, starts: dict) -> pb.ErrorDetail | None:
+        """docs/protocol.md §4.1 step 2, before any write."""
+        first_i = min(starts)
+        first = starts[first_i]
+        for i, m in sorted(starts.items()):
+            if not m.HasField("part"):
+                return _plan_error(
+                    f"version {v}: {self.describe(i, m)} came beside "
+                    f"{self.describe(first_i, first)}; a version is whole or split over "
+                    "every sender"
+                )
+        want = first.part
+        if want.count != len(self.streams):
+            return _plan_error(
+                f"version {v} is split over {want.count} senders ({self.describe(first_i, first)})"
+                f" but this receiver is registered with {len(self.streams)}"
             )
-            current = None
-            applied += 1
-            if applied >= args.versions:
-                break
+        by_index: dict[int, int] = {}
+        for i, m in sorted(starts.items()):
+            p = m.part
+            if (p.plan_digest, p.count, p.num_tensors) != (
+                want.plan_digest,
+                want.count,
+                want.num_tensors,
+            ):
+                return _plan_error(
+                    f"version {v}: {self.describe(i, m)} announces plan {p.plan_digest}, "
+                    f"{p.count} parts, {p.num_tensors} tensors; {self.describe(first_i, first)}"
+                    f" announces {want.plan_digest}, {want.count}, {want.num_tensors}"
+                )
+            same_lora = m.HasField("lora") == first.HasField("lora") and (
+                m.lora.SerializeToString(deterministic=True)
+                == first.lora.SerializeToString(deterministic=True)
+            )
+            if not same_lora:
+                return _plan_error(f"version {v}: the parts announce different LoRA adapters")
+            if p.index in by_index or p.index >= p.count:
+                return _plan_error(f"version {v}: {self.describe(i, m)}: index taken or past count")
+            by_index[p.index] = i
+        owner: dict[str, int] = {}
+        for i, m in sorted(starts.items()):
+            for t in m.tensors:
+                if t.name in owner:
+                    return _plan_error(
+                        f"version {v}: tensor {t.name!r} is in "
+                        f"{self.describe(owner[t.name], starts[owner[t.name]])} and in "
+                        f"{self.describe(i, m)}"
+                    )
+                owner[t.name] = i
+        if len(owner) != want.num_tensors:
+            return _plan_error(
+                f"version {v}: the parts carry {len(owner)} tensors, num_tensors says "
+                f"{want.num_tensors}"
+            )
+        return None
+
+    def answer(self, v: int, starts: dict, error: pb.ErrorDetail | None) -> bool:
+        """One verdict to every sender of the version: accepted on all or rejected on all;
+        whether accepted."""
+        version = Version(v, [starts[i] for i in sorted(starts)])
+        if error is None:
+            unknown = [n for n, s in version.specs.items() if s["dtype"] not in ITEMSIZE]
+            if unknown:
+                error = pb.ErrorDetail(
+                    code="ManifestMismatchError",
+                    message=f"unknown dtype of {unknown[0]!r}",
+                    tensor=unknown[0],
+                )
+            elif self.reject:
+                first = next(iter(version.specs), "")
+                error = pb.ErrorDetail(
+                    code="NameResolutionError", message="rejected on purpose", tensor=first
+                )
+        for i in starts:
+            self.streams[i].send(
+                verdict=pb.ManifestVerdict(version=v, accepted=error is None, error=error)
+            )
+        if error is not None:
+            # Rejected before any write: the rest of this version is ignored (no acks).
+            emit(event="rejected", version=v, error=to_dict(error))
+            self.finished += 1
+            return False
+        self.current = version
+        return True
+
+    # -- buckets, end, abort ---------------------------------------------------------------
+
+    def hold(self, i: int, version: int, kind: str, msg) -> bool:
+        """Keep a bucket or end of a part whose version is still being collected."""
+        if self.current is None and version == self.collecting and i in self.starts:
+            self.held.setdefault(i, []).append((kind, msg))
+            return True
+        return False
+
+    def on_bucket(self, i: int, b) -> None:
+        if self.hold(i, b.version, "bucket", b):
+            return
+        cur = self.current
+        if cur is None or b.version != cur.number or i in cur.aborted:
+            return  # a version this receiver is not applying
+        if b.sources or b.group_id or b.buffer.WhichOneof("kind") != "shm":
+            raise SystemExit(f"bucket {b.layout.index}: only shm staging is implemented")
+        mm = self.maps.get(b.buffer)
+        data = mm[: b.layout.nbytes]  # copy out before the ack: the slot is then reused
+        cur.sums[(i, b.layout.index)] = checksum(data, b.layout.nbytes)
+        for e in b.layout.entries:
+            name = e.tensor.name
+            piece = data[e.offset : e.offset + e.nbytes]
+            cur.data[name][e.tensor_offset : e.tensor_offset + e.nbytes] = piece
+            cur.filled[name] += e.nbytes
+        self.streams[i].send(ack=pb.BucketAck(version=b.version, index=b.layout.index, ok=True))
+
+    def on_end(self, i: int, end) -> None:
+        if self.hold(i, end.version, "end", end):
+            return
+        if self.current is not None and end.version == self.current.number:
+            self.current.ends[i] = end
+            self.finish()
+
+    def on_abort(self, i: int, abort) -> None:
+        emit(event="aborted", version=abort.version, sender=i, reason=to_dict(abort.reason))
+        cur = self.current
+        if cur is not None and abort.version == cur.number:
+            cur.aborted[i] = abort.reason
+            self.finish()
+        elif abort.version == self.collecting:
+            # A part that will never come: refuse the version on the senders that started it.
+            for j, m in self.starts.items():
+                if j != i:
+                    msg = f"version {abort.version}: part from sender {i} was aborted"
+                    self.refuse(j, m.version, _plan_error(msg))
+            self.collecting, self.starts, self.held = None, {}, {}
+
+    def finish(self) -> None:
+        """Once every sender ended its part (``end`` or ``abort``): commit only if every part
+        arrived with every checksum matching; tell every sender that did not abort."""
+        cur = self.current
+        if len(cur.ends) + len(cur.aborted) < len(self.streams):
+            return
+        error, code = None, "ChecksumError"
+        if cur.aborted:
+            i = min(cur.aborted)
+            code = cur.aborted[i].code or "WeightSyncError"
+            error = f"the part from {self.streams[i].address} was aborted: {cur.aborted[i].message}"
+        for _, end in sorted(cur.ends.items()):
+            if error is None and end.checksum_algorithm != CHECKSUM_ALGORITHM:
+                error = f"unknown checksum algorithm {end.checksum_algorithm!r}"
+        for (i, index), got in sorted(cur.sums.items()):
+            sums = cur.ends[i].checksums if i in cur.ends else []
+            want = sums[index] if index < len(sums) else None
+            if error is None and got != want:
+                error = f"sender {i} bucket {index}: checksum {got:#018x}, sender says {want}"
+        short = [n for n, f in cur.filled.items() if f != len(cur.data[n])]
+        if error is None and short:
+            code, error = "ProtocolError", f"tensor {short[0]!r} is incomplete"
+        for i in cur.ends:
+            verdict = pb.VersionApplied(version=cur.number, ok=error is None)
+            if error:
+                verdict.error.CopyFrom(pb.ErrorDetail(code=code, message=error))
+            self.streams[i].send(applied=verdict)
+        emit(
+            event="applied" if error is None else "failed",
+            version=cur.number,
+            error=error,
+            buckets=len(cur.sums),
+            checksums={f"{i}/{x}": f"{v:#018x}" for (i, x), v in sorted(cur.sums.items())},
+            tensors={n: {**cur.specs[n], "hex": bytes(cur.data[n]).hex()} for n in cur.specs},
+        )
+        self.current = None
+        self.finished += 1
+
+
+def receive(args) -> int:
+    inbox: queue.Queue = queue.Queue()
+    streams = [Stream(i, a, args.receiver_id, inbox) for i, a in enumerate(args.address)]
+    ids = {s.receiver_id for s in streams}
+    assert len(ids) == 1, f"the senders registered this receiver as {sorted(ids)}"
+    rid = streams[0].receiver_id
+    emit(event="registered", receiver_id=rid)
+    rx = Receiver(streams, args.reject)
+    closed: dict[int, tuple[str, str]] = {}
+    handlers = {"start": rx.on_start, "bucket": rx.on_bucket, "end": rx.on_end}
+    while rx.finished < args.versions:
+        i, what, *rest = inbox.get()
+        if what == "closed":
+            raise SystemExit(f"sender {i} ended the stream mid-run: {rest}")
+        msg = rest[0]
+        kind = msg.WhichOneof("kind")
+        if kind in handlers:
+            handlers[kind](i, getattr(msg, kind))
         elif kind == "abort":
-            emit(event="aborted", version=msg.abort.version, reason=to_dict(msg.abort.reason))
-            current = None
+            rx.on_abort(i, msg.abort)
         elif kind == "join":
             raise SystemExit("broadcast joins are not implemented by this client")
-    sys.stdin.read()  # the test closes stdin once it has checked Status
-    requests.put(None)  # half-close: the sender ends the stream and marks us disconnected
-    for _ in stream:
-        pass
-    ch.close()
-    emit(event="closed", receiver_id=rid)
+    if not args.leave:
+        sys.stdin.read()  # the test closes stdin once it has checked Status
+    # The orderly leave: half-close every stream, then read each to its end (status OK).
+    for s in streams:
+        s.half_close()
+    while len(closed) < len(streams):
+        i, what, *rest = inbox.get()
+        if what == "closed":
+            closed[i] = tuple(rest)
+    for s in streams:
+        s.channel.close()
+    emit(
+        event="closed",
+        receiver_id=rid,
+        statuses=[{"code": closed[i][0], "details": closed[i][1]} for i in sorted(closed)],
+    )
     return 0
 
 
@@ -322,8 +550,20 @@ class ShmBuffer:
         os.unlink(self.path)
 
 
+def plan_digest(parts: list[list[dict]]) -> str:
+    """An id of a split version's whole plan (every part's names, dtypes and shapes, in part
+    order). docs/protocol.md §4.1 leaves its computation to the publishers: any string that
+    every part carries alike and that changes with the plan."""
+    text = json.dumps([[[s["name"], s["dtype"], s["shape"]] for s in p] for p in parts])
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
 def publish(args) -> int:
-    specs = json.loads(args.tensors)
+    if args.plan:  # one part of a version split over several senders
+        parts = json.loads(args.plan)
+        specs = parts[args.part]
+    else:
+        specs = json.loads(args.tensors)
     data = {s["name"]: make_bytes(s, args.seed) for s in specs}
     begin = pb.BeginVersion(
         manifest=pb.Manifest(
@@ -334,6 +574,16 @@ def publish(args) -> int:
         ),
         wait_applied=True,
     )
+    if args.plan:
+        begin.manifest.part.CopyFrom(
+            pb.VersionPart(
+                index=args.part,
+                count=len(parts),
+                sender_id=args.sender_id,
+                plan_digest=plan_digest(parts),
+                num_tensors=sum(len(p) for p in parts),
+            )
+        )
     own = None
     if args.mode == "offer":
         # Every tensor at a 256-aligned offset of one buffer of ours; the sender maps it and
@@ -474,7 +724,15 @@ def errors(args) -> int:
         try:
             for reply in call:
                 kinds.append(reply.WhichOneof("kind"))
-                if kinds[-1] == "pack":  # leave the bytes as they are: nobody reads them
+                if kinds[-1] == "pack":  # every byte of the entries written (zeros) first
+                    handle = reply.pack.buffer
+                    fd = os.open(handle.shm.path, os.O_RDWR)
+                    try:
+                        with mmap.mmap(fd, handle.nbytes) as mm:
+                            for e in reply.pack.layout.entries:
+                                mm[e.offset : e.offset + e.nbytes] = bytes(e.nbytes)
+                    finally:
+                        os.close(fd)
                     index = reply.pack.layout.index
                     requests.put(
                         pb.PublisherMessage(packed=pb.BucketPacked(version=version, index=index))
@@ -501,6 +759,22 @@ def errors(args) -> int:
     out["publish_duplicate_names"] = publish_once(args.version + 1, one + one)
     out["publish_unknown_dtype"] = publish_once(
         args.version + 1, [pb.TensorSpec(name="w", dtype="complex32", shape=[4])]
+    )
+    # A part of a split version (§4.1) whose index is past its count.
+    part = pb.BeginVersion(
+        manifest=pb.Manifest(
+            version=args.version + 1,
+            tensors=one,
+            part=pb.VersionPart(
+                index=2, count=2, sender_id="host-a", plan_digest="d", num_tensors=2
+            ),
+        )
+    )
+    hello = pb.PublisherMessage(
+        hello=pb.PublisherHello(publisher_id="conformance-errors", device="cpu")
+    )
+    out["publish_part_past_count"] = _status_of(
+        stub.Publish(iter([hello, pb.PublisherMessage(begin=part)]), timeout=10)
     )
 
     ack = pb.ReceiverMessage(ack=pb.BucketAck(version=1, index=0, ok=True))
@@ -533,7 +807,10 @@ def main() -> int:
     sub.add_parser("checksum")
     for name in ("status", "wait-applied", "receive", "publish", "errors"):
         s = sub.add_parser(name)
-        s.add_argument("--address", required=True)
+        if name == "receive":  # one address per sender: several for a split version (§4.1)
+            s.add_argument("--address", required=True, action="append")
+        else:
+            s.add_argument("--address", required=True)
         if name == "wait-applied":
             s.add_argument("version", type=int)
             s.add_argument("--timeout-s", type=float, default=30.0)
@@ -541,9 +818,16 @@ def main() -> int:
             s.add_argument("--receiver-id", default="")
             s.add_argument("--versions", type=int, default=1)
             s.add_argument("--reject", action="store_true", help="reject every manifest")
+            s.add_argument(
+                "--leave", action="store_true", help="leave right after the last version"
+            )
         if name == "publish":
             s.add_argument("--version", type=int, required=True)
-            s.add_argument("--tensors", required=True)
+            what = s.add_mutually_exclusive_group(required=True)
+            what.add_argument("--tensors", help="JSON: [{name, dtype, shape}, ...]")
+            what.add_argument("--plan", help="JSON: every part's tensors, for a split version")
+            s.add_argument("--part", type=int, default=0, help="with --plan: this part")
+            s.add_argument("--sender-id", default="", help="with --plan: names this part")
             s.add_argument("--seed", type=int, default=0)
             s.add_argument("--mode", choices=["offer", "pack"], required=True)
             s.add_argument("--publisher-id", default=f"conformance-{os.getpid()}")

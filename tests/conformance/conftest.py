@@ -6,6 +6,8 @@ generated stubs on their path (the Python one refuses to import ``weightsync`` o
 what they do is what docs/protocol.md and the .proto say, not what our code happens to do.
 """
 
+import contextlib
+import glob
 import hashlib
 import os
 import shutil
@@ -18,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conformance.support import SPLIT_SENDERS, WIDE_BUCKET_BYTES, NodeReceivers
 from tests.support.conformance import (
     BUCKET_SIZE_BYTES,
     NODE_DIR,
     PROTO,
     Clients,
-    NodeClients,
     SenderProcess,
     clean_env,
     token_env,
@@ -34,7 +36,10 @@ from tests.support.waiting import wait_until
 @pytest.fixture(scope="session")
 def stubs(tmp_path_factory) -> Path:
     """Python stubs generated from the .proto alone, as a top-level ``weightsync_pb2``."""
-    pytest.importorskip("grpc_tools", reason="grpcio-tools (the dev extra) generates the stubs")
+    try:
+        import grpc_tools  # noqa: F401
+    except ImportError:
+        pytest.fail("grpcio-tools (the dev extra) is needed: it generates the clients' stubs")
     out = tmp_path_factory.mktemp("stubs")
     subprocess.run(
         [
@@ -60,9 +65,11 @@ def _sender_command(address: str) -> list[str]:
     return [sys.executable, "-c", code, "--listen", address]
 
 
-@pytest.fixture(scope="session")
-def sender() -> Iterator[SenderProcess]:
-    """``weightsync-sender --listen unix:...`` with 4 KiB buckets, for the whole session."""
+@contextlib.contextmanager
+def running_sender(settings: dict[str, str] | None = None) -> Iterator[SenderProcess]:
+    """``weightsync-sender --listen unix:...`` (4 KiB buckets unless ``settings``, its
+    ``WEIGHTSYNC_*`` environment, say otherwise) until the block ends; then it must have removed
+    its staging buffers."""
     d = Path(tempfile.mkdtemp(prefix="wsc-", dir="/tmp"))  # unix socket paths are short
     address = f"unix:{d}/s.sock"
     log = d / "sender.log"
@@ -71,6 +78,7 @@ def sender() -> Iterator[SenderProcess]:
         "WEIGHTSYNC_BUCKET_SIZE_BYTES": str(BUCKET_SIZE_BYTES),
         "WEIGHTSYNC_ACK_TIMEOUT_S": "20",
         "PYTHONUNBUFFERED": "1",
+        **(settings or {}),
     }
     with open(log, "w") as out:
         proc = subprocess.Popen(
@@ -92,9 +100,35 @@ def sender() -> Iterator[SenderProcess]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        leftovers = [p for p in os.listdir("/dev/shm") if p.startswith(f"weightsync-{proc.pid}-")]
+        # Staging segments are /dev/shm/weightsync-<owner key>-<pid>-<12 hex> (protocol §6.1).
+        leftovers = glob.glob(f"/dev/shm/weightsync-*-{proc.pid}-*")
         shutil.rmtree(d, ignore_errors=True)
         assert not leftovers, f"the sender left its staging buffers behind: {leftovers}"
+
+
+@pytest.fixture(scope="session")
+def sender() -> Iterator[SenderProcess]:
+    """The session's sender, 4 KiB buckets."""
+    with running_sender() as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def wide_sender() -> Iterator[SenderProcess]:
+    """A sender with 64 KiB buckets, for rows wider than a bucket (protocol §3.1)."""
+    with running_sender({"WEIGHTSYNC_BUCKET_SIZE_BYTES": str(WIDE_BUCKET_BYTES)}) as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def split_senders() -> Iterator[tuple[SenderProcess, SenderProcess]]:
+    """Two senders, as on two trainer hosts ("trainer-a", "trainer-b"), for versions split
+    over both (protocol §4.1). Receivers on this host send an empty host_id to both."""
+    with (
+        running_sender({"WEIGHTSYNC_HOST_ID": SPLIT_SENDERS[0]}) as a,
+        running_sender({"WEIGHTSYNC_HOST_ID": SPLIT_SENDERS[1]}) as b,
+    ):
+        yield a, b
 
 
 @pytest.fixture
@@ -114,7 +148,7 @@ def node_modules() -> Path:
     """``npm ci`` of node/package-lock.json, once per lock file, in the user's cache."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
-        pytest.skip("node and npm are not installed: the Node client cannot run")
+        pytest.fail("node and npm are needed for the Node client: install them (Node >= 18)")
     lock = (NODE_DIR / "package-lock.json").read_bytes()
     key = hashlib.sha256(lock + (NODE_DIR / "package.json").read_bytes()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "weightsync"
@@ -143,8 +177,8 @@ def node_modules() -> Path:
 
 
 @pytest.fixture
-def node_clients(node_modules, sender) -> Iterator[NodeClients]:
-    c = NodeClients(node_modules, sender.address)
+def node_clients(node_modules, sender) -> Iterator[NodeReceivers]:
+    c = NodeReceivers(node_modules, sender.address)
     try:
         yield c
     finally:

@@ -3,7 +3,7 @@
 shm staging buffers, bit-exact, with the checksums verified by its own implementation.
 
 Node's packages come from ``npm ci`` of the committed lock file, cached per lock hash under
-``~/.cache/weightsync/node-<hash>``; the tests skip when ``node`` or ``npm`` is missing.
+``~/.cache/weightsync/node-<hash>``; the tests fail when ``node`` or ``npm`` is missing.
 """
 
 from __future__ import annotations

@@ -203,6 +203,12 @@ def test_error_statuses(clients, sender):
     check("publish_version_zero", "INVALID_ARGUMENT", "PlanError: ")
     check("publish_duplicate_names", "INVALID_ARGUMENT", "PlanError: ")
     check("publish_unknown_dtype", "INVALID_ARGUMENT", "ConfigError: ")
+    check(
+        "publish_part_past_count",
+        "INVALID_ARGUMENT",
+        "PlanError: VersionPart index 2 of 2 parts: a split version has 2 or more parts, "
+        "indexed from 0",
+    )
     status = clients.status()
     assert version_status(status, version)["state"] == "complete"
     # The failed begins left nothing behind: the next version is still version + 1.
