@@ -1,6 +1,7 @@
 """Soak: N receivers x M versions through a real ``weightsync-sender`` process, measuring what
 the sender holds as versions go by: its resident memory, its open file descriptors and its
-staging in /dev/shm, sampled every ``SAMPLE_EVERY`` versions after a warm-up.
+staging in /dev/shm, sampled every ``SAMPLE_EVERY`` versions after a warm-up, and the time of
+each ``publish(wait=True)`` after it (p50 / p99, printed).
 
 CI runs 8 x 50; ``WEIGHTSYNC_SOAK_RECEIVERS`` / ``WEIGHTSYNC_SOAK_VERSIONS`` set a larger run
 (issue 16 asks 32 x 200). The figures are printed (``pytest -s``) and docs/reliability.md
@@ -55,11 +56,15 @@ def test_soak_the_sender_holds_what_it_held(sock_dir):
             t.start()
         trainer = TinyNet(seed=10_000)
         samples: list[tuple[int, dict[str, float]]] = []
+        latencies: list[float] = []
         with Publisher(address) as publisher:
             start = time.monotonic()
             for version in range(1, VERSIONS + 1):
                 step(trainer, version)
+                began = time.monotonic()
                 publisher.publish(trainer.state_dict(), version, wait=True, timeout_s=120)
+                if version > WARMUP:
+                    latencies.append(time.monotonic() - began)
                 if version >= WARMUP and (version - WARMUP) % SAMPLE_EVERY == 0:
                     samples.append((version, sender_figures(daemon.pid)))
                 if version == WARMUP:
@@ -87,6 +92,9 @@ def test_soak_the_sender_holds_what_it_held(sock_dir):
         f"\nsoak: {RECEIVERS} receivers x {VERSIONS} versions in {elapsed:.1f} s "
         f"({steady_rate:.1f} versions/s after warm-up), 0 failures"
     )
+    latencies.sort()
+    p50, p99 = (latencies[int(q * (len(latencies) - 1))] * 1e3 for q in (0.5, 0.99))
+    print(f"soak: publish(wait=True) after warm-up: p50 {p50:.1f} ms, p99 {p99:.1f} ms")
     print(f"soak: sender at version {v0}: {first}; at version {v1}: {last}")
     print(
         f"soak: growth per 100 versions: RSS {per_100['rss_mib']:+.2f} MiB, "
