@@ -32,11 +32,17 @@ class StreamBegin:
     manifest: VersionManifest | None = None
     manifest_key: bytes = b""
     offer: bytes = b""
+    received: tuple = ()
+    """The mappings of the shm sources that came with the begin taken next
+    (``packing.received_sources``)."""
+    files: tuple = ()
+    """Those of :attr:`begin`, held while a repeat may stand for it."""
 
     def take(
         self, begin: pb.BeginVersion, device_uuid: str, manifests: ManifestCache
     ) -> VersionManifest:
         """The manifest ``begin`` stands for; a whole begin becomes the stream's last."""
+        received, self.received = self.received, ()
         if begin.repeat:
             if self.manifest is None:
                 raise ProtocolError(
@@ -46,7 +52,7 @@ class StreamBegin:
             return self.manifest.at(begin.manifest.version)
         check_manifest_not_empty(begin.manifest)
         manifest, self.manifest_key = manifests(begin.manifest)  # bounds every field
-        self.begin, self.manifest = begin, manifest
+        self.begin, self.manifest, self.files = begin, manifest, received
         self.offer = rank_offer(begin, device_uuid)
         return manifest
 

@@ -1,19 +1,21 @@
 """The sender packing staged buckets itself, from the publishers' memory mapped here.
 
 Used when the plan says the offered regions cover every staged tensor (``TensorPlan.
-sender_packs``) and the memory maps here (CUDA IPC, or shm buffers a publisher allocated);
-otherwise the publishers pack each bucket when asked (``PackBucket``).
+sender_packs``) and the memory maps here (CUDA IPC, or shm files whose open descriptors the
+publisher passed with its begin: :func:`received_sources`); otherwise the publishers pack each
+bucket when asked (``PackBucket``).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from weightsync import summed_copies
+from weightsync import limits, summed_copies
 from weightsync.buckets import Bucket
 from weightsync.checksum import verify_copies
 from weightsync.errors import ProtocolError, TransportError, WeightSyncError
@@ -22,6 +24,7 @@ from weightsync.regions import Region, region_copies
 from weightsync.sender.offer import OfferKey
 from weightsync.sender.slots import PackCopies, Slot
 from weightsync.transports import MappedBuffers
+from weightsync.transports.shm import map_descriptor, map_offered, without_descriptor
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import regions_from_pb
 
@@ -54,16 +57,67 @@ class MappedOffers:
         self._mapped.clear()
 
 
+def received_sources(
+    begin: pb.BeginVersion, fds: Sequence[int], rank: int
+) -> tuple[torch.Tensor, ...]:
+    """Map the ``shm`` sources of publisher ``rank``'s ``begin`` from the descriptors that came
+    with it (``fds``: one per shm source, in the order of ``sources``, or none), renaming each
+    source after its file (``shm.map_descriptor``) in ``begin``, which the sender keeps; a
+    source without a usable descriptor is renamed so that it never maps (the publishers then
+    pack). Returns the mappings, to hold while ``begin`` may be packed from. Closes ``fds``.
+
+    Raises:
+        ProtocolError: as many descriptors as shm sources, or none, must come.
+        ConfigError: a source past its bounds (before it is renamed).
+    """
+    try:
+        limits.check_count(begin.sources, "BeginVersion.sources", limits.MAX_SOURCES)
+        for i, handle in enumerate(begin.sources):
+            limits.check_buffer_handle(handle, f"BeginVersion.sources[{i}]")
+        shm = [h for h in begin.sources if h.HasField("shm")]
+        if fds and len(fds) != len(shm):
+            raise ProtocolError(
+                f"BeginVersion of version {begin.manifest.version} came with {len(fds)} "
+                f"descriptor(s) for its {len(shm)} shm source(s); pass one per shm source, in "
+                "the order of BeginVersion.sources, or none"
+            )
+        mapped = []
+        for i, handle in enumerate(shm):
+            path = handle.shm.path
+            if not fds:
+                handle.shm.path = without_descriptor(path)
+                continue
+            try:
+                handle.shm.path, tensor = map_descriptor(fds[i], path, handle.nbytes)
+            except TransportError as e:
+                log.warning("publisher rank %d: %s; it packs instead", rank, e)
+                handle.shm.path = without_descriptor(path)
+            else:
+                mapped.append(tensor)
+        return tuple(mapped)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
 def _map(begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers) -> Regions | None:
     regions: dict[str, list[Region]] = {}
+    rank = -1
     try:
         for rank in sorted(begins):
             begin = begins[rank]
-            mapped = [buffers.get(h) for h in begin.sources]
+            # Never a path a client names: only files whose descriptors it passed.
+            mapped = [
+                map_offered(h) if h.HasField("shm") else buffers.get(h) for h in begin.sources
+            ]
             for name, parts in regions_from_pb(begin.pieces, mapped).items():
                 regions.setdefault(name, []).extend(parts)
     except (TransportError, ProtocolError) as e:
-        log.warning("the publishers pack: their offered memory does not map here (%s)", e)
+        log.warning(
+            "the publishers pack: publisher rank %d's offered memory does not map here (%s)",
+            rank,
+            e,
+        )
         return None
     return regions
 

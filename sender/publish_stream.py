@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ class PublishStream(ClientStream):
     def __init__(self, stub, hello: pb.PublisherHello, device: torch.device) -> None:
         super().__init__(stub.Publish, pb.PublisherMessage(hello=hello), pb.SenderReply)
         self.device = device
+        self._lanes = hello.lanes
         """Where the tensors it publishes live (the hello says it; another needs a new stream)."""
         self.watchdog = Watchdog(self.cancel)
         """Cancels the replies when a version's deadline passes."""
@@ -25,6 +27,45 @@ class PublishStream(ClientStream):
         """The sender takes ``BeginVersion.repeat`` (its welcome said so)."""
         self.last: Whole | None = None
         """What the last whole begin on this stream carried."""
+        self.welcomed = False
+
+    def welcome(self, welcome: pb.PublisherWelcome) -> None:
+        """The sender's welcome: take the lane it offers, if any."""
+        self.welcomed, self.repeats = True, welcome.repeats
+        if welcome.HasField("lane"):
+            self.take_lane(welcome.lane)
+
+    def await_welcome(self) -> None:
+        """Read the welcome before the first begin, which then goes by the lane (only a lane
+        carries the descriptors of offered shm files). A stream that ends first ends the
+        replies too."""
+        if self.welcomed:
+            return
+        for reply in self.replies:
+            if reply.WhichOneof("kind") == "welcome":
+                self.welcome(reply.welcome)
+                return
+
+    def send_begin(self, begin: pb.BeginVersion) -> None:
+        """Send ``begin`` with the open descriptors of the shm files it offers, on the lane
+        (the sender maps only memory whose descriptor a publisher passes, and has the rest
+        packed through ``pack``): the first begin waits for the welcome for that."""
+        paths = [h.shm.path for h in begin.sources if h.HasField("shm")]
+        if not (paths and self._lanes):
+            self.send(pb.PublisherMessage(begin=begin))
+            return
+        self.await_welcome()
+        fds: list[int] = []
+        try:
+            try:
+                for path in paths:
+                    fds.append(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC))
+            except OSError:
+                pass  # unlinked since: then it goes without, and the sender asks for packing
+            self.send(pb.PublisherMessage(begin=begin), fds if len(fds) == len(paths) else ())
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def close(self) -> None:
         self.end()

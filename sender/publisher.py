@@ -239,7 +239,6 @@ class Publisher:
             begin.allow_direct = direct
             stream.last = whole
         begin.manifest.version = version
-        stream.send(pb.PublisherMessage(begin=begin))
         staged: pb.VersionStaged | None = None
         done: pb.VersionStatus | None = None
         start = time.monotonic()
@@ -247,13 +246,12 @@ class Publisher:
         # The stream lives on across versions, so the deadline is this version's own.
         expired = stream.watchdog.arm(timeout_s)
         try:
+            stream.send_begin(begin)
             for reply in stream.replies:
                 kind = reply.WhichOneof("kind")
                 trace.mark(f"publisher.{kind}", version=version)
                 if kind == "welcome":
-                    stream.repeats = reply.welcome.repeats
-                    if reply.welcome.HasField("lane"):
-                        stream.take_lane(reply.welcome.lane)
+                    stream.welcome(reply.welcome)
                 elif kind == "pack" and reply.pack.version == version:
                     self._pack_one(reply.pack, pack, stream, device)
                 elif kind == "staged" and reply.staged.version == version:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -26,6 +26,7 @@ from weightsync.limits import (
 from weightsync.sender.coordinator import Coordinator
 from weightsync.sender.joins import StreamBegin
 from weightsync.sender.outbox import Outbox, Unsent, batched
+from weightsync.sender.packing import received_sources
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn
 from weightsync.sender.version import Version
 from weightsync.v1 import weightsync_pb2 as pb
@@ -108,6 +109,10 @@ class _Outgoing:
     def _attach(self, lane: Lane) -> None:
         self.lane = lane
 
+    def take_fds(self) -> list[int]:
+        """The descriptors that came with the client's last message (gRPC carries none)."""
+        return self.lane.take_fds() if self.lane is not None else []
+
     def _switch(self) -> None:
         self._outbox.put(_LANE)
 
@@ -187,7 +192,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         requests = out.incoming(request_iterator, pb.PublisherMessage)
         threading.Thread(
             target=self._consume_publisher,
-            args=(hello, pconn, requests, outbox),
+            args=(hello, pconn, requests, outbox, out.take_fds),
             daemon=True,
         ).start()
         welcome = pb.PublisherWelcome(
@@ -213,7 +218,12 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             yield item
 
     def _consume_publisher(
-        self, hello: pb.PublisherHello, pconn: PublisherConn, requests, outbox: queue.Queue
+        self,
+        hello: pb.PublisherHello,
+        pconn: PublisherConn,
+        requests,
+        outbox: queue.Queue,
+        take_fds: Callable[[], list[int]],
     ) -> None:
         """Read a publisher rank's stream: each ``begin`` joins a version, ``packed`` and
         ``error`` belong to the latest one. Whatever happens, the stream gets an answer and
@@ -230,6 +240,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                     self._check_previous_over(hello, version, run, rank, msg.begin)
                     version = msg.begin.manifest.version
                     run, rank = None, None
+                    # The descriptors of its offered shm files came with it (on a lane).
+                    last.received = received_sources(msg.begin, take_fds(), hello.rank)
                     run, rank = self._co.join(hello, msg.begin, outbox, last)
                     continue
                 # Ranks that joined before the last one got no run; it exists by their packing.

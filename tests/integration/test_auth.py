@@ -423,25 +423,26 @@ def test_the_sender_never_maps_a_client_path_it_should_not(tcp_sender, tmp_path,
         with pytest.raises(TransportError) as e:
             shm.ShmTransport().map(_offer(path).sources[0])
         assert str(e.value).startswith(f"shared memory {path}: refused, {why}")
-        # Through the sender: it asks the publisher to pack instead of mapping the path.
+        # Through the sender: it never opens a path a client names (only descriptors the
+        # client passes, tests/faults/test_shm_descriptors.py); it asks for packing.
         with caplog.at_level(logging.WARNING, logger="weightsync.sender"):
             assert _first_request_after(tcp_sender.address, _offer(path)) == "pack"
-        assert f"shared memory {path}: refused, {why}" in caplog.text
+        assert f"shared memory {path}: not mapped, its open descriptor did not come" in caplog.text
         assert not _mapped(path) and not _mapped(str(victim))
     finally:
         if os.path.lexists(path) and path != str(victim):
             os.unlink(path)
 
 
-def test_a_segment_the_publisher_made_is_still_mapped(tcp_sender):
+def test_a_segment_the_publisher_made_is_packed_by_it_when_named_by_path_alone(tcp_sender):
     path = f"{shm.SHM_DIR}/weightsync-test-own-{os.getpid()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, 256)
         os.close(fd)
         assert shm.ShmTransport().map(_offer(path).sources[0]).numel() == 256
-        # The sender packs from it itself: no pack request.
-        assert _first_request_after(tcp_sender.address, _offer(path)) != "pack"
+        # Over gRPC no descriptor can come with the begin: the publisher packs.
+        assert _first_request_after(tcp_sender.address, _offer(path)) == "pack"
     finally:
         os.unlink(path)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -10,7 +12,7 @@ from weightsync.buckets import TensorSpec
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
 from weightsync.sender.offer import rank_offer
-from weightsync.sender.packing import MappedOffers, pack_bucket
+from weightsync.sender.packing import MappedOffers, pack_bucket, received_sources
 from weightsync.sender.planner import plan_tensors
 from weightsync.sender.slots import SlotPool
 from weightsync.sender.version import Version
@@ -41,9 +43,12 @@ def offered():
     begin.pieces.extend(
         regions_to_pb(regions, lambda t: (0, t.storage_offset() * t.element_size()))
     )
+    # As the publisher's begin arrives on a lane: with the descriptor of its shm file.
+    mapped = received_sources(begin, [os.open(storage.handle.shm.path, os.O_RDONLY)], 0)
     want = {f"w{i}": flat[64 * i : 64 * i + 64].clone() for i in (1, 2, 3)}
     want["w0"] = torch.cat([flat[256:288], flat[320:352]])
     yield {0: begin}, want
+    del mapped
     SHM.release(storage)
 
 

@@ -13,6 +13,7 @@ ending ends both.
 
 from __future__ import annotations
 
+import array
 import logging
 import os
 import queue
@@ -22,7 +23,7 @@ import socket
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from weightsync import trace
@@ -33,6 +34,12 @@ log = logging.getLogger("weightsync.lanes")
 
 MAX_FRAME_BYTES = 256 * 1024 * 1024
 """The largest message a lane carries: gRPC's limit on the same streams (``server.py``)."""
+MAX_FRAME_FDS = 1 << 12
+"""Descriptors one frame may carry (``limits.MAX_SOURCES``: one per offered storage); more
+close the lane."""
+_FDS_PER_SENDMSG = 253
+"""Linux's ``SCM_MAX_FD``: descriptors one ``sendmsg`` may pass."""
+_ANCILLARY = socket.CMSG_SPACE(_FDS_PER_SENDMSG * array.array("i").itemsize)
 _HEADER = struct.Struct("<I")
 _TAKEN = b"\x01"
 _HANDSHAKE_S = 5.0
@@ -49,19 +56,51 @@ class LaneClosed(Exception):
 
 
 class Lane:
-    """One stream's socket: framed protobuf messages, written by any thread, read by one."""
+    """One stream's socket: framed protobuf messages, written by any thread, read by one.
+
+    A frame may carry open file descriptors (``SCM_RIGHTS``): a publisher proves it can open
+    the memory it offers by passing it (protocol §1.1). The reader reads exactly one frame at
+    a time, so the descriptors it receives are that frame's; :meth:`take_fds` hands them over,
+    and those not taken are closed before the next frame is read."""
 
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)
         self._sock = sock
         self._write = threading.Lock()
-        self._reader = sock.makefile("rb")
+        self._fds: list[int] = []
+        """Descriptors that came with the frame read last (the reader's thread only)."""
 
-    def send(self, msg) -> None:
-        """Write ``msg`` as one frame; raises LaneClosed when the lane is gone."""
-        self.send_bytes(_frame(msg.SerializeToString()))
+    def send(self, msg, fds: Sequence[int] = ()) -> None:
+        """Write ``msg`` as one frame, with ``fds`` passed along; raises LaneClosed when the
+        lane is gone."""
+        frame = _frame(msg.SerializeToString())
+        if fds:
+            self._send_with_fds(frame, fds)
+        else:
+            self.send_bytes(frame)
         if trace.enabled:
             trace.mark("lane.sent", kind=msg.WhichOneof("kind"))
+
+    def _send_with_fds(self, frame: bytes, fds: Sequence[int]) -> None:
+        # One sendmsg passes at most 253 descriptors: each group rides on the next byte of the
+        # frame, the last one on the rest (the reader gathers all of a frame's).
+        groups = [fds[i : i + _FDS_PER_SENDMSG] for i in range(0, len(fds), _FDS_PER_SENDMSG)]
+        if len(groups) > len(frame):
+            raise ValueError(f"{len(fds)} descriptors cannot go with a {len(frame)}-byte frame")
+        try:
+            with self._write:
+                pos = 0
+                for i, group in enumerate(groups):
+                    end = len(frame) if i == len(groups) - 1 else pos + 1
+                    pos += socket.send_fds(self._sock, [frame[pos:end]], list(group))
+                self._sock.sendall(frame[pos:])
+        except OSError as e:
+            raise LaneClosed(str(e)) from None
+
+    def take_fds(self) -> list[int]:
+        """The descriptors that came with the message read last; the caller closes them."""
+        fds, self._fds = self._fds, []
+        return fds
 
     def try_send(self, msg) -> bytes | None:
         """Write ``msg`` as one frame without blocking; returns the part of the frame the
@@ -88,16 +127,48 @@ class Lane:
 
     def messages(self, cls: Callable[[], M]) -> Iterator[M]:
         """The peer's messages until it closes the lane (or it breaks)."""
-        while True:
-            try:
-                data = _read_frame(self._reader)
-            except (OSError, ValueError, LaneClosed):
-                return
-            if trace.enabled:
-                trace.mark("lane.read", nbytes=len(data))
-            msg = cls()
-            msg.ParseFromString(data)
-            yield msg
+        try:
+            while True:
+                self._close_fds()
+                try:
+                    data = self._read_frame()
+                except (OSError, ValueError, LaneClosed):
+                    return
+                if trace.enabled:
+                    trace.mark("lane.read", nbytes=len(data))
+                msg = cls()
+                msg.ParseFromString(data)
+                yield msg
+        finally:
+            self._close_fds()
+
+    def _close_fds(self) -> None:
+        for fd in self.take_fds():
+            os.close(fd)
+
+    def _read_frame(self) -> bytes:
+        (size,) = _HEADER.unpack(self._read_exactly(_HEADER.size))
+        if size > MAX_FRAME_BYTES:
+            raise LaneClosed(f"a frame of {size} bytes, over the limit of {MAX_FRAME_BYTES}")
+        return self._read_exactly(size)
+
+    def _read_exactly(self, size: int) -> bytes:
+        """``size`` bytes, never more: a descriptor sent with the next frame stays unread."""
+        data = bytearray(size)
+        view, got = memoryview(data), 0
+        while got < size:
+            n, ancillary, flags, _ = self._sock.recvmsg_into([view[got:]], _ANCILLARY)
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    fds = array.array("i")
+                    fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                    self._fds.extend(fds)
+            if flags & socket.MSG_CTRUNC or len(self._fds) > MAX_FRAME_FDS:
+                raise LaneClosed(f"a frame with more than {MAX_FRAME_FDS} descriptors")
+            if n == 0:
+                raise LaneClosed("end of lane inside a frame" if got else "end of lane")
+            got += n
+        return bytes(data)
 
     def close_write(self) -> None:
         """No more messages from this end: the peer reads what was sent, then the end."""
@@ -117,19 +188,6 @@ class Lane:
 
 def _frame(data: bytes) -> bytes:
     return _HEADER.pack(len(data)) + data
-
-
-def _read_frame(reader) -> bytes:
-    header = reader.read(_HEADER.size)
-    if len(header) < _HEADER.size:
-        raise LaneClosed("end of lane")
-    (size,) = _HEADER.unpack(header)
-    if size > MAX_FRAME_BYTES:
-        raise LaneClosed(f"a frame of {size} bytes, over the limit of {MAX_FRAME_BYTES}")
-    data = reader.read(size)
-    if len(data) < size:
-        raise LaneClosed("end of lane inside a frame")
-    return data
 
 
 class LaneServer:
@@ -298,15 +356,16 @@ class ClientStream:
                 self._requests.put(self._switch)
                 self.lane = lane
 
-    def send(self, msg) -> None:
-        """Queue ``msg`` (delivered in order; on a broken lane dropped: the replies end)."""
+    def send(self, msg, fds: Sequence[int] = ()) -> None:
+        """Queue ``msg`` (delivered in order; on a broken lane dropped: the replies end).
+        ``fds`` go with it on a lane; gRPC carries none."""
         with self._lock:
             lane = self.lane
             if lane is None:
                 self._requests.put(msg)
                 return
         try:
-            lane.send(msg)
+            lane.send(msg, fds)
         except LaneClosed:
             pass
 

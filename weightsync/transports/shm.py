@@ -1,4 +1,6 @@
-"""POSIX shared memory (``/dev/shm``) buffers, created owner-only, for CPU tensors.
+"""POSIX shared memory (``/dev/shm``) buffers, created owner-only, for CPU tensors; and the
+sender's mappings of the memory publishers offer, by the descriptors they pass (never by a path
+a client names: :func:`map_descriptor`).
 
 Segments are named ``weightsync-<owner key>-<pid>-<hex>``. The owner key is a hash of the
 sender's listen address (:func:`claim_staging`), so a sender restarted on the same address finds
@@ -15,6 +17,8 @@ import os
 import re
 import stat
 import uuid
+import warnings
+import weakref
 
 import torch
 
@@ -152,6 +156,70 @@ def _check_segment_file(fd: int, path: str) -> None:
             f"shared memory {path}: refused, owned by uid {st.st_uid}, not by this process's "
             f"uid {os.geteuid()} (publisher, sender and receivers must run as one user)"
         )
+
+
+_RECEIVED = "fd:"
+_NO_DESCRIPTOR = "no-fd:"
+_received: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+"""Offered files mapped from their descriptors, by :func:`map_descriptor`'s name; an entry
+lives while something holds its mapping (the stream that offered it, a cached offer)."""
+
+
+def map_descriptor(fd: int, path: str, nbytes: int) -> tuple[str, torch.Tensor]:
+    """Map the file open at ``fd``, which a publisher passed for its offered source ``path``
+    (it could open it: the descriptor proves it), read-only; returns the name that stands for
+    it from now on (its identity, st_dev and st_ino: :func:`map_offered` knows it) and the
+    mapping, which keeps the file mapped while held. The caller closes ``fd``.
+
+    Raises:
+        TransportError: not a regular file, smaller than ``nbytes``, or it does not map.
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise TransportError(f"shared memory {path}: refused, its descriptor is not a regular file")
+    if st.st_size < nbytes:
+        raise TransportError(
+            f"shared memory {path}: refused, its descriptor's file holds {st.st_size} bytes, "
+            f"offered {nbytes}"
+        )
+    try:
+        # Read-only: the sender only reads offered memory, and a descriptor open for reading
+        # is all a publisher needs to send.
+        mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) if st.st_size else None
+    except OSError as e:
+        raise TransportError(f"shared memory {path}: cannot map its descriptor ({e})") from e
+    if mm is None:
+        tensor = torch.empty(0, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch: "not writable"; it is read
+            tensor = torch.frombuffer(mm, dtype=torch.uint8)
+    name = f"{_RECEIVED}{st.st_dev}:{st.st_ino}"
+    _received[name] = tensor
+    return name, tensor
+
+
+def without_descriptor(path: str) -> str:
+    """The name of an offered source that came without its descriptor: never mapped (a
+    client's own ``fd:`` path must not name another's mapping)."""
+    return f"{_NO_DESCRIPTOR}{path}"
+
+
+def map_offered(handle: pb.BufferHandle) -> torch.Tensor:
+    """The mapping of an offered source that :func:`map_descriptor` renamed.
+
+    Raises:
+        TransportError: it came without its descriptor (names the path the client gave).
+    """
+    name = handle.shm.path
+    tensor = _received.get(name) if name.startswith(_RECEIVED) else None
+    if tensor is None or tensor.numel() < handle.nbytes:
+        raise TransportError(
+            f"shared memory {name.removeprefix(_NO_DESCRIPTOR)}: not mapped, its open "
+            "descriptor did not come with the begin (the sender maps offered memory only from "
+            "the descriptors a publisher passes on its lane, protocol §6.1)"
+        )
+    return tensor[: handle.nbytes]
 
 
 class ShmTransport(Transport):
