@@ -1,7 +1,13 @@
 """Conformance: a publisher offering its own memory with rows wider than a bucket (a
 [2, 20000] float32 tensor, 80,000-byte rows, 64 KiB buckets). docs/protocol.md §3.1: the
 sender packs offered regions by whole dim-0 rows, so it falls back to asking the publisher to
-``pack`` every bucket; the version applies bit-exact on the Python and the Node receiver."""
+``pack`` every bucket; the version applies bit-exact on the Python and the Node receiver.
+
+This client offers by path on gRPC, which the sender no longer maps at all (issue 35: only
+descriptors passed on a lane), so here ``pack`` would come for that reason too; the row-width
+reason alone is held by ``tests/integration/test_offered_rows.py`` (weightsync's publisher,
+which passes its descriptors). What this test holds is the client's side: an offering
+publisher packs every bucket when asked, chunks that split rows included."""
 
 from __future__ import annotations
 
