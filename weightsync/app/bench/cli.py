@@ -101,6 +101,16 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "with a publisher per host, a receiver per GPU; two senders at once against one "
         "sender sending everything (with --device cpu: two CPU receivers, any N)",
     )
+    p.add_argument(
+        "--fanout",
+        type=int,
+        default=0,
+        help="also the NCCL fan-out case: a trainer on GPU 0 publishing with "
+        "Sender(transport='nccl') to a TorchReceiver on each of GPUs 0..N-1 (GPU 0's maps the "
+        "staging buffers, the others get broadcasts), against one NCCL broadcast of the same "
+        "bytes from GPU 0 to the others in the same run (--tp '' --cases staged --no-baselines "
+        "--no-floors for it alone)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
     p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
@@ -142,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         engine_tp=args.engine_tp,
         trainer_tps=_ints(args.trainer_tp, "--trainer-tp"),
         hosts=args.hosts,
+        fanout=args.fanout,
     )
 
 

@@ -40,6 +40,9 @@ class BenchConfig:
     hosts: int = 0
     """With N >= 1: also the hosts case on N GPUs as two hosts (``hosts.py``; CPU: two
     receivers)."""
+    fanout: int = 0
+    """With N >= 2: also the NCCL fan-out case, GPU 0 to a receiver on each of GPUs 0..N-1,
+    against one broadcast of the same bytes (``fanout.py``)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.cases) - set(CASES)
@@ -61,6 +64,8 @@ class BenchConfig:
                 f"--trainer-tp {bad[0] if bad else '(none)'}: give TP sizes that divide "
                 f"--gpus {self.gpus}"
             )
+        if self.fanout < 0 or self.fanout == 1:
+            raise ConfigError(f"--fanout {self.fanout}: give 2 or more GPUs, or 0 for none")
         if self.hosts and self.hosts % self.engine_tp:
             raise ConfigError(
                 f"--engine-tp {self.engine_tp}: give a TP size that divides --hosts {self.hosts}"

@@ -36,8 +36,6 @@ import torch
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
 from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
 
-FANOUT_FLOOR = "one broadcast"
-"""The fan-out case's floor: one broadcast of the model's bytes from GPU 0 to the others."""
 ALIGN = 256
 
 
@@ -73,7 +71,7 @@ class FanoutRun:
         return self.seconds / floor if floor else None
 
     def rows(self) -> list:
-        from weightsync.app.bench.report import FLOOR, WEIGHTSYNC, Row
+        from weightsync.app.bench.report import FLOOR, HOSTS_FLOOR, WEIGHTSYNC, Row
 
         placement = fanout_placement(self.receivers)
         routes = ", ".join(
@@ -84,7 +82,7 @@ class FanoutRun:
             rows.append(
                 Row(
                     FLOOR,
-                    FANOUT_FLOOR,
+                    HOSTS_FLOOR,
                     "nccl",
                     "one buffer",
                     placement,

@@ -19,7 +19,8 @@ FLAT = "flat copy"
 NODE_FLOOR = "every GPU its share"
 """The node case's floor: every GPU copying its share from its own memory at once."""
 HOSTS_FLOOR = "one broadcast"
-"""The hosts case's floor: one broadcast of the model's bytes between two GPUs."""
+"""The hosts case's floor: one broadcast of the model's bytes between two GPUs; the fan-out
+case's too, from GPU 0 to its other GPUs (its rows' placement starts with "fan-out")."""
 GB = 1e9
 
 
@@ -75,7 +76,7 @@ class Report:
             return self._find(FLOOR, "broadcast")
         if row.placement.startswith("node"):  # every GPU copying its share, in the same run
             return self._find(FLOOR, NODE_FLOOR, row.placement)
-        if row.placement.startswith("2 hosts"):
+        if row.placement.startswith(("2 hosts", "fan-out")):
             return self._find(FLOOR, HOSTS_FLOOR, row.placement)
         return self._find(FLOOR, D2D)
 
@@ -132,7 +133,9 @@ class Report:
                 add(f"{label}: x floor", x["x_floor"], 1.4, True)
             if r.name == "staged" and r.layout == "TP=2" and r.placement == SAME:
                 add(f"{label}: x floor", x["x_floor"], 2.3, True)
-            if r.transport == "nccl":
+            if r.placement.startswith("fan-out"):
+                add(f"{label}: x one broadcast (issue 32)", x["x_floor"], 1.2, True)
+            elif r.transport == "nccl":
                 add(f"{label}: x broadcast floor", x["x_floor"], 1.3, True)
                 add(f"{label}: x broadcast floor (issue 11)", x["x_floor"], 1.15, True)
             flat = self._find(FLOOR, FLAT)

@@ -2,8 +2,8 @@
 
 The calling process is the trainer: it holds the synthetic shards and publishes (each weightsync
 case: :mod:`.cases`). Receivers are long-lived worker processes (spawned), one on the trainer's
-device and, with two GPUs, one on the other GPU. After them, the node and hosts cases
-(:mod:`.node`, :mod:`.hosts`) run on workers of their own.
+device and, with two GPUs, one on the other GPU. After them, the node, hosts and fan-out
+cases (:mod:`.node`, :mod:`.hosts`, :mod:`.fanout`) run on workers of their own.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as tmp
 
-from weightsync.app.bench import baselines, floors, hosts, node
+from weightsync.app.bench import baselines, fanout, floors, hosts, node
 from weightsync.app.bench.cases import measure_case, mismatch_note
 from weightsync.app.bench.config import BenchConfig
 from weightsync.app.bench.host import check_memory, machine
@@ -177,6 +177,13 @@ def _run(cfg: BenchConfig, console) -> Report:
         )
         console.print(hosts.summary(hosts_run))
         report.rows.extend(hosts_run.rows())
+    if cfg.fanout:
+        console.print(f"fan-out: GPU 0 -> a receiver on each of GPUs 0..{cfg.fanout - 1}, nccl")
+        fanout_run = fanout.measure_fanout(
+            shape, cfg.fanout, cfg.versions, cfg.warmup, cfg.timeout_s, cfg.bucket_size_bytes
+        )
+        console.print(fanout.summary(fanout_run))
+        report.rows.extend(fanout_run.rows())
     if not cuda:
         notes.append("CPU mode: shm instead of cuda_ipc; direct, cross-GPU and nccl skipped")
     return report
