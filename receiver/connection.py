@@ -176,6 +176,7 @@ def receiver_hello(
     rank: int,
     receiver_id: str | None,
     transports: tuple[str, ...],
+    exports: bool = False,
 ) -> pb.ReceiverHello:
     """How a receiver on ``device`` introduces itself (default id: engine, pid, random); the
     connection fills in its :class:`WeightsState` at each registration."""
@@ -191,6 +192,7 @@ def receiver_hello(
         manifest_keys=True,
         batches=True,
         lanes=ClientSettings().lanes,
+        exports=exports,
     )
 
 
@@ -198,7 +200,8 @@ class GrpcConnection:
     """A Receive stream to the sender at ``address``, registered in the constructor.
 
     A pump thread moves announcements to the inbox and hands broadcast group joins to
-    ``on_join`` at once (the sender waits for the join, not for ``sync()``). When the sender
+    ``on_join`` and catch-up exports to ``on_export`` at once (the sender waits for them, not
+    for ``sync()``). When the sender
     goes away it queues :class:`SenderLost` and registers again by the same id, backing off,
     once no version is being written: every hello says what ``weights`` are.
 
@@ -212,13 +215,14 @@ class GrpcConnection:
         hello: pb.ReceiverHello,
         *,
         on_join: Callable[[pb.GroupJoin], None],
+        on_export: Callable[[pb.PackBucket], pb.BucketExported] | None = None,
         weights: WeightsState | None = None,
         connect_timeout_s: float = 10.0,
     ) -> None:
         self.address = address
         self._hello = hello
         self._weights = weights or WeightsState()
-        self._on_join = on_join
+        self._on_join, self._on_export = on_join, on_export
         self._connect_timeout_s = connect_timeout_s
         self._closed = threading.Event()
         self._channel: grpc.Channel | None = None
@@ -273,6 +277,8 @@ class GrpcConnection:
                         trace.mark("receiver.arrived", kind=item.WhichOneof("kind"))
                         if item.WhichOneof("kind") == "join":
                             self._on_join(item.join)
+                        elif item.WhichOneof("kind") == "export":
+                            self._export(item.export)
                         else:
                             self._inbox.put(kept.complete(item))
                 reason = "the sender ended the stream"
@@ -309,6 +315,16 @@ class GrpcConnection:
                 return
             backoff_s = 0.5
             log.warning("receiver %s registered again at %s", self.receiver_id, self.address)
+
+    def _export(self, export: pb.PackBucket) -> None:
+        if self._on_export is None:
+            error = pb.ErrorDetail(code="ProtocolError", message="this receiver does not export")
+            reply = pb.BucketExported(
+                version=export.version, index=export.layout.index, error=error
+            )
+        else:
+            reply = self._on_export(export)
+        self.send(pb.ReceiverMessage(exported=reply))
 
     def next(self, deadline: float | None, waiting_for: str, in_version: bool) -> pb.Announcement:
         return self._inbox.next(deadline, waiting_for, in_version)

@@ -35,6 +35,7 @@ from weightsync.receiver.connection import (
     WeightsState,
     receiver_hello,
 )
+from weightsync.receiver.exports import Exporter
 from weightsync.receiver.links import Link, as_weightsync_error, leave, open_link
 from weightsync.receiver.parts import refuse_split
 from weightsync.receiver.reader import VersionReads
@@ -119,13 +120,17 @@ class ReceiverCore(SeveralSenders):
         self._touched = False
         """Did any write of the version in flight reach the model? (``dirty`` on failure)"""
         trace.set_role("receiver")
+        # A catch-up source hands out whole versions: not one of a split version's parts.
+        exports = target.exports and len(self.addresses) == 1
         hello = receiver_hello(
             target.device,
             engine=engine,
             rank=rank,
             receiver_id=receiver_id,
             transports=transports,
+            exports=exports,
         )
+        exporter = Exporter(target, self._weights, self._load_lock) if exports else None
         self._links: list[Link] = []
         try:
             for i, where in enumerate(self.addresses):
@@ -139,6 +144,7 @@ class ReceiverCore(SeveralSenders):
                         verify_checksums,
                         self._weights,
                         connect_timeout_s,
+                        exporter,
                     )
                 )
         except BaseException:

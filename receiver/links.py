@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from weightsync.errors import WeightSyncError
 from weightsync.receiver.broadcast import BroadcastReceiver
 from weightsync.receiver.connection import Connection, GrpcConnection, WeightsState
+from weightsync.receiver.exports import Exporter
 from weightsync.receiver.reader import BucketReader
 from weightsync.receiver.target import WeightTarget
 from weightsync.v1 import weightsync_pb2 as pb
@@ -74,6 +75,7 @@ def open_link(
     verify_checksums: bool,
     weights: WeightsState,
     connect_timeout_s: float,
+    exporter: Exporter | None = None,
 ) -> Link:
     """Register with the sender at ``address`` (or use ``connection``) and make what reads
     its buckets into ``target``'s device."""
@@ -87,6 +89,7 @@ def open_link(
             # Joined from the connection's thread: the sender waits for every member
             # before a version's first broadcast, and must not wait for sync().
             on_join=broadcast.join,
+            on_export=exporter,
             weights=weights,
             connect_timeout_s=connect_timeout_s,
         )

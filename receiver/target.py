@@ -177,6 +177,15 @@ class WeightTarget(ABC):
             ManifestMismatchError: a shape or dtype differing from the live parameter.
         """
 
+    exports: ClassVar[bool] = False
+    """It can hand out what it applied (:meth:`held`): a catch-up source (``exports.py``)."""
+
+    def held(self, name: str) -> torch.Tensor | None:
+        """Tensor ``name`` of the version last committed, exactly as it arrived (whole, the
+        manifest's shape and dtype), for a catch-up; None where it is not held so (an engine
+        that processes or shards what it loads)."""
+        return None
+
     def keeps(self) -> Mapping[str, Box]:
         """After :meth:`validate`: the tensors of that manifest this rank keeps only a box of
         (an engine TP rank's shard, as its loaders slice them), declared to the sender. A
@@ -209,6 +218,7 @@ class InPlaceTarget(WeightTarget):
     batched (:class:`Batches`), with its checksum taken in the same launch where it can."""
 
     chunks_in_place = True
+    exports = True
     _batches: Batches | None = None
     """Set on first use (subclasses need not call ``__init__``)."""
 
@@ -219,6 +229,9 @@ class InPlaceTarget(WeightTarget):
         Raises:
             NameResolutionError: the model has no such tensor (the message names it).
         """
+
+    def held(self, name: str) -> torch.Tensor | None:
+        return None if name in self.keeps() else self.live_tensor(name)
 
     def check_shapes(self, manifest: VersionManifest) -> None:
         """Every manifest tensor against its live tensor.

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from weightsync.buckets import Bucket
 from weightsync.checksum import ALGORITHM, finish_all
-from weightsync.errors import TransportError
+from weightsync.errors import TransportError, WeightSyncError
 from weightsync.sender.planner import BROADCAST, MAP
 from weightsync.sender.records import Outcome, ReceiverConn
 from weightsync.sender.slices import SliceGroup
@@ -38,7 +38,7 @@ def open_version(version: Version, start: Message) -> None:
     """Address ``version`` to every connected receiver, each with its ``start``; one that
     cannot open the staging transport fails at once."""
     for conn in version.shared.registry.receivers():
-        if not conn.connected:
+        if not conn.connected or (version.audience and conn.receiver_id not in version.audience):
             continue
         outcome = version.outcomes[conn.receiver_id] = Outcome()
         if conn.data_path == MAP and conn.transports and version.transport not in conn.transports:
@@ -169,7 +169,7 @@ def packed_bucket(version: Version, layout: pb.BucketLayout, slot: Slot, group_i
 
 def end_message(version: Version) -> pb.Announcement:
     """The end, with the checksum of every bucket sent: receivers commit after checking
-    theirs."""
+    theirs. A catch-up's must be those published (WeightSyncError: its source's bytes differ)."""
     sent = [s.bucket for s in sends(version)]
     values = dict(
         zip(
@@ -180,6 +180,14 @@ def end_message(version: Version) -> pb.Announcement:
     )
     # By index; 0 for the staged buckets nobody took (every receiver in a slice group).
     checksums = [values.get(i, 0) for i in range(max(values, default=-1) + 1)]
+    differ = [i for i, s in enumerate(version.expect_checksums) if s and s != checksums[i]]
+    if differ:
+        raise WeightSyncError(
+            f"catch-up of version {version.version}: bucket {differ[0]} from its source differs "
+            f"from the version as published (checksum {checksums[differ[0]]:#x}, published "
+            f"{version.expect_checksums[differ[0]]:#x}); not applied"
+        )
+    version.checksums = checksums
     return pb.Announcement(
         end=pb.VersionEnd(
             version=version.version, checksum_algorithm=ALGORITHM, checksums=checksums

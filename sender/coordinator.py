@@ -4,19 +4,17 @@ The parts, each given what it uses:
 
 - :class:`~weightsync.sender.registry.Registry`: who is connected, ``Status``;
 - :class:`~weightsync.sender.history.VersionHistory`: the last versions, ``WaitApplied``;
-- :class:`~weightsync.sender.outcomes.Outcomes`: receivers' replies, each to its version, and
-  their failures across versions;
+- :class:`~weightsync.sender.outcomes.Outcomes`: receivers' replies, failures across versions;
+- :class:`~weightsync.sender.catch_ups.CatchUps`: late receivers, from their nearest copy;
 - :class:`~weightsync.sender.slots.SlotPool`: the staging buffers;
 - :func:`~weightsync.sender.planner.plan_version`: how a version travels (pure);
-- :class:`~weightsync.sender.version.Version`: one planned version, which takes its receivers'
-  replies;
+- :class:`~weightsync.sender.version.Version`: one planned version, taking its replies;
 - :class:`~weightsync.sender.driver.VersionDriver`: runs each version, one at a time;
 - :class:`~weightsync.sender.broadcast.SenderBroadcast`: the broadcast data path.
 
-One lock (an ``RLock`` condition) guards all state; the coordinator makes it and hands it to
-each part (every version gets it with the rest of :class:`~weightsync.sender.outcomes.Shared`).
-A monitor thread fails receivers that owe a reply past ``ack_timeout_s``, so a dead or stalled
-receiver never blocks the others.
+One lock (an ``RLock`` condition) guards all state, handed to each part (to versions in
+:class:`~weightsync.sender.outcomes.Shared`). A monitor thread fails receivers that owe a reply
+past ``ack_timeout_s`` (a dead one never blocks the others) and starts catch-ups.
 """
 
 from __future__ import annotations
@@ -32,11 +30,12 @@ import torch
 
 from weightsync import gc_pause, limits, trace
 from weightsync.config import SenderSettings
-from weightsync.errors import ConfigError, ReplacedError, TransportError, WeightSyncError
+from weightsync.errors import ConfigError, ReplacedError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.memo import Memo
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.broadcast import SenderBroadcast
+from weightsync.sender.catch_ups import CatchUps
 from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.hellos import check_publisher_hello, check_receiver_hello
@@ -74,13 +73,13 @@ class Coordinator:
         self.history = VersionHistory(self._cond, settings.history)
         self.registry = Registry(self._cond, settings, metrics, self.history, host_id())
         self._shared = Shared(self._cond, settings, metrics, slots, self.registry, deque())
-        self._outcomes = Outcomes(self._shared, self.history)
+        self._catch_ups = CatchUps(self._shared, self.history)
+        self._outcomes = Outcomes(self._shared, self.history, self._catch_ups)
         self._broadcast = SenderBroadcast(
             settings.broadcast_host, settings.ack_timeout_s, self._cond, self.registry
         )
         self._driver = VersionDriver(self._shared, self._broadcast)
-        self._joining: dict[tuple[str, int], _Joining] = {}
-        """By (publisher id, version)."""
+        self._joining: dict[tuple[str, int], _Joining] = {}  # by (publisher id, version)
         # Caches; each says its key and what invalidates it.
         self._manifests = ManifestCache()
         """Parsed manifests by their bytes without the version; cleared when 16 are held."""
@@ -188,16 +187,9 @@ class Coordinator:
             run.gc_hold = hold
             del self._joining[key]
             self.history.add_run(run)
+            self._catch_ups.planned(run, device)
             trace.mark("sender.planned", version=run.version)
-        try:
-            self._driver.start(run, device)
-        except TransportError as e:
-            with self._cond:
-                run.abort(error_to_pb(e))
-        except Exception as e:
-            log.exception("version %d: the driver did not start", run.version)
-            with self._cond:
-                run.abort(error_to_pb(WeightSyncError(f"{type(e).__name__}: {e}")))
+        self._driver.launch(run, device)
         return run, conn
 
     def _abandon_joining(self, key: tuple[str, int], failed: RankConn, error: BaseException):
@@ -314,9 +306,9 @@ class Coordinator:
     # ---- receivers and queries ----
 
     def add_receiver(self, hello: pb.ReceiverHello) -> ReceiverConn:
-        """Register a receiver (ConfigError naming the field for a bad hello; any other
-        exception becomes a ConfigError too, and registers nothing). An id already connected
-        is taken over: its old stream ends (ReplacedError) and fails what it owed."""
+        """Register a receiver (ConfigError naming the field; nothing registered) and start
+        its catch-up if it is behind. An id already connected is taken over: its old stream
+        ends (ReplacedError) and fails what it owed."""
         check_receiver_hello(hello)
         with (
             refused(
@@ -336,7 +328,11 @@ class Coordinator:
                     )
                 )
                 self._outcomes.receiver_left(old, "replaced: its id registered again")
-            return self.registry.add_receiver(hello)
+            conn = self.registry.add_receiver(hello)
+            catch_up = self._catch_ups.joined(conn)
+        if catch_up is not None:
+            self._driver.launch(*catch_up)
+        return conn
 
     def receiver_gone(self, conn: ReceiverConn, why: str) -> None:
         self._outcomes.receiver_left(conn, why)
@@ -349,6 +345,8 @@ class Coordinator:
         ``limits.STATUS_REPLY_BUDGET_BYTES`` (every string in it is bounded, this bounds
         their count)."""
         reply = self.registry.status()
+        with self._cond:
+            reply.catch_ups.extend(self._catch_ups.statuses())
         while reply.versions and reply.ByteSize() > limits.STATUS_REPLY_BUDGET_BYTES:
             del reply.versions[: max(1, len(reply.versions) // 4)]
         return reply
@@ -379,6 +377,10 @@ class Coordinator:
             run, abandoned = self._shared.finished.popleft()
             line = log_line(run, abandoned)
             log.info("%s", line.message, extra=line.extra)
+            with self._cond:
+                catch_ups = self._catch_ups.finished(run)
+            for catch_up in catch_ups:
+                self._driver.launch(*catch_up)
 
     def close(self) -> None:
         self._stop.set()

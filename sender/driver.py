@@ -97,6 +97,18 @@ class VersionDriver:
             else:
                 item.made(sends)
 
+    def launch(self, version: Version, device: torch.device) -> None:
+        """:meth:`start` (lock not held); a version that cannot start fails."""
+        try:
+            self.start(version, device)
+        except TransportError as e:
+            with self._cond:
+                version.abort(error_to_pb(e))
+        except Exception as e:
+            log.exception("version %d: the driver did not start", version.version)
+            with self._cond:
+                version.abort(error_to_pb(WeightSyncError(f"{type(e).__name__}: {e}")))
+
     def close(self) -> None:
         """The driver thread ends after the version it runs; later versions fail to start."""
         with self._lock:
@@ -183,9 +195,10 @@ class VersionDriver:
     ) -> None:
         """The bucket in ``slot`` is packed (queued, on CUDA): queue its checksum (unless the
         pack took it: ``sums``) and, on CUDA, record the event receivers' reads wait for."""
-        version.sums[bucket.index] = (
-            sums if sums is not None else row_sums(slot.buffer.tensor, bucket.nbytes)
-        )
+        if sums is None:
+            bucket.zero_gaps(slot.buffer.tensor)  # its bytes depend on its tensors alone
+            sums = row_sums(slot.buffer.tensor, bucket.nbytes)
+        version.sums[bucket.index] = sums
         if slot.packed_event is not None:
             slot.packed_event[0].record(torch.cuda.current_stream(device))
         trace.mark("sender.checksum_queued", index=bucket.index)

@@ -27,6 +27,7 @@ from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import boxes_from_pb, check_boxes, error_to_pb
 
 if TYPE_CHECKING:
+    from weightsync.sender.catch_ups import CatchUps
     from weightsync.sender.version import Version
 
 log = logging.getLogger("weightsync.sender")
@@ -51,11 +52,14 @@ class Shared(NamedTuple):
 
 
 class Outcomes:
-    """Takes each receiver's replies to the versions of ``history`` and fails it in every one
-    it leaves."""
+    """Takes each receiver's replies to the versions of ``history`` and to its catch-up, and
+    fails it in every one it leaves."""
 
-    def __init__(self, shared: Shared, history: VersionHistory) -> None:
-        self._shared, self._history = shared, history
+    def __init__(self, shared: Shared, history: VersionHistory, catch_ups: CatchUps) -> None:
+        self._shared, self._history, self._catch_ups = shared, history, catch_ups
+
+    def _runs(self) -> list[Version]:
+        return [*self._history.runs(), *self._catch_ups.runs()]
 
     def on_receiver_message(self, conn: ReceiverConn, msg: pb.ReceiverMessage) -> None:
         """A reply to the version it names; one for a version no longer kept changes
@@ -64,7 +68,11 @@ class Outcomes:
         body = getattr(msg, kind)
         trace.mark(f"sender.{kind}", receiver=conn.receiver_id, index=getattr(body, "index", -1))
         with self._shared.cond:
-            version = self._history.run_of(body.version)
+            if kind == "exported":
+                self._catch_ups.exported(conn, body)
+                return
+            version = self._catch_ups.run_for(conn.receiver_id, body.version)
+            version = version or self._history.run_of(body.version)
             if version is None:
                 return
             if kind == "verdict":
@@ -81,8 +89,9 @@ class Outcomes:
             was = self._shared.registry.disconnect(conn)
             if was is None:
                 return
+            self._catch_ups.source_left(conn)
             failed = []
-            for version in self._history.runs():
+            for version in self._runs():
                 if conn.receiver_id in version.active():
                     failed.append(version.version)
                     version.fail(conn.receiver_id, ProtocolError(f"receiver {why}"))
@@ -108,7 +117,7 @@ class Outcomes:
         (lock held): a deaf receiver would cost every later version the same wait, one that
         still listens registers again."""
         timeout_s = self._shared.settings.ack_timeout_s
-        for version in self._history.runs():
+        for version in self._runs():
             for rid, outcome in list(version.outcomes.items()):
                 if outcome.overdue(now):
                     owed = ", ".join(sorted(outcome.awaiting))
@@ -127,7 +136,7 @@ class Outcomes:
     def close(self) -> None:
         """Abandon unfinished versions (the sender shuts down)."""
         with self._shared.cond:
-            for version in self._history.runs():
+            for version in self._runs():
                 if not version.done:
                     version.abort(error_to_pb(TransportError("the sender is shutting down")))
 

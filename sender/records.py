@@ -69,6 +69,11 @@ class ReceiverConn:
     """Bytes of its last accepted version it keeps."""
     lane: bool = False
     """Its stream moved to a same-host lane (``weightsync/control/lanes.py``)."""
+    exports: bool = False
+    """It can be a catch-up source (``ReceiverHello.exports``; ``catch_ups.py``)."""
+    catch_up: str = ""
+    """Its catch-up, or why it waits for the next version (``ReceiverStatus.catch_up``)."""
+    registered_mono: float = field(default_factory=time.monotonic)
     held: list[pb.Announcement] | None = None
     """Announcements held to go out as one batch (:meth:`Registry.together`)."""
     counted: object = field(default=None, repr=False)
@@ -95,7 +100,7 @@ class ReceiverConn:
         self.last_error = error
 
     def applied(self, version: int) -> None:
-        self.applied_version, self.last_error = version, ""
+        self.applied_version, self.last_error, self.catch_up = version, "", ""
         self.state, self.dirty = ReceiverState.IDLE, False
 
     def failed_writing(self, error: str) -> None:

@@ -86,7 +86,7 @@ class Registry:
             )
             conn.applied_version, conn.dirty = hello.applied_version, hello.dirty
             conn.layout_keys, conn.manifest_keys = hello.layout_keys, hello.manifest_keys
-            conn.batches = hello.batches
+            conn.batches, conn.exports = hello.batches, hello.exports
             conn.state = ReceiverState.DIRTY if hello.dirty else ReceiverState.IDLE
             conn.data_path = data_paths([conn], self._settings.transport, self.staging_uuid)[rid]
             self._receivers[rid] = conn
@@ -266,6 +266,7 @@ class Registry:
                         data_path=c.data_path,
                         kept_bytes=c.kept_bytes,
                         lane=c.lane,
+                        catch_up=c.catch_up,
                     )
                     for c in sorted(self._receivers.values(), key=lambda c: c.receiver_id)
                 ],

@@ -4,15 +4,14 @@
 it to the receivers), then per bucket: claim a staging slot, pack, queue its checksum, announce
 (and broadcast); then the end; then, once no receiver reads the publishers' memory, staged.
 The receivers' replies arrive on their streams' threads (:meth:`~Version.on_verdict`,
-:meth:`~Version.on_ack`, :meth:`~Version.on_applied`) and move it on: an ack frees a slot, the
-last direct read stages it, the last receiver to finish ends it. A receiver fails alone
+:meth:`~Version.on_ack`, :meth:`~Version.on_applied`) and move it on. A receiver fails alone
 (:meth:`~Version.fail`); the version fails whole when abandoned (:meth:`~Version.abort`) or
-when every receiver failed.
+when every receiver failed. A catch-up (``catch_ups.py``) is a version too.
 
-Nothing waits for the GPU per bucket: on CUDA, packing, checksums, broadcasts and the
-receivers' reads are ordered by streams and interprocess events, and the version waits once,
-at its end. The steps of :meth:`~Version.run` take the sender's lock (``Shared.cond``) for what
-they change; the replies and the transitions are called with it held.
+Nothing waits for the GPU per bucket: packing, checksums, broadcasts and the receivers' reads
+are ordered by streams and interprocess events; the version waits once, at its end. The steps
+take the sender's lock (``Shared.cond``) for what they change; replies and transitions are
+called with it held.
 """
 
 from __future__ import annotations
@@ -55,6 +54,7 @@ from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 
 if TYPE_CHECKING:
+    from weightsync.sender.catch_ups import Retained
     from weightsync.sender.driver import VersionDriver
 
 
@@ -78,8 +78,7 @@ class Version:
     route_bytes: Mapping[str, int] = field(default_factory=dict)
     """Bytes the receivers take by each route (``planner.ROUTES``), as planned."""
     slices: tuple[SliceGroup, ...] = ()
-    """Broadcast receivers that get buckets of the boxes they keep instead of the staged
-    buckets (``slices.py``)."""
+    """Broadcast receivers that get buckets of their boxes, not the staged ones (``slices.py``)."""
     manifest_key: bytes = b""
     """An id of the manifest without its version (``VersionStart.manifest_key``)."""
     direct_readers: set[str] = field(default_factory=set)
@@ -88,8 +87,7 @@ class Version:
     """Each staged bucket's checksum reduction, queued behind its packing (finished at end)."""
     outcomes: dict[str, Outcome] = field(default_factory=dict)
     started_at: float = field(default_factory=time.time)
-    started_mono: float = field(default_factory=time.monotonic)
-    """When its last rank joined, before it was planned."""
+    started_mono: float = field(default_factory=time.monotonic)  # its last rank joined
     plan_s: float = 0.0
     staged_s: float = 0.0
     complete_s: float = 0.0
@@ -98,6 +96,14 @@ class Version:
     """Why the version was abandoned, when it was (Status shows it)."""
     gc_hold: gc_pause.Hold | None = field(default=None, repr=False, compare=False)
     """The garbage collector's pause from planning to the version's end (``gc_pause``)."""
+    audience: frozenset[str] | None = None
+    """The receivers it is addressed to (a catch-up's late receiver); None: every one."""
+    expect_checksums: Sequence[int] = ()
+    """A catch-up of the buckets as published: the checksums its source's bytes must have."""
+    checksums: Sequence[int] = ()
+    """Every bucket's checksum, as its end sent them (``end_message``)."""
+    retained: Retained | None = field(default=None, repr=False, compare=False)
+    """Its staged buckets copied to host memory as packed (``--retain-mb``)."""
 
     @property
     def version(self) -> int:
@@ -145,6 +151,8 @@ class Version:
                     continue  # a slot freed first: it gets the next bucket
                 issued.popleft()
                 driver.packed(self, send.bucket, slot, device, sums)
+                if self.retained is not None and send.group is None:
+                    self.retained.keep(send.bucket.index, slot.buffer.tensor[: send.bucket.nbytes])
                 members = self._announce(driver, slot, send)
                 if members:
                     driver.broadcast.send(self, slot, send.bucket.nbytes, members)
@@ -218,10 +226,9 @@ class Version:
         address(self, "applied", lambda _: end)
 
     def _all_sent(self) -> None:
-        """Every bucket and the end are sent: the version is staged once no receiver still
-        reads direct tensors from the publishers' memory (which must not change until then).
-        The last such read's ack, or the failure of its receiver, stages it where it arrives:
-        waking the driver for it cost latency."""
+        """Every bucket and the end are sent: staged once no receiver still reads direct
+        tensors from the publishers' memory; the last such read's ack (or its receiver's
+        failure) stages it where it arrives (waking the driver for it cost latency)."""
         with self.shared.cond:
             if self.done:
                 raise RunAborted()
@@ -232,10 +239,8 @@ class Version:
         self, issued: deque[tuple[Send, Slot]], device: torch.device, packs: PublisherPacks | None
     ) -> None:
         """The version ended early, every receiver having failed: the publishers are told at
-        once (``staged``, and ``done`` when they wait for it) instead of packing buckets
-        nobody reads, once nothing of theirs is being read or written: the sender's copies
-        from their memory are finished, the buckets they were asked to pack are packed
-        (:meth:`PublisherPacks.settle`)."""
+        once (``staged``; ``done`` when they wait for it), once nothing of theirs is read or
+        written (:meth:`PublisherPacks.settle`)."""
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
         with self.shared.cond:
@@ -247,8 +252,7 @@ class Version:
     # ---- the receivers' replies ----
 
     def on_verdict(self, conn: ReceiverConn, verdict: pb.ManifestVerdict) -> None:
-        """The receiver checked the manifest: it takes part, declaring the boxes it keeps, or
-        it rejected the version before writing anything."""
+        """It takes part, declaring the boxes it keeps, or rejected it before any write."""
         if self._owed(conn, "verdict") is None:
             return
         if not verdict.accepted:
@@ -296,8 +300,7 @@ class Version:
         self._moved()
 
     def _owed(self, conn: ReceiverConn, what: str) -> Outcome | None:
-        """The receiver's outcome, ``what`` no longer owed; None for a late reply (it already
-        left the version), which changes nothing."""
+        """The receiver's outcome, ``what`` no longer owed; None for a late reply."""
         outcome = self.outcomes.get(conn.receiver_id)
         if outcome is None or outcome.state != OutcomeState.PENDING:
             return None
@@ -305,7 +308,7 @@ class Version:
         return outcome
 
     def _moved(self) -> None:
-        """A receiver moved on: the version may be staged or over now; waiters wake."""
+        """A receiver moved on: the version may be staged or over; waiters wake."""
         self.reads_done()
         self.maybe_complete()
         self.shared.cond.notify_all()
@@ -385,8 +388,7 @@ class Version:
 
     def _over(self, state: VersionState, why: str = "") -> None:
         """The version is over (``why``: it was abandoned). A staged one's publishers hear
-        ``done`` now (an earlier end told them already: the error, or ``staged`` and ``done``
-        once the driver stopped); the collector may run again; its log line is due."""
+        ``done`` now (an earlier end told them already); its log line is due."""
         staged = self.state == VersionState.STAGED
         self.complete_s = time.monotonic() - self.started_mono
         self.state = state

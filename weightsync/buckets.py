@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -101,6 +102,26 @@ class Bucket:
     nbytes: int
     """Bytes used, rounded up to the alignment (what the checksum covers)."""
     is_last: bool
+
+    @cached_property
+    def gaps(self) -> torch.Tensor:
+        """The offsets of the bytes in ``[0, nbytes)`` no entry covers (alignment padding),
+        for one ``index_fill_``: a packer that writes only its entries zeroes them, so the
+        bucket's bytes, and its checksum, depend on its tensors alone (a catch-up compares
+        them with the version as published)."""
+        ranges, at = [], 0
+        for entry in sorted(self.entries, key=lambda e: e.offset):
+            if entry.offset > at:
+                ranges.append(torch.arange(at, entry.offset))
+            at = max(at, entry.offset + entry.nbytes)
+        if self.nbytes > at:
+            ranges.append(torch.arange(at, self.nbytes))
+        return torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
+
+    def zero_gaps(self, buffer: torch.Tensor) -> None:
+        """Zero the padding of this bucket in ``buffer`` (:attr:`gaps`)."""
+        if len(self.gaps):
+            buffer.index_fill_(0, self.gaps.to(buffer.device, non_blocking=True), 0)
 
 
 @dataclass(frozen=True)

@@ -143,6 +143,7 @@ class SenderSettings(_Settings):
         "max_disconnected_receivers": "an integer >= 0 (default 256)",
         "max_streams": "an integer >= 1 (default 1024)",
         "hello_timeout_s": "a number of seconds > 0 (default 10)",
+        "retain_bytes": "a number of bytes >= 0 (default 0: retain nothing)",
         **_SECURITY_ACCEPTED,
         "tls_ca": "a readable PEM file of the CA that signs client certificates (then every "
         "client must present one)",
@@ -200,6 +201,13 @@ class SenderSettings(_Settings):
         gt=0,
         description="a Publish/Receive stream whose hello has not arrived this long after it "
         "opened is closed (DEADLINE_EXCEEDED): a mute stream holds a thread and a stream slot",
+    )
+    retain_bytes: int = Field(
+        0,
+        ge=0,
+        description="keep the last version applied in host memory, when its staged bytes fit, "
+        "so a receiver that registers behind it catches up even when no engine holds it "
+        "(0: retain nothing; engines that hold it are the sources first)",
     )
     token: SecretStr | None = Field(
         None, description="shared secret every client must send (authorization: Bearer)"

@@ -272,7 +272,7 @@ def check_receiver_message(msg: pb.ReceiverMessage) -> str:
         ConfigError: no kind is set, or a field is past its bound.
         ProtocolError: a second hello.
     """
-    kind = _kind_after_hello(msg, "Receive", "verdict, ack or applied", "register again")
+    kind = _kind_after_hello(msg, "Receive", "verdict, ack, applied or exported", "register again")
     body = getattr(msg, kind)
     if kind == "ack" and len(body.read_event) > MAX_HANDLE_BYTES:
         raise ConfigError(

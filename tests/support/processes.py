@@ -88,14 +88,14 @@ def sender_process(
     return proc
 
 
-def _receiver_main(address, rid, seed, syncs, die_on_version, ready, out, env):
+def _receiver_main(address, rid, seed, syncs, die_on_version, ready, out, env, model_of):
     import os
 
     os.environ.update(env)
     from weightsync.errors import WeightSyncError
     from weightsync.receiver import TorchReceiver
 
-    model = TinyNet(seed)
+    model = model_of(seed)
     receiver = TorchReceiver(model, address, receiver_id=rid)
     if die_on_version:
         load = receiver.target.load
@@ -130,16 +130,19 @@ def start_receivers(
     syncs: int,
     die_on_version: dict | None = None,
     env: dict | None = None,
+    model_of=TinyNet,
+    out=None,
 ):
-    """Start one process per id, each holding a ``TinyNet`` and syncing ``syncs`` times;
-    returns (processes, out queue of ``Outcome``) once all registered.
+    """Start one process per id, each holding a ``model_of(seed)`` (a ``TinyNet``) and syncing
+    ``syncs`` times; returns (processes, out queue of ``Outcome``) once all registered
+    (``out``: an earlier call's queue, shared).
 
     ``die_on_version`` maps a receiver id to a version its process exits (code 3) in, after
     that version's first bucket arrived. ``env`` maps a receiver id to environment variables
     set in its process.
     """
     ctx = mp.get_context("spawn")
-    ready, out = ctx.Queue(), ctx.Queue()
+    ready, out = ctx.Queue(), out or ctx.Queue()
     procs = []
     for i, rid in enumerate(ids):
         p = ctx.Process(
@@ -154,6 +157,7 @@ def start_receivers(
                 ready,
                 out,
                 (env or {}).get(rid, {}),
+                model_of,
             ),
         )
         p.start()

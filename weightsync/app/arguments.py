@@ -54,6 +54,7 @@ mib = checked(int, lambda v: v > 0, "a positive whole number of MiB (default 512
 buffers = checked(int, lambda v: v >= 2, SenderSettings.ACCEPTED["num_buffers"])
 seconds = checked(float, lambda v: v > 0, "a number of seconds > 0")
 port = checked(int, lambda v: 0 <= v <= 65535, SenderSettings.ACCEPTED["metrics_port"])
+megabytes = checked(int, lambda v: v >= 0, "a whole number of MiB >= 0")
 streams = checked(int, lambda v: v >= 1, SenderSettings.ACCEPTED["max_streams"])
 
 

@@ -74,6 +74,15 @@ def add_sender_args(p: argparse.ArgumentParser) -> None:
         "(default 10; WEIGHTSYNC_HELLO_TIMEOUT_S)",
     )
     p.add_argument(
+        "--retain-mb",
+        type=arguments.megabytes,
+        default=None,
+        help="keep the last version applied in host memory (when its staged bytes fit in "
+        "this many MiB) so a receiver that registers behind it catches up even when no "
+        "engine holds it; engines that applied it are the sources first (default 0: retain "
+        "nothing; WEIGHTSYNC_RETAIN_BYTES)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=arguments.port,
         default=None,
@@ -139,6 +148,7 @@ def _sender_settings(args: argparse.Namespace) -> dict:
         "ack_timeout_s": args.ack_timeout_s,
         "max_streams": args.max_streams,
         "hello_timeout_s": args.hello_timeout_s,
+        "retain_bytes": None if args.retain_mb is None else args.retain_mb * MIB,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "broadcast_host": args.broadcast_host,

@@ -1,0 +1,203 @@
+"""Issue 33: a receiver that registers behind the current version (a late engine, one killed
+and restarted under its id) gets that version, exactly, without a new publish: from an engine
+that applied it, else from the sender's retained copy (``--retain-mb``), else it says why it
+waits and takes the next version.
+
+Every part is a real process but the publisher: the ``weightsync-sender`` CLI and each
+receiver (``tests.support.processes``). A version is four 1 MiB buckets (``fault_model``).
+After each publish the trainer's tensors change in place, as training changes them: a
+catch-up that read the trainer's memory would apply the wrong bytes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from tests.support.models import digests, step
+from tests.support.processes import (
+    fault_model,
+    next_outcomes,
+    sender_process,
+    start_receivers,
+    stop_children,
+)
+from tests.support.waiting import wait_until
+from weightsync.sender import Publisher
+
+
+class Job:
+    """A sender process, receiver processes, and an in-process trainer that publishes."""
+
+    def __init__(self, sock_dir: str, env: dict[str, str] | None = None) -> None:
+        self.address = f"unix:{sock_dir}/s.sock"
+        self.sender = sender_process(self.address, env)
+        self.publisher = Publisher(self.address)
+        self.trainer = fault_model(0)
+        self.expected: dict[int, dict[str, str]] = {}
+        self.procs: dict[str, object] = {}
+        self.out = None
+
+    def start(self, *rids: str, syncs: int = 3) -> None:
+        procs, self.out = start_receivers(
+            self.address, list(rids), syncs, model_of=fault_model, out=self.out
+        )
+        self.procs.update(zip(rids, procs, strict=True))
+
+    def publish(self, version: int) -> None:
+        step(self.trainer, version)
+        self.publisher.publish(self.trainer.state_dict(), version, wait=True, timeout_s=60)
+        self.expected[version] = digests(self.trainer)
+        step(self.trainer, 10_000 + version)  # training goes on in place: not a source now
+
+    def outcomes(self, count: int):
+        return next_outcomes(self.out, count)
+
+    def kill(self, rid: str) -> None:
+        proc = self.procs.pop(rid)
+        proc.kill()
+        proc.join(30)
+
+    def catch_ups(self):
+        return list(self.publisher.status().catch_ups)
+
+    def receiver(self, rid: str):
+        return next(r for r in self.publisher.status().receivers if r.receiver_id == rid)
+
+    def close(self) -> None:
+        self.publisher.close()
+        stop_children(list(self.procs.values()), [self.sender])
+
+
+@pytest.fixture
+def job(sock_dir):
+    made: list[Job] = []
+
+    def make(env: dict[str, str] | None = None) -> Job:
+        made.append(Job(sock_dir, env))
+        return made[-1]
+
+    yield make
+    for j in made:
+        j.close()
+
+
+def _applied(job: Job, outcome, version: int) -> None:
+    assert (outcome.state, outcome.version) == ("applied", version), outcome.error
+    assert outcome.digests == job.expected[version], f"{outcome.receiver_id} differs"
+
+
+def test_a_late_receiver_catches_up_from_a_peer_engine(job):
+    j = job()
+    j.start("r0")
+    j.publish(1)
+    (first,) = j.outcomes(1)
+    _applied(j, first, 1)
+    j.start("late")
+    (caught,) = j.outcomes(1)
+    _applied(j, caught, 1)
+    (record,) = j.catch_ups()
+    assert (record.receiver_id, record.version, record.source, record.state) == (
+        "late",
+        1,
+        "receiver r0",
+        "complete",
+    )
+    assert record.bytes == sum(
+        t.numel() * t.element_size() for t in j.trainer.state_dict().values()
+    )
+    assert record.complete_s > 0
+    j.publish(2)
+    for outcome in j.outcomes(2):
+        _applied(j, outcome, 2)
+
+
+def test_a_receiver_killed_and_restarted_under_its_id_catches_up(job):
+    j = job()
+    j.start("r0", "r1")
+    j.publish(1)
+    for outcome in j.outcomes(2):
+        _applied(j, outcome, 1)
+    j.kill("r1")
+    j.start("r1")
+    (caught,) = j.outcomes(1)
+    assert caught.receiver_id == "r1"
+    _applied(j, caught, 1)
+    assert [(c.receiver_id, c.source) for c in j.catch_ups()] == [("r1", "receiver r0")]
+    j.publish(2)
+    for outcome in j.outcomes(2):
+        _applied(j, outcome, 2)
+
+
+def test_a_catch_up_racing_a_new_version_applies_each_exactly(job):
+    """The late receiver registers while the next version is being published: it applies the
+    catch-up and then that version, or that version alone, each bit-exact; never a mix."""
+    j = job()
+    j.start("r0", syncs=4)
+    j.publish(1)
+    _applied(j, *j.outcomes(1), 1)
+    racing = threading.Thread(target=j.publish, args=(2,))
+    racing.start()
+    j.start("late", syncs=4)
+    racing.join(60)
+    got = j.outcomes(2)
+    late = [o for o in got if o.receiver_id == "late"]
+    _applied(j, next(o for o in got if o.receiver_id == "r0"), 2)
+    if late[0].version == 1:  # it caught up before version 2 reached it
+        _applied(j, late[0], 1)
+        (late2,) = j.outcomes(1)
+        _applied(j, late2, 2)
+    else:
+        _applied(j, late[0], 2)
+    j.publish(3)
+    for outcome in j.outcomes(2):
+        _applied(j, outcome, 3)
+
+
+def test_with_no_engine_holding_the_version_and_nothing_retained_it_waits_saying_why(job):
+    """The job's only engine restarts: nobody holds version 1, the sender retains nothing."""
+    j = job()
+    j.start("only")
+    j.publish(1)
+    _applied(j, *j.outcomes(1), 1)
+    j.kill("only")
+    j.start("only")
+    wait_until(lambda: j.receiver("only").catch_up, 30, "the restarted receiver's catch_up")
+    assert j.receiver("only").catch_up == (
+        "waits for the next version: no receiver that applied version 1 can hand it out (none "
+        "said `exports` and keeps every tensor whole) and the sender retains no copy of it "
+        "(weightsync-sender --retain-mb)"
+    )
+    assert j.catch_ups() == []
+    j.publish(2)
+    (outcome,) = j.outcomes(1)
+    _applied(j, outcome, 2)  # its first version: nothing came before the next publish
+    assert j.receiver("only").catch_up == ""
+
+
+def test_with_retain_the_sender_is_the_source_when_no_engine_holds_the_version(job):
+    j = job({"WEIGHTSYNC_RETAIN_BYTES": str(8 << 20)})
+    j.start("only")
+    j.publish(1)
+    _applied(j, *j.outcomes(1), 1)
+    j.kill("only")
+    j.start("only")
+    (caught,) = j.outcomes(1)
+    _applied(j, caught, 1)
+    assert [(c.receiver_id, c.source, c.state) for c in j.catch_ups()] == [
+        ("only", "retained", "complete")
+    ]
+    j.publish(2)
+    _applied(j, *j.outcomes(1), 2)
+
+
+def test_a_version_larger_than_retain_is_not_retained(job):
+    j = job({"WEIGHTSYNC_RETAIN_BYTES": str(1 << 20)})  # the version is 3.8 MB
+    j.start("only")
+    j.publish(1)
+    _applied(j, *j.outcomes(1), 1)
+    j.kill("only")
+    j.start("only")
+    wait_until(lambda: j.receiver("only").catch_up, 30, "the restarted receiver's catch_up")
+    assert "retains no copy" in j.receiver("only").catch_up
