@@ -1,18 +1,22 @@
 """A version whose publishers pack its buckets (``PackBucket``), because the sender cannot
-map their memory: asking them, waiting for them within their time, settling when it ends.
+map their memory: asking them, waiting for them within their time, checking that they wrote
+(:class:`Stamps`), settling when it ends.
 """
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+import torch
+
 from weightsync.buckets import Bucket
 from weightsync.config import SenderSettings
-from weightsync.errors import SyncTimeoutError
+from weightsync.errors import ProtocolError, SyncTimeoutError
 from weightsync.sender.records import RunAborted
 from weightsync.sender.slots import Slot, SlotPool
 from weightsync.v1 import weightsync_pb2 as pb
@@ -38,6 +42,7 @@ class PublisherPacks:
         self._since = time.monotonic()
         self._waited = 0.0
         self._packed = 0
+        self._stamps = Stamps()
 
     def asked(self) -> None:
         """New buckets are being asked for: the stall clock restarts."""
@@ -45,6 +50,7 @@ class PublisherPacks:
 
     def ask(self, layout: pb.BucketLayout, slot: Slot) -> None:
         """Every rank packs its part of the bucket of ``layout`` into ``slot``."""
+        self._stamps.stamp(layout, slot)
         pack = pb.SenderReply(
             pack=pb.PackBucket(version=self._run.version, layout=layout, buffer=slot.buffer.handle)
         )
@@ -57,6 +63,7 @@ class PublisherPacks:
         Raises:
             RunAborted: the version ended meanwhile.
             SyncTimeoutError: the publishers stalled or used up their packing time.
+            ProtocolError: they said the bucket is packed, but left part of it unwritten.
         """
         run = self._run
 
@@ -73,7 +80,10 @@ class PublisherPacks:
                 self._waited += time.monotonic() - began
             if run.done:
                 raise RunAborted()
-            return packed()
+            done = packed()
+        if done:
+            self._stamps.check(bucket, run.version, sorted(run.ranks))
+        return done
 
     def release(self, issued: Iterable[tuple[Send, Slot]], slots: SlotPool) -> None:
         """The version ended early (lock held): nothing may write into a slot once it is
@@ -125,3 +135,73 @@ class PublisherPacks:
                 f"bucket {index} from rank(s) {missing}"
             )
         return min(stall_left, total_left)
+
+
+ROW_BYTES = 64 * 1024
+_STAMP_BYTES = 8
+
+
+class Stamps:
+    """Proof that publishers wrote what they said they packed: before a bucket is asked for,
+    the first 8 bytes inside an entry of each 64 KiB row of its slot get a nonce drawn for
+    the version (1/8192 of the bytes); after ``packed`` none may be left. Else a publisher
+    that answers ``packed`` without writing would have receivers apply the slot's leftovers
+    (another version's bytes) under a checksum the sender takes of them."""
+
+    def __init__(self) -> None:
+        self._nonce = torch.tensor(list(secrets.token_bytes(_STAMP_BYTES)), dtype=torch.uint8)
+        self._stamped: dict[int, tuple[Slot, list[int], torch.Tensor]] = {}
+        """By bucket index: its slot, where the stamps are, and their byte indices."""
+
+    def stamp(self, layout: pb.BucketLayout, slot: Slot) -> None:
+        """Stamp ``slot`` for bucket ``layout`` (its readers are done with it)."""
+        offsets = stamp_offsets((e.offset, e.nbytes) for e in layout.entries)
+        buffer = slot.buffer.tensor
+        at = _bytes_at(offsets, buffer.device)
+        buffer[at] = self._nonce.to(buffer.device)
+        if buffer.is_cuda:  # the publisher writes from another process, after this
+            torch.cuda.current_stream(buffer.device).synchronize()
+        self._stamped[layout.index] = (slot, offsets, at)
+
+    def check(self, bucket: Bucket, version: int, ranks: list[int]) -> None:
+        """Every stamp of ``bucket`` was overwritten (the publishers synchronized first).
+
+        Raises:
+            ProtocolError: naming the first stamp left, its tensor and the ranks.
+        """
+        slot, offsets, at = self._stamped.pop(bucket.index)
+        buffer = slot.buffer.tensor
+        left = (buffer[at] == self._nonce.to(buffer.device)).all(dim=1)
+        if not bool(left.any()):
+            return
+        offset = offsets[int(left.nonzero()[0])]
+        entry = next(e for e in bucket.entries if e.offset <= offset < e.offset + e.nbytes)
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks} (one of them)"
+        raise ProtocolError(
+            f"publisher {who} answered `packed` for bucket {bucket.index} of version {version} "
+            f"but left byte {offset} of it unwritten (tensor {entry.name!r}, its byte "
+            f"{entry.tensor_offset + offset - entry.offset}); a publisher writes every byte "
+            "of its entries before `packed`"
+        )
+
+
+def stamp_offsets(entries: Iterable[tuple[int, int]]) -> list[int]:
+    """Where a bucket of ``entries`` (offset, nbytes) is stamped: in each 64 KiB row, the
+    first place with 8 bytes of one entry (padding between entries is never written)."""
+    out: list[int] = []
+    next_row = 0  # rows before it are stamped
+    for offset, nbytes in sorted(entries):
+        pos, end = offset, offset + nbytes
+        while pos + _STAMP_BYTES <= end:
+            row = pos // ROW_BYTES
+            if row >= next_row:
+                out.append(pos)
+                next_row = row + 1
+            pos = max(pos, next_row * ROW_BYTES)
+    return out
+
+
+def _bytes_at(offsets: list[int], device: torch.device) -> torch.Tensor:
+    """The byte indices of stamps at ``offsets``: one row of 8 per stamp."""
+    starts = torch.tensor(offsets, dtype=torch.int64, device=device)
+    return starts[:, None] + torch.arange(_STAMP_BYTES, device=device)

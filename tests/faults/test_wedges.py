@@ -21,6 +21,7 @@ from tests.support.raw_streams import begin, raw_publisher, raw_receiver, status
 from weightsync.errors import NameResolutionError, ReceiverFailedError, VersionError
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher, Sender
+from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -138,6 +139,9 @@ def test_a_publisher_that_packs_too_slowly_loses_its_version_after_the_pack_time
         def pack_slowly(reply):
             if reply.WhichOneof("kind") == "pack":
                 time.sleep(0.6)
+                buffer = get_transport("shm").map(reply.pack.buffer)
+                for e in reply.pack.layout.entries:  # written: the sender checks (stamps)
+                    buffer[e.offset : e.offset + e.nbytes] = 0
                 packed = pb.BucketPacked(version=1, index=reply.pack.layout.index)
                 raw.send(pb.PublisherMessage(packed=packed))
 

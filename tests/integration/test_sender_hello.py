@@ -21,6 +21,7 @@ from tests.support import wait_until
 from weightsync.control.client import connect
 from weightsync.errors import ConfigError
 from weightsync.sender import Publisher
+from weightsync.transports import get_transport
 from weightsync.v1 import weightsync_pb2 as pb
 
 ONE = [pb.TensorSpec(name="w", dtype="float32", shape=[4])]
@@ -48,6 +49,9 @@ class RawPublisher:
             for reply in self.replies:
                 kinds.append(reply.WhichOneof("kind"))
                 if kinds[-1] == "pack":
+                    buffer = get_transport("shm").map(reply.pack.buffer)
+                    for e in reply.pack.layout.entries:  # written: the sender checks (stamps)
+                        buffer[e.offset : e.offset + e.nbytes] = 0
                     index, version = reply.pack.layout.index, reply.pack.version
                     packed = pb.BucketPacked(version=version, index=index)
                     self.requests.put(pb.PublisherMessage(packed=packed))
