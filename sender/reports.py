@@ -1,15 +1,18 @@
 """What a version reports: ``staged`` and ``done`` to its publishers (:func:`tell_staged`,
 :func:`tell_done`), its entry in ``Status``, ``WaitApplied`` and ``done``
-(:func:`version_status`), and its one log line once it is over (:func:`log_line`)."""
+(:func:`version_status`), and its one log line once it is over (:func:`log_line`); and what
+its receivers may report back, when (:func:`take_owed`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
 
+from weightsync.errors import ProtocolError
 from weightsync.sender.states import OutcomeState
 from weightsync.v1 import weightsync_pb2 as pb
 
 if TYPE_CHECKING:
+    from weightsync.sender.records import Outcome
     from weightsync.sender.version import Version
 
 
@@ -107,3 +110,45 @@ def log_line(version: Version, abandoned: str = "") -> LogLine:
 
 def _one_line(text: str) -> str:
     return " ".join(text.split())
+
+
+def take_owed(outcome: Outcome, receiver_id: str, version: Version, what: str, ok: bool) -> None:
+    """Receiver ``receiver_id``, still in ``version``, sent ``what`` ("verdict", "bucket:<i>"
+    or "applied", as ``Outcome.awaiting`` says): it owes it no more. An ack only for a bucket
+    announced to it and not acked yet, ``applied`` only after the end and every ack (else a
+    receiver that acks what it never got is reported applied); a failure (``ok`` false) is
+    taken whenever.
+
+    Raises:
+        ProtocolError: naming the receiver, the version and what it sent out of turn.
+    """
+    if ok:
+        _check_owed(outcome, receiver_id, version.version, what)
+    outcome.got(what, version.shared.settings.ack_timeout_s)
+
+
+def _check_owed(outcome: Outcome, receiver_id: str, version: int, what: str) -> None:
+    if what.startswith("bucket:") and what not in outcome.awaiting:
+        raise ProtocolError(
+            f"receiver {receiver_id} acked bucket {what.removeprefix('bucket:')} of version "
+            f"{version}, which was not announced to it or which it acked already; ack each "
+            "bucket announced to you once"
+        )
+    if what != "applied":
+        return
+    if what not in outcome.awaiting:
+        raise ProtocolError(
+            f"receiver {receiver_id} sent applied for version {version} before the version's "
+            "end; send applied after the end"
+        )
+    owed = sorted(outcome.awaiting - {what})
+    if owed:
+        raise ProtocolError(
+            f"receiver {receiver_id} sent applied for version {version} before "
+            f"{', '.join(_named(w) for w in owed)}; ack every bucket announced to you first"
+        )
+
+
+def _named(what: str) -> str:
+    index = what.removeprefix("bucket:")
+    return f"its ack of bucket {index}" if index != what else f"its {what}"

@@ -46,7 +46,7 @@ from weightsync.sender.packing import pack_bucket
 from weightsync.sender.planner import BROADCAST, MAP, TensorPlan
 from weightsync.sender.publisher_packs import PublisherPacks
 from weightsync.sender.records import Outcome, RankConn, ReceiverConn, RunAborted
-from weightsync.sender.reports import tell_done, tell_staged
+from weightsync.sender.reports import take_owed, tell_done, tell_staged
 from weightsync.sender.slices import SliceGroup
 from weightsync.sender.slots import Slot
 from weightsync.sender.states import OutcomeState, VersionState
@@ -269,7 +269,7 @@ class Version:
     def on_ack(self, conn: ReceiverConn, ack: pb.BucketAck) -> None:
         """The receiver queued its reads of a bucket (its slot is free of it once its read
         event completes), or failed the bucket."""
-        if self._owed(conn, f"bucket:{ack.index}") is None:
+        if self._owed(conn, f"bucket:{ack.index}", ack.ok) is None:
             return
         rid = conn.receiver_id
         try:
@@ -285,7 +285,7 @@ class Version:
 
     def on_applied(self, conn: ReceiverConn, applied: pb.VersionApplied) -> None:
         """The receiver committed the version, or failed it after writing."""
-        outcome = self._owed(conn, "applied")
+        outcome = self._owed(conn, "applied", applied.ok)
         if outcome is None:
             return
         if applied.ok:
@@ -299,12 +299,12 @@ class Version:
             self._fail_dirty(conn, applied.error)
         self._moved()
 
-    def _owed(self, conn: ReceiverConn, what: str) -> Outcome | None:
+    def _owed(self, conn: ReceiverConn, what: str, ok: bool = True) -> Outcome | None:
         """The receiver's outcome, ``what`` no longer owed; None for a late reply."""
         outcome = self.outcomes.get(conn.receiver_id)
         if outcome is None or outcome.state != OutcomeState.PENDING:
             return None
-        outcome.got(what, self.shared.settings.ack_timeout_s)
+        take_owed(outcome, conn.receiver_id, self, what, ok)  # ProtocolError out of turn
         return outcome
 
     def _moved(self) -> None:
