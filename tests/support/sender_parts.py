@@ -13,6 +13,7 @@ from weightsync.config import SenderSettings
 from weightsync.manifest import VersionManifest
 from weightsync.metrics import SenderMetrics
 from weightsync.sender.announcements import open_version
+from weightsync.sender.catch_ups import CatchUps
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.outcomes import Outcomes, Shared
 from weightsync.sender.planner import plan_tensors
@@ -41,7 +42,8 @@ def sender_parts(slots: SlotPool | None = None) -> SenderParts:
     metrics = SenderMetrics()
     registry = Registry(cond, SETTINGS, metrics, history, "here")
     shared = Shared(cond, SETTINGS, metrics, slots or SlotPool(2, 1024), registry, deque())
-    return SenderParts(cond, history, registry, shared, Outcomes(shared, history))
+    outcomes = Outcomes(shared, history, CatchUps(shared, history))
+    return SenderParts(cond, history, registry, shared, outcomes)
 
 
 def new_run(parts: SenderParts, version: int, wait_applied: bool = False) -> Version:
