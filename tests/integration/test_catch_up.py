@@ -11,6 +11,10 @@ catch-up that read the trainer's memory would apply the wrong bytes.
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -108,6 +112,15 @@ def test_a_late_receiver_catches_up_from_a_peer_engine(job):
         t.numel() * t.element_size() for t in j.trainer.state_dict().values()
     )
     assert record.complete_s > 0
+    table = subprocess.run(
+        [f"{os.path.dirname(sys.executable)}/weightsync", "status", "--address", j.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    ).stdout
+    assert "catch-ups" in table, table
+    assert re.search(r"late\s+│?\s*1\s+│?\s*receiver r0\s+│?\s*complete", table), table
     j.publish(2)
     for outcome in j.outcomes(2):
         _applied(j, outcome, 2)

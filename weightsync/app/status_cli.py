@@ -63,7 +63,8 @@ def message_json(reply, indent: int | None) -> str:
 def _status_tables(reply, address: str, last: int) -> list:
     receivers = output.table(
         "id", "engine", "rank", "device", "data path", "stream", "MB kept", "connected",
-        "applied", "state", "last error", title="receivers", right=("rank", "MB kept", "applied"),
+        "applied", "state", "catch-up", "last error", title="receivers",
+        right=("rank", "MB kept", "applied"),
     )  # fmt: skip
     for r in reply.receivers:
         output.add_row(
@@ -79,6 +80,7 @@ def _status_tables(reply, address: str, last: int) -> list:
             str(r.connected),
             str(r.applied_version),
             r.state,
+            r.catch_up or "-",
             one_line(r.last_error),
         )
     publishers = output.table(
@@ -98,7 +100,28 @@ def _status_tables(reply, address: str, last: int) -> list:
         f"sender {reply.sender_version} at {address}: transport {reply.transport}, "
         f"{reply.num_buffers} x {_size(reply.bucket_size_bytes)} buckets"
     )
-    return [Text(head), receivers, publishers, versions_table(reply.versions[-last:])]
+    tables = [Text(head), receivers, publishers, versions_table(reply.versions[-last:])]
+    return tables + ([catch_ups_table(reply.catch_ups[-last:])] if reply.catch_ups else [])
+
+
+def catch_ups_table(catch_ups) -> Table:
+    """One row per ``CatchUpStatus``: who caught up to which version from whom, how long."""
+    table = output.table(
+        "receiver", "version", "from", "state", "MB", "complete s", "error", title="catch-ups",
+        right=("version", "MB", "complete s"),
+    )  # fmt: skip
+    for c in catch_ups:
+        output.add_row(
+            table,
+            c.receiver_id,
+            str(c.version),
+            c.source,
+            c.state,
+            f"{c.bytes / 1e6:.1f}",
+            f"{c.complete_s:.3f}" if c.complete_s else "-",
+            one_line(c.error.message),
+        )
+    return table
 
 
 def versions_table(versions) -> Table:
