@@ -328,8 +328,8 @@ def test_a_receiver_hello_past_a_bound_is_refused(sender, hello, details):
         (
             pb.ReceiverMessage(),
             INVALID,
-            "ConfigError: ReceiverMessage has no kind set; after hello send verdict, ack or "
-            "applied",
+            "ConfigError: ReceiverMessage has no kind set; after hello send verdict, ack, "
+            "applied or exported",
         ),
         (
             pb.ReceiverMessage(hello=pb.ReceiverHello(receiver_id="again")),

@@ -12,6 +12,7 @@ import torch
 
 from tests.support.sender_parts import SETTINGS, SenderParts, sender_parts
 from weightsync.buckets import TensorSpec
+from weightsync.errors import ProtocolError
 from weightsync.manifest import VersionManifest
 from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.driver import VersionDriver
@@ -49,6 +50,7 @@ def _until(check, what: str) -> None:
         time.sleep(0.001)
 
 
+_VERDICT = pb.ReceiverMessage(verdict=pb.ManifestVerdict(version=1, accepted=True))
 _ACK = pb.ReceiverMessage(ack=pb.BucketAck(version=1, index=0, ok=True))
 _APPLIED = pb.ReceiverMessage(applied=pb.VersionApplied(version=1, ok=True))
 _FAILED = pb.ReceiverMessage(
@@ -58,8 +60,12 @@ _FAILED = pb.ReceiverMessage(
 
 @pytest.mark.parametrize(
     ("messages", "state"),
-    [((_ACK, _APPLIED), "complete"), ((_APPLIED,), "complete"), ((_FAILED,), "failed")],
-    ids=["read and applied", "applied without its ack", "failed while reading"],
+    [
+        ((_VERDICT, _ACK, _APPLIED), "complete"),
+        ((_VERDICT, _APPLIED), "failed"),
+        ((_VERDICT, _FAILED), "failed"),
+    ],
+    ids=["read and applied", "applied without its ack (refused)", "failed while reading"],
 )
 def test_a_direct_version_is_staged_once_its_reader_is_done_and_done_once(messages, state):
     """The driver does not wait for the direct reads: the receiver's last ack (or its
@@ -78,7 +84,13 @@ def test_a_direct_version_is_staged_once_its_reader_is_done_and_done_once(messag
     _until(lambda: run.state == "reading", "the driver to send everything")
     assert run.direct_readers == {"r0"}
     for msg in messages:
-        parts.outcomes.on_receiver_message(conn, msg)
+        if msg is _APPLIED and _ACK not in messages:
+            # Issue 35 item 7b: the servicer ends such a receiver's stream, failing it.
+            with pytest.raises(ProtocolError, match="before its ack of bucket 0"):
+                parts.outcomes.on_receiver_message(conn, msg)
+            parts.outcomes.receiver_left(conn, "refused")
+        else:
+            parts.outcomes.on_receiver_message(conn, msg)
     assert run.state == state
     driver.close()
     driver._thread.join(10)

@@ -99,6 +99,12 @@ def test_a_failed_bucket_leaves_the_receiver_dirty(parts):
     assert (conn.state, conn.dirty) == ("dirty", True)
 
 
+def _ended(run) -> None:
+    """What sending the end leaves: each receiver verified and owes ``applied`` alone."""
+    for outcome in run.outcomes.values():
+        outcome.awaiting = {"applied"}
+
+
 def test_receivers_that_apply_before_the_driver_stages_the_version_complete_it_once_staged(
     parts,
 ):
@@ -107,6 +113,7 @@ def test_receivers_that_apply_before_the_driver_stages_the_version_complete_it_o
     receiver failed ("failed", both applied)."""
     conns = [parts.registry.add_receiver(hello(rid)) for rid in ("a", "b")]
     run = published(parts, 1, wait_applied=True)
+    _ended(run)
     for conn in conns:
         applied = pb.VersionApplied(version=1, ok=True)
         parts.outcomes.on_receiver_message(conn, pb.ReceiverMessage(applied=applied))
@@ -125,6 +132,7 @@ def test_a_staged_version_completes_when_every_receiver_applied_and_tells_the_pu
     conns = [parts.registry.add_receiver(hello(rid)) for rid in ("a", "b")]
     run = published(parts, 1, wait_applied=True)
     run.state = VersionState.STAGED
+    _ended(run)
     for i, conn in enumerate(conns):
         assert not run.done
         applied = pb.VersionApplied(version=1, ok=True)
@@ -171,6 +179,8 @@ def test_packing_does_not_wait_for_the_reads_of_a_failed_receiver():
     try:
         slot = slots.claim()
         slot.announced(1, 0, {"a", "b"})
+        for rid in conns:
+            run.outcomes[rid].expect("bucket:0", SETTINGS.ack_timeout_s)  # as announcing does
         for rid, conn in conns.items():
             ack = pb.BucketAck(version=1, index=0, ok=True, read_event=rid.encode())
             parts.outcomes.on_receiver_message(conn, pb.ReceiverMessage(ack=ack))
