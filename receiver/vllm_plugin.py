@@ -10,6 +10,11 @@ both sides of vLLM's weight transfer.
   ``weightsync.drivers.vllm_trainer`` registers it too, for trainer processes where vLLM never
   loads its plugins.
 
+- The default LoRA directory (``lora_store.default_lora_dir``): made here in vLLM's main process,
+  which loads its plugins (``EngineArgs.__post_init__``) before it starts the engine core and
+  the workers, and exported as ``$WEIGHTSYNC_LORA_DIR``, so that the path the main process
+  puts in a ``lora_request`` is the one the workers write to.
+
 - Staleness (``weightsync.receiver.vllm.staleness``): engines with the ``weightsync`` backend
   report ``policy_epoch``, ``kv_cache_epoch`` and ``num_evictions`` in their outputs.
 
@@ -30,8 +35,10 @@ def register() -> None:
         from weightsync.receiver.vllm.engine import register_engine
     except ImportError:
         return
+    from weightsync.receiver.vllm.lora_store import default_lora_dir
     from weightsync.receiver.vllm.staleness import install as install_staleness_hooks
 
+    default_lora_dir()  # before the engine's processes start: they inherit it
     register_engine()
     register_trainer_engine()
     install_staleness_hooks()

