@@ -97,6 +97,7 @@ class CatchUp:
     source: str
     run: Version
     bytes: int
+    route: str
     error: pb.ErrorDetail | None = None
 
     def status(self) -> pb.CatchUpStatus:
@@ -113,6 +114,7 @@ class CatchUp:
             started_at_unix_s=run.started_at,
             complete_s=run.complete_s,
             error=error,
+            route=self.route,
         )
 
 
@@ -218,10 +220,10 @@ class CatchUps:
             return None  # it was addressed the version (and failed it): no catch-up heals that
         if self._in_a_version(conn):
             return None  # a version on its way brings it up to date
-        if conn.data_path != MAP or current.run.transport not in (conn.transports or ()):
+        if conn.data_path == MAP and current.run.transport not in (conn.transports or ()):
             conn.catch_up = (
-                f"waits for the next version: a catch-up to version {version} goes only to "
-                "receivers that map this sender's staging buffers"
+                f"waits for the next version: version {version} was staged with "
+                f"{current.run.transport}, which it does not open"
             )
             return None
         tried = self.tried.setdefault((conn.receiver_id, version), set())
@@ -239,7 +241,8 @@ class CatchUps:
         run = self._run(conn, current, source)
         name = RETAINED if isinstance(source, Retained) else f"receiver {source.receiver_id}"
         tried.add(name)
-        catch_up = CatchUp(conn.receiver_id, name, run, run.tensors.staged.total_bytes)
+        nbytes = run.tensors.staged.total_bytes
+        catch_up = CatchUp(conn.receiver_id, name, run, nbytes, route(conn, source))
         self.active[conn.receiver_id] = catch_up
         self.records = [*self.records, catch_up][-MAX_RECORDS:]
         conn.catch_up = f"version {version} from {name}"
@@ -319,6 +322,15 @@ def holds(conn: ReceiverConn, version: int, transport: str) -> bool:
         and conn.data_path == MAP
         and transport in conn.transports
     )
+
+
+def route(conn: ReceiverConn, source: ReceiverConn | Retained) -> str:
+    """How a catch-up's bytes go from ``source`` to ``conn`` (``CatchUpStatus.route``)."""
+    if isinstance(source, Retained):
+        return RETAINED
+    if not (conn.device_uuid and source.device_uuid):
+        return "host"
+    return "local" if conn.device_uuid == source.device_uuid else "peer"
 
 
 def nearest(conn: ReceiverConn, holders: Sequence[ReceiverConn]) -> ReceiverConn:

@@ -74,9 +74,10 @@ def test_a_late_engine_on_another_gpu_catches_up_from_a_peer_engine(sock_dir):
         assert out.get(timeout=120) == ("late", "ready")
         assert out.get(timeout=120) == ("late", 1, True)
         (record,) = publisher.status().catch_ups
-        assert (record.receiver_id, record.source, record.state) == (
+        assert (record.receiver_id, record.source, record.route, record.state) == (
             "late",
             "receiver source",
+            "peer",
             "complete",
         )
         assert record.bytes == nbytes

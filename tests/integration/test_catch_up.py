@@ -43,9 +43,9 @@ class Job:
         self.procs: dict[str, object] = {}
         self.out = None
 
-    def start(self, *rids: str, syncs: int = 3) -> None:
+    def start(self, *rids: str, syncs: int = 3, env: dict | None = None) -> None:
         procs, self.out = start_receivers(
-            self.address, list(rids), syncs, model_of=fault_model, out=self.out
+            self.address, list(rids), syncs, model_of=fault_model, out=self.out, env=env
         )
         self.procs.update(zip(rids, procs, strict=True))
 
@@ -102,10 +102,11 @@ def test_a_late_receiver_catches_up_from_a_peer_engine(job):
     (caught,) = j.outcomes(1)
     _applied(j, caught, 1)
     (record,) = j.catch_ups()
-    assert (record.receiver_id, record.version, record.source, record.state) == (
+    assert (record.receiver_id, record.version, record.source, record.route, record.state) == (
         "late",
         1,
         "receiver r0",
+        "host",
         "complete",
     )
     assert record.bytes == sum(
@@ -120,7 +121,7 @@ def test_a_late_receiver_catches_up_from_a_peer_engine(job):
         env={**os.environ, "COLUMNS": "200"},
     ).stdout
     assert "catch-ups" in table, table
-    assert re.search(r"late\s+│?\s*1\s+│?\s*receiver r0\s+│?\s*complete", table), table
+    assert re.search(r"late\s+│?\s*1\s+│?\s*receiver r0\s+│?\s*host\s+│?\s*complete", table), table
     j.publish(2)
     for outcome in j.outcomes(2):
         _applied(j, outcome, 2)
@@ -198,8 +199,8 @@ def test_with_retain_the_sender_is_the_source_when_no_engine_holds_the_version(j
     j.start("only")
     (caught,) = j.outcomes(1)
     _applied(j, caught, 1)
-    assert [(c.receiver_id, c.source, c.state) for c in j.catch_ups()] == [
-        ("only", "retained", "complete")
+    assert [(c.receiver_id, c.source, c.route, c.state) for c in j.catch_ups()] == [
+        ("only", "retained", "retained", "complete")
     ]
     j.publish(2)
     _applied(j, *j.outcomes(1), 2)
@@ -214,3 +215,23 @@ def test_a_version_larger_than_retain_is_not_retained(job):
     j.start("only")
     wait_until(lambda: j.receiver("only").catch_up, 30, "the restarted receiver's catch_up")
     assert "retains no copy" in j.receiver("only").catch_up
+
+
+@pytest.mark.parametrize("source", ["peer", "retained"])
+def test_a_late_receiver_on_another_host_catches_up_by_broadcast(job, source):
+    """It gets buckets by broadcast (gloo on CPU): the source packs them into the sender's
+    staging buffer (a receiver on the sender's host, or the retained copy), the sender
+    broadcasts them to it alone."""
+    j = job({"WEIGHTSYNC_RETAIN_BYTES": str(8 << 20)} if source == "retained" else None)
+    j.start("r0")
+    j.publish(1)
+    _applied(j, *j.outcomes(1), 1)
+    if source == "retained":
+        j.kill("r0")
+    j.start("remote", env={"remote": {"WEIGHTSYNC_HOST_ID": "another-host"}})
+    (caught,) = j.outcomes(1)
+    _applied(j, caught, 1)
+    assert j.receiver("remote").data_path == "broadcast"
+    (record,) = j.catch_ups()
+    assert (record.receiver_id, record.state) == ("remote", "complete")
+    assert record.source == ("receiver r0" if source == "peer" else "retained")

@@ -107,7 +107,8 @@ def _status_tables(reply, address: str, last: int) -> list:
 def catch_ups_table(catch_ups) -> Table:
     """One row per ``CatchUpStatus``: who caught up to which version from whom, how long."""
     table = output.table(
-        "receiver", "version", "from", "state", "MB", "complete s", "error", title="catch-ups",
+        "receiver", "version", "from", "route", "state", "MB", "complete s", "error",
+        title="catch-ups",
         right=("version", "MB", "complete s"),
     )  # fmt: skip
     for c in catch_ups:
@@ -116,6 +117,7 @@ def catch_ups_table(catch_ups) -> Table:
             c.receiver_id,
             str(c.version),
             c.source,
+            c.route,
             c.state,
             f"{c.bytes / 1e6:.1f}",
             f"{c.complete_s:.3f}" if c.complete_s else "-",

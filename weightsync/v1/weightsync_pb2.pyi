@@ -596,7 +596,7 @@ class StatusReply(_message.Message):
     def __init__(self, sender_version: _Optional[str] = ..., transport: _Optional[str] = ..., bucket_size_bytes: _Optional[int] = ..., num_buffers: _Optional[int] = ..., publishers: _Optional[_Iterable[_Union[PublisherStatus, _Mapping]]] = ..., receivers: _Optional[_Iterable[_Union[ReceiverStatus, _Mapping]]] = ..., versions: _Optional[_Iterable[_Union[VersionStatus, _Mapping]]] = ..., catch_ups: _Optional[_Iterable[_Union[CatchUpStatus, _Mapping]]] = ...) -> None: ...
 
 class CatchUpStatus(_message.Message):
-    __slots__ = ("receiver_id", "version", "source", "state", "bytes", "started_at_unix_s", "complete_s", "error")
+    __slots__ = ("receiver_id", "version", "source", "state", "bytes", "started_at_unix_s", "complete_s", "error", "route")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
@@ -605,6 +605,7 @@ class CatchUpStatus(_message.Message):
     STARTED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     COMPLETE_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     version: int
     source: str
@@ -613,7 +614,8 @@ class CatchUpStatus(_message.Message):
     started_at_unix_s: float
     complete_s: float
     error: ErrorDetail
-    def __init__(self, receiver_id: _Optional[str] = ..., version: _Optional[int] = ..., source: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+    route: str
+    def __init__(self, receiver_id: _Optional[str] = ..., version: _Optional[int] = ..., source: _Optional[str] = ..., state: _Optional[str] = ..., bytes: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., route: _Optional[str] = ...) -> None: ...
 
 class WaitAppliedRequest(_message.Message):
     __slots__ = ("version", "timeout_s")
