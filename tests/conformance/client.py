@@ -18,7 +18,9 @@ Commands (each prints JSON lines on stdout):
 - ``publish``: publish one version of ``--tensors`` (JSON: name, dtype, shape) with bytes made
   from ``--seed``; ``--mode offer`` places them in a shared-memory buffer of its own and offers
   it (the sender packs, or asks for ``pack`` where it cannot), ``--mode pack`` packs each
-  bucket into the sender's staging buffer when asked. ``--plan`` (every part's tensors) with
+  bucket into the sender's staging buffer when asked. ``--lane`` moves the stream to a lane
+  (§1.1) and passes the offered buffer's descriptor with the begin (§6.1); without it the
+  offer is a path alone, which the sender does not map. ``--plan`` (every part's tensors) with
   ``--part I --sender-id S`` publishes part ``I`` of a split version instead.
 - ``errors``: provoke the protocol's error statuses and report the codes and details.
 """
@@ -43,6 +45,7 @@ class _Forbidden(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, _Forbidden())
 
 import argparse  # noqa: E402
+import array  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
@@ -50,6 +53,7 @@ import mmap  # noqa: E402
 import os  # noqa: E402
 import queue  # noqa: E402
 import random  # noqa: E402
+import socket  # noqa: E402
 import struct  # noqa: E402
 import threading  # noqa: E402
 import uuid  # noqa: E402
@@ -558,6 +562,61 @@ def plan_digest(parts: list[list[dict]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
+class Lane:
+    """A publisher's lane (docs/protocol.md §1.1): a Unix socket to the sender, frames of a
+    little-endian uint32 length and a serialized outer message; the begin's frame carries the
+    descriptors of the shm sources it offers (SCM_RIGHTS)."""
+
+    def __init__(self, offer) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(15)
+        self.sock.connect(offer.path)
+        self.sock.sendall(struct.pack("<I", len(offer.token)) + offer.token)
+        if self.sock.recv(1) != b"\x01":
+            raise SystemExit("the sender did not take this stream's lane")
+        self.sock.settimeout(None)
+
+    def send(self, msg, fds: list[int] = ()) -> None:
+        body = msg.SerializeToString()
+        frame = struct.pack("<I", len(body)) + body
+        if not fds:
+            self.sock.sendall(frame)
+            return
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))]
+        sent = self.sock.sendmsg([frame], rights)  # the descriptors go with the first byte
+        self.sock.sendall(frame[sent:])
+
+    def _exactly(self, n: int) -> bytes | None:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                return None
+            data += chunk
+        return data
+
+    def replies(self):
+        while (header := self._exactly(4)) is not None:
+            body = self._exactly(struct.unpack("<I", header)[0])
+            if body is None:
+                return
+            yield pb.SenderReply.FromString(body)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _replies(replies, lane: Lane | None):
+    """The sender's replies: from gRPC up to its ``lane``, then from the lane."""
+    for reply in replies:
+        if reply.WhichOneof("kind") == "lane":
+            if lane is None:
+                raise SystemExit("the sender switched to a lane this client did not take")
+            yield from lane.replies()
+            return
+        yield reply
+
+
 def publish(args) -> int:
     if args.plan:  # one part of a version split over several senders
         parts = json.loads(args.plan)
@@ -614,17 +673,42 @@ def publish(args) -> int:
     requests.put(
         pb.PublisherMessage(
             hello=pb.PublisherHello(
-                publisher_id=args.publisher_id, rank=0, world_size=1, device="cpu"
+                publisher_id=args.publisher_id,
+                rank=0,
+                world_size=1,
+                device="cpu",
+                lanes=args.lane,
             )
         )
     )
-    replies = stub.Publish(iter(requests.get, None), timeout=args.timeout_s)
-    welcome = next(replies)
+    grpc_replies = stub.Publish(iter(requests.get, None), timeout=args.timeout_s)
+    welcome = next(grpc_replies)
     assert welcome.WhichOneof("kind") == "welcome", welcome
-    requests.put(pb.PublisherMessage(begin=begin))
+    lane = None
+    if args.lane:  # §1.1: take the lane, switch, then every message (the begin too) goes there
+        if not welcome.welcome.HasField("lane"):
+            raise SystemExit("asked for a lane, but the welcome offered none")
+        lane = Lane(welcome.welcome.lane)
+        requests.put(pb.PublisherMessage(lane=pb.LaneSwitch()))
+
+    def send(msg, fds: list[int] = ()) -> None:
+        if lane is not None:
+            lane.send(msg, fds)
+        else:
+            requests.put(msg)
+
+    if own is not None and lane is not None:
+        # §6.1: one open descriptor per shm source, in the order of `sources`, with the begin.
+        fd = os.open(own.path, os.O_RDONLY)
+        try:
+            send(pb.PublisherMessage(begin=begin), [fd])
+        finally:
+            os.close(fd)  # the sender got its own copy
+    else:
+        send(pb.PublisherMessage(begin=begin))  # a path alone: the sender asks us to pack
     staging: dict[str, mmap.mmap] = {}
     packs, staged, done = [], None, None
-    for reply in replies:
+    for reply in _replies(grpc_replies, lane):
         kind = reply.WhichOneof("kind")
         if kind == "pack" and reply.pack.version == args.version:
             handle = reply.pack.buffer
@@ -640,7 +724,7 @@ def publish(args) -> int:
                 src = data[e.tensor.name][e.tensor_offset : e.tensor_offset + e.nbytes]
                 mm[e.offset : e.offset + e.nbytes] = src
             packs.append(layout.index)
-            requests.put(
+            send(
                 pb.PublisherMessage(
                     packed=pb.BucketPacked(version=args.version, index=layout.index)
                 )
@@ -653,12 +737,17 @@ def publish(args) -> int:
         elif kind == "done" and reply.done.version == args.version:
             done = reply.done
             break
+    if lane is not None:
+        lane.sock.shutdown(socket.SHUT_WR)  # our end of both: the lane and the gRPC stream
     requests.put(None)
     for mm in staging.values():
         mm.close()
+    if lane is not None:
+        lane.close()
     ch.close()
     emit(
         event="published",
+        lane=lane is not None,
         welcome=to_dict(welcome.welcome),
         staged=to_dict(staged) if staged else None,
         done=to_dict(done) if done else None,
@@ -830,6 +919,9 @@ def main() -> int:
             s.add_argument("--sender-id", default="", help="with --plan: names this part")
             s.add_argument("--seed", type=int, default=0)
             s.add_argument("--mode", choices=["offer", "pack"], required=True)
+            s.add_argument(
+                "--lane", action="store_true", help="take a lane; offer shm by descriptor"
+            )
             s.add_argument("--publisher-id", default=f"conformance-{os.getpid()}")
             s.add_argument("--timeout-s", type=float, default=60.0)
         if name == "errors":

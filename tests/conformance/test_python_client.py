@@ -83,14 +83,15 @@ def test_receiver_applies_a_version_from_weightsync_publisher(clients, sender):
     assert num(receiver_status(clients.status(), rid), "applied_version") == version
 
 
-@pytest.mark.parametrize("mode", ["offer", "pack"])
+@pytest.mark.parametrize("mode", ["offer", "offer_path_on_grpc", "pack"])
 def test_publisher_on_shm(clients, sender, mode):
-    """``offer``: the client's tensors sit in a shm buffer of its own, offered as pieces by
-    path, on gRPC. The sender no longer opens a path a client names (issue 35: it maps only
-    descriptors a publisher passes on its lane), so it asks this client to ``pack`` every
-    bucket, as for memory it cannot map (§3.1). ``pack``: the client packs each bucket into the
-    sender's staging buffer when asked. Received by weightsync's own receiver and by the
-    client's, bit-exact."""
+    """``offer``: the client's tensors sit in a shm buffer of its own, offered as pieces; the
+    client is on a lane and passes the buffer's open descriptor with its begin (§1.1, §6.1),
+    so the sender maps it and packs every bucket itself (``sender_packed``, no ``pack``).
+    ``offer_path_on_grpc``: the same offer by path alone on gRPC: the sender never opens a path
+    a client names (issue 35), so it asks the client to ``pack`` every bucket (§3.1).
+    ``pack``: the client packs each bucket into the sender's staging buffer when asked.
+    Received by weightsync's own receiver and by the client's, bit-exact."""
     from weightsync.receiver import TorchReceiver
 
     version = sender.next_version()
@@ -120,7 +121,8 @@ def test_publisher_on_shm(clients, sender, mode):
             "--seed",
             str(version),
             "--mode",
-            mode,
+            "pack" if mode == "pack" else "offer",
+            *(["--lane"] if mode == "offer" else []),
         )[0]
         thread.join(30)
         assert synced.get("version") == version, synced
@@ -138,9 +140,11 @@ def test_publisher_on_shm(clients, sender, mode):
         assert num(published["staged"], "receivers") == 2
         done = published["done"]
         assert done["state"] == "complete", json.dumps(done.get("receivers"))
-        assert not done.get("sender_packed", False)
+        assert published["lane"] == (mode == "offer")
+        assert done.get("sender_packed", False) == (mode == "offer")
         assert num(done, "staged_bytes") == num(done, "total_bytes") > 0
-        assert sorted(published["packs"]) == list(range(num(done, "num_buckets")))
+        packs = [] if mode == "offer" else list(range(num(done, "num_buckets")))
+        assert sorted(published["packs"]) == packs
         assert {o["receiver_id"]: o["state"] for o in done["receivers"]} == {
             rid: "applied",
             torch_rid: "applied",
