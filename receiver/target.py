@@ -181,9 +181,9 @@ class WeightTarget(ABC):
     """It can hand out what it applied (:meth:`held`): a catch-up source (``exports.py``)."""
 
     def held(self, name: str) -> torch.Tensor | None:
-        """Tensor ``name`` of the version last committed, exactly as it arrived (whole, the
-        manifest's shape and dtype), for a catch-up; None where it is not held so (an engine
-        that processes or shards what it loads)."""
+        """Tensor ``name`` of the version last committed, exactly as it arrived, for a
+        catch-up: the box :meth:`keeps` declares of it (whole when none); None where it is not
+        held so (an engine that processes what it loads)."""
         return None
 
     def keeps(self) -> Mapping[str, Box]:
@@ -231,7 +231,10 @@ class InPlaceTarget(WeightTarget):
         """
 
     def held(self, name: str) -> torch.Tensor | None:
-        return None if name in self.keeps() else self.live_tensor(name)
+        kept, live = self.keeps().get(name), self.live_tensor(name)
+        # As :meth:`box_copies` writes it: element i of the live tensor is element
+        # ``kept.start + i`` of the tensor.
+        return live if kept is None else live[tuple(slice(0, n) for n in kept.size)]
 
     def check_shapes(self, manifest: VersionManifest) -> None:
         """Every manifest tensor against its live tensor.

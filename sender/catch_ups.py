@@ -24,12 +24,14 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from weightsync.buckets import TensorSpec
 from weightsync.sender.history import VersionHistory
 from weightsync.sender.outcomes import Shared
 from weightsync.sender.planner import MAP, plan_tensors
 from weightsync.sender.records import RankConn, ReceiverConn
 from weightsync.sender.states import OutcomeState, ReceiverState
 from weightsync.sender.version import Version
+from weightsync.topology_model import Box
 from weightsync.transports.base import MappedBuffers
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -171,24 +173,23 @@ class CatchUps:
         return self.behind()
 
     def exported(self, conn: ReceiverConn, msg: pb.BucketExported) -> None:
-        """A source answered ``export``: the bucket is packed, or the catch-up fails."""
+        """A source answered ``export``: its part of the bucket is written, or the catch-up
+        fails."""
         for catch_up in self.active.values():
-            rank = catch_up.run.ranks[0]
-            if isinstance(rank.outbox, _SourceOutbox) and rank.outbox.conn is conn:
-                if catch_up.run.version != msg.version or catch_up.run.done:
-                    continue
-                if msg.ok:
-                    rank.packed.add(msg.index)
-                    self.shared.cond.notify_all()
-                else:
-                    catch_up.error = msg.error
-                    catch_up.run.abort(msg.error)
+            rank = _rank_of(catch_up.run, conn)
+            if rank is None or catch_up.run.version != msg.version or catch_up.run.done:
+                continue
+            if msg.ok:
+                rank.packed.add(msg.index)
+                self.shared.cond.notify_all()
+            else:
+                catch_up.error = msg.error
+                catch_up.run.abort(msg.error)
 
     def source_left(self, conn: ReceiverConn) -> None:
         """A source's stream ended: its catch-ups fail (each tries its next source)."""
         for catch_up in list(self.active.values()):
-            outbox = catch_up.run.ranks[0].outbox
-            if isinstance(outbox, _SourceOutbox) and outbox.conn is conn and not catch_up.run.done:
+            if _rank_of(catch_up.run, conn) is not None and not catch_up.run.done:
                 detail = pb.ErrorDetail(
                     code="TransportError",
                     message=f"catch-up source receiver {conn.receiver_id} left",
@@ -230,19 +231,26 @@ class CatchUps:
         if len(tried) >= MAX_TRIES:
             conn.catch_up = f"waits for the next version: catch-ups to version {version} failed"
             return None
-        source = self._nearest(conn, current, tried)
-        if source is None:
+        sources = self._nearest(conn, current, tried)
+        if sources is None:
             conn.catch_up = (
-                f"waits for the next version: no receiver that applied version {version} can "
-                "hand it out (none said `exports` and keeps every tensor whole) and the sender "
-                "retains no copy of it (weightsync-sender --retain-mb)"
+                f"waits for the next version: no receivers that applied version {version} can "
+                "hand it out together (none said `exports`, or what they keep does not cover "
+                "every tensor) and the sender retains no copy of it (weightsync-sender "
+                "--retain-mb)"
             )
             return None
-        run = self._run(conn, current, source)
-        name = RETAINED if isinstance(source, Retained) else f"receiver {source.receiver_id}"
-        tried.add(name)
+        run = self._run(conn, current, sources)
+        names = [_name(source) for source in sources]
+        tried.update(names)
+        name = (
+            names[0]
+            if len(names) == 1
+            else f"receivers {', '.join(sorted(s.receiver_id for s in sources))}"
+        )
         nbytes = run.tensors.staged.total_bytes
-        catch_up = CatchUp(conn.receiver_id, name, run, nbytes, route(conn, source))
+        ways = sorted({route(conn, source) for source in sources})
+        catch_up = CatchUp(conn.receiver_id, name, run, nbytes, "+".join(ways))
         self.active[conn.receiver_id] = catch_up
         self.records = [*self.records, catch_up][-MAX_RECORDS:]
         conn.catch_up = f"version {version} from {name}"
@@ -262,22 +270,24 @@ class CatchUps:
 
     def _nearest(
         self, conn: ReceiverConn, current: _Current, tried: set[str]
-    ) -> ReceiverConn | Retained | None:
+    ) -> list[ReceiverConn] | list[Retained] | None:
+        """The nearest receivers that hold the current version and together cover it (one
+        that keeps it whole, or engine ranks whose boxes tile each tensor), else the retained
+        copy."""
         run = current.run
         holders = [
             c
             for c in self.shared.registry.receivers()
-            if c is not conn
-            and f"receiver {c.receiver_id}" not in tried
-            and holds(c, run.version, run.transport)
+            if c is not conn and _name(c) not in tried and holds(c, run.version, run.transport)
         ]
-        if holders:
-            return nearest(conn, holders)
-        return current.retained if RETAINED not in tried else None
+        chosen = cover(run.manifest.tensors, sorted(holders, key=lambda h: distance(conn, h)))
+        if chosen:
+            return chosen
+        return [current.retained] if current.retained and RETAINED not in tried else None
 
-    def _run(self, conn: ReceiverConn, current: _Current, source) -> Version:
-        """The catch-up: ``current``'s manifest and buckets, addressed to ``conn`` alone, packed
-        by ``source``."""
+    def _run(self, conn: ReceiverConn, current: _Current, sources: list) -> Version:
+        """The catch-up: ``current``'s manifest and buckets, addressed to ``conn`` alone, each
+        bucket packed by every one of ``sources`` (its part of it)."""
         published = current.run
         tensors, expect = published.tensors, published.checksums
         if tensors.direct is not None:
@@ -287,17 +297,19 @@ class CatchUps:
             tensors = plan_tensors(manifest, {}, False, self.shared.settings.bucket_size_bytes)
             expect = ()
         first = published.ranks[min(published.ranks)]
-        rank = RankConn(0, str(current.device), first.begin)
-        if isinstance(source, Retained):
-            rank.outbox = _RetainedOutbox(source, rank, self.shared.cond)
-        else:
-            rank.outbox = _SourceOutbox(source)
+        ranks = {}
+        for i, source in enumerate(sources):
+            rank = ranks[i] = RankConn(i, str(current.device), first.begin)
+            if isinstance(source, Retained):
+                rank.outbox = _RetainedOutbox(source, rank, self.shared.cond)
+            else:
+                rank.outbox = _SourceOutbox(source)
         return Version(
             published.manifest,
             replace(tensors, sender_packs=False),
             published.publisher_id,
             published.transport,
-            {0: rank},
+            ranks,
             shared=self.shared,
             manifest_key=published.manifest_key,
             audience=frozenset({conn.receiver_id}),
@@ -310,18 +322,43 @@ class CatchUps:
 
 def holds(conn: ReceiverConn, version: int, transport: str) -> bool:
     """``conn`` can be a catch-up source of ``version``: it applied it and is not writing
-    another, keeps every tensor whole, can hand them out, and writes into this sender's
-    staging buffers."""
+    another, can hand out what it keeps, and writes into this sender's staging buffers."""
     return (
         conn.connected
         and conn.exports
         and conn.applied_version == version
         and not conn.dirty
         and conn.state == ReceiverState.IDLE
-        and not conn.keeps
         and conn.data_path == MAP
         and transport in conn.transports
     )
+
+
+def cover(specs: Sequence[TensorSpec], holders: Sequence[ReceiverConn]) -> list[ReceiverConn]:
+    """The first of ``holders`` (nearest first) that keep every tensor whole, else the fewest
+    from the front whose kept boxes tile every tensor (engine TP ranks: disjoint boxes whose
+    sizes add up to it); empty when they do not cover it."""
+    whole = next((h for h in holders if not h.keeps), None)
+    if whole is not None:
+        return [whole]
+    have: dict[str, list[Box]] = {spec.name: [] for spec in specs}
+    left = {spec.name: spec.numel for spec in specs}
+    chosen = []
+    for holder in holders:
+        adds = False
+        for name in [n for n, k in left.items() if k]:
+            box = holder.keeps.get(name)
+            if box is None:
+                left[name], adds = 0, True
+            elif not any(box.overlaps(b) for b in have[name]):
+                have[name].append(box)
+                left[name] -= box.numel
+                adds = True
+        if adds:
+            chosen.append(holder)
+        if not any(left.values()):
+            return chosen
+    return []
 
 
 def route(conn: ReceiverConn, source: ReceiverConn | Retained) -> str:
@@ -333,13 +370,21 @@ def route(conn: ReceiverConn, source: ReceiverConn | Retained) -> str:
     return "local" if conn.device_uuid == source.device_uuid else "peer"
 
 
-def nearest(conn: ReceiverConn, holders: Sequence[ReceiverConn]) -> ReceiverConn:
-    """The holder nearest ``conn``: on its GPU, then on a GPU at all (peer copies), then any;
-    ties by id, so the choice is stable."""
+def distance(conn: ReceiverConn, holder: ReceiverConn) -> tuple[int, str]:
+    """How near ``holder`` is to ``conn``: on its GPU, then on a GPU at all (peer copies),
+    then any; ties by id, so the choice is stable."""
+    if conn.device_uuid and holder.device_uuid == conn.device_uuid:
+        return 0, holder.receiver_id
+    return (1 if holder.device_uuid else 2), holder.receiver_id
 
-    def distance(holder: ReceiverConn) -> tuple[int, str]:
-        if conn.device_uuid and holder.device_uuid == conn.device_uuid:
-            return 0, holder.receiver_id
-        return (1 if holder.device_uuid else 2), holder.receiver_id
 
-    return min(holders, key=distance)
+def _name(source: ReceiverConn | Retained) -> str:
+    return RETAINED if isinstance(source, Retained) else f"receiver {source.receiver_id}"
+
+
+def _rank_of(run: Version, conn: ReceiverConn) -> RankConn | None:
+    """The packer rank of catch-up ``run`` that source ``conn`` is, if any."""
+    for rank in run.ranks.values():
+        if isinstance(rank.outbox, _SourceOutbox) and rank.outbox.conn is conn:
+            return rank
+    return None

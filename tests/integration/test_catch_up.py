@@ -18,17 +18,24 @@ import sys
 import threading
 
 import pytest
+import torch
 
 from tests.support.models import digests, step
 from tests.support.processes import (
+    SyncThread,
     fault_model,
     next_outcomes,
     sender_process,
     start_receivers,
     stop_children,
+    unix_sender,
 )
 from tests.support.waiting import wait_until
+from weightsync.errors import ReceiverFailedError
+from weightsync.receiver import ReceiverCore, TorchReceiver
+from weightsync.receiver.target import InPlaceTarget
 from weightsync.sender import Publisher
+from weightsync.topology_model import Box
 
 
 class Job:
@@ -179,9 +186,9 @@ def test_with_no_engine_holding_the_version_and_nothing_retained_it_waits_saying
     j.start("only")
     wait_until(lambda: j.receiver("only").catch_up, 30, "the restarted receiver's catch_up")
     assert j.receiver("only").catch_up == (
-        "waits for the next version: no receiver that applied version 1 can hand it out (none "
-        "said `exports` and keeps every tensor whole) and the sender retains no copy of it "
-        "(weightsync-sender --retain-mb)"
+        "waits for the next version: no receivers that applied version 1 can hand it out "
+        "together (none said `exports`, or what they keep does not cover every tensor) and the "
+        "sender retains no copy of it (weightsync-sender --retain-mb)"
     )
     assert j.catch_ups() == []
     j.publish(2)
@@ -235,3 +242,105 @@ def test_a_late_receiver_on_another_host_catches_up_by_broadcast(job, source):
     (record,) = j.catch_ups()
     assert (record.receiver_id, record.state) == ("remote", "complete")
     assert record.source == ("receiver r0" if source == "peer" else "retained")
+
+
+class RowHalf(InPlaceTarget):
+    """An engine TP rank's shard: rank 0 keeps the first half of the rows of every 2-D tensor,
+    rank 1 the second; every other tensor whole. Holds only that (its live tensors are the
+    halves), as a TP engine does."""
+
+    chunks_in_place = False  # whole tensors arrive: it takes its rows of each
+
+    def __init__(self, model: torch.nn.Module, rank: int) -> None:
+        full = model.state_dict()
+        self.boxes = {}
+        for name, t in full.items():
+            if t.dim() == 2:
+                half = t.shape[0] // 2
+                self.boxes[name] = Box((rank * half, 0), (half, t.shape[1]))
+        self.live = {n: self._mine(n, t).clone() for n, t in full.items()}
+        self.device = torch.device("cpu")
+
+    def _mine(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        box = self.boxes.get(name)
+        return tensor if box is None else tensor[box.start[0] : box.stop[0]]
+
+    def keeps(self) -> dict[str, Box]:
+        return self.boxes
+
+    def validate(self, manifest) -> None:
+        missing = [t.name for t in manifest.tensors if t.name not in self.live]
+        assert not missing, missing
+
+    def live_tensor(self, name: str) -> torch.Tensor:
+        return self.live[name]
+
+    def copy_pairs(self, tensors):
+        return [(self.live[name], self._mine(name, t)) for name, t in tensors]
+
+
+def test_a_late_receiver_catches_up_from_engine_ranks_that_each_keep_a_shard(sock_dir):
+    """Two engine TP ranks, each holding half of every matrix, are the sources together: each
+    writes its half of each bucket; the late receiver, holding everything, gets it whole."""
+    trainer = fault_model(0)
+    with unix_sender(bucket_size_bytes=1 << 20) as sender:
+        ranks = [
+            ReceiverCore(RowHalf(fault_model(5), r), sender.address, receiver_id=f"tp{r}")
+            for r in (0, 1)
+        ]
+        threads = [SyncThread(r, 1) for r in ranks]
+        for t in threads:
+            t.start()
+        publisher = Publisher(sender.address)
+        step(trainer, 1)
+        publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=60)
+        want = digests(trainer)
+        assert [t.finish() for t in threads] == [[1], [1]]
+        step(trainer, 10_001)  # the trainer's memory is no source
+        late_model = fault_model(6)
+        late = TorchReceiver(late_model, sender.address, receiver_id="late")
+        assert late.sync(timeout=60) == 1
+        assert digests(late_model) == want
+        (record,) = publisher.status().catch_ups
+        assert (record.source, record.route, record.state) == (
+            "receivers tp0, tp1",
+            "host",
+            "complete",
+        )
+        for r in (*ranks, late, publisher):
+            r.close()
+
+
+def test_a_source_that_hands_out_other_bytes_fails_and_the_next_source_is_taken(sock_dir):
+    """Planted fault: engine "a" hands out one tensor (``norm``) plus one. The catch-up's
+    checksums differ from the version as published, so the late receiver is told to abort
+    it (never reported applied); the next source, engine "b", catches it up bit-exact."""
+    trainer = fault_model(0)
+    with unix_sender(bucket_size_bytes=1 << 20) as sender:
+        models = {rid: fault_model(7) for rid in ("a", "b")}
+        holders = {
+            rid: TorchReceiver(m, sender.address, receiver_id=rid) for rid, m in models.items()
+        }
+        threads = [SyncThread(r, 1) for r in holders.values()]
+        for t in threads:
+            t.start()
+        publisher = Publisher(sender.address)
+        step(trainer, 1)
+        publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=60)
+        want = digests(trainer)
+        assert [t.finish() for t in threads] == [[1], [1]]
+        target = holders["a"].target
+        honest = target.held
+        target.held = lambda name: honest(name) + (1 if name == "norm" else 0)
+        late_model = fault_model(8)
+        late = TorchReceiver(late_model, sender.address, receiver_id="late")
+        with pytest.raises(ReceiverFailedError, match="differs from the version as published"):
+            late.sync(timeout=60)
+        assert late.sync(timeout=60) == 1
+        assert digests(late_model) == want
+        first, second = publisher.status().catch_ups
+        assert (first.source, first.state) == ("receiver a", "failed")
+        assert "from its source differs from the version as published" in first.error.message
+        assert (second.source, second.state) == ("receiver b", "complete")
+        for r in (*holders.values(), late, publisher):
+            r.close()
