@@ -27,6 +27,7 @@ from weightsync.sender.coordinator import Coordinator
 from weightsync.sender.joins import StreamBegin
 from weightsync.sender.outbox import Outbox, Unsent, batched
 from weightsync.sender.packing import received_sources
+from weightsync.sender.read_ahead import ReadAhead
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn
 from weightsync.sender.version import Version
 from weightsync.v1 import weightsync_pb2 as pb
@@ -337,11 +338,13 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                 _abort(context, end)
 
     def _consume_receiver(self, conn: ReceiverConn, requests) -> None:
-        """Read a receiver's stream; a message refused ends it with the error (the receiver
-        fails in its versions at once rather than at the ack timeout of each)."""
+        """Read a receiver's stream (one message ahead of handling it, so that one sent just
+        before the call was cancelled is not lost); a message refused ends it with the error
+        (the receiver fails in its versions at once rather than at the ack timeout of each)."""
         why = "closed its stream"
+        incoming = ReadAhead(requests, f"weightsync-receiver-{conn.receiver_id}")
         try:
-            for msg in requests:
+            for msg in incoming:
                 check_receiver_message(msg)
                 self._co.on_receiver_message(conn, msg)
         except WeightSyncError as e:
@@ -353,6 +356,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             why = f"the sender failed on its message: {type(e).__name__}: {e}"
             log.exception("receiver %s: stream failed", conn.receiver_id)
         finally:
+            incoming.stop()
             self._co.receiver_gone(conn, why)
 
     def Status(self, request, context):

@@ -170,6 +170,14 @@ class Lane:
             got += n
         return bytes(data)
 
+    def close_read(self) -> None:
+        """Read no more than the peer already sent: this end's reader gets those frames, then
+        the end (it wakes if it waits); the peer's further writes fail."""
+        try:
+            self._sock.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass
+
     def close_write(self) -> None:
         """No more messages from this end: the peer reads what was sent, then the end."""
         try:
@@ -287,8 +295,10 @@ def connect_lane(offer: pb.LaneOffer) -> Lane | None:
 
 def switched(messages: Iterator[M], lane: Callable[[], Lane | None], cls) -> Iterator[M]:
     """A stream's incoming messages: from gRPC (``messages``) up to the peer's ``lane``
-    switch, then from ``lane()``. A thread then watches the gRPC stream: its end closes the
-    lane, and an error it ended with is raised here once the lane is over."""
+    switch, then from ``lane()``. A thread then watches the gRPC stream: its end ends the
+    lane (what the peer wrote before is still read: a message the peer sent just before it
+    cancelled its call is not lost), and an error it ended with is raised here once the lane is
+    over."""
     for msg in messages:
         if msg.WhichOneof("kind") != "lane":
             yield msg
@@ -297,18 +307,24 @@ def switched(messages: Iterator[M], lane: Callable[[], Lane | None], cls) -> Ite
         if taken is None:
             raise ProtocolError("the peer switched its stream to a lane it never took")
         ended = _GrpcEnd(messages, taken)
-        yield from taken.messages(cls)
+        try:
+            yield from taken.messages(cls)
+        finally:
+            ended.read.set()
         ended.raise_error()
         return
 
 
 class _GrpcEnd:
-    """Waits for a gRPC stream whose messages moved to ``lane``, then closes the lane."""
+    """Waits for a gRPC stream whose messages moved to ``lane``, then ends the lane's reading
+    (its reader still gets the frames already sent) and closes it once they are read."""
 
     def __init__(self, messages: Iterator, lane: Lane) -> None:
         self._messages, self._lane = messages, lane
         self._error: Exception | None = None
         self._done = threading.Event()
+        self.read = threading.Event()
+        """Set when the lane's reader is done (it read to the lane's end, or stopped)."""
         threading.Thread(target=self._watch, name="lane-grpc", daemon=True).start()
 
     def _watch(self) -> None:
@@ -322,6 +338,8 @@ class _GrpcEnd:
             self._error = e
         finally:
             self._done.set()
+            self._lane.close_read()
+            self.read.wait(_GRPC_END_S)  # a reader that does not drain is cut off after it
             self._lane.close()
 
     def raise_error(self) -> None:
