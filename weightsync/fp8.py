@@ -66,3 +66,61 @@ def _ceil_to_power_of_two(scale: torch.Tensor) -> torch.Tensor:
     exponent = (bits >> 23) & 0xFF
     exponent = (exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)).clamp(1, 254)
     return (exponent << 23).view(torch.float32)
+
+
+SCALE_SUFFIX = "weight_scale_inv"
+
+
+def linear_weight(name: str, tensor: torch.Tensor) -> bool:
+    """The default of which tensors an FP8 engine serves in FP8: the 2-D weights of linear
+    projections (``*_proj.weight``: attention, MLP, per-expert MLP, DeepSeek's low-rank
+    projections), not embeddings, the LM head, norms or MoE routers, as block-FP8 checkpoints
+    (DeepSeek-V3, Qwen3-FP8) hold them. Pass your own to :class:`BlockFp8` for other names."""
+    return name.endswith("_proj.weight") and tensor.dim() == 2 and tensor.is_floating_point()
+
+
+class BlockFp8:
+    """A trainer's weights in an FP8 engine's checkpoint form, for ``Publisher.publish``: each
+    weight ``quantized`` picks becomes e4m3 values under its own name and its block scales
+    under ``<module>.weight_scale_inv``; every other tensor passes through. The results land
+    in buffers kept from call to call (same names, shapes and device), so a trainer that
+    publishes every step offers the same memory every time and the sender maps it once.
+    Quantizes on the tensors' device (the trainer's GPU).
+
+    Args:
+        quantized: which tensors to quantize (default :func:`linear_weight`).
+        block: the block size the engine's checkpoint uses (``weight_block_size``).
+        ue8m0: scales rounded up to powers of two (what DeepGEMM engines want).
+    """
+
+    def __init__(
+        self,
+        quantized=linear_weight,
+        block: tuple[int, int] = BLOCK,
+        *,
+        ue8m0: bool = False,
+    ) -> None:
+        self.quantized, self.block, self.ue8m0 = quantized, block, ue8m0
+        self._out: dict[str, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def __call__(self, tensors) -> dict[str, torch.Tensor]:
+        items = tensors.items() if hasattr(tensors, "items") else tensors
+        out: dict[str, torch.Tensor] = {}
+        for name, tensor in items:
+            if not self.quantized(name, tensor):
+                out[name] = tensor
+                continue
+            values, scale = quantize_block_fp8(tensor, self.block, ue8m0=self.ue8m0)
+            scale_name = name[: -len("weight")] + SCALE_SUFFIX
+            out[name] = self._kept(name, values)
+            out[scale_name] = self._kept(scale_name, scale)
+        return out
+
+    def _kept(self, name: str, fresh: torch.Tensor) -> torch.Tensor:
+        kept = self._out.get(name)
+        if kept is None or kept.shape != fresh.shape or kept.device != fresh.device:
+            self._out[name] = kept = fresh
+        else:
+            kept.copy_(fresh)
+        return kept

