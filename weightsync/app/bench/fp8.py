@@ -1,0 +1,227 @@
+"""The FP8 rows of ``weightsync bench --fp8`` (issue 36): the same model published as bf16 and
+as block FP8 (``weightsync.fp8.BlockFp8``: e4m3 projections and their 128 x 128 float32
+``weight_scale_inv``, everything else bf16), bytes on the wire and time, in one run.
+
+The trainer (this process) holds the model's bf16 HF tensors on the device, filled with
+normal values from each version's seed; a ``TorchReceiver`` process on the same device holds a
+plain module of the version's tensors (bf16, or the FP8 checkpoint form). Each version is one
+``publish(wait=True)`` (start -> applied); the FP8 row's time includes quantizing every
+version on the trainer's device. Every version is checked bit for bit on the receiver, which
+makes the expected tensors itself from the seed (and quantizes them with the same code), before
+the next is published, so the check is not timed.
+
+Target (issue 36): FP8 bytes at most 0.51x bf16; time at most 1.15x the bf16 time scaled by the
+byte ratio.
+
+Run alone: ``python -m weightsync.app.bench.fp8`` (prints one JSON line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from weightsync.app.bench.fanout import _child, _expect, _module, _offsets, _views
+from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
+from weightsync.buckets import TensorSpec
+from weightsync.fp8 import BlockFp8
+
+BYTES_TARGET, TIME_TARGET = 0.51, 1.15
+
+
+@dataclass(frozen=True)
+class Fp8Run:
+    """One bf16 and one FP8 measurement of the same model."""
+
+    device: str
+    bf16_bytes: int
+    fp8_bytes: int
+    bf16_s: tuple[float, ...]
+    fp8_s: tuple[float, ...]
+    bit_exact: bool
+
+    @property
+    def byte_ratio(self) -> float:
+        return self.fp8_bytes / self.bf16_bytes
+
+    @property
+    def time_ratio(self) -> float:
+        """FP8 time over the bf16 time scaled by the byte ratio (target <= 1.15)."""
+        return statistics.median(self.fp8_s) / (statistics.median(self.bf16_s) * self.byte_ratio)
+
+    def rows(self) -> list:
+        from weightsync.app.bench.report import WEIGHTSYNC, Row
+
+        def row(name: str, nbytes: int, samples: tuple[float, ...], note: str = ""):
+            return Row(
+                WEIGHTSYNC, name, "auto", "TP=1", self.device, nbytes, samples,
+                bit_exact=self.bit_exact, note=note, failed=not self.bit_exact,
+            )  # fmt: skip
+
+        note = (
+            f"bytes {self.byte_ratio:.3f}x bf16 (target <= {BYTES_TARGET}); time "
+            f"{self.time_ratio:.2f}x bf16 scaled by bytes (target <= {TIME_TARGET})"
+        )
+        return [
+            row("bf16", self.bf16_bytes, self.bf16_s),
+            row("fp8", self.fp8_bytes, self.fp8_s, note),
+        ]
+
+
+def _fill(views: Mapping[str, torch.Tensor], version: int) -> None:
+    """Weights of a trained model's scale, the same for the same version on one device kind."""
+    g = torch.Generator(next(iter(views.values())).device).manual_seed(version)
+    for t in views.values():
+        t.normal_(0.0, 0.02, generator=g)
+
+
+def _receiver(specs, quantize: bool, device: str, address: str, versions, timeout_s, out):
+    from weightsync.receiver.torch_receiver import TorchReceiver
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    received = _received_specs(specs, quantize, dev)
+    model = _module(received, dev)
+    live = dict(model.state_dict())
+    offsets, total = _offsets(specs)
+    expected = _views(torch.empty(total, dtype=torch.uint8, device=dev), specs, offsets)
+    fp8 = BlockFp8()
+    receiver = TorchReceiver(model, address, receiver_id="fp8" if quantize else "bf16")
+    out.put(("ready", 0))
+    try:
+        for _ in range(versions):
+            version = receiver.sync(timeout=timeout_s)
+            _fill(expected, version)
+            want = fp8(expected) if quantize else expected
+            wrong = [
+                n
+                for n, t in want.items()
+                if not torch.equal(
+                    live[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+                )
+            ]
+            why = f"version {version}: {len(wrong)} differ, first {wrong[:3]}" if wrong else ""
+            out.put(("applied", 0, why))
+    finally:
+        receiver.close()
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _received_specs(specs, quantize: bool, device: torch.device) -> list[TensorSpec]:
+    """What the receiver holds: the HF tensors, or their FP8 checkpoint form."""
+    if not quantize:
+        return list(specs)
+    meta = {s.name: torch.empty(s.shape, dtype=s.torch_dtype, device="meta") for s in specs}
+    return [TensorSpec.of(n, t) for n, t in BlockFp8()(meta).items()]
+
+
+def _measure(
+    specs, quantize: bool, device: torch.device, versions: int, warmup: int, timeout_s: float,
+    settings: dict,
+) -> tuple[tuple[float, ...], int, list[str]]:  # fmt: skip
+    from weightsync.sender import Publisher, Sender
+
+    offsets, total = _offsets(specs)
+    views = _views(torch.empty(total, dtype=torch.uint8, device=device), specs, offsets)
+    fp8 = BlockFp8()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    sock_dir = tempfile.mkdtemp(prefix="ws-fp8-", dir="/tmp")
+    samples, wrong, nbytes, proc = [], [], 0, None
+    try:
+        with Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s, **settings) as sender:
+            args = (specs, quantize, str(device), sender.address, warmup + versions, timeout_s, out)
+            proc = ctx.Process(target=_child, args=("receiver", _receiver, *args))
+            proc.start()
+            _expect(out, "ready", 1, timeout_s)
+            with Publisher(sender.address) as publisher:
+                for version in range(1, warmup + versions + 1):
+                    _fill(views, version)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    start = time.perf_counter()
+                    tensors = fp8(views) if quantize else views
+                    result = publisher.publish(tensors, version, wait=True, timeout_s=timeout_s)
+                    samples.append(time.perf_counter() - start)
+                    nbytes = result.status.total_bytes
+                    wrong += [why for _, _, why in _expect(out, "applied", 1, timeout_s) if why]
+            proc.join(60)
+    finally:
+        if proc is not None and proc.is_alive():
+            proc.terminate()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    return tuple(samples[warmup:]), nbytes, wrong
+
+
+def measure_fp8(
+    shape: ModelShape,
+    device: torch.device,
+    versions: int,
+    warmup: int,
+    timeout_s: float,
+    bucket_size_bytes: int | None = None,
+) -> Fp8Run:
+    """Publish ``warmup`` + ``versions`` versions of ``shape`` in bf16, then as many in block
+    FP8, to a receiver on ``device``; the measured ones' times and the bytes of each."""
+    specs = hf_specs(shape)
+    settings = {} if bucket_size_bytes is None else {"bucket_size_bytes": bucket_size_bytes}
+    bf16_s, bf16_bytes, wrong = _measure(
+        specs, False, device, versions, warmup, timeout_s, settings
+    )
+    fp8_s, fp8_bytes, wrong8 = _measure(specs, True, device, versions, warmup, timeout_s, settings)
+    for line in wrong + wrong8:
+        print(f"fp8 bench: NOT bit-exact: {line}", flush=True)
+    return Fp8Run(str(device), bf16_bytes, fp8_bytes, bf16_s, fp8_s, not (wrong or wrong8))
+
+
+def summary(run: Fp8Run) -> str:
+    """One line: bytes and time of FP8 against bf16, and the targets."""
+    bf16, fp8 = statistics.median(run.bf16_s), statistics.median(run.fp8_s)
+    return (
+        f"bf16 {run.bf16_bytes / 1e9:.2f} GB in {bf16 * 1e3:.1f} ms; fp8 {run.fp8_bytes / 1e9:.2f} "
+        f"GB in {fp8 * 1e3:.1f} ms (quantizing included): bytes {run.byte_ratio:.3f}x (target "
+        f"<= {BYTES_TARGET}), time {run.time_ratio:.2f}x the bf16 time scaled by bytes (target "
+        f"<= {TIME_TARGET}); bit-exact {run.bit_exact}"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen2.5-7b")
+    p.add_argument("--layers", type=int, default=None)
+    p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--versions", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--bucket-size-mb", type=int, default=None)
+    p.add_argument("--timeout-s", type=float, default=300.0)
+    args = p.parse_args(argv)
+    bucket = args.bucket_size_mb * 1024 * 1024 if args.bucket_size_mb else None
+    run = measure_fp8(
+        model_shape(args.model, args.layers),
+        torch.device(args.device),
+        args.versions,
+        args.warmup,
+        args.timeout_s,
+        bucket,
+    )
+    print(summary(run), flush=True)
+    print(json.dumps({**asdict(run), "byte_ratio": run.byte_ratio, "time_ratio": run.time_ratio}))
+    return 0 if run.bit_exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
