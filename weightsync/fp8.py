@@ -12,6 +12,8 @@ reciprocal of its scale before the cast, as they do.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP8 = torch.float8_e4m3fn
@@ -82,9 +84,10 @@ def linear_weight(name: str, tensor: torch.Tensor) -> bool:
 class BlockFp8:
     """A trainer's weights in an FP8 engine's checkpoint form, for ``Publisher.publish``: each
     weight ``quantized`` picks becomes e4m3 values under its own name and its block scales
-    under ``<module>.weight_scale_inv``; every other tensor passes through. The results land
-    in buffers kept from call to call (same names, shapes and device), so a trainer that
-    publishes every step offers the same memory every time and the sender maps it once.
+    under ``<module>.weight_scale_inv``; every other tensor passes through. The results are
+    views of one buffer per device, kept from call to call while the tensors' names and shapes
+    stay (one storage to offer, not one per tensor: a MoE model has thousands), so a trainer
+    that publishes every step offers the same memory every time and the sender maps it once.
     Quantizes on the tensors' device (the trainer's GPU).
 
     Args:
@@ -101,26 +104,57 @@ class BlockFp8:
         ue8m0: bool = False,
     ) -> None:
         self.quantized, self.block, self.ue8m0 = quantized, block, ue8m0
-        self._out: dict[str, torch.Tensor] = {}
+        self._key: tuple = ()
+        self._views: dict[str, torch.Tensor] = {}
 
     @torch.no_grad()
     def __call__(self, tensors) -> dict[str, torch.Tensor]:
-        items = tensors.items() if hasattr(tensors, "items") else tensors
+        items = list(tensors.items() if hasattr(tensors, "items") else tensors)
+        picked = [(name, t) for name, t in items if self.quantized(name, t)]
+        key = tuple((name, tuple(t.shape), t.device) for name, t in picked)
+        if key != self._key:
+            self._views, self._key = self._allocate(picked), key
         out: dict[str, torch.Tensor] = {}
         for name, tensor in items:
-            if not self.quantized(name, tensor):
+            if name not in self._views:
                 out[name] = tensor
                 continue
             values, scale = quantize_block_fp8(tensor, self.block, ue8m0=self.ue8m0)
-            scale_name = name[: -len("weight")] + SCALE_SUFFIX
-            out[name] = self._kept(name, values)
-            out[scale_name] = self._kept(scale_name, scale)
+            scale_name = _scale_name(name)
+            out[name] = self._views[name]
+            out[name].copy_(values)
+            out[scale_name] = self._views[scale_name]
+            out[scale_name].copy_(scale)
         return out
 
-    def _kept(self, name: str, fresh: torch.Tensor) -> torch.Tensor:
-        kept = self._out.get(name)
-        if kept is None or kept.shape != fresh.shape or kept.device != fresh.device:
-            self._out[name] = kept = fresh
-        else:
-            kept.copy_(fresh)
-        return kept
+    def _allocate(self, picked) -> dict[str, torch.Tensor]:
+        """A buffer per device, cut into each quantized tensor's values and scales."""
+        bm, bn = self.block
+        shapes: dict[torch.device, list] = {}
+        for name, t in picked:
+            rows, cols = t.shape
+            shapes.setdefault(t.device, []).extend(
+                [
+                    (name, FP8, (rows, cols)),
+                    (_scale_name(name), torch.float32, (-(-rows // bm), -(-cols // bn))),
+                ]
+            )
+        views: dict[str, torch.Tensor] = {}
+        for device, parts in shapes.items():
+            offsets, at = [], 0
+            for _, dtype, shape in parts:
+                offsets.append(at)
+                at += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+            arena = torch.empty(at, dtype=torch.uint8, device=device)
+            for (name, dtype, shape), at in zip(parts, offsets, strict=True):
+                nbytes = math.prod(shape) * dtype.itemsize
+                views[name] = arena[at : at + nbytes].view(dtype).view(shape)
+        return views
+
+
+_ALIGN = 256
+"""Each view starts on this byte boundary (the buckets' alignment)."""
+
+
+def _scale_name(name: str) -> str:
+    return name[: -len("weight")] + SCALE_SUFFIX

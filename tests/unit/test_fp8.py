@@ -77,6 +77,8 @@ def test_block_fp8_quantizes_the_projections_into_buffers_kept_across_versions()
     ptrs = {n: t.data_ptr() for n, t in first.items() if n not in weights or "proj" in n}
     again = fp8({n: t * 2 for n, t in weights.items()})
     assert {n: again[n].data_ptr() for n in ptrs} == ptrs  # the same memory every version
+    made = [t for n, t in again.items() if n not in weights or "proj" in n]
+    assert len({t.untyped_storage().data_ptr() for t in made}) == 1  # one storage to offer
     values, _ = quantize_block_fp8(weights["model.layers.0.self_attn.q_proj.weight"] * 2)
     got = again["model.layers.0.self_attn.q_proj.weight"]
     assert torch.equal(got.view(torch.uint8), values.view(torch.uint8))
