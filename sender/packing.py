@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightsync import limits, summed_copies
+from weightsync.blocked_copies import BlockedCopies
 from weightsync.buckets import Bucket
 from weightsync.checksum import verify_copies
-from weightsync.errors import ProtocolError, TransportError, WeightSyncError
+from weightsync.errors import ChecksumError, ProtocolError, TransportError, WeightSyncError
 from weightsync.memo import Memo
 from weightsync.regions import Region, region_copies
 from weightsync.sender.offer import OfferKey
@@ -141,26 +142,33 @@ def pack_bucket(run: Version, bucket: Bucket, slot: Slot) -> torch.Tensor | None
         or copies.slices is not run.slices
     ):
         copies = slot.copies = PackCopies(run.tensors, run.regions, run.slices)
+    buffer = slot.buffer.tensor
+    what = f"version {run.version}, bucket {bucket.index} (packed by the sender)"
     try:
         batch = copies.by_bucket.get(bucket.index)
         if batch is None:
-            pairs = [
-                pair
-                for entry in bucket.entries
-                for pair in region_copies(slot.buffer.tensor, entry, run.regions[entry.name])
-            ]
+            pairs, names = [], []
+            for entry in bucket.entries:
+                for pair in region_copies(buffer, entry, run.regions[entry.name]):
+                    pairs.append(pair)
+                    names.append(entry.name)
             batch = copies.by_bucket[bucket.index] = summed_copies.copies(
-                pairs, slot.buffer.tensor, bucket.nbytes, destination=True
+                pairs, buffer, bucket.nbytes, destination=True, names=names
             )
+        if isinstance(batch, BlockedCopies):
+            # It sums the padding too: zeroed first, as for a bucket summed apart.
+            bucket.zero_gaps(buffer)
+            # Each piece is compared with its source right after its copy, still in cache.
+            return batch.run(check=what)
         sums = batch.run()
+    except ChecksumError:
+        raise
     except (RuntimeError, WeightSyncError) as e:
         raise TransportError(
             f"version {run.version}: packing bucket {bucket.index} from the publishers' "
             f"memory failed: {e}"
         ) from e
-    if not slot.buffer.tensor.is_cuda:
-        what = f"version {run.version}, bucket {bucket.index} (packed by the sender)"
+    if not buffer.is_cuda:
         for entry in bucket.entries:
-            copies = region_copies(slot.buffer.tensor, entry, run.regions[entry.name])
-            verify_copies(what, entry.name, copies)
+            verify_copies(what, entry.name, region_copies(buffer, entry, run.regions[entry.name]))
     return sums

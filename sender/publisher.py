@@ -13,6 +13,7 @@ import grpc
 import torch
 
 from weightsync import gc_pause, trace
+from weightsync.blocked_copies import pack_checked
 from weightsync.buckets import Bucket, TensorSpec, align_up, pack_entry
 from weightsync.checksum import verify_entry
 from weightsync.config import ALIGNMENT_BYTES, ClientSettings
@@ -138,11 +139,12 @@ class Publisher:
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
+            what = f"version {version}, bucket {bucket.index}"
+            if pack_checked(what, bucket, buffer, tensors):
+                return  # copied and checked in one pass (CPU buffers)
             for entry in bucket.entries:
                 pack_entry(buffer, entry, tensors[entry.name])
-                verify_entry(
-                    f"version {version}, bucket {bucket.index}", buffer, entry, tensors[entry.name]
-                )
+                verify_entry(what, buffer, entry, tensors[entry.name])
 
         return self.publish_packed(
             manifest,

@@ -14,6 +14,9 @@ cross-device copies, casts, ends not 8-byte aligned, spans that overlap unless i
 source spans (a receiver reading one tensor into two parameters), and strided boxes that do
 not fill whole rows of the bucket together (they do when every TP rank's columns of a tensor
 are packed; an engine TP=2 rank reading its half of a bucket's tensor does not).
+
+On CPU buffers :func:`copies` gives :mod:`.blocked_copies` instead: the same value, the sum
+taken block by block behind the copies while the bytes are in cache.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync import copy_kernel
+from weightsync.blocked_copies import BlockedCopies
 from weightsync.checksum import whole_row_words
 from weightsync.regions import CopyBatch, Pair
 
@@ -210,10 +214,20 @@ class SummedCopies:
 
 
 def copies(
-    pairs: Sequence[Pair], buffer: torch.Tensor, nbytes: int, *, destination: bool
-) -> SummedCopies | CopyBatch:
+    pairs: Sequence[Pair],
+    buffer: torch.Tensor,
+    nbytes: int,
+    *,
+    destination: bool,
+    names: Sequence[str] = (),
+) -> SummedCopies | BlockedCopies | CopyBatch:
     """The copies of ``pairs`` to run every version: summing ``buffer[:nbytes]`` on the way
-    where they can (``run()`` then returns the reduction), else a plain :class:`CopyBatch`
-    (``run()`` returns None: sum apart)."""
+    where they can (``run()`` then returns the reduction; on CPU :class:`BlockedCopies`, whose
+    ``run(check)`` also compares a pack with its sources, ``names`` naming each pair's
+    tensor), else a plain :class:`CopyBatch` (``run()`` returns None: sum apart)."""
+    if not buffer.is_cuda:
+        blocked = BlockedCopies.plan(pairs, buffer, nbytes, destination=destination, names=names)
+        if blocked is not None:
+            return blocked
     summed = SummedCopies.plan(pairs, buffer, nbytes, destination=destination)
     return summed or CopyBatch.of(pairs, reused=True)

@@ -28,7 +28,7 @@ def flip_first_element(dst: torch.Tensor) -> None:
     bits[0] ^= 1
 
 
-def sabotage_publisher(monkeypatch) -> None:
+def sabotage_publisher(monkeypatch, source: torch.Tensor) -> None:
     import weightsync.sender.publisher as publisher_module
 
     real = publisher_module.pack_entry
@@ -39,9 +39,19 @@ def sabotage_publisher(monkeypatch) -> None:
             flip_first_element(buffer[entry.offset : entry.offset + entry.nbytes])
 
     monkeypatch.setattr(publisher_module, "pack_entry", pack_entry)
+    # On CPU buffers the publisher copies and checks block by block (blocked_copies): break
+    # the copies of the tensor's memory there.
+    _break_copies_from(monkeypatch, lambda src: _storage(src) == _storage(source))
 
 
 def sabotage_sender(monkeypatch, source: torch.Tensor) -> None:
+    # The sender maps the offered file itself (from the descriptor the publisher passed), at
+    # another address: the source is known by its place in the file.
+    _break_copies_from(monkeypatch, lambda src: _offset(src) == _offset(source))
+
+
+def _break_copies_from(monkeypatch, broken) -> None:
+    """Flip a bit of every copy whose source is ``broken``, right after it."""
     from weightsync.regions import CopyBatch
 
     real = CopyBatch.run
@@ -50,9 +60,7 @@ def sabotage_sender(monkeypatch, source: torch.Tensor) -> None:
         real(batch)
         pairs = [*zip(batch.dsts, batch.srcs, strict=True), *batch.one_by_one]
         for dst, src in pairs:
-            # The sender maps the offered file itself (from the descriptor the publisher
-            # passed), at another address: the source is known by its place in the file.
-            if _offset(src) == _offset(source):
+            if broken(src):
                 flip_first_element(dst)
 
     # The sender builds its copies once and runs them every version: break the run.
@@ -61,6 +69,10 @@ def sabotage_sender(monkeypatch, source: torch.Tensor) -> None:
 
 def _offset(t: torch.Tensor) -> int:
     return t.data_ptr() - t.untyped_storage().data_ptr()
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 @pytest.mark.parametrize("packer", ["publisher", "sender"])
@@ -89,7 +101,7 @@ def test_a_pack_that_writes_wrong_bytes_fails_the_version_naming_the_tensor(
         applied = digests(model)
         with monkeypatch.context() as patch:
             if packer == "publisher":
-                sabotage_publisher(patch)
+                sabotage_publisher(patch, trainer.state_dict()[BROKEN])
             else:
                 sabotage_sender(patch, tensors[BROKEN])
             with pytest.raises(WeightSyncError, match=f"tensor '{BROKEN}' was packed wrong") as e:

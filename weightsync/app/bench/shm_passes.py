@@ -8,7 +8,10 @@ checksum when the pack did not take it, the receiver's loads, and its checksum w
 did not take it; beside one ``copy_`` of the same bytes as one flat buffer. Run it before and
 after a change in the same way::
 
-    python -m weightsync.app.bench.shm_passes --model qwen3-dense-cpu --versions 8
+    python -m weightsync.app.bench.shm_passes --model qwen3-dense-cpu --versions 8 [--old]
+
+``--old``: the passes as before the blocked copies (issue 31 part 4): copies, then the pack's
+check and the checksums as reads of their own, in the same code and run.
 """
 
 from __future__ import annotations
@@ -54,7 +57,16 @@ class Timers:
         return out
 
 
-def _receiver_main(address: str, specs, versions: int, out) -> None:
+def old_passes() -> None:
+    """No blocked copies: copy, check and checksum in passes of their own, as before."""
+    from weightsync.blocked_copies import BlockedCopies
+
+    BlockedCopies.plan = classmethod(lambda cls, *args, **kwargs: None)
+
+
+def _receiver_main(address: str, specs, versions: int, out, old: bool) -> None:
+    if old:
+        old_passes()
     from weightsync.receiver.core import ReceiverCore
     from weightsync.receiver.reader import VersionReads
     from weightsync.receiver.target import InPlaceTarget
@@ -87,7 +99,9 @@ def _receiver_main(address: str, specs, versions: int, out) -> None:
         receiver.close()
 
 
-def run(model: str, versions: int, warmup: int, bucket_size_mb: float) -> dict[str, object]:
+def run(
+    model: str, versions: int, warmup: int, bucket_size_mb: float, old: bool = False
+) -> dict[str, object]:
     import weightsync.sender.packing as packing
     import weightsync.sender.version as version_module
     from weightsync.app.bench.engine import random_weights
@@ -99,6 +113,8 @@ def run(model: str, versions: int, warmup: int, bucket_size_mb: float) -> dict[s
     from weightsync.sender.publisher import shm_tensors
     from weightsync.transports import get_transport
 
+    if old:
+        old_passes()
     weights = random_weights(MODELS[model], 1)
     specs = [TensorSpec.of(n, t) for n, t in weights.items()]
     total = sum(t.nbytes for t in weights.values())
@@ -118,7 +134,7 @@ def run(model: str, versions: int, warmup: int, bucket_size_mb: float) -> dict[s
     try:
         with Sender(f"unix:{root}/s.sock", bucket_size_bytes=int(bucket_size_mb * 2**20)) as s:
             proc = ctx.Process(
-                target=_receiver_main, args=(s.address, specs, warmup + versions, out)
+                target=_receiver_main, args=(s.address, specs, warmup + versions, out, old)
             )
             proc.start()
             if (hello := out.get(timeout=600)) != "registered":
@@ -156,6 +172,7 @@ def run(model: str, versions: int, warmup: int, bucket_size_mb: float) -> dict[s
     med = {k: statistics.median(r.get(k, 0.0) for r in measured) for k in ("end_to_end", *PHASES)}
     return {
         "model": model,
+        "passes": "old" if old else "blocked",
         "tensors": len(specs),
         "bytes": total,
         "versions": versions,
@@ -173,8 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--versions", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--bucket-size-mb", type=float, default=512)
+    parser.add_argument("--old", action="store_true", help="the passes as before")
     args = parser.parse_args(argv)
-    result = run(args.model, args.versions, args.warmup, args.bucket_size_mb)
+    result = run(args.model, args.versions, args.warmup, args.bucket_size_mb, args.old)
     print(json.dumps(result, indent=1))
     print(f"{'phase':<18} {'ms':>8} {'x memcpy':>9}")
     print(f"{'memcpy':<18} {result['memcpy_s'] * 1e3:8.1f}")
