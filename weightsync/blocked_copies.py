@@ -22,6 +22,7 @@ import ctypes
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from weightsync.buckets import ALIGNMENT_BYTES, Bucket, byte_view
@@ -47,24 +48,30 @@ class Piece:
 @dataclass(frozen=True)
 class Step:
     pieces: tuple[Piece, ...]
-    copies: CopyBatch
-    start: int
-    stop: int
-    """Bucket bytes ``[start, stop)`` (whole checksum rows) summed after the copies."""
+    moves: tuple[tuple[int, int, int], ...]
+    """(destination, source, bytes) of the pieces copied as bytes: contiguous, one dtype."""
+    others: CopyBatch | None
+    """The other pieces (strided, cast)."""
+    sums: tuple[tuple[np.ndarray, np.ndarray], ...]
+    """(rows of words, their sums' slots) summed after the copies: whole checksum rows."""
 
 
 _libc = ctypes.CDLL(None)
 _libc.memcmp.restype = ctypes.c_int
 _libc.memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_libc.memmove.restype = ctypes.c_void_p
+_libc.memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def _bytes_alike(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    return dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
 
 
 def _same_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether two contiguous CPU tensors of one dtype hold the same bytes (libc's memcmp: no
-    allocation, the fastest compare there is); False for any other pair, which
+    allocation, no threads); False for any other pair, which
     :func:`~.checksum.verify_copies` then compares."""
-    if dst.dtype != src.dtype or not (dst.is_contiguous() and src.is_contiguous()):
-        return False
-    return _libc.memcmp(dst.data_ptr(), src.data_ptr(), dst.nbytes) == 0
+    return _bytes_alike(dst, src) and _libc.memcmp(dst.data_ptr(), src.data_ptr(), dst.nbytes) == 0
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -143,14 +150,34 @@ class BlockedCopies:
         names: Sequence[str] = (),
         sums: bool = True,
     ) -> None:
-        self.steps = [Step(tuple(p), CopyBatch.of([(x.dst, x.src) for x in p]), a, b)
-                      for p, a, b in steps]  # fmt: skip
         self.buffer, self.nbytes, self.names, self.sums = buffer, nbytes, tuple(names), sums
         self._whole = whole_row_words(nbytes) * 8
         rows = self._whole // _ROW_BYTES + (nbytes - self._whole) // ALIGNMENT_BYTES
         self._rows = torch.zeros(rows, dtype=torch.int64)
         self._positions = torch.arange(1, rows + 1, dtype=torch.int64)
-        self._words = buffer[:nbytes].view(torch.int64) if nbytes else buffer[:0]
+        words = buffer[:nbytes].view(torch.int64).numpy() if nbytes else None
+        self.steps = [self._step(p, a, b, words) for p, a, b in steps]
+
+    def _step(self, pieces: list[Piece], start: int, stop: int, words) -> Step:
+        # One thread, no torch op per block: with the sender and a receiver busy at once on a
+        # few cores, each small parallel torch op waited for a descheduled thread.
+        alike = [p for p in pieces if _bytes_alike(p.dst, p.src)]
+        others = [(p.dst, p.src) for p in pieces if not _bytes_alike(p.dst, p.src)]
+        moves = tuple((p.dst.data_ptr(), p.src.data_ptr(), p.dst.nbytes) for p in alike)
+        sums = []
+        if self.sums and start < stop:
+            whole, rows = self._whole, self._rows.numpy()
+            tail, first = ALIGNMENT_BYTES // 8, whole // _ROW_BYTES
+            if start < min(stop, whole):
+                end = min(stop, whole)
+                sums.append((words[start // 8 : end // 8].reshape(-1, ROW_WORDS),
+                             rows[start // _ROW_BYTES : end // _ROW_BYTES]))  # fmt: skip
+            if stop > max(start, whole):
+                begin = max(start, whole)
+                sums.append((words[begin // 8 : stop // 8].reshape(-1, tail),
+                             rows[first + (begin - whole) // ALIGNMENT_BYTES :
+                                  first + (stop - whole) // ALIGNMENT_BYTES]))  # fmt: skip
+        return Step(tuple(pieces), moves, CopyBatch.of(others) if others else None, tuple(sums))
 
     @classmethod
     def plan(
@@ -185,13 +212,13 @@ class BlockedCopies:
             ChecksumError: a piece differs from its source (names ``check`` and the tensor).
         """
         for step in self.steps:
-            step.copies.run()
+            self._copy(step)
             if check is not None:
                 for p in step.pieces:
                     if not _same_bytes(p.dst, p.src):
                         verify_copies(check, self.names[p.owner], [(p.dst, p.src)])
-            if self.sums:
-                self._sum(step.start, step.stop)
+            for words, out in step.sums:
+                np.sum(words, axis=1, out=out)
         if not self.sums:
             return None
         if not self.nbytes:
@@ -199,22 +226,12 @@ class BlockedCopies:
         rows = self._rows
         return torch.stack([(rows * self._positions).sum(), rows.sum()])
 
-    def _sum(self, start: int, stop: int) -> None:
-        whole, words, rows = self._whole, self._words, self._rows
-        if start < min(stop, whole):
-            end = min(stop, whole)
-            torch.sum(
-                words[start // 8 : end // 8].view(-1, ROW_WORDS), dim=1,
-                out=rows[start // _ROW_BYTES : end // _ROW_BYTES],
-            )  # fmt: skip
-        if stop > max(start, whole):
-            begin, first = max(start, whole), whole // _ROW_BYTES
-            tail = ALIGNMENT_BYTES // 8
-            torch.sum(
-                words[begin // 8 : stop // 8].view(-1, tail), dim=1,
-                out=rows[first + (begin - whole) // ALIGNMENT_BYTES :
-                         first + (stop - whole) // ALIGNMENT_BYTES],
-            )  # fmt: skip
+    @staticmethod
+    def _copy(step: Step) -> None:
+        for dst, src, n in step.moves:
+            _libc.memmove(dst, src, n)
+        if step.others is not None:
+            step.others.run()
 
 
 def pack_checked(

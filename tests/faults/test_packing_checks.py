@@ -52,6 +52,7 @@ def sabotage_sender(monkeypatch, source: torch.Tensor) -> None:
 
 def _break_copies_from(monkeypatch, broken) -> None:
     """Flip a bit of every copy whose source is ``broken``, right after it."""
+    from weightsync.blocked_copies import BlockedCopies
     from weightsync.regions import CopyBatch
 
     real = CopyBatch.run
@@ -65,6 +66,16 @@ def _break_copies_from(monkeypatch, broken) -> None:
 
     # The sender builds its copies once and runs them every version: break the run.
     monkeypatch.setattr(CopyBatch, "run", run)
+    # On CPU buffers the copies are blocked_copies' (a CopyBatch only for strided or cast ones).
+    real_copy = BlockedCopies._copy
+
+    def copy(step) -> None:
+        real_copy(step)
+        for piece in step.pieces:
+            if broken(piece.src):
+                flip_first_element(piece.dst)
+
+    monkeypatch.setattr(BlockedCopies, "_copy", staticmethod(copy))
 
 
 def _offset(t: torch.Tensor) -> int:

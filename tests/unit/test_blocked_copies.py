@@ -34,6 +34,19 @@ def _checksum(buffer: torch.Tensor, nbytes: int) -> int:
     return finish(row_sums(buffer, nbytes), nbytes)
 
 
+def _break(monkeypatch, which) -> None:
+    """Flip a bit of each copied piece ``which`` picks, right after its copy."""
+    real = BlockedCopies._copy
+
+    def copy(step) -> None:
+        real(step)
+        for piece in step.pieces:
+            if which(piece):
+                piece.dst.view(-1).view(torch.uint8)[0] ^= 1
+
+    monkeypatch.setattr(BlockedCopies, "_copy", staticmethod(copy))
+
+
 def _pack_pairs(bucket, buffer, regions):
     pairs, names = [], []
     for entry in bucket.entries:
@@ -151,16 +164,8 @@ def test_a_planted_corruption_is_caught_naming_the_tensor(monkeypatch):
     )
     announced = finish(copies.run(check="v1"), bucket.nbytes)
     (c,) = [e for e in bucket.entries if e.name == "c"]
-    real = CopyBatch.run
-
-    def run(batch) -> None:
-        real(batch)
-        for dst in batch.dsts + tuple(d for d, _ in batch.one_by_one):
-            if dst.data_ptr() == buffer.data_ptr() + c.offset:
-                dst.view(-1)[0] ^= 1
-
     with monkeypatch.context() as patch:
-        patch.setattr(CopyBatch, "run", run)
+        _break(patch, lambda p: p.dst.data_ptr() == buffer.data_ptr() + c.offset)
         with pytest.raises(ChecksumError, match="v2: tensor 'c' was packed wrong"):
             copies.run(check="v2")
     copies.run(check="v3")
@@ -187,13 +192,6 @@ def test_the_publishers_pack_copies_and_checks_in_one_pass(monkeypatch):
     buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
     assert not pack_checked("v1", bucket, buffer, strided)
     assert not buffer.any()
-    real = CopyBatch.run
-
-    def run(batch) -> None:
-        real(batch)
-        for dst in batch.dsts + tuple(d for d, _ in batch.one_by_one):
-            dst.view(-1)[-1] ^= 1
-
-    monkeypatch.setattr(CopyBatch, "run", run)
+    _break(monkeypatch, lambda p: True)
     with pytest.raises(ChecksumError, match="v2: tensor '.' was packed wrong"):
         pack_checked("v2", bucket, buffer, tensors)
