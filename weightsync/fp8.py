@@ -114,18 +114,51 @@ class BlockFp8:
         key = tuple((name, tuple(t.shape), t.device) for name, t in picked)
         if key != self._key:
             self._views, self._key = self._allocate(picked), key
+        for group in self._groups(picked):
+            self._quantize(group)
         out: dict[str, torch.Tensor] = {}
         for name, tensor in items:
-            if name not in self._views:
+            if name in self._views:
+                out[name] = self._views[name]
+                out[_scale_name(name)] = self._views[_scale_name(name)]
+            else:
                 out[name] = tensor
-                continue
-            values, scale = quantize_block_fp8(tensor, self.block, ue8m0=self.ue8m0)
-            scale_name = _scale_name(name)
-            out[name] = self._views[name]
-            out[name].copy_(values)
-            out[scale_name] = self._views[scale_name]
-            out[scale_name].copy_(scale)
         return out
+
+    def _groups(self, picked) -> list[list[tuple[str, torch.Tensor]]]:
+        """Tensors quantized in one go: those of one shape, dtype and device that split into
+        whole blocks (a MoE model's experts), up to :data:`_GROUP_BYTES` each; any other alone.
+        Thousands of small per-tensor launches cost more than the bytes."""
+        by_kind: dict[tuple, list] = {}
+        for name, t in picked:
+            whole = t.shape[0] % self.block[0] == 0 and t.shape[1] % self.block[1] == 0
+            kind = (tuple(t.shape), t.dtype, t.device) if whole else (name,)
+            by_kind.setdefault(kind, []).append((name, t))
+        groups = []
+        for members in by_kind.values():
+            per = max(1, _GROUP_BYTES // (members[0][1].numel() * members[0][1].element_size()))
+            groups += [members[i : i + per] for i in range(0, len(members), per)]
+        return groups
+
+    def _quantize(self, group: list[tuple[str, torch.Tensor]]) -> None:
+        """Quantize ``group`` into its views, as :func:`quantize_block_fp8` does each."""
+        names = [name for name, _ in group]
+        if len(group) == 1:
+            values, scale = quantize_block_fp8(group[0][1], self.block, ue8m0=self.ue8m0)
+            self._views[names[0]].copy_(values)
+            self._views[_scale_name(names[0])].copy_(scale)
+            return
+        (bm, bn), (rows, cols) = self.block, group[0][1].shape
+        stacked = torch.stack([t for _, t in group])
+        blocks = stacked.view(len(group), rows // bm, bm, cols // bn, bn)
+        amax = blocks.abs().float().amax(dim=(2, 4), keepdim=True).clamp(AMAX_FLOOR)
+        scale = amax / FP8_MAX
+        if self.ue8m0:
+            scale = _ceil_to_power_of_two(scale)
+        values = (blocks * (1.0 / scale)).to(FP8).view(len(group), rows, cols)
+        scale = scale.view(len(group), rows // bm, cols // bn)
+        torch._foreach_copy_([self._views[n] for n in names], list(values.unbind(0)))
+        torch._foreach_copy_([self._views[_scale_name(n)] for n in names], list(scale.unbind(0)))
 
     def _allocate(self, picked) -> dict[str, torch.Tensor]:
         """A buffer per device, cut into each quantized tensor's values and scales."""
@@ -154,6 +187,8 @@ class BlockFp8:
 
 _ALIGN = 256
 """Each view starts on this byte boundary (the buckets' alignment)."""
+_GROUP_BYTES = 256 << 20
+"""Source bytes quantized in one go at most (its float32 temporaries are twice that)."""
 
 
 def _scale_name(name: str) -> str:

@@ -82,3 +82,25 @@ def test_block_fp8_quantizes_the_projections_into_buffers_kept_across_versions()
     values, _ = quantize_block_fp8(weights["model.layers.0.self_attn.q_proj.weight"] * 2)
     got = again["model.layers.0.self_attn.q_proj.weight"]
     assert torch.equal(got.view(torch.uint8), values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_block_fp8_quantizes_experts_together_exactly_as_one_by_one(ue8m0):
+    """A MoE model's experts (one shape, whole blocks) go in groups; the result is each
+    tensor's own quantization, bit for bit, ragged ones included."""
+    g = torch.Generator().manual_seed(4)
+    weights = {
+        f"model.layers.0.mlp.experts.{e}.{p}_proj.weight": (
+            torch.randn(256, 128, generator=g) * (e + 1)
+        ).bfloat16()
+        for e in range(6)
+        for p in ("gate", "up")
+    }
+    weights["model.layers.0.mlp.experts.0.down_proj.weight"] = torch.randn(
+        130, 256, generator=g
+    ).bfloat16()
+    got = BlockFp8(ue8m0=ue8m0)(weights)
+    for name, weight in weights.items():
+        values, scale = quantize_block_fp8(weight, ue8m0=ue8m0)
+        assert torch.equal(got[name].view(torch.uint8), values.view(torch.uint8)), name
+        assert torch.equal(got[name.removesuffix("weight") + "weight_scale_inv"], scale), name
