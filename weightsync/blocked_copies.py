@@ -12,8 +12,12 @@ that interleave in the bucket (a TP shard's columns beside the others') are summ
 are copied. Rows no copy touches (padding, tensors a rank does not keep) are summed as they
 are (the sender zeroes the padding first: :attr:`~.buckets.Bucket.gaps`).
 
-:func:`plan` gives up (None) where a copy's bucket side lies outside the bucket; the caller then
-copies and sums apart, as before.
+A block runs on the calling thread alone (libc's memmove and memcmp for contiguous copies,
+numpy's row sums), not as torch ops: the sender and a receiver work at once on few cores, and
+a small parallel op per block waits for whichever of its threads was descheduled.
+
+:meth:`BlockedCopies.plan` gives up (None) where a copy's bucket side lies outside the bucket;
+the caller then copies and sums apart, as before.
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from weightsync.checksum import ROW_WORDS, verify_copies, whole_row_words
 from weightsync.regions import CopyBatch, Pair
 
 BLOCK_BYTES = 2 << 20
-"""A step's share of the bucket: its copies' bytes fit in this box's per-core L2 cache (2 MiB)
-beside their sources; smaller steps cost more Python per byte."""
+"""A step's share of the bucket: small enough that its bytes are still in cache when summed
+and checked, large enough that the Python per step is small beside the copies."""
 _ROW_BYTES = ROW_WORDS * 8
 
 
@@ -159,8 +163,6 @@ class BlockedCopies:
         self.steps = [self._step(p, a, b, words) for p, a, b in steps]
 
     def _step(self, pieces: list[Piece], start: int, stop: int, words) -> Step:
-        # One thread, no torch op per block: with the sender and a receiver busy at once on a
-        # few cores, each small parallel torch op waited for a descheduled thread.
         alike = [p for p in pieces if _bytes_alike(p.dst, p.src)]
         others = [(p.dst, p.src) for p in pieces if not _bytes_alike(p.dst, p.src)]
         moves = tuple((p.dst.data_ptr(), p.src.data_ptr(), p.dst.nbytes) for p in alike)

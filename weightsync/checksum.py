@@ -11,13 +11,14 @@ under half the speed of a copy; over 64 KiB rows, at the speed of a full reducti
 not cryptographic.
 
 The bucket checksum is taken from the staging buffer after packing, so it proves the transport
-only. On GPUs with CuPy it is taken by the copies themselves where they can
-(:mod:`.summed_copies`: the sender's pack, an in-place receiver's reads), the same value
-without a second read of the bucket. What a pack wrote is checked against its source by
-:func:`verify_copies` / :func:`verify_entry`, run by every packer right after its copies, on
-CPU (shared memory) buffers: a packing bug fails the version naming the tensor, before any
-receiver commits it. On CUDA buffers they compare nothing: that would be a second read of
-every byte on the GPU.
+only. It is taken by the copies themselves where they can (the sender's pack, an in-place
+receiver's reads), the same value without a second read of the bucket: on GPUs with CuPy in
+the copy kernel (:mod:`.summed_copies`), on CPU block by block right behind the copies, while
+the bytes are in cache (:mod:`.blocked_copies`). What a pack wrote is checked against its
+source by :func:`verify_copies` / :func:`verify_entry` on CPU (shared memory) buffers, in the
+same blocks right after their copies where the pack is blocked: a packing bug fails the
+version naming the tensor, before any receiver reads that bucket. On CUDA buffers they compare
+nothing: that would be a second read of every byte on the GPU.
 """
 
 from __future__ import annotations
