@@ -29,18 +29,28 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from weightsync.buckets import TensorSpec
-from weightsync.receiver.landings import BASE, SHIFT, STEP, UNTOUCHED, placements
+from weightsync.receiver.landings import (
+    BASE,
+    SHIFT,
+    STEP,
+    UNTOUCHED,
+    computed,
+    moves_differ,
+    placements,
+    shift_differs,
+)
 from weightsync.receiver.loader_dry_run import LoaderSwap, ResolvedName
 from weightsync.receiver.replay import Placement
 
 GROUP_ELEMENTS = 1 << 26
-"""Inputs baked per ``load_weights`` call (int64: 512 MiB, and as much again of stand-ins)."""
+"""Inputs baked per ``load_weights`` call (their stand-ins: 512 MiB of int64, and more where
+one module is larger: the bake needs 8 bytes an element of its largest group)."""
 
 
 class _Refused(Exception):
@@ -136,27 +146,53 @@ def _bake_group(
     modules: set[str],
 ) -> dict[str, list[Placement] | str] | str:
     """Run ``load_weights`` over ``group`` as indices; per live tensor written, its placements
-    or why it cannot be replayed. A string: why the whole group cannot."""
-    inputs, index, start = [], [], 0
+    or why it cannot be replayed. A string: why the whole group cannot.
+
+    Memory: the inputs are made one at a time as ``load_weights`` takes them, and each first
+    stand-in is read and freed before the second bake, so a group needs one stand-in per live
+    tensor it writes (8 bytes an element) and a reading chunk, besides what the loaders keep."""
+    index, start = [], 0
     for spec in group:
-        n = math.prod(spec.shape)
-        values = torch.arange(start, start + n, dtype=torch.int64).mul_(STEP).add_(BASE)
-        inputs.append((spec.name, values.view(spec.shape)))
-        index.append((spec.name, start, n))
-        start += n
+        index.append((spec.name, start, math.prod(spec.shape)))
+        start += index[-1][2]
+    read: dict[str, list[Placement] | str] = {}
+    kept: dict[str, torch.Tensor] = {}  # first stand-ins refused other than as computed
     try:
-        first = loaded_stand_ins(model, inputs, swaps, modules, untouched=UNTOUCHED)
-        for _, values in inputs:  # in place: a large embedding's inputs are GBs of int64
-            values.add_(SHIFT)
-        second = loaded_stand_ins(model, inputs, swaps, modules, untouched=UNTOUCHED - 1)
+        first = loaded_stand_ins(model, _inputs(group, 0), swaps, modules, untouched=UNTOUCHED)
+        for name in list(first):
+            stand_in = first.pop(name)
+            read[name] = placements(name, stand_in, index)
+            if isinstance(read[name], str) and read[name] != computed(name):
+                kept[name] = stand_in
+            del stand_in
+        second = loaded_stand_ins(
+            model, _inputs(group, SHIFT), swaps, modules, untouched=UNTOUCHED - 1
+        )
     except _Refused as e:
         return str(e)
     except Exception as e:  # noqa: BLE001 - any failure means: not replayable, engine path
         return f"its load_weights failed on index values: {type(e).__name__}: {e}"
-    del inputs
-    return {
-        name: placements(name, first.pop(name), second.get(name), index) for name in list(first)
-    }
+    for name, got in read.items():
+        shifted = second.pop(name, None)
+        if shifted is None:
+            read[name] = computed(name)
+        elif isinstance(got, list):
+            if shift_differs(shifted, got, index):
+                read[name] = computed(name)
+        elif name in kept and moves_differ(kept.pop(name), shifted):
+            read[name] = computed(name)
+        del shifted
+    return read
+
+
+def _inputs(group: Sequence[TensorSpec], shift: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The group's index-valued inputs (plus ``shift``), each made as it is taken."""
+    start = 0
+    for spec in group:
+        n = math.prod(spec.shape)
+        values = torch.arange(start, start + n, dtype=torch.int64).mul_(STEP).add_(BASE + shift)
+        yield spec.name, values.view(spec.shape)
+        start += n
 
 
 def loader_swaps(
@@ -168,7 +204,7 @@ def loader_swaps(
 
 def loaded_stand_ins(
     model: torch.nn.Module,
-    inputs: Sequence[tuple[str, torch.Tensor]],
+    inputs: Iterable[tuple[str, torch.Tensor]],
     swaps: Mapping[str, LoaderSwap],
     modules: set[str],
     *,

@@ -20,8 +20,10 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -59,7 +61,8 @@ def save_plan(
         if every_layer
         else served_as_loaded(model, cuda=True)
     )
-    baked = bake(model, specs, resolved, view, modules)
+    with _peak_rss() as peak:
+        baked = bake(model, specs, resolved, view, modules)
     used = {p.live_name for ps in baked.placements.values() for p in ps}
     plan = {
         "model": shape.name,
@@ -78,9 +81,37 @@ def save_plan(
     path.write_text(json.dumps(plan))
     console.print(
         f"{shape.name} ({shape.layers} layers): {len(baked.placements)} of {len(specs)} tensors "
-        f"replayed into {len(used)} live tensors, {len(baked.refused)} modules refused -> {path}"
+        f"replayed into {len(used)} live tensors, {len(baked.refused)} modules refused -> {path}; "
+        f"bake {peak['s']:.0f} s, process RSS {peak['before'] / 1e9:.2f} GB before it, "
+        f"{peak['peak'] / 1e9:.2f} GB at most during it"
     )
     return plan
+
+
+@contextmanager
+def _peak_rss(every_s: float = 0.02) -> Iterator[dict[str, float]]:
+    """This process's resident memory before the block and the most sampled during it (every
+    ``every_s``), and the block's seconds."""
+    import psutil
+
+    proc = psutil.Process()
+    out = {"before": proc.memory_info().rss, "peak": 0.0, "s": 0.0}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.wait(every_s):
+            out["peak"] = max(out["peak"], proc.memory_info().rss)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    began = time.perf_counter()
+    thread.start()
+    try:
+        yield out
+    finally:
+        done.set()
+        thread.join()
+        out["s"] = time.perf_counter() - began
+        out["peak"] = max(out["peak"], proc.memory_info().rss)
 
 
 def _vllm_model(shape: ModelShape) -> torch.nn.Module:
