@@ -279,6 +279,20 @@ class RowHalf(InPlaceTarget):
         return [(self.live[name], self._mine(name, t)) for name, t in tensors]
 
 
+def _applied_by(receivers, publisher, trainer) -> dict[str, str]:
+    """Version 1 published and applied by ``receivers``; then the trainer's tensors change (its
+    memory is no source). Returns version 1's digests."""
+    threads = [SyncThread(r, 1) for r in receivers]
+    for t in threads:
+        t.start()
+    step(trainer, 1)
+    publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=60)
+    want = digests(trainer)
+    assert [t.finish() for t in threads] == [[1]] * len(receivers)
+    step(trainer, 10_001)
+    return want
+
+
 def test_a_late_receiver_catches_up_from_engine_ranks_that_each_keep_a_shard(sock_dir):
     """Two engine TP ranks, each holding half of every matrix, are the sources together: each
     writes its half of each bucket; the late receiver, holding everything, gets it whole."""
@@ -288,15 +302,8 @@ def test_a_late_receiver_catches_up_from_engine_ranks_that_each_keep_a_shard(soc
             ReceiverCore(RowHalf(fault_model(5), r), sender.address, receiver_id=f"tp{r}")
             for r in (0, 1)
         ]
-        threads = [SyncThread(r, 1) for r in ranks]
-        for t in threads:
-            t.start()
         publisher = Publisher(sender.address)
-        step(trainer, 1)
-        publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=60)
-        want = digests(trainer)
-        assert [t.finish() for t in threads] == [[1], [1]]
-        step(trainer, 10_001)  # the trainer's memory is no source
+        want = _applied_by(ranks, publisher, trainer)
         late_model = fault_model(6)
         late = TorchReceiver(late_model, sender.address, receiver_id="late")
         assert late.sync(timeout=60) == 1
@@ -321,14 +328,8 @@ def test_a_source_that_hands_out_other_bytes_fails_and_the_next_source_is_taken(
         holders = {
             rid: TorchReceiver(m, sender.address, receiver_id=rid) for rid, m in models.items()
         }
-        threads = [SyncThread(r, 1) for r in holders.values()]
-        for t in threads:
-            t.start()
         publisher = Publisher(sender.address)
-        step(trainer, 1)
-        publisher.publish(trainer.state_dict(), 1, wait=True, timeout_s=60)
-        want = digests(trainer)
-        assert [t.finish() for t in threads] == [[1], [1]]
+        want = _applied_by(list(holders.values()), publisher, trainer)
         target = holders["a"].target
         honest = target.held
         target.held = lambda name: honest(name) + (1 if name == "norm" else 0)

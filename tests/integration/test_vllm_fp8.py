@@ -23,6 +23,7 @@ from tests.support import drive, manifest_of, random_weights  # noqa: E402
 from tests.support.vllm import (  # noqa: E402
     BUCKET_BYTES,
     checkpoint_template,
+    make_llm,
     save_checkpoint,
     vllm_greedy,
     worker_of,
@@ -38,20 +39,7 @@ BLOCK_FP8 = "fp8_per_block"
 
 
 def fp8_llm(path: Path, quantization: str = BLOCK_FP8):
-    from vllm import LLM
-
-    return LLM(
-        model=str(path),
-        dtype="bfloat16",
-        quantization=quantization,
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-        gpu_memory_utilization=0.1,
-        kv_cache_memory_bytes=32 << 20,
-    )
+    return make_llm(path, dtype="bfloat16", quantization=quantization)
 
 
 def bf16_weights(seed: int) -> dict[str, torch.Tensor]:

@@ -20,7 +20,12 @@ vllm = pytest.importorskip("vllm")
 
 from tests.support import random_weights, unix_sender  # noqa: E402
 from tests.support.models import tiny_config  # noqa: E402
-from tests.support.vllm import publish_and_update, vllm_greedy, worker_of  # noqa: E402
+from tests.support.vllm import (  # noqa: E402
+    make_llm,
+    publish_and_update,
+    vllm_greedy,
+    worker_of,
+)
 from tests.sweeps.archs import differing, live_tensors  # noqa: E402
 from weightsync.fp8 import BlockFp8  # noqa: E402
 
@@ -73,20 +78,7 @@ def save_fp8(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
 
 
 def fp8_llm(path: Path, **kwargs):
-    from vllm import LLM
-
-    return LLM(
-        model=str(path),
-        dtype="bfloat16",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        max_model_len=128,
-        max_num_seqs=4,
-        seed=0,
-        gpu_memory_utilization=0.1,
-        kv_cache_memory_bytes=32 << 20,
-        **kwargs,
-    )
+    return make_llm(path, dtype="bfloat16", **kwargs)
 
 
 def test_fp8_versions_from_the_trainer_load_like_the_fp8_checkpoint(tmp_path):

@@ -119,12 +119,12 @@ def vllm_greedy(
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def make_llm(path: Path, **kwargs):
+def make_llm(path: Path, dtype: str = "float32", **kwargs):
     from vllm import LLM
 
     return LLM(
         model=str(path),
-        dtype="float32",
+        dtype=dtype,
         skip_tokenizer_init=True,
         enforce_eager=True,
         max_model_len=128,
