@@ -168,6 +168,7 @@ class CatchUps:
             newer = self.current is None or run.version > self.current.run.version
             if device is not None and newer:
                 self.current = _Current(run, device, kept if kept and kept.complete else None)
+                self.tried = {k: v for k, v in self.tried.items() if k[1] >= run.version}
             for old in [v for v in self.devices if v < run.version]:
                 del self.devices[old]
         return self.behind()
