@@ -173,7 +173,6 @@ def run_sender(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     sender = Sender(**_sender_settings(args))
-    log.debug("froze %d startup objects out of the garbage collector's walks", freeze_startup())
     s = sender.settings
     metrics = sender.metrics.address
     log.info(
@@ -187,5 +186,8 @@ def run_sender(args: argparse.Namespace) -> int:
         s.bucket_size_bytes // MIB,
         f", metrics on http://{metrics[0]}:{metrics[1]}/metrics" if metrics else "",
     )
+    # After the line above: clients may connect once it serves, and their lines must not come
+    # before it (freezing walks every object, a while on a loaded machine).
+    log.debug("froze %d startup objects out of the garbage collector's walks", freeze_startup())
     sender.wait(stop)
     return 0
