@@ -63,7 +63,15 @@ class Job:
         step(self.trainer, 10_000 + version)  # training goes on in place: not a source now
 
     def outcomes(self, count: int):
-        return next_outcomes(self.out, count)
+        try:
+            return next_outcomes(self.out, count)
+        except AssertionError as e:  # say what the sender saw, to tell why
+            status = self.publisher.status()
+            seen = [
+                (r.receiver_id, r.state, r.applied_version, r.catch_up) for r in status.receivers
+            ]
+            ups = [(c.receiver_id, c.source, c.state, c.error.message) for c in status.catch_ups]
+            raise AssertionError(f"{e}; the sender's receivers {seen}, catch-ups {ups}") from None
 
     def kill(self, rid: str) -> None:
         proc = self.procs.pop(rid)
