@@ -126,13 +126,13 @@ class BlockFp8:
         return out
 
     def _groups(self, picked) -> list[list[tuple[str, torch.Tensor]]]:
-        """Tensors quantized in one go: those of one shape, dtype and device that split into
-        whole blocks (a MoE model's experts), up to :data:`_GROUP_BYTES` each; any other alone.
-        Thousands of small per-tensor launches cost more than the bytes."""
+        """Tensors quantized in one go: small ones of one shape, dtype and device that split
+        into whole blocks (a MoE model's experts), up to :data:`_GROUP_BYTES` each; any other
+        alone. Thousands of small per-tensor launches cost more than their bytes."""
         by_kind: dict[tuple, list] = {}
         for name, t in picked:
-            whole = t.shape[0] % self.block[0] == 0 and t.shape[1] % self.block[1] == 0
-            kind = (tuple(t.shape), t.dtype, t.device) if whole else (name,)
+            small = t.numel() * t.element_size() < _SMALL_BYTES
+            kind = (tuple(t.shape), t.dtype, t.device) if small and self._whole(t) else (name,)
             by_kind.setdefault(kind, []).append((name, t))
         groups = []
         for members in by_kind.values():
@@ -140,24 +140,31 @@ class BlockFp8:
             groups += [members[i : i + per] for i in range(0, len(members), per)]
         return groups
 
+    def _whole(self, t: torch.Tensor) -> bool:
+        return t.shape[0] % self.block[0] == 0 and t.shape[1] % self.block[1] == 0
+
     def _quantize(self, group: list[tuple[str, torch.Tensor]]) -> None:
-        """Quantize ``group`` into its views, as :func:`quantize_block_fp8` does each."""
+        """Quantize ``group`` into its views, as :func:`quantize_block_fp8` does each, in
+        fewer passes: no padding where the blocks are whole, the cast written straight into
+        the views."""
         names = [name for name, _ in group]
-        if len(group) == 1:
-            values, scale = quantize_block_fp8(group[0][1], self.block, ue8m0=self.ue8m0)
+        first = group[0][1]
+        if len(group) == 1 and not self._whole(first):
+            values, scale = quantize_block_fp8(first, self.block, ue8m0=self.ue8m0)
             self._views[names[0]].copy_(values)
             self._views[_scale_name(names[0])].copy_(scale)
             return
-        (bm, bn), (rows, cols) = self.block, group[0][1].shape
-        stacked = torch.stack([t for _, t in group])
-        blocks = stacked.view(len(group), rows // bm, bm, cols // bn, bn)
-        amax = blocks.abs().float().amax(dim=(2, 4), keepdim=True).clamp(AMAX_FLOOR)
+        (bm, bn), (rows, cols) = self.block, first.shape
+        stacked = first.unsqueeze(0) if len(group) == 1 else torch.stack([t for _, t in group])
+        blocks = stacked.contiguous().view(len(group), rows // bm, bm, cols // bn, bn)
+        # The largest magnitude is one of the values: taking it before widening is exact.
+        amax = blocks.abs().amax(dim=(2, 4), keepdim=True).float().clamp(AMAX_FLOOR)
         scale = amax / FP8_MAX
         if self.ue8m0:
             scale = _ceil_to_power_of_two(scale)
-        values = (blocks * (1.0 / scale)).to(FP8).view(len(group), rows, cols)
+        scaled = (blocks * (1.0 / scale)).view(len(group), rows, cols)
+        torch._foreach_copy_([self._views[n] for n in names], list(scaled.unbind(0)))  # the cast
         scale = scale.view(len(group), rows // bm, cols // bn)
-        torch._foreach_copy_([self._views[n] for n in names], list(values.unbind(0)))
         torch._foreach_copy_([self._views[_scale_name(n)] for n in names], list(scale.unbind(0)))
 
     def _allocate(self, picked) -> dict[str, torch.Tensor]:
@@ -189,6 +196,9 @@ _ALIGN = 256
 """Each view starts on this byte boundary (the buckets' alignment)."""
 _GROUP_BYTES = 256 << 20
 """Source bytes quantized in one go at most (its float32 temporaries are twice that)."""
+_SMALL_BYTES = 16 << 20
+"""Tensors smaller than this are grouped; a larger one goes alone (its launches are cheap
+beside its bytes, and stacking would copy it)."""
 
 
 def _scale_name(name: str) -> str:
