@@ -78,6 +78,14 @@ class Job:
         proc.kill()
         proc.join(30)
 
+    def restarted(self, rid: str) -> None:
+        """``rid``, the job's only engine, applies version 1, is killed and started again."""
+        self.start(rid)
+        self.publish(1)
+        _applied(self, *self.outcomes(1), 1)
+        self.kill(rid)
+        self.start(rid)
+
     def catch_ups(self):
         return list(self.publisher.status().catch_ups)
 
@@ -187,11 +195,7 @@ def test_a_catch_up_racing_a_new_version_applies_each_exactly(job):
 def test_with_no_engine_holding_the_version_and_nothing_retained_it_waits_saying_why(job):
     """The job's only engine restarts: nobody holds version 1, the sender retains nothing."""
     j = job()
-    j.start("only")
-    j.publish(1)
-    _applied(j, *j.outcomes(1), 1)
-    j.kill("only")
-    j.start("only")
+    j.restarted("only")
     wait_until(lambda: j.receiver("only").catch_up, 30, "the restarted receiver's catch_up")
     assert j.receiver("only").catch_up == (
         "waits for the next version: no receivers that applied version 1 can hand it out "
@@ -207,11 +211,7 @@ def test_with_no_engine_holding_the_version_and_nothing_retained_it_waits_saying
 
 def test_with_retain_the_sender_is_the_source_when_no_engine_holds_the_version(job):
     j = job({"WEIGHTSYNC_RETAIN_BYTES": str(8 << 20)})
-    j.start("only")
-    j.publish(1)
-    _applied(j, *j.outcomes(1), 1)
-    j.kill("only")
-    j.start("only")
+    j.restarted("only")
     (caught,) = j.outcomes(1)
     _applied(j, caught, 1)
     assert [(c.receiver_id, c.source, c.route, c.state) for c in j.catch_ups()] == [
@@ -223,11 +223,7 @@ def test_with_retain_the_sender_is_the_source_when_no_engine_holds_the_version(j
 
 def test_a_version_larger_than_retain_is_not_retained(job):
     j = job({"WEIGHTSYNC_RETAIN_BYTES": str(1 << 20)})  # the version is 3.8 MB
-    j.start("only")
-    j.publish(1)
-    _applied(j, *j.outcomes(1), 1)
-    j.kill("only")
-    j.start("only")
+    j.restarted("only")
     wait_until(lambda: j.receiver("only").catch_up, 30, "the restarted receiver's catch_up")
     assert "retains no copy" in j.receiver("only").catch_up
 
