@@ -111,6 +111,12 @@ class BlockFp8:
     def __call__(self, tensors) -> dict[str, torch.Tensor]:
         items = list(tensors.items() if hasattr(tensors, "items") else tensors)
         picked = [(name, t) for name, t in items if self.quantized(name, t)]
+        for name, t in picked:
+            if t.dim() != 2 or not t.is_floating_point():
+                raise ValueError(
+                    f"block FP8 quantizes 2-D float weights; {name!r} is {tuple(t.shape)} "
+                    f"{t.dtype} (the `quantized` predicate picked it)"
+                )
         key = tuple((name, tuple(t.shape), t.device) for name, t in picked)
         if key != self._key:
             self._views, self._key = self._allocate(picked), key

@@ -104,3 +104,9 @@ def test_block_fp8_quantizes_experts_together_exactly_as_one_by_one(ue8m0):
         values, scale = quantize_block_fp8(weight, ue8m0=ue8m0)
         assert torch.equal(got[name].view(torch.uint8), values.view(torch.uint8)), name
         assert torch.equal(got[name.removesuffix("weight") + "weight_scale_inv"], scale), name
+
+
+def test_block_fp8_names_a_picked_tensor_it_cannot_quantize():
+    fp8 = BlockFp8(quantized=lambda name, t: True)
+    with pytest.raises(ValueError, match=r"'model.norm.weight' is \(16,\) torch.bfloat16"):
+        fp8({"model.norm.weight": torch.ones(16, dtype=torch.bfloat16)})
