@@ -126,7 +126,7 @@ class BlockFp8:
         for name, tensor in items:
             if name in self._views:
                 out[name] = self._views[name]
-                out[_scale_name(name)] = self._views[_scale_name(name)]
+                out[scale_name(name)] = self._views[scale_name(name)]
             else:
                 out[name] = tensor
         return out
@@ -158,7 +158,7 @@ class BlockFp8:
         if len(group) == 1 and not self._whole(first):
             values, scale = quantize_block_fp8(first, self.block, ue8m0=self.ue8m0)
             self._views[names[0]].copy_(values)
-            self._views[_scale_name(names[0])].copy_(scale)
+            self._views[scale_name(names[0])].copy_(scale)
             return
         (bm, bn), (rows, cols) = self.block, first.shape
         stacked = first.unsqueeze(0) if len(group) == 1 else torch.stack([t for _, t in group])
@@ -171,18 +171,16 @@ class BlockFp8:
         scaled = (blocks * (1.0 / scale)).view(len(group), rows, cols)
         torch._foreach_copy_([self._views[n] for n in names], list(scaled.unbind(0)))  # the cast
         scale = scale.view(len(group), rows // bm, cols // bn)
-        torch._foreach_copy_([self._views[_scale_name(n)] for n in names], list(scale.unbind(0)))
+        torch._foreach_copy_([self._views[scale_name(n)] for n in names], list(scale.unbind(0)))
 
     def _allocate(self, picked) -> dict[str, torch.Tensor]:
         """A buffer per device, cut into each quantized tensor's values and scales."""
-        bm, bn = self.block
         shapes: dict[torch.device, list] = {}
         for name, t in picked:
-            rows, cols = t.shape
             shapes.setdefault(t.device, []).extend(
                 [
-                    (name, FP8, (rows, cols)),
-                    (_scale_name(name), torch.float32, (-(-rows // bm), -(-cols // bn))),
+                    (name, FP8, tuple(t.shape)),
+                    (scale_name(name), torch.float32, scale_shape(t.shape, self.block)),
                 ]
             )
         views: dict[str, torch.Tensor] = {}
@@ -207,5 +205,12 @@ _SMALL_BYTES = 16 << 20
 beside its bytes, and stacking would copy it)."""
 
 
-def _scale_name(name: str) -> str:
+def scale_shape(shape, block: tuple[int, int] = BLOCK) -> tuple[int, int]:
+    """The shape of the block scales of a 2-D weight of ``shape``: its grid of blocks."""
+    return -(-shape[0] // block[0]), -(-shape[1] // block[1])
+
+
+def scale_name(name: str) -> str:
+    """The name of the block scales of weight ``name`` (``...weight`` ->
+    ``...weight_scale_inv``), as FP8 checkpoints name them."""
     return name[: -len("weight")] + SCALE_SUFFIX

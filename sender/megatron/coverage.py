@@ -44,7 +44,11 @@ def check_coverage(plans: Sequence[RankPlan]) -> None:
         _check_tensor(spec, claims.get(spec.name, []), plans)
 
 
-def plan_hosts(plans: Sequence[RankPlan], hosts: Sequence[str]) -> tuple[list[RankPlan], PartsPlan]:
+def plan_hosts(
+    plans: Sequence[RankPlan],
+    hosts: Sequence[str],
+    wire: Callable[[TensorSpec], Sequence[TensorSpec]] | None = None,
+) -> tuple[list[RankPlan], PartsPlan]:
     """Which trainer host's sender sends each HF tensor, and from which replica.
 
     ``plans[i]`` (planned with ``every_replica``) runs on ``hosts[i]``. Replica 0 must cover
@@ -52,7 +56,8 @@ def plan_hosts(plans: Sequence[RankPlan], hosts: Sequence[str]) -> tuple[list[Ra
     ranks hold a whole data-parallel replica of it; among those, bytes are balanced
     (:func:`~weightsync.parts.plan_parts`), and the lowest such replica on the chosen
     host writes it. Returns each rank's plan narrowed to the pieces it sends (checked again
-    when not all are replica 0's), and the parts.
+    when not all are replica 0's), and the parts. ``wire``: each HF tensor as it travels
+    (block FP8: its values, then its scales, which the same host sends); default as is.
 
     Raises:
         PlanError: what :func:`check_coverage` raises; a tensor no host holds a whole replica
@@ -68,7 +73,11 @@ def plan_hosts(plans: Sequence[RankPlan], hosts: Sequence[str]) -> tuple[list[Ra
             if any(box_volume(p.dst_box(shapes[name])) for p in pieces):
                 replica = plan.replica_of.get(name, 0)
                 copies.setdefault(name, {}).setdefault(replica, set()).add(host)
-    parts = plan_parts(plans[0].manifest, {n: list(c.values()) for n, c in copies.items()})
+    forms = [(spec.name, wire(spec) if wire else (spec,)) for spec in plans[0].manifest]
+    parts = plan_parts(
+        [w for _, ws in forms for w in ws],
+        {w.name: list(copies[name].values()) for name, ws in forms if name in copies for w in ws},
+    )
     lora = plans[0].lora
     if lora is not None and len(parts.hosts) > 1:
         raise PlanError(

@@ -23,11 +23,13 @@ import torch
 from weightsync.buckets import Bucket, TensorSpec
 from weightsync.checksum import verify_copies
 from weightsync.errors import ConfigError, PlanError, TransportError
+from weightsync.fp8 import BlockFp8
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region, pack_regions, region_copies
 from weightsync.sender.megatron.agree import run_agreed
 from weightsync.sender.megatron.convert import check_shard_tensors
 from weightsync.sender.megatron.coverage import plan_hosts
+from weightsync.sender.megatron.fp8_pieces import RankFp8
 from weightsync.sender.megatron.lora_export import LoraExport
 from weightsync.sender.megatron.pieces import CopyPiece, piece_regions
 from weightsync.sender.megatron.plan import RankPlan, plan_rank
@@ -67,11 +69,17 @@ class MegatronPublisher:
             copies must be equal, as Megatron keeps them (finish a distributed optimizer's
             overlapped parameter all-gather before publishing); False: only the ranks that
             send a tensor offer it.
+        fp8: publish the weights it picks as block FP8 in an FP8 engine's checkpoint form
+            (e4m3 values under the HF name, float32 ``weight_scale_inv`` block scales), as
+            ``BlockFp8`` makes of the gathered HF tensors: each rank quantizes its own pieces
+            on its device, every version. Each piece must cover whole blocks (TP splits in
+            multiples of the block; head_dim 128 and FFN widths of 128 x TP do).
 
     Raises:
         PlanError: a parameter without a rule, a shape the config contradicts, missing ranks
             or two ranks claiming the same bytes, an HF tensor written by ranks on several
-            hosts (TP groups must stay within a host); raised on every rank at once, before any
+            hosts (TP groups must stay within a host), with ``fp8`` a piece that cuts a
+            block (naming the tensor and the piece); raised on every rank at once, before any
             publish, naming each failed rank's coordinates (a rank that failed alone never
             leaves the others in a collective).
         TransportError: the sender did not answer on some rank (every rank raises it).
@@ -92,10 +100,12 @@ class MegatronPublisher:
         connect_timeout_s: float = 10.0,
         host_id: str | None = None,
         offer_replicas: bool = True,
+        fp8: BlockFp8 | None = None,
     ) -> None:
         import torch.distributed as dist
 
         self.host_id = host_id or this_host_id()
+        self._fp8 = RankFp8(fp8) if fp8 is not None else None
 
         def plan() -> RankPlan:
             local = collect_shards(model_chunks)
@@ -113,6 +123,8 @@ class MegatronPublisher:
             check_shard_tensors(self.plan, local.tensors)
             # A piece that does not fit fails here, one this rank writes or only holds.
             self._piece_regions(self.plan.manifest, _held(self.plan))
+            if self._fp8 is not None:
+                self._fp8.check(self.plan)
             return self.plan
 
         def where() -> str:
@@ -129,7 +141,7 @@ class MegatronPublisher:
             plans, hosts = _gather_plans(self.plan, self.host_id, world, group)
         # Every rank checks and plans from the same gathered plans, so all raise the same
         # error or none does; each keeps its pieces of the replica that sends each tensor.
-        narrowed, self.parts = plan_hosts(plans, hosts)
+        narrowed, self.parts = plan_hosts(plans, hosts, self._fp8.wire if self._fp8 else None)
         every = _held(self.plan)
         self.plan = narrowed[rank]
         self._offered = every if offer_replicas else self.plan.pieces
@@ -175,8 +187,7 @@ class MegatronPublisher:
         if not self._sends:
             return PublishResult(version, 0.0, 0)
         manifest = self._manifest.at(version)
-        regions, packed = self._taken()
-
+        regions, packed = self._offers()
         what = f"version {version}, rank {self.publisher.rank}"
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -209,8 +220,16 @@ class MegatronPublisher:
         and its own copy of a tensor its TP group replicates). The sender packs from one copy
         of each piece; receivers read in place (direct) the copy nearest them. Taken again
         only when a parameter moved (a framework that offloads and reloads weights assigns
-        new ``.data``); a new mapping makes the publisher offer them again."""
-        return self._taken()[0]
+        new ``.data``); a new mapping makes the publisher offer them again. With ``fp8``, the
+        quantized tensors' pieces are views of their values and scales, quantized now."""
+        return self._offers()[0]
+
+    def _offers(self) -> tuple[Regions, Regions]:
+        """:meth:`_taken`'s regions, with ``fp8`` those of the pieces quantized now."""
+        regions, packed = self._taken()
+        if self._fp8 is not None:
+            return self._fp8.quantize(regions, packed)
+        return regions, packed
 
     def _taken(self) -> tuple[Regions, Regions]:
         """The offered regions, and those ``pack`` writes when the sender cannot map them

@@ -138,6 +138,12 @@ MOE_CASES = (
     ),
 )
 CASES = {c.name: c for c in DENSE_CASES + MOE_CASES}
+FP8_CASE = ModelCase(
+    "llama_fp8", "llama", num_layers=2, hidden=192, heads=4, kv_heads=2, head_dim=128, ffn=256
+)
+"""Block FP8 from the ranks (tests/integration/test_megatron_fp8.py): at TP=2 every split
+(query groups of 2 x 128 rows, 128 key / value rows, FFN halves of 128, row-parallel halves
+of 128 columns) is a multiple of the 128 x 128 block; hidden 192 leaves edge blocks."""
 _DEEPSEEK = dict(
     mla=True,
     kv_heads=4,
@@ -153,7 +159,7 @@ MLA_CASES = (
 )
 """DeepSeek-V3 (tests/integration/test_megatron_deepseek.py): MLA, the first layer dense, MoE
 with a shared expert and the routing bias, one MTP layer."""
-CASE_BY_NAME = {**CASES, **{c.name: c for c in MLA_CASES}}
+CASE_BY_NAME = {**CASES, **{c.name: c for c in MLA_CASES}, FP8_CASE.name: FP8_CASE}
 
 
 def hf_config(case: ModelCase):
@@ -647,13 +653,16 @@ def publish_worker(
     versions: int = VERSIONS,
     export_mtp: bool = True,
     direct: bool = False,
+    fp8: bool = False,
 ):
     """Build the model, publish ``versions`` versions (weights change between them); rank 0
-    returns each version's gathered shards. ``direct``: the publisher's ``direct``.
+    returns each version's gathered shards. ``direct``: the publisher's ``direct``; ``fp8``:
+    its ``fp8`` (a default ``BlockFp8``).
 
     ``cuda``: move rank r's chunks to ``cuda:r`` after building, so shards travel by CUDA IPC.
     ``host_ids``: rank r claims host ``host_ids[r]`` (``address``: each host's sender).
     """
+    from weightsync.fp8 import BlockFp8
     from weightsync.sender.megatron import MegatronPublisher, collect_shards, gather_local_shards
 
     case = CASE_BY_NAME[case_name]
@@ -664,7 +673,13 @@ def publish_worker(
         chunks = [chunk.to(f"cuda:{rank}") for chunk in chunks]
     host_id = host_ids[rank] if host_ids else None
     publisher = MegatronPublisher(
-        chunks, hf_config(case), address, host_id=host_id, export_mtp=export_mtp, direct=direct
+        chunks,
+        hf_config(case),
+        address,
+        host_id=host_id,
+        export_mtp=export_mtp,
+        direct=direct,
+        fp8=BlockFp8() if fp8 else None,
     )
     states = []
     for version in range(1, versions + 1):
