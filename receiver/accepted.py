@@ -5,6 +5,7 @@ the target keeps of each manifest (declared to the sender in the verdict)."""
 from __future__ import annotations
 
 from weightsync.manifest import VersionManifest
+from weightsync.receiver.connection import Keeps
 from weightsync.receiver.links import Link
 from weightsync.receiver.target import WeightTarget
 from weightsync.v1 import weightsync_pb2 as pb
@@ -22,7 +23,7 @@ class Accepted:
         self._validated: tuple[bytes, int] | None = None
         """(manifest key, target generation) the target last accepted: the same tensor list
         for the same model need not be checked again."""
-        self._keeps: dict[tuple[bytes, int], list[pb.TensorBox]] = {}
+        self._keeps: dict[tuple[bytes, int], Keeps] = {}
 
     def manifest(self, link: Link, start: pb.VersionStart) -> tuple[VersionManifest, bytes]:
         """The version's manifest and its key; a manifest sent by key alone is taken from the
@@ -46,15 +47,16 @@ class Accepted:
 
     def keeps(
         self, target: WeightTarget, manifest: VersionManifest, key: bytes
-    ) -> list[pb.TensorBox]:
+    ) -> Keeps:
         """The boxes of ``manifest``'s tensors ``target`` keeps (after validating), declared
-        in the verdict so the sender plans this receiver's bytes: the same list object while
-        the manifest and generation are (the stream then says ``keeps_same``)."""
+        in the verdict so the sender plans this receiver's bytes, keyed by the manifest and
+        generation they are worked out from (the stream then sends the key alone)."""
         cached = (key, target.generation)
         if cached not in self._keeps:
             if len(self._keeps) >= _KEPT_MANIFESTS:
                 self._keeps.clear()
             kept = target.keeps()
             names = {spec.name for spec in manifest.tensors} if kept else set()
-            self._keeps[cached] = boxes_to_pb({n: b for n, b in kept.items() if n in names})
+            boxes = boxes_to_pb({n: b for n, b in kept.items() if n in names})
+            self._keeps[cached] = Keeps(boxes, key + target.generation.to_bytes(8, "little"))
         return self._keeps[cached]

@@ -12,7 +12,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import grpc
 import torch
@@ -23,7 +23,7 @@ from weightsync.control.client import connect
 from weightsync.control.lanes import ClientStream
 from weightsync.errors import ProtocolError, TransportError
 from weightsync.receiver.inbox import Inbox
-from weightsync.stream_keys import KeptByKey
+from weightsync.stream_keys import KeptByKey, SentKeys, unknown_key
 from weightsync.transports.broadcast import host_id
 from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
@@ -67,30 +67,28 @@ class WeightsState:
 
 
 class KeptByStream:
-    """The direct layouts and the manifests one stream announced, by ``layout_key`` and
-    ``manifest_key`` (the receiver said ``layout_keys`` and ``manifest_keys`` in its hello),
-    and the boxes this receiver declared on it (:meth:`declare`).
+    """What one stream sends by key (``weightsync/stream_keys.py``), on the receiver's side:
+    the direct layouts and manifests the sender announced, by ``layout_key`` and
+    ``manifest_key`` (the hello said ``layout_keys`` and ``manifest_keys``), and the keys of
+    the boxes this receiver declared (:meth:`declare`).
     One announced again by its key alone stays so: the core takes its contents from here
     when it needs them (copying 4,719 layout entries into every version's announcement cost
     a millisecond on the path before the copies start)."""
 
-    def __init__(self, keeps_same: bool = False) -> None:
-        self._layouts: KeptByKey[pb.BucketAnnouncement] = KeptByKey()
-        self._manifests: KeptByKey[pb.Manifest] = KeptByKey()
-        self._keeps_same = keeps_same
-        """The sender's welcome said it takes ``ManifestVerdict.keeps_same``."""
-        self._declared: object = None
-        """The boxes the last verdict on this stream that listed any listed."""
+    def __init__(self, keeps_keys: bool = False) -> None:
+        self._layouts: KeptByKey[pb.BucketAnnouncement] = KeptByKey("layout_key")
+        self._manifests: KeptByKey[pb.Manifest] = KeptByKey("manifest_key")
+        self._keeps_sent = SentKeys()
+        self._keeps_sent.peer_keeps = keeps_keys  # the sender's welcome said ``keeps_keys``
 
-    def declare(self, verdict: pb.ManifestVerdict, keeps: list[pb.TensorBox]) -> None:
-        """Put ``keeps`` (a list the core keeps per manifest: the same object while the boxes
-        are the same) into ``verdict``, or ``keeps_same`` when the last verdict on this stream
-        listed that very list and the sender takes it."""
-        if keeps and self._keeps_same and keeps is self._declared:
-            verdict.keeps_same = True
+    def declare(self, verdict: pb.ManifestVerdict, keeps: Keeps) -> None:
+        """Put ``keeps`` into ``verdict`` under their key, or the key alone once the sender
+        holds it (no boxes: every tensor whole, no key)."""
+        if not keeps.boxes:
             return
-        verdict.keeps.extend(keeps)
-        self._declared = keeps or None
+        verdict.keeps_key = keeps.key
+        if not self._keeps_sent.alone(keeps.key):
+            verdict.keeps.extend(keeps.boxes)
 
     def complete(self, msg: pb.Announcement) -> pb.Announcement:
         """Keep what ``msg`` sends with its key; ``msg`` itself, or an abort of its version
@@ -103,9 +101,11 @@ class KeptByStream:
             if bucket.HasField("layout"):
                 self._layouts.keep(bucket.layout_key, bucket)
             elif self._layouts.get(bucket.layout_key) is None:
-                return _unknown(
-                    bucket.version, f"a bucket announced by layout key {bucket.layout_key.hex()}"
+                reason = pb.ErrorDetail(
+                    code="ProtocolError",
+                    message=unknown_key(_bucket(bucket), "layout_key", bucket.layout_key),
                 )
+                return pb.Announcement(abort=pb.VersionAbort(version=bucket.version, reason=reason))
         elif kind == "start" and msg.start.manifest_key and msg.start.manifest.tensors:
             # A manifest is never empty (both ends refuse one): no tensors is by key alone.
             self._manifests.keep(msg.start.manifest_key, msg.start.manifest)
@@ -116,48 +116,38 @@ class KeptByStream:
         key alone the kept one (of an earlier version: take the version from ``bucket``).
 
         Raises:
-            ProtocolError: the key is kept no longer (the stream it came on has ended).
+            ProtocolError: the stream holds no layout of that key.
         """
         if not bucket.layout_key or bucket.HasField("layout"):
             return bucket
-        known = self._layouts.get(bucket.layout_key)
-        if known is None:
-            raise ProtocolError(
-                f"version {bucket.version}: the layout of key {bucket.layout_key.hex()} is kept "
-                "no longer (its stream ended)"
-            )
-        return known
+        return self._layouts.held(bucket.layout_key, _bucket(bucket))
 
     def manifest(self, start: pb.VersionStart) -> pb.Manifest:
         """``start``'s manifest with its tensors (a copy of the kept one, for one sent by key
         alone).
 
         Raises:
-            ProtocolError: this stream holds no manifest of that key (it never sent it, or
-                the stream it came on has ended).
+            ProtocolError: this stream holds no manifest of that key.
         """
         if not start.manifest_key or start.manifest.tensors:
             return start.manifest
-        known = self._manifests.get(start.manifest_key)
         version = start.manifest.version
-        if known is None:
-            raise ProtocolError(
-                f"version {version}: a manifest announced by key {start.manifest_key.hex()}, "
-                "which this stream does not hold (never sent with its tensors, or its stream "
-                "ended); upgrade the sender"
-            )
+        known = self._manifests.held(start.manifest_key, f"version {version}: a start")
         manifest = pb.Manifest()
         manifest.CopyFrom(known)
         manifest.version = version
         return manifest
 
 
-def _unknown(version: int, what: str) -> pb.Announcement:
-    reason = pb.ErrorDetail(
-        code="ProtocolError",
-        message=f"version {version}: {what}, which this stream never announced; upgrade the sender",
-    )
-    return pb.Announcement(abort=pb.VersionAbort(version=version, reason=reason))
+class Keeps(NamedTuple):
+    """The boxes a verdict declares, and their ``keeps_key``: equal keys, equal boxes."""
+
+    boxes: list[pb.TensorBox]
+    key: bytes
+
+
+def _bucket(bucket: pb.BucketAnnouncement) -> str:
+    return f"version {bucket.version}: a bucket"
 
 
 def _items(msg: pb.Announcement) -> Iterator[pb.Announcement]:
@@ -270,7 +260,7 @@ class GrpcConnection:
         backoff_s = 0.5
         while True:
             # The sender's record of what it sent is per stream too.
-            kept = self.kept = KeptByStream(self._welcome.keeps_same)
+            kept = self.kept = KeptByStream(self._welcome.keeps_keys)
             try:
                 for msg in self._stream.replies:
                     for item in _items(msg):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from weightsync.errors import WeightSyncError
 from weightsync.receiver.broadcast import BroadcastReceiver
-from weightsync.receiver.connection import Connection, GrpcConnection, WeightsState
+from weightsync.receiver.connection import Connection, GrpcConnection, Keeps, WeightsState
 from weightsync.receiver.exports import Exporter
 from weightsync.receiver.reader import BucketReader
 from weightsync.receiver.target import WeightTarget
@@ -39,7 +39,7 @@ class Link:
         alone, the kept one, of an earlier version: take the version from ``announced``).
 
         Raises:
-            ProtocolError: the key is kept no longer (the stream it came on has ended).
+            ProtocolError: the stream holds no layout of that key (the one it came on ended).
         """
         return self.connection.kept.bucket(announced)
 
@@ -55,10 +55,10 @@ class Link:
         self,
         version: int,
         error: WeightSyncError | None,
-        keeps: list[pb.TensorBox] | None = None,
+        keeps: Keeps | None = None,
     ) -> None:
-        """Accept ``version`` (declaring ``keeps``, or saying they are the same as last
-        declared on this stream) or refuse it with ``error``."""
+        """Accept ``version`` (declaring ``keeps``, by key alone once this stream sent them)
+        or refuse it with ``error``."""
         verdict = pb.ManifestVerdict(version=version, accepted=error is None)
         if error is not None:
             verdict.error.CopyFrom(error_to_pb(error))

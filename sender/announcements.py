@@ -99,7 +99,7 @@ def starts(version: Version) -> Message:
 
     def start(conn: ReceiverConn) -> pb.Announcement:
         n = counts.get(conn.receiver_id, len(version.tensors.staged.buckets))
-        whole = not conn.manifest_keys or conn.manifests_sent.needs(version.manifest_key)
+        whole = not conn.manifests_sent.alone(version.manifest_key)
         if (n, whole) not in made:
             manifest = _manifest(version) if whole else pb.Manifest(version=version.version)
             made[n, whole] = pb.Announcement(
@@ -114,7 +114,7 @@ def starts(version: Version) -> Message:
 
 def _manifest(version: Version) -> pb.Manifest:
     """The wire manifest at the version, as the first rank sent it (every rank's is the same;
-    a rank that repeated its last begin sent it for an earlier version)."""
+    a rank that sent its begin by key alone sent it for an earlier version)."""
     sent = version.ranks[min(version.ranks)].begin.manifest
     if sent.version == version.version:
         return sent
@@ -142,7 +142,7 @@ def direct_buckets(version: Version) -> Message:
         bucket = pb.BucketAnnouncement(version=version.version, layout_key=read.key)
         # A receiver that keeps layouts gets the key alone once it has the layout: listing
         # every tensor again costs the sender and each receiver per version.
-        if not conn.layout_keys or conn.layouts_sent.needs(read.key):
+        if not conn.layouts_sent.alone(read.key):
             bucket.layout.CopyFrom(read.layout)
             bucket.sources.extend(read.sources)
         return pb.Announcement(bucket=bucket)

@@ -40,7 +40,7 @@ from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.hellos import check_publisher_hello, check_receiver_hello
 from weightsync.sender.history import VersionHistory
-from weightsync.sender.joins import StreamBegin, refused, staging_device
+from weightsync.sender.joins import StreamBegins, refused, staging_device
 from weightsync.sender.offer import OfferKey
 from weightsync.sender.outcomes import Outcomes, Shared
 from weightsync.sender.packing import MappedOffers
@@ -112,11 +112,11 @@ class Coordinator:
         hello: pb.PublisherHello,
         begin: pb.BeginVersion,
         outbox: queue.Queue,
-        last: StreamBegin,
+        begins: StreamBegins,
     ) -> tuple[Version | None, RankConn]:
         """Add one publisher rank to a version (its replies go to ``outbox``, the rank's
-        stream; ``last``: the stream's last whole begin, which a repeat stands for); the last
-        rank to join plans the version and starts its driver.
+        stream; ``begins``: the begins the stream sent by ``begin_key``); the last rank to join
+        plans the version and starts its driver.
 
         Raises:
             WeightSyncError: the begin is refused; any other exception becomes a ConfigError
@@ -130,19 +130,19 @@ class Coordinator:
             f"PublisherHello (device {hello.device!r}, device_uuid {hello.device_uuid!r}) and "
             "BeginVersion (manifest, sources, pieces)",
         ):
-            return self._join(hello, begin, outbox, last)
+            return self._join(hello, begin, outbox, begins)
 
     def _join(
         self,
         hello: pb.PublisherHello,
         begin: pb.BeginVersion,
         outbox: queue.Queue,
-        last: StreamBegin,
+        begins: StreamBegins,
     ) -> tuple[Version | None, RankConn]:
-        manifest = last.take(begin, hello.device_uuid, self._manifests)
+        manifest, kept = begins.take(begin, hello.device_uuid, self._manifests)
         trace.mark("sender.begin", version=manifest.version, rank=hello.rank)
         world = max(hello.world_size, 1)
-        manifest_key, offer = last.manifest_key, last.offer
+        manifest_key, offer = kept.manifest_key, kept.offer
         with self._cond:
             self.history.check_version(manifest.version)
             key = (hello.publisher_id, manifest.version)
@@ -163,7 +163,7 @@ class Coordinator:
             conn = RankConn(
                 hello.rank,
                 hello.device,
-                last.begin,
+                kept.begin,
                 device_uuid=hello.device_uuid,
                 outbox=outbox,
                 offer=offer,

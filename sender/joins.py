@@ -10,11 +10,12 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync.errors import ConfigError, ProtocolError, WeightSyncError
+from weightsync.errors import ConfigError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.sender.hellos import check_manifest_not_empty
 from weightsync.sender.offer import rank_offer
 from weightsync.sender.records import RankConn
+from weightsync.stream_keys import KeptByKey
 from weightsync.transports.cuda_ipc import local_index_of
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import ManifestCache
@@ -23,38 +24,50 @@ log = logging.getLogger("weightsync.sender")
 
 
 @dataclass
-class StreamBegin:
-    """The last begin on a publisher rank's stream that carried its manifest and offer, and
-    what the sender worked out of it once: a ``BeginVersion.repeat`` stands for it (a large
-    model's begin is costly to send, parse and key every version)."""
+class KeptBegin:
+    """A begin that carried its contents, and what the sender worked out of it once."""
 
-    begin: pb.BeginVersion | None = None
-    manifest: VersionManifest | None = None
-    manifest_key: bytes = b""
-    offer: bytes = b""
-    received: tuple = ()
-    """The mappings of the shm sources that came with the begin taken next
-    (``packing.received_sources``)."""
-    files: tuple = ()
-    """Those of :attr:`begin`, held while a repeat may stand for it."""
+    begin: pb.BeginVersion
+    manifest: VersionManifest
+    manifest_key: bytes
+    offer: bytes
+    files: tuple
+    """The mappings of its shm sources (``packing.received_sources``), held while its key may
+    stand for it."""
+
+
+class StreamBegins:
+    """The begins a publisher rank's stream sent with their contents, by ``begin_key``: one
+    sent by key alone stands for its kept one (a large model's begin is costly to send, parse
+    and key every version)."""
+
+    def __init__(self) -> None:
+        self._kept: KeptByKey[KeptBegin] = KeptByKey("begin_key")
+        self.received: tuple = ()
+        """The mappings of the shm sources that came with the begin taken next."""
+        self.last: KeptBegin | None = None
+        """The begin taken last, holding its mappings while its version packs."""
 
     def take(
         self, begin: pb.BeginVersion, device_uuid: str, manifests: ManifestCache
-    ) -> VersionManifest:
-        """The manifest ``begin`` stands for; a whole begin becomes the stream's last."""
+    ) -> tuple[VersionManifest, KeptBegin]:
+        """The manifest ``begin`` stands for, at its version, and the begin with contents it
+        is or stands for (kept under its key).
+
+        Raises:
+            ProtocolError: sent by a key this stream holds nothing under.
+        """
         received, self.received = self.received, ()
-        if begin.repeat:
-            if self.manifest is None:
-                raise ProtocolError(
-                    f"BeginVersion of version {begin.manifest.version} repeats the last begin "
-                    "on this stream, but no begin on it carried a manifest yet; send it whole"
-                )
-            return self.manifest.at(begin.manifest.version)
+        version = begin.manifest.version
+        if begin.begin_key and not begin.manifest.tensors:  # never empty: by key alone
+            self.last = self._kept.held(begin.begin_key, f"BeginVersion of version {version}")
+            return self.last.manifest.at(version), self.last
         check_manifest_not_empty(begin.manifest)
-        manifest, self.manifest_key = manifests(begin.manifest)  # bounds every field
-        self.begin, self.manifest, self.files = begin, manifest, received
-        self.offer = rank_offer(begin, device_uuid)
-        return manifest
+        manifest, key = manifests(begin.manifest)  # bounds every field
+        self.last = KeptBegin(begin, manifest, key, rank_offer(begin, device_uuid), received)
+        if begin.begin_key:
+            self._kept.keep(begin.begin_key, self.last)
+        return manifest, self.last
 
 
 def staging_device(rank: RankConn) -> torch.device:

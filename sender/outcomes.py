@@ -144,27 +144,22 @@ class Outcomes:
 def declare_keeps(
     conn: ReceiverConn, verdict: pb.ManifestVerdict, specs: Sequence[TensorSpec]
 ) -> None:
-    """Take the boxes an accepting verdict declares for the tensors ``specs`` (or, with
-    ``keeps_same``, the ones declared before on this stream).
+    """Take the boxes an accepting verdict declares for the tensors ``specs``: those it lists
+    (kept under its ``keeps_key``), or those its key alone stands for.
 
     Raises:
-        ProtocolError: the verdict is malformed (nothing is taken).
+        ProtocolError: the verdict is malformed, or names a key this stream never sent boxes
+            with (nothing is taken).
     """
     rid = conn.receiver_id
-    boxes: Mapping[str, Box]
-    if verdict.keeps_same:
-        if not conn.keeps_declared:
-            raise ProtocolError(
-                f"{rid} said it keeps the boxes it declared before, but no verdict on "
-                "this stream declared any; upgrade the receiver to the sender's "
-                "weightsync version"
-            )
-        boxes = conn.keeps
-        if specs is not conn.counted:  # declared for another tensor list
+    boxes: Mapping[str, Box] = {}
+    if verdict.keeps:
+        boxes = boxes_from_pb(verdict.keeps, {t.name: t for t in specs}, rid)
+        if verdict.keeps_key:
+            conn.keeps_by_key.keep(verdict.keeps_key, (boxes, specs))
+    elif verdict.keeps_key:
+        what = f"{rid}'s verdict on version {verdict.version}"
+        boxes, checked = conn.keeps_by_key.held(verdict.keeps_key, what)
+        if specs is not checked:  # declared for another tensor list
             check_boxes(boxes, {t.name: t for t in specs}, rid)
-    else:
-        boxes = {}
-        if verdict.keeps:
-            boxes = boxes_from_pb(verdict.keeps, {t.name: t for t in specs}, rid)
-            conn.keeps_declared = True
     conn.declare(boxes, specs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
@@ -10,7 +11,9 @@ from collections.abc import Callable
 import torch
 
 from weightsync.control.lanes import ClientStream
+from weightsync.stream_keys import SentKeys
 from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import manifest_key
 
 
 class PublishStream(ClientStream):
@@ -23,17 +26,23 @@ class PublishStream(ClientStream):
         """Where the tensors it publishes live (the hello says it; another needs a new stream)."""
         self.watchdog = Watchdog(self.cancel)
         """Cancels the replies when a version's deadline passes."""
-        self.repeats = False
-        """The sender takes ``BeginVersion.repeat`` (its welcome said so)."""
-        self.last: Whole | None = None
-        """What the last whole begin on this stream carried."""
+        self.begins_sent = SentKeys()
+        """The begin keys the sender holds for this stream (it keeps them: ``begin_keys``)."""
+        self._keyed: tuple[Whole, bytes] | None = None
+        """The last begin's contents keyed, and their key."""
         self.welcomed = False
 
     def welcome(self, welcome: pb.PublisherWelcome) -> None:
         """The sender's welcome: take the lane it offers, if any."""
-        self.welcomed, self.repeats = True, welcome.repeats
+        self.welcomed, self.begins_sent.peer_keeps = True, welcome.begin_keys
         if welcome.HasField("lane"):
             self.take_lane(welcome.lane)
+
+    def key_of(self, whole: Whole) -> bytes:
+        """The ``begin_key`` of ``whole``: worked out again only for other contents."""
+        if self._keyed is None or not same_begin(self._keyed[0], whole):
+            self._keyed = (whole, begin_key(whole))
+        return self._keyed[1]
 
     def await_welcome(self) -> None:
         """Read the welcome before the first begin, which then goes by the lane (only a lane
@@ -125,3 +134,13 @@ Whole = tuple[pb.Manifest, pb.BeginVersion | None, bool]
 def same_begin(a: Whole, b: Whole) -> bool:
     """The same begin but its version: the cached wire messages are the same objects."""
     return a[0] is b[0] and a[1] is b[1] and a[2] == b[2]
+
+
+def begin_key(whole: Whole) -> bytes:
+    """A digest of a begin's contents: its manifest but the version (by ``manifest_key``), its
+    offer and allow_direct. Equal contents, equal keys, whatever objects hold them."""
+    manifest, offer, direct = whole
+    digest = hashlib.blake2b(manifest_key(manifest), digest_size=16)
+    digest.update(b"" if offer is None else offer.SerializeToString(deterministic=True))
+    digest.update(bytes([direct]))
+    return digest.digest()

@@ -29,7 +29,7 @@ from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpe
 from weightsync.regions import Region, whole
 from weightsync.sender.exports import Exports
 from weightsync.sender.placement import Published, WireManifest, placement_key
-from weightsync.sender.publish_stream import PublishStream, same_begin
+from weightsync.sender.publish_stream import PublishStream
 from weightsync.sender.states import OutcomeState
 from weightsync.transports import MappedBuffers, get_transport
 from weightsync.transports.base import StagingBuffer
@@ -231,15 +231,13 @@ class Publisher:
         offer = self._exports.offer(regions) if regions else None
         whole = (self._manifest(manifest), offer, direct)
         stream = self._stream_for(device)
-        begin = pb.BeginVersion(wait_applied=wait)
-        if stream.repeats and stream.last is not None and same_begin(stream.last, whole):
-            begin.repeat = True
-        else:
+        key = stream.key_of(whole)
+        begin = pb.BeginVersion(wait_applied=wait, begin_key=key)
+        if not stream.begins_sent.alone(key):
             begin.manifest.CopyFrom(whole[0])
             if whole[1] is not None:
                 begin.MergeFrom(whole[1])
             begin.allow_direct = direct
-            stream.last = whole
         begin.manifest.version = version
         staged: pb.VersionStaged | None = None
         done: pb.VersionStatus | None = None

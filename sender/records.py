@@ -16,7 +16,7 @@ from weightsync.buckets import TensorSpec
 from weightsync.errors import TransportError
 from weightsync.sender.outbox import Outbox, batched
 from weightsync.sender.states import OutcomeState, ReceiverState
-from weightsync.stream_keys import SentKeys
+from weightsync.stream_keys import KeptByKey, SentKeys
 from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -50,21 +50,21 @@ class ReceiverConn:
     """A version failed here by a transport error since its broadcast group was built: the
     group may be out of step (gloo closes the pair of a receive that timed out), so the next
     version builds it again."""
-    layout_keys: bool = False
-    """It keeps announced layouts by key (``ReceiverHello.layout_keys``)."""
-    manifest_keys: bool = False
-    """It keeps announced manifests by key (``ReceiverHello.manifest_keys``)."""
     batches: bool = False
     """It takes several announcements in one message (``ReceiverHello.batches``)."""
     layouts_sent: SentKeys = field(default_factory=SentKeys)
-    """The layout keys it holds, sent with their layout on this stream (its registration)."""
+    """The layout keys it holds, sent with their layout on this stream (its registration);
+    ``peer_keeps``: its hello said ``layout_keys``."""
     manifests_sent: SentKeys = field(default_factory=SentKeys)
-    """The manifest keys it holds, likewise."""
+    """The manifest keys it holds, likewise (``manifest_keys``)."""
     keeps: Mapping[str, Box] = field(default_factory=dict)
     """The boxes of tensors it keeps only part of, from its last accepted verdict (replaced
     only when they change: the direct-read plans are memoized by this object)."""
-    keeps_declared: bool = False
-    """A verdict on this stream listed boxes (a later one may say ``keeps_same``)."""
+    keeps_by_key: KeptByKey[tuple[Mapping[str, Box], Sequence[TensorSpec]]] = field(
+        default_factory=lambda: KeptByKey("keeps_key")
+    )
+    """The boxes its verdicts on this stream listed, by ``ManifestVerdict.keeps_key``, with
+    the tensor list they were checked against."""
     kept_bytes: int = 0
     """Bytes of its last accepted version it keeps."""
     lane: bool = False

@@ -85,7 +85,8 @@ class Registry:
                 device_uuid=hello.device_uuid,
             )
             conn.applied_version, conn.dirty = hello.applied_version, hello.dirty
-            conn.layout_keys, conn.manifest_keys = hello.layout_keys, hello.manifest_keys
+            conn.layouts_sent.peer_keeps = hello.layout_keys
+            conn.manifests_sent.peer_keeps = hello.manifest_keys
             conn.batches, conn.exports = hello.batches, hello.exports
             conn.state = ReceiverState.DIRTY if hello.dirty else ReceiverState.IDLE
             conn.data_path = data_paths([conn], self._settings.transport, self.staging_uuid)[rid]

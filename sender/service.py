@@ -24,7 +24,7 @@ from weightsync.limits import (
     check_receiver_message,
 )
 from weightsync.sender.coordinator import Coordinator
-from weightsync.sender.joins import StreamBegin
+from weightsync.sender.joins import StreamBegins
 from weightsync.sender.outbox import Outbox, Unsent, batched
 from weightsync.sender.packing import received_sources
 from weightsync.sender.read_ahead import ReadAhead
@@ -200,7 +200,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             bucket_size_bytes=self._co.settings.bucket_size_bytes,
             transport=self._co.settings.transport,
             last_version=self._co.last_version,
-            repeats=True,
+            begin_keys=True,
             lane=out.offer,
         )
         yield from out.deliver(
@@ -231,7 +231,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         the rank is left nowhere once it ends; a message refused ends the stream with its
         error and abandons the version it was packing."""
         version, run, rank = 0, None, None
-        last = StreamBegin()
+        begins = StreamBegins()
         why = "closed its stream"
         left: WeightSyncError = ProtocolError(f"publisher rank {hello.rank} closed its stream")
         try:
@@ -242,8 +242,8 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
                     version = msg.begin.manifest.version
                     run, rank = None, None
                     # The descriptors of its offered shm files came with it (on a lane).
-                    last.received = received_sources(msg.begin, take_fds(), hello.rank)
-                    run, rank = self._co.join(hello, msg.begin, outbox, last)
+                    begins.received = received_sources(msg.begin, take_fds(), hello.rank)
+                    run, rank = self._co.join(hello, msg.begin, outbox, begins)
                     continue
                 # Ranks that joined before the last one got no run; it exists by their packing.
                 current = run or self._co.run_of(version)
@@ -305,7 +305,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         out = _Outgoing(self._lanes, hello.lanes, conn.outbox, conn)
         requests = out.incoming(request_iterator, pb.ReceiverMessage)
         threading.Thread(target=self._consume_receiver, args=(conn, requests), daemon=True).start()
-        welcome = pb.ReceiverWelcome(receiver_id=conn.receiver_id, keeps_same=True, lane=out.offer)
+        welcome = pb.ReceiverWelcome(receiver_id=conn.receiver_id, keeps_keys=True, lane=out.offer)
         yield from out.deliver(
             self._announcements(conn, welcome, context), pb.Announcement(lane=pb.LaneSwitch())
         )

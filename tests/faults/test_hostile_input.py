@@ -245,16 +245,16 @@ def test_two_begins_on_one_stream_refuse_the_second_and_abandon_the_first(sender
     assert (v2.version, v2.state) == (2, "complete")
 
 
-def test_a_repeat_begin_on_a_stream_with_no_whole_begin_is_refused(sender):
+def test_a_begin_by_a_key_its_stream_never_sent_is_refused(sender):
     raw = raw_publisher(sender.address)
-    raw.send(
-        pb.PublisherMessage(begin=pb.BeginVersion(manifest=pb.Manifest(version=1), repeat=True))
-    )
+    begin = pb.BeginVersion(manifest=pb.Manifest(version=1), begin_key=b"k")
+    raw.send(pb.PublisherMessage(begin=begin))
     assert raw.outcome() == (
         ["welcome"],
         PRECONDITION,
-        "ProtocolError: BeginVersion of version 1 repeats the last begin on this stream, but no "
-        "begin on it carried a manifest yet; send it whole",
+        "ProtocolError: BeginVersion of version 1 came by begin_key 6b alone, but this stream "
+        "holds nothing under that key (never sent with its contents on this stream, or they "
+        "were refused); send the contents with the key",
     )
     raw.close()
     assert_nothing_joining(sender)
@@ -409,12 +409,13 @@ def test_a_verdict_declaring_a_box_outside_its_tensor_fails_that_receiver(sender
     assert status.kept_bytes == 0
 
 
-def test_keeps_same_before_any_declared_boxes_fails_that_receiver(sender):
-    """The welcome offers ``keeps_same``; a verdict saying it before any verdict on the stream
-    declared boxes stands for nothing: it fails that receiver, naming the fix."""
-    outcome = _failed_by(sender, pb.ManifestVerdict(version=1, accepted=True, keeps_same=True))
+def test_a_keeps_key_the_stream_never_sent_boxes_with_fails_that_receiver(sender):
+    """The welcome offers ``keeps_keys``; a verdict naming a key no verdict on the stream listed
+    boxes with stands for nothing: it fails that receiver, naming the key and the fix."""
+    outcome = _failed_by(sender, pb.ManifestVerdict(version=1, accepted=True, keeps_key=b"k"))
     assert outcome.error.message.startswith(
-        "raw said it keeps the boxes it declared before, but no verdict on this stream declared any"
+        "raw's verdict on version 1 came by keeps_key 6b alone, but this stream holds nothing "
+        "under that key"
     ), outcome.error.message
 
 
@@ -422,7 +423,7 @@ def _failed_by(sender, verdict: pb.ManifestVerdict) -> pb.ReceiverOutcome:
     """The outcome of a raw receiver answering version 1 with ``verdict``, which must fail it
     with a ProtocolError and an abort."""
     raw = raw_receiver(sender.address)
-    assert next(raw.replies).welcome.keeps_same
+    assert next(raw.replies).welcome.keeps_keys
     with Publisher(sender.address) as publisher:
         publisher.publish({"w": torch.ones(4)}, 1)
         assert next(raw.replies).WhichOneof("kind") == "start"

@@ -59,10 +59,10 @@ def test_publish_without_wait_returns_once_staged_and_tensors_may_change(sender)
         assert torch.equal(t_, snapshot[name]), name
 
 
-def test_later_versions_repeat_the_begin_and_send_the_manifest_by_key(sender, monkeypatch):
-    """From version 2 the publisher repeats its last begin (no manifest, no offer) and the
-    receiver gets the manifest as its key alone; each side kept them for its stream, so every
-    version still lands exactly."""
+def test_later_versions_send_the_begin_and_the_manifest_by_key(sender, monkeypatch):
+    """From version 2 the publisher sends its begin as its key alone (no manifest, no offer)
+    and the receiver gets the manifest as its key alone; each side kept them for its stream,
+    so every version still lands exactly."""
     from weightsync.receiver import TorchReceiver
     from weightsync.receiver.connection import KeptByStream
 
@@ -90,11 +90,9 @@ def test_later_versions_repeat_the_begin_and_send_the_manifest_by_key(sender, mo
         if version == 1:
             stream = publisher._stream
             monkeypatch.setattr(stream, "send", _recorded(stream.send, begins))
-    assert [
-        (m.begin.repeat, len(m.begin.manifest.tensors))
-        for m in begins
-        if m.WhichOneof("kind") == "begin"
-    ] == [(True, 0)] * 2
+    sent = [m.begin for m in begins if m.WhichOneof("kind") == "begin"]
+    assert [len(b.manifest.tensors) for b in sent] == [0, 0]  # the key alone
+    assert sent[0].begin_key and {b.begin_key for b in sent} == {sent[0].begin_key}
     n = len(trainer.state_dict())
     assert starts == [(1, n), (2, 0), (3, 0)]
     receiver.close()

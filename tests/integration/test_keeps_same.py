@@ -1,6 +1,6 @@
-"""An engine rank declares the boxes it keeps once per stream: later verdicts say
-``keeps_same`` (a MoE engine TP rank's thousands of boxes took tens of milliseconds a version to
-send and check), and a new stream declares them again."""
+"""An engine rank declares the boxes it keeps once per stream: later verdicts send their
+``keeps_key`` alone (a MoE engine TP rank's thousands of boxes took tens of milliseconds a
+version to send and check), and a new stream declares them again."""
 
 from __future__ import annotations
 
@@ -46,5 +46,5 @@ def test_boxes_are_declared_once_per_stream_and_kept_by_the_sender(sock_dir, mon
         assert set(conn.keeps) == {n for n, t in live.items() if t.dim() == 2}
         receiver.close()
     two_d = sum(t.dim() == 2 for t in live.values())
-    assert parsed == [two_d]  # version 1 listed them; versions 2 and 3 said keeps_same
+    assert parsed == [two_d]  # version 1 listed them; versions 2 and 3 sent their key alone
     assert digests(model) == digests(trainer)

@@ -171,20 +171,20 @@ class SourcePiece(_message.Message):
     def __init__(self, name: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., size: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dst_start: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BeginVersion(_message.Message):
-    __slots__ = ("manifest", "sources", "wait_applied", "pieces", "allow_direct", "repeat")
+    __slots__ = ("manifest", "sources", "wait_applied", "pieces", "allow_direct", "begin_key")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     WAIT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     ALLOW_DIRECT_FIELD_NUMBER: _ClassVar[int]
-    REPEAT_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_KEY_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
     wait_applied: bool
     pieces: _containers.RepeatedCompositeFieldContainer[SourcePiece]
     allow_direct: bool
-    repeat: bool
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., wait_applied: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[SourcePiece, _Mapping]]] = ..., allow_direct: _Optional[bool] = ..., repeat: _Optional[bool] = ...) -> None: ...
+    begin_key: bytes
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., wait_applied: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[SourcePiece, _Mapping]]] = ..., allow_direct: _Optional[bool] = ..., begin_key: _Optional[bytes] = ...) -> None: ...
 
 class BucketPacked(_message.Message):
     __slots__ = ("version", "index")
@@ -209,18 +209,18 @@ class PublisherMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[PublisherHello, _Mapping]] = ..., begin: _Optional[_Union[BeginVersion, _Mapping]] = ..., packed: _Optional[_Union[BucketPacked, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ...) -> None: ...
 
 class PublisherWelcome(_message.Message):
-    __slots__ = ("bucket_size_bytes", "transport", "last_version", "repeats", "lane")
+    __slots__ = ("bucket_size_bytes", "transport", "last_version", "lane", "begin_keys")
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
-    REPEATS_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    BEGIN_KEYS_FIELD_NUMBER: _ClassVar[int]
     bucket_size_bytes: int
     transport: str
     last_version: int
-    repeats: bool
     lane: LaneOffer
-    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ..., repeats: _Optional[bool] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ...) -> None: ...
+    begin_keys: bool
+    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ..., begin_keys: _Optional[bool] = ...) -> None: ...
 
 class PackBucket(_message.Message):
     __slots__ = ("version", "layout", "buffer")
@@ -309,18 +309,18 @@ class TensorBox(_message.Message):
     def __init__(self, name: _Optional[str] = ..., start: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ManifestVerdict(_message.Message):
-    __slots__ = ("version", "accepted", "error", "keeps", "keeps_same")
+    __slots__ = ("version", "accepted", "error", "keeps", "keeps_key")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KEEPS_FIELD_NUMBER: _ClassVar[int]
-    KEEPS_SAME_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_KEY_FIELD_NUMBER: _ClassVar[int]
     version: int
     accepted: bool
     error: ErrorDetail
     keeps: _containers.RepeatedCompositeFieldContainer[TensorBox]
-    keeps_same: bool
-    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., keeps: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ..., keeps_same: _Optional[bool] = ...) -> None: ...
+    keeps_key: bytes
+    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., keeps: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ..., keeps_key: _Optional[bytes] = ...) -> None: ...
 
 class BucketAck(_message.Message):
     __slots__ = ("version", "index", "ok", "error", "read_event")
@@ -375,14 +375,14 @@ class BucketExported(_message.Message):
     def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReceiverWelcome(_message.Message):
-    __slots__ = ("receiver_id", "keeps_same", "lane")
+    __slots__ = ("receiver_id", "lane", "keeps_keys")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
-    KEEPS_SAME_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
+    KEEPS_KEYS_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
-    keeps_same: bool
     lane: LaneOffer
-    def __init__(self, receiver_id: _Optional[str] = ..., keeps_same: _Optional[bool] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ...) -> None: ...
+    keeps_keys: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ..., keeps_keys: _Optional[bool] = ...) -> None: ...
 
 class VersionStart(_message.Message):
     __slots__ = ("manifest", "num_buckets", "manifest_key")
