@@ -32,6 +32,8 @@ MAX_PATH_BYTES = 4096
 """A shm path (Linux's PATH_MAX)."""
 MAX_HANDLE_BYTES = 4096
 """Each opaque CUDA IPC handle (memory, ref counter, event): torch's are under 100."""
+MAX_KEY_BYTES = 64
+"""A key a peer picks (``begin_key``, ``keeps_key``; protocol §2.1): weightsync's are 16-24."""
 MAX_ERROR_BYTES = 1024
 """Error text a peer reports (ErrorDetail.message, .code, .tensor): longer text is shortened."""
 MAX_TENSORS = 1 << 18
@@ -71,6 +73,11 @@ def check_text(text: str, field: str, limit: int) -> None:
         raise ConfigError(
             f"{field} is {len(text.encode())} bytes, over the limit of {limit}: {quoted(text)}"
         )
+
+
+def check_key(key: bytes, field: str) -> None:
+    if len(key) > MAX_KEY_BYTES:
+        raise ConfigError(f"{field} is {len(key)} bytes, over the limit of {MAX_KEY_BYTES}")
 
 
 def check_count(items: Sequence, field: str, limit: int) -> None:
@@ -260,6 +267,8 @@ def check_publisher_message(msg: pb.PublisherMessage) -> str:
         ProtocolError: a second hello.
     """
     kind = _kind_after_hello(msg, "Publish", "begin, packed or error", "say hello again")
+    if kind == "begin":
+        check_key(msg.begin.begin_key, "BeginVersion.begin_key")
     if kind == "error":
         msg.error.CopyFrom(shortened(msg.error))
     return kind
@@ -274,6 +283,8 @@ def check_receiver_message(msg: pb.ReceiverMessage) -> str:
     """
     kind = _kind_after_hello(msg, "Receive", "verdict, ack, applied or exported", "register again")
     body = getattr(msg, kind)
+    if kind == "verdict":
+        check_key(body.keeps_key, "ManifestVerdict.keeps_key")
     if kind == "ack" and len(body.read_event) > MAX_HANDLE_BYTES:
         raise ConfigError(
             f"BucketAck.read_event is {len(body.read_event)} bytes, over the limit of "

@@ -128,6 +128,7 @@ def begin(draw) -> pb.BeginVersion:
         pieces=pieces,
         wait_applied=draw(st.booleans()),
         allow_direct=draw(st.booleans()),
+        begin_key=draw(st.binary(max_size=2)),
     )
 
 
@@ -170,7 +171,11 @@ receiver_message = st.one_of(
     st.builds(
         pb.ReceiverMessage,
         verdict=st.builds(
-            pb.ManifestVerdict, version=U64, accepted=st.booleans(), error=error_detail()
+            pb.ManifestVerdict,
+            version=U64,
+            accepted=st.booleans(),
+            error=error_detail(),
+            keeps_key=st.binary(max_size=2),
         ),
     ),
     st.builds(

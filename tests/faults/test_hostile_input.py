@@ -131,6 +131,11 @@ REFUSED_BEGINS = {
         f"ConfigError: BeginVersion.pieces[0] (of 'w'): size [2] with stride [{BIG}] spans "
         f"over {limits.MAX_TENSOR_BYTES} bytes",
     ),
+    "begin key over 64 bytes": (
+        begin(2, begin_key=b"k" * 65),
+        INVALID,
+        "ConfigError: BeginVersion.begin_key is 65 bytes, over the limit of 64",
+    ),
     "shm path over 4096 bytes": (
         begin(
             2,
