@@ -10,18 +10,21 @@ Commands (each prints JSON lines on stdout):
 - ``status``: the sender's ``Status`` reply.
 - ``wait-applied V``: ``WaitApplied(V)``.
 - ``receive``: register, then apply ``--versions`` versions from shm staging buffers,
-  verifying every bucket's checksum; prints one ``applied`` line per version with each
-  tensor's bytes; leaves in order (half-close, read each stream to its end) when stdin closes,
-  or at once with ``--leave``, and prints the status each sender ended its stream with.
-  ``--address`` given once per sender registers with several: a version split over them
-  (``Manifest.part``, §4.1) is joined from its parts.
-- ``publish``: publish one version of ``--tensors`` (JSON: name, dtype, shape) with bytes made
-  from ``--seed``; ``--mode offer`` places them in a shared-memory buffer of its own and offers
-  it (the sender packs, or asks for ``pack`` where it cannot), ``--mode pack`` packs each
-  bucket into the sender's staging buffer when asked. ``--lane`` moves the stream to a lane
-  (§1.1) and passes the offered buffer's descriptor with the begin (§6.1); without it the
-  offer is a path alone, which the sender does not map. ``--plan`` (every part's tensors) with
-  ``--part I --sender-id S`` publishes part ``I`` of a split version instead.
+  verifying every bucket's checksum, keeping manifests by key (§2.1); prints one ``applied``
+  line per version with each tensor's bytes; leaves in order (half-close, read each stream to
+  its end) when stdin closes, or at once with ``--leave``, and prints the status each sender
+  ended its stream with. ``--address`` given once per sender registers with several: a
+  version split over them (``Manifest.part``, §4.1) is joined from its parts.
+- ``publish``: publish ``--versions`` versions from ``--version`` on of ``--tensors`` (JSON:
+  name, dtype, shape) on one stream, with bytes made from ``--seed`` (plus the version's
+  index), the begin sent once with its contents and then by its key alone (§2.1); one
+  ``published`` line per version. ``--mode offer`` places them in a shared-memory buffer of
+  its own and offers it (the sender packs, or asks for ``pack`` where it cannot), ``--mode
+  pack`` packs each bucket into the sender's staging buffer when asked. ``--lane`` moves the
+  stream to a lane (§1.1) and passes the offered buffer's descriptor with the begin (§6.1);
+  without it the offer is a path alone, which the sender does not map. ``--plan`` (every
+  part's tensors) with ``--part I --sender-id S`` publishes part ``I`` of a split version
+  instead.
 - ``errors``: provoke the protocol's error statuses and report the codes and details.
 """
 
@@ -76,6 +79,7 @@ ITEMSIZE = {
     "bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
     "bfloat16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
 }  # fmt: skip
+KEYS_KEPT = 16  # of each kind per stream (§2.1)
 
 
 def checksum(data, nbytes: int) -> int:
@@ -92,6 +96,36 @@ def checksum(data, nbytes: int) -> int:
     positional = sum(r * (i + 1) for i, r in enumerate(rows)) & MASK
     plain = sum(rows) & MASK
     return (positional * K_POSITIONAL + plain * K_PLAIN + nbytes) & MASK
+
+
+class KeptByKey:
+    """The keeping side of one kind on one stream (§2.1 rule 4): contents received under a new
+    key while 16 are kept forget them all first."""
+
+    def __init__(self) -> None:
+        self.known: dict[bytes, object] = {}
+
+    def keep(self, key: bytes, value) -> None:
+        if key not in self.known and len(self.known) >= KEYS_KEPT:
+            self.known.clear()
+        self.known[key] = value
+
+
+class SentKeys:
+    """The sending side of one kind on one stream (§2.1 rules 3, 4)."""
+
+    def __init__(self) -> None:
+        self.sent: set[bytes] = set()
+        self.peer_keeps = False  # its welcome said `<kind>_keys`
+
+    def alone(self, key: bytes) -> bool:
+        """The key may go alone; else the contents go with it, held from now on."""
+        if key in self.sent:
+            return self.peer_keeps
+        if len(self.sent) >= KEYS_KEPT:
+            self.sent.clear()
+        self.sent.add(key)
+        return False
 
 
 def nbytes_of(spec) -> int:
@@ -190,8 +224,10 @@ class Stream:
                 device="cpu",
                 transports=["shm"],
                 host_id="",  # empty: same host as the sender, map its buffers
+                manifest_keys=True,  # §2.1
             )
         )
+        self.manifests = KeptByKey()
         self.call = pb_grpc.WeightSyncStub(self.channel).Receive(iter(self.requests.get, None))
         first = next(self.call)
         assert first.WhichOneof("kind") == "welcome", first
@@ -234,6 +270,7 @@ class Receiver:
         self.held: dict[int, list] = {}
         self.current: Version | None = None
         self.finished = 0  # versions applied, failed or rejected
+        self.by_key: set[int] = set()  # versions whose manifest came by key alone (§2.1)
 
     def describe(self, i: int, manifest) -> str:
         address = self.streams[i].address
@@ -249,8 +286,32 @@ class Receiver:
 
     # -- start: collect, check, answer every sender alike --------------------------------
 
+    def manifest(self, i: int, start):
+        """``start``'s manifest: kept under its key, or the one kept (§2.1); None (refused)
+        for a key this stream holds nothing under."""
+        m, key, kept = start.manifest, start.manifest_key, self.streams[i].manifests
+        if not key:
+            return m
+        if m.tensors:  # a manifest is never empty: no tensors means the key alone
+            kept.keep(key, m)
+            return m
+        if key not in kept.known:
+            why = (
+                f"version {m.version}: a start came by manifest_key {key.hex()} alone, but this "
+                "stream holds nothing under that key"
+            )
+            self.answer(m.version, {i: m}, pb.ErrorDetail(code="ProtocolError", message=why))
+            return None
+        whole = pb.Manifest()
+        whole.CopyFrom(kept.known[key])
+        whole.version = m.version
+        self.by_key.add(m.version)
+        return whole
+
     def on_start(self, i: int, start) -> None:
-        m = start.manifest
+        m = self.manifest(i, start)
+        if m is None:
+            return
         v = m.version
         if self.current is not None:
             what = f"version {v} started while version {self.current.number} is still applied"
@@ -450,6 +511,7 @@ class Receiver:
         emit(
             event="applied" if error is None else "failed",
             version=cur.number,
+            manifest_by_key=cur.number in self.by_key,
             error=error,
             buckets=len(cur.sums),
             checksums={f"{i}/{x}": f"{v:#018x}" for (i, x), v in sorted(cur.sums.items())},
@@ -623,10 +685,8 @@ def publish(args) -> int:
         specs = parts[args.part]
     else:
         specs = json.loads(args.tensors)
-    data = {s["name"]: make_bytes(s, args.seed) for s in specs}
     begin = pb.BeginVersion(
         manifest=pb.Manifest(
-            version=args.version,
             tensors=[
                 pb.TensorSpec(name=s["name"], dtype=s["dtype"], shape=s["shape"]) for s in specs
             ],
@@ -643,16 +703,14 @@ def publish(args) -> int:
                 num_tensors=sum(len(p) for p in parts),
             )
         )
-    own = None
+    own, offsets = None, {}
     if args.mode == "offer":
         # Every tensor at a 256-aligned offset of one buffer of ours; the sender maps it and
         # packs the buckets itself (no PackBucket round trips).
-        offsets, end = {}, 0
+        end = 0
         for s in specs:
             offsets[s["name"]], end = align(end), align(end) + nbytes_of(s)
         own = ShmBuffer(max(align(end), ALIGNMENT))
-        for s in specs:
-            own.mm[offsets[s["name"]] : offsets[s["name"]] + nbytes_of(s)] = data[s["name"]]
         begin.sources.append(own.handle())
         for s in specs:
             begin.pieces.append(
@@ -666,6 +724,12 @@ def publish(args) -> int:
                     dst_start=[0] * len(s["shape"]),
                 )
             )
+    # §2.1: our key for these contents (version 0, wait_applied unset: not contents).
+    contents = pb.BeginVersion()
+    contents.CopyFrom(begin)
+    contents.wait_applied = False
+    begin.begin_key = hashlib.sha256(contents.SerializeToString(deterministic=True)).digest()[:16]
+    begins_sent = SentKeys()
 
     ch = channel_to(args.address)
     stub = pb_grpc.WeightSyncStub(ch)
@@ -684,6 +748,7 @@ def publish(args) -> int:
     grpc_replies = stub.Publish(iter(requests.get, None), timeout=args.timeout_s)
     welcome = next(grpc_replies)
     assert welcome.WhichOneof("kind") == "welcome", welcome
+    begins_sent.peer_keeps = welcome.welcome.begin_keys
     lane = None
     if args.lane:  # §1.1: take the lane, switch, then every message (the begin too) goes there
         if not welcome.welcome.HasField("lane"):
@@ -697,66 +762,77 @@ def publish(args) -> int:
         else:
             requests.put(msg)
 
-    if own is not None and lane is not None:
-        # §6.1: one open descriptor per shm source, in the order of `sources`, with the begin.
-        fd = os.open(own.path, os.O_RDONLY)
-        try:
-            send(pb.PublisherMessage(begin=begin), [fd])
-        finally:
-            os.close(fd)  # the sender got its own copy
-    else:
-        send(pb.PublisherMessage(begin=begin))  # a path alone: the sender asks us to pack
+    replies = _replies(grpc_replies, lane)
     staging: dict[str, mmap.mmap] = {}
-    packs, staged, done = [], None, None
-    for reply in _replies(grpc_replies, lane):
-        kind = reply.WhichOneof("kind")
-        if kind == "pack" and reply.pack.version == args.version:
-            handle = reply.pack.buffer
-            mm = staging.get(handle.buffer_id)
-            if mm is None:
-                fd = os.open(handle.shm.path, os.O_RDWR)
-                try:
-                    mm = staging[handle.buffer_id] = mmap.mmap(fd, handle.nbytes)
-                finally:
-                    os.close(fd)
-            layout = reply.pack.layout
-            for e in layout.entries:
-                src = data[e.tensor.name][e.tensor_offset : e.tensor_offset + e.nbytes]
-                mm[e.offset : e.offset + e.nbytes] = src
-            packs.append(layout.index)
-            send(
-                pb.PublisherMessage(
-                    packed=pb.BucketPacked(version=args.version, index=layout.index)
+    for k, version in enumerate(range(args.version, args.version + args.versions)):
+        # The same memory every version, new values in it (a trainer's step).
+        data = {s["name"]: make_bytes(s, args.seed + k) for s in specs}
+        if own is not None:
+            for s in specs:
+                own.mm[offsets[s["name"]] : offsets[s["name"]] + nbytes_of(s)] = data[s["name"]]
+        alone = begins_sent.alone(begin.begin_key)
+        msg = pb.BeginVersion(wait_applied=True, begin_key=begin.begin_key)
+        if not alone:
+            msg.CopyFrom(begin)
+        msg.manifest.version = version
+        if own is not None and lane is not None and not alone:
+            # §6.1: one open descriptor per shm source, in the order of `sources`, with the begin.
+            fd = os.open(own.path, os.O_RDONLY)
+            try:
+                send(pb.PublisherMessage(begin=msg), [fd])
+            finally:
+                os.close(fd)  # the sender got its own copy
+        else:
+            send(pb.PublisherMessage(begin=msg))  # a path alone: the sender asks us to pack
+        packs, staged, done = [], None, None
+        for reply in replies:
+            kind = reply.WhichOneof("kind")
+            if kind == "pack" and reply.pack.version == version:
+                handle = reply.pack.buffer
+                mm = staging.get(handle.buffer_id)
+                if mm is None:
+                    fd = os.open(handle.shm.path, os.O_RDWR)
+                    try:
+                        mm = staging[handle.buffer_id] = mmap.mmap(fd, handle.nbytes)
+                    finally:
+                        os.close(fd)
+                layout = reply.pack.layout
+                for e in layout.entries:
+                    src = data[e.tensor.name][e.tensor_offset : e.tensor_offset + e.nbytes]
+                    mm[e.offset : e.offset + e.nbytes] = src
+                packs.append(layout.index)
+                send(
+                    pb.PublisherMessage(packed=pb.BucketPacked(version=version, index=layout.index))
                 )
-            )
-        elif kind == "staged" and reply.staged.version == args.version:
-            staged = reply.staged  # our memory is no longer read: free to change it
-            if own is not None:
-                own.close()
-                own = None
-        elif kind == "done" and reply.done.version == args.version:
-            done = reply.done
-            break
+            elif kind == "staged" and reply.staged.version == version:
+                staged = reply.staged  # our memory is no longer read: free to change it
+            elif kind == "done" and reply.done.version == version:
+                done = reply.done
+                break
+        emit(
+            event="published",
+            version=version,
+            begin_by_key=alone,
+            lane=lane is not None,
+            welcome=to_dict(welcome.welcome),
+            staged=to_dict(staged) if staged else None,
+            done=to_dict(done) if done else None,
+            packs=packs,
+            tensors={
+                s["name"]: {"dtype": s["dtype"], "shape": s["shape"], "hex": data[s["name"]].hex()}
+                for s in specs
+            },
+        )
     if lane is not None:
         lane.sock.shutdown(socket.SHUT_WR)  # our end of both: the lane and the gRPC stream
     requests.put(None)
     for mm in staging.values():
         mm.close()
+    if own is not None:
+        own.close()
     if lane is not None:
         lane.close()
     ch.close()
-    emit(
-        event="published",
-        lane=lane is not None,
-        welcome=to_dict(welcome.welcome),
-        staged=to_dict(staged) if staged else None,
-        done=to_dict(done) if done else None,
-        packs=packs,
-        tensors={
-            s["name"]: {"dtype": s["dtype"], "shape": s["shape"], "hex": data[s["name"]].hex()}
-            for s in specs
-        },
-    )
     return 0
 
 
@@ -865,6 +941,11 @@ def errors(args) -> int:
     out["publish_part_past_count"] = _status_of(
         stub.Publish(iter([hello, pb.PublisherMessage(begin=part)]), timeout=10)
     )
+    # §2.1: a begin by a key this (new) stream never sent its contents with.
+    by_key = pb.BeginVersion(manifest=pb.Manifest(version=args.version + 1), begin_key=b"\x01\x02")
+    out["publish_by_unknown_key"] = _status_of(
+        stub.Publish(iter([hello, pb.PublisherMessage(begin=by_key)]), timeout=10)
+    )
 
     ack = pb.ReceiverMessage(ack=pb.BucketAck(version=1, index=0, ok=True))
     out["receive_without_hello"] = _status_of(stub.Receive(iter([ack]), timeout=10))
@@ -912,6 +993,7 @@ def main() -> int:
             )
         if name == "publish":
             s.add_argument("--version", type=int, required=True)
+            s.add_argument("--versions", type=int, default=1, help="on one stream")
             what = s.add_mutually_exclusive_group(required=True)
             what.add_argument("--tensors", help="JSON: [{name, dtype, shape}, ...]")
             what.add_argument("--plan", help="JSON: every part's tensors, for a split version")

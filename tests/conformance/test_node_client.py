@@ -56,3 +56,24 @@ def test_node_receiver_applies_a_version_from_weightsync_publisher(node_clients,
         10,
         "the Node receiver to show as disconnected",
     )
+
+
+def test_node_receiver_keeps_the_manifest_by_key(node_clients, clients, sender):
+    """§2.1: the Node receiver says ``manifest_keys``; the second version's manifest comes as
+    its key alone and it applies that version from the manifest it kept, bit-exact."""
+    from weightsync.sender import Publisher
+
+    rid = "conformance-node-keys"
+    rx = node_clients.start(rid, "--versions", "2")
+    assert rx.next_event("registered")["receiver_id"] == rid
+    wait_until(lambda: connected_receivers(clients) == {rid}, 20, f"only {rid} connected")
+    with Publisher(sender.address, publisher_id="conformance-weightsync") as publisher:
+        for by_key in (False, True):
+            version = sender.next_version()
+            tensors = torch_tensors(seed=version)
+            publisher.publish(tensors, version, wait=True, timeout_s=30)
+            got = rx.next_event("applied")
+            assert (got["version"], got["manifest_by_key"], got["error"]) == (version, by_key, None)
+            assert_same_tensors(got["tensors"], expected_hex(tensors))
+    rx.close()
+    assert rx.next_event("closed")["receiver_id"] == rid

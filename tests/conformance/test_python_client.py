@@ -159,6 +159,47 @@ def test_publisher_on_shm(clients, sender, mode):
     rx.close()
 
 
+@pytest.mark.parametrize("mode", ["offer", "pack"])
+def test_later_versions_go_by_key_both_ways(clients, sender, mode):
+    """§2.1: on one stream the client publishes its begin once with its contents, then by its
+    key alone (``offer``: the sender packs from the buffer the first begin passed; ``pack``: it
+    asks for every bucket again), and its receiver, which keeps manifests, gets the second
+    manifest as its key alone; every version lands bit-exact."""
+    first, second = sender.next_version(), sender.next_version()
+    rid = f"conformance-keys-{first}"
+    rx = clients.start("receive", "--receiver-id", rid, "--versions", "2")
+    rx.next_event("registered")
+    _wait_alone(clients, rid)
+    published = clients.run(
+        "publish",
+        "--version",
+        str(first),
+        "--versions",
+        "2",
+        "--tensors",
+        json.dumps(TENSORS),
+        "--seed",
+        str(first),
+        "--mode",
+        mode,
+        *(["--lane"] if mode == "offer" else []),
+    )
+    assert [(p["version"], p["begin_by_key"]) for p in published] == [
+        (first, False),
+        (second, True),
+    ]
+    assert published[0]["welcome"]["begin_keys"]
+    for p in published:
+        done = p["done"]
+        assert done["state"] == "complete", json.dumps(done.get("receivers"))
+        assert done.get("sender_packed", False) == (mode == "offer")
+        got = rx.next_event("applied")
+        assert (got["version"], got["manifest_by_key"]) == (p["version"], p is published[1])
+        assert_same_tensors(got["tensors"], p["tensors"])
+    assert published[0]["tensors"] != published[1]["tensors"]  # new values, same memory
+    rx.close()
+
+
 def test_rejected_manifest_fails_only_that_receiver(clients, sender):
     from weightsync.sender import Publisher
 
@@ -214,6 +255,11 @@ def test_error_statuses(clients, sender):
         "INVALID_ARGUMENT",
         "PlanError: VersionPart index 2 of 2 parts: a split version has 2 or more parts, "
         "indexed from 0",
+    )
+    check(
+        "publish_by_unknown_key",
+        "FAILED_PRECONDITION",
+        f"ProtocolError: BeginVersion of version {version + 1} came by begin_key 0102 alone",
     )
     status = clients.status()
     assert version_status(status, version)["state"] == "complete"

@@ -7,7 +7,8 @@
 //                          [--versions N] [--leave]
 //       register (with every sender given: a version split over several senders, §4.1, is
 //       joined from their parts), apply N versions from shm staging buffers (checksums
-//       verified), print one JSON line per version with every tensor's bytes, then leave in
+//       verified; manifests kept by key, §2.1), print one JSON line per version with every
+//       tensor's bytes, then leave in
 //       order (half-close, read each stream to its end): when stdin closes, or at once with
 //       --leave. The last line says the status each sender ended its stream with.
 //
@@ -23,6 +24,7 @@ const TAIL_ROW_WORDS = ALIGNMENT / 8; // 256-byte rows for the tail
 const K_POSITIONAL = 0x9e3779b97f4a7c15n;
 const K_PLAIN = 0xc2b2ae3d27d4eb4fn;
 const MASK = (1n << 64n) - 1n;
+const KEYS_KEPT = 16; // of each kind per stream (§2.1)
 const ITEMSIZE = {
   bool: 1, uint8: 1, int8: 1, int16: 2, int32: 4, int64: 8, float16: 2, bfloat16: 2,
   float32: 4, float64: 8, float8_e4m3fn: 1, float8_e5m2: 1,
@@ -106,6 +108,39 @@ class ShmFiles {
   }
 }
 
+/**
+ * The keeping side of one kind on one stream (§2.1 rule 4): contents received under a new key
+ * while 16 are kept forget them all first. Keys are bytes (Buffers), held as hex.
+ */
+class KeptByKey {
+  constructor() {
+    this.known = new Map();
+  }
+  keep(key, value) {
+    const k = key.toString('hex');
+    if (!this.known.has(k) && this.known.size >= KEYS_KEPT) this.known.clear();
+    this.known.set(k, value);
+  }
+  get(key) {
+    return this.known.get(key.toString('hex'));
+  }
+}
+
+/**
+ * `start`'s manifest: kept under its key, or the one `kept` holds for a start sent by key
+ * alone (no tensors: a manifest is never empty); null for a key the stream holds nothing under.
+ */
+function manifestOf(start, kept) {
+  const m = start.manifest;
+  if (start.manifest_key.length === 0) return m;
+  if (m.tensors.length > 0) {
+    kept.keep(start.manifest_key, m);
+    return m;
+  }
+  const known = kept.get(start.manifest_key);
+  return known === undefined ? null : { ...known, version: m.version };
+}
+
 function planError(message) {
   return { code: 'PlanError', message };
 }
@@ -125,6 +160,7 @@ class Receiver {
     // every part started and the verdict accepts it (§4.1)
     this.held = new Map();
     this.current = null;
+    this.byKey = new Set(); // versions whose manifest came by key alone (§2.1)
   }
 
   send(i, msg) {
@@ -142,7 +178,17 @@ class Receiver {
   }
 
   onStart(i, start) {
-    const m = start.manifest;
+    const m = manifestOf(start, this.senders[i].manifests);
+    if (m === null) {
+      const key = start.manifest_key.toString('hex');
+      const message = `version ${start.manifest.version}: a start came by manifest_key ${key} alone, but this stream holds nothing under that key`;
+      const error = { code: 'ProtocolError', message };
+      this.refuse(i, start.manifest.version, error);
+      emit({ event: 'rejected', version: Number(start.manifest.version), error });
+      this.onFinished();
+      return;
+    }
+    if (m !== start.manifest) this.byKey.add(String(m.version));
     const v = BigInt(m.version);
     if (this.current !== null) {
       const message = `version ${v} started while version ${this.current.version} is still applied`;
@@ -365,6 +411,7 @@ class Receiver {
     emit({
       event: error === null ? 'applied' : 'failed',
       version: Number(cur.version),
+      manifest_by_key: this.byKey.has(String(cur.version)),
       error,
       buckets: sums.length,
       checksums,
@@ -397,7 +444,7 @@ function receive(opts) {
   const statuses = new Map(); // sender -> {code, details} it ended the stream with
   const senders = opts.addresses.map((address) => {
     const client = new v1.WeightSync(address, grpc.credentials.createInsecure());
-    return { address, client, call: client.Receive(metadata) };
+    return { address, client, call: client.Receive(metadata), manifests: new KeptByKey() };
   });
 
   const leave = () => {
@@ -424,6 +471,7 @@ function receive(opts) {
         device: 'cpu',
         transports: ['shm'],
         host_id: '', // empty: same host as the sender, map its buffers
+        manifest_keys: true, // §2.1
       },
     });
     s.call.on('data', (msg) => {
