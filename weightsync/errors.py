@@ -56,6 +56,11 @@ class VersionError(WeightSyncError):
     grpc_code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class WrongBaseError(VersionError):
+    """A delta was to be applied onto bytes other than the version it was made from (a
+    receiver that missed a version, or joined late): it needs the full bytes instead."""
+
+
 class ProtocolError(WeightSyncError):
     """A peer sent a message out of order or broke the stream."""
 

@@ -118,3 +118,25 @@ def test_help_explains_every_field():
     for field in ("preset", "gpus_per_host", "expert_tp", "pp_layers", "replicas", "dtype",
                   "nic_gb_s", "nvlink_gb_s", "host_nic_gb_s", "transfer", "floor"):  # fmt: skip
         assert field in done.stdout
+
+
+def test_a_delta_ratio_scales_the_times_of_the_same_plan(tmp_path):
+    """Every time the plan prints is bytes over a link's rate: deltas of R times the bytes
+    take R times each; an FP8 engine's bytes are planned by ``engines.dtype``."""
+    path = str(write(tmp_path, {**GOOD, "engines": {**GOOD["engines"], "dtype": "fp8"}}))
+    full, deltas = plan("--topology", path), plan("--topology", path, "--delta-ratio", "0.25")
+    assert full.returncode == deltas.returncode == 0, deltas.stderr
+    assert deltas.stdout.startswith(full.stdout)
+    seconds = {
+        key: float(re.search(rf"{key}:? ([\d.]+) s", full.stdout)[1])
+        for key in ("predicted", "floor")
+    }
+    seconds["as built"] = float(re.search(r"as built: .*: ([\d.]+) s", full.stdout)[1])
+    line = deltas.stdout[len(full.stdout) :].strip()
+    assert line == (
+        f"with deltas of 0.25x the bytes: predicted {seconds['predicted'] * 0.25:.3f} s, floor "
+        f"{seconds['floor'] * 0.25:.3f} s, as built {seconds['as built'] * 0.25:.3f} s (a "
+        "receiver that missed a version, or joined late, takes the full bytes)"
+    )
+    wrong = plan("--topology", path, "--delta-ratio", "1.5")
+    assert wrong.returncode == 2 and "--delta-ratio 1.5: a delta is 0 < R <= 1" in wrong.stderr

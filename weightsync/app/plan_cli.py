@@ -51,6 +51,13 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG.format(presets=" | ".join(PRESETS), types=", ".join(MODEL_TYPES))
     p.add_argument("--topology", required=True, metavar="FILE", help="the cluster (YAML or JSON)")
+    p.add_argument(
+        "--delta-ratio",
+        type=float,
+        metavar="R",
+        help="also print the times of a version sent as exact deltas of R times its bytes "
+        "(0 < R <= 1; python -m weightsync.app.bench.deltas measures R)",
+    )
 
 
 def load_topology(path: Path) -> tuple[Topology, dict[str, Any]]:
@@ -126,9 +133,25 @@ def describe(error: ValidationError) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     path = Path(args.topology)
     topo, config = load_topology(path)
+    ratio = args.delta_ratio
+    if ratio is not None and not 0 < ratio <= 1:
+        raise ConfigError(f"--delta-ratio {ratio:g}: a delta is 0 < R <= 1 of the bytes")
     built = cluster(topo, config)  # once: for a 1T model it is most of the run
-    print_plan(path, topo, config, plan_built(topo, built), runtime_estimate(topo, built))
+    plan, run = plan_built(topo, built), runtime_estimate(topo, built)
+    print_plan(path, topo, config, plan, run)
+    if ratio is not None:
+        print(_with_deltas(ratio, plan, run), flush=True)
     return 0
+
+
+def _with_deltas(ratio: float, plan: TopologyPlan, run: RuntimeEstimate) -> str:
+    """The same plan with every slice ``ratio`` of its bytes: every time here is bytes over a
+    link's rate, so each scales by ``ratio``."""
+    return (
+        f"with deltas of {ratio:g}x the bytes: predicted {plan.predicted_s * ratio:.3f} s, floor "
+        f"{plan.floor_s * ratio:.3f} s, as built {run.predicted_s * ratio:.3f} s (a receiver "
+        "that missed a version, or joined late, takes the full bytes)"
+    )
 
 
 def _gb(n: float) -> str:
