@@ -31,9 +31,6 @@ class KeptBegin:
     manifest: VersionManifest
     manifest_key: bytes
     offer: bytes
-    files: tuple
-    """The mappings of its shm sources (``packing.received_sources``), held while its key may
-    stand for it."""
 
 
 class StreamBegins:
@@ -45,8 +42,11 @@ class StreamBegins:
         self._kept: KeptByKey[KeptBegin] = KeptByKey("begin_key")
         self.received: tuple = ()
         """The mappings of the shm sources that came with the begin taken next."""
-        self.last: KeptBegin | None = None
-        """The begin taken last, holding its mappings while its version packs."""
+        self.files: tuple = ()
+        """Those of the last begin with contents, held while its version packs and while its
+        key may stand for it. An older kept begin's files stay mapped only while a cached
+        offer or a kept version holds them (else the publisher packs): keeping every kept
+        begin's would hold up to 16 of a publisher's discarded buffers."""
 
     def take(
         self, begin: pb.BeginVersion, device_uuid: str, manifests: ManifestCache
@@ -60,14 +60,15 @@ class StreamBegins:
         received, self.received = self.received, ()
         version = begin.manifest.version
         if begin.begin_key and not begin.manifest.tensors:  # never empty: by key alone
-            self.last = self._kept.held(begin.begin_key, f"BeginVersion of version {version}")
-            return self.last.manifest.at(version), self.last
+            kept = self._kept.held(begin.begin_key, f"BeginVersion of version {version}")
+            return kept.manifest.at(version), kept
         check_manifest_not_empty(begin.manifest)
         manifest, key = manifests(begin.manifest)  # bounds every field
-        self.last = KeptBegin(begin, manifest, key, rank_offer(begin, device_uuid), received)
+        kept = KeptBegin(begin, manifest, key, rank_offer(begin, device_uuid))
+        self.files = received
         if begin.begin_key:
-            self._kept.keep(begin.begin_key, self.last)
-        return manifest, self.last
+            self._kept.keep(begin.begin_key, kept)
+        return manifest, kept
 
 
 def staging_device(rank: RankConn) -> torch.device:

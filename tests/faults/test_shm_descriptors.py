@@ -199,7 +199,7 @@ def test_our_publisher_passes_its_descriptors_on_a_lane_only(sender, monkeypatch
     t, results = sync_in_thread(r, n=3)
     try:
         with Publisher(sender.address) as publisher:
-            for version in (1, 2, 3):  # 2 and 3 repeat the first begin
+            for version in (1, 2, 3):  # 2 and 3 send the first begin's key alone
                 tensors["w"].fill_(version)
                 result = publisher.publish(tensors, version, wait=True, timeout_s=60)
                 assert result.status.sender_packed == lanes
@@ -218,11 +218,11 @@ def _open_fds() -> int:
 
 
 def test_no_descriptor_is_left_open_across_versions(sock_dir):
-    """Repeats, whole begins of the same file and of new files every version: the sender (in
-    this process) holds as many descriptors after 60 versions as after 12. Each mapping holds
-    one (CPython's mmap keeps a duplicate) while a kept version (``history``, 4 here), a
-    cached offer (4) or its stream's last begin refers to it; so does the publisher's own
-    mapping of each file, in this process too."""
+    """Begins by key alone, of a new mapping of the same file and of new files every version:
+    the sender (in this process) holds as many descriptors after 60 versions as after 12. Each
+    mapping holds one (CPython's mmap keeps a duplicate) while a kept version (``history``, 4
+    here), a cached offer (4) or its stream's last begin with contents refers to it; so does the
+    publisher's own mapping of each file, in this process too."""
     from weightsync.sender.daemon import Sender
 
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=4096, history=4) as sender:

@@ -7,10 +7,12 @@ import pytest
 
 from weightsync.errors import ProtocolError
 from weightsync.receiver.connection import Keeps, KeptByStream, _items
+from weightsync.sender.joins import StreamBegins
 from weightsync.sender.publish_stream import begin_key
 from weightsync.sender.service import take_queued
 from weightsync.stream_keys import KEYS_KEPT, KeptByKey, SentKeys
 from weightsync.v1 import weightsync_pb2 as pb
+from weightsync.wire import ManifestCache
 
 
 def _keeping() -> SentKeys:
@@ -83,6 +85,24 @@ def test_a_receiver_lists_its_boxes_once_then_their_key():
     verdict = pb.ManifestVerdict(version=1, accepted=True)
     KeptByStream(True).declare(verdict, Keeps([], b"m-0"))
     assert not verdict.keeps_key and not verdict.keeps
+
+
+def test_a_stream_keeps_every_begin_sent_with_its_contents_not_only_the_last():
+    """Two tensor lists published in turn: after the first of each, both go by key alone."""
+    begins, manifests = StreamBegins(), ManifestCache()
+
+    def take(version: int, key: bytes, name: str = ""):
+        msg = pb.BeginVersion(begin_key=key, manifest=pb.Manifest(version=version))
+        if name:
+            msg.manifest.tensors.append(pb.TensorSpec(name=name, dtype="float32", shape=[4]))
+        manifest, kept = begins.take(msg, "", manifests)
+        return manifest.version, [t.name for t in manifest.tensors], kept.manifest_key
+
+    first, second = take(1, b"a", "w"), take(2, b"b", "v")
+    assert take(3, b"a") == (3, ["w"], first[2])
+    assert take(4, b"b") == (4, ["v"], second[2])
+    with pytest.raises(ProtocolError, match="BeginVersion of version 5 came by begin_key 63 "):
+        take(5, b"c")
 
 
 def test_a_begin_key_is_a_digest_of_its_contents_not_of_its_objects():
