@@ -97,6 +97,11 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" and _kernels() is not None
 
 
+def cupy():
+    """The CuPy module (where :func:`available`)."""
+    return _kernels()[0]
+
+
 def fits(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether the kernel can copy ``src`` into ``dst``: the same bytes on one GPU, each a
     box of rows whose elements are contiguous (:func:`planes`)."""

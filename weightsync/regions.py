@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from weightsync import copy_kernel
+from weightsync import copy_kernel, peer_copies
 from weightsync.buckets import BucketEntry
 from weightsync.errors import PlanError
 
@@ -119,6 +119,9 @@ class CopyBatch:
     """Large copies, casts, and copies across devices."""
     chunked: tuple[copy_kernel.ChunkedCopies, ...] = ()
     """One launch per GPU of every copy the kernel takes."""
+    peer: peer_copies.PeerCopies | None = None
+    """Copies from other GPUs on the copy engines (:mod:`.peer_copies`), queued first so the
+    local copies run while they do."""
 
     @classmethod
     def of(
@@ -130,7 +133,11 @@ class CopyBatch:
         batch run once would pay every time, where a ``copy_`` each costs nothing to prepare."""
         small, single = [], []
         by_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        peer = []
         for dst, src in stack_strided(pairs):
+            if dst.device != src.device and peer_copies.fits(dst, src):
+                peer.append((dst, src))
+                continue
             kernel = (
                 reused
                 or dst.nbytes <= FOREACH_MAX_BYTES
@@ -156,16 +163,26 @@ class CopyBatch:
         # queued behind them, instead of the GPU idling between small copies' launches.
         single.sort(key=lambda pair: pair[0].nbytes, reverse=True)
         chunked = tuple(copy_kernel.ChunkedCopies(p) for p in by_gpu.values())
-        return cls(tuple(d for d, _ in small), tuple(s for _, s in small), tuple(single), chunked)
+        return cls(
+            tuple(d for d, _ in small),
+            tuple(s for _, s in small),
+            tuple(single),
+            chunked,
+            peer_copies.PeerCopies(peer) if peer else None,
+        )
 
     @torch.no_grad()
     def run(self) -> None:
+        if self.peer:
+            self.peer.start()
         for copies in self.chunked:
             copies.run()
         if self.dsts:
             torch._foreach_copy_(list(self.dsts), list(self.srcs), non_blocking=True)
         for dst, src in self.one_by_one:
             _copy(dst, src)
+        if self.peer:
+            self.peer.finish()
 
 
 Pair = tuple[torch.Tensor, torch.Tensor]

@@ -128,3 +128,23 @@ def test_a_saved_report_reads_back_to_the_same_table_and_targets(tmp_path):
     assert back.rows == report.rows
     assert back.targets() == report.targets()
     assert back.to_json() == report.to_json()
+
+
+def test_node_rows_are_held_against_the_interconnect_floor_of_their_own_layout():
+    from weightsync.app.bench.report import NODE_FLOOR, NODE_LINK_FLOOR
+
+    node, direct = "node: 4 GPUs", (WEIGHTSYNC, "direct", "cuda_ipc")
+    rows = [
+        Row(FLOOR, NODE_FLOOR, "-", "TP=2 x DP=2", node, GBYTES, (0.007,)),
+        Row(FLOOR, NODE_LINK_FLOOR, "-", "TP=2 x DP=2", node, GBYTES, (0.020,)),
+        Row(*direct, "TP=2 x DP=2", node, GBYTES, (0.024,), bit_exact=True),
+        Row(FLOOR, NODE_FLOOR, "-", "TP=4 x DP=1", node, GBYTES, (0.007,)),
+        Row(FLOOR, NODE_LINK_FLOOR, "-", "TP=4 x DP=1", node, GBYTES, (0.030,)),
+        Row(*direct, "TP=4 x DP=1", node, GBYTES, (0.045,), bit_exact=True),
+    ]
+    report = _report(gpus=4)
+    report.rows = rows
+    assert report.ratios(rows[2])["x_floor"] == pytest.approx(1.2)
+    assert report.ratios(rows[5])["x_floor"] == pytest.approx(1.5)
+    met = {t["target"]: t["met"] for t in report.targets() if "interconnect" in t["target"]}
+    assert list(met.values()) == [True, False]

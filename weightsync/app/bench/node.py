@@ -6,8 +6,10 @@ T=1: the whole model). Engines TP=E x N/E: one receiver process per GPU holding 
 model (vLLM's packing and, for E > 1, its TP shards: ``engine_like.engine_shard``). Direct
 path: each receiver should read what it keeps from the copies on its own GPU first (a tensor
 the trainer shards: its pieces, read in place), and with E > 1 only its shard's bytes. The
-floor, in the same run: every GPU copying its share (the bytes its engine rank keeps) from its
-own memory at once, one process per GPU.
+floors, in the same run: every GPU copying its share (the bytes its engine rank keeps) from its
+own memory at once, one process per GPU; and the interconnect floor, the larger of that and
+the peer bytes into each GPU (every GPU receives as many here) over the best peer bandwidth
+measured alone, GPU 0 taking 2 GB from GPU 1 (torch's copy, or :mod:`~weightsync.peer_copies`).
 
 Timing: the sender's ``complete_s`` of each version (the last rank joined -> every receiver
 applied), median over the measured versions; the floor per repetition is its slowest GPU.
@@ -28,7 +30,7 @@ import torch
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import ModelShape, hf_specs
-from weightsync.app.bench.report import FLOOR, NODE_FLOOR, WEIGHTSYNC, Row
+from weightsync.app.bench.report import FLOOR, NODE_FLOOR, NODE_LINK_FLOOR, WEIGHTSYNC, Row
 from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
 from weightsync.manifest import VersionManifest
 
@@ -51,17 +53,38 @@ class NodeRun:
     """The last version's bytes by route, all receivers together."""
     bit_exact: bool
     trainer_tp: int = 1
+    peer_bytes_per_s: float | None = None
+    """The best peer bandwidth measured (one GPU from one peer, alone); None on one GPU."""
 
     @property
     def layout(self) -> str:
         return f"TP={self.trainer_tp} x DP={self.gpus // self.trainer_tp}"
 
+    @property
+    def link_floor_s(self) -> tuple[float, ...]:
+        """Per repetition: the larger of the local floor and the peer bytes into one GPU over
+        the best peer bandwidth."""
+        peer = self.route_bytes.get("peer", 0) / self.gpus
+        link = peer / self.peer_bytes_per_s if self.peer_bytes_per_s else 0.0
+        return tuple(max(s, link) for s in self.floor_s)
+
     def rows(self) -> list[Row]:
         placement = node_placement(self.gpus, self.engine_tp)
         # Route bytes count what each receiver keeps: a TP rank declares its shard.
         routes = ", ".join(f"{k} {n / 1e9:.1f} GB" for k, n in self.route_bytes.items() if n)
+        bw = self.peer_bytes_per_s
         return [
             Row(FLOOR, NODE_FLOOR, "-", self.layout, placement, self.kept_nbytes, self.floor_s),
+            Row(
+                FLOOR,
+                NODE_LINK_FLOOR,
+                "-",
+                self.layout,
+                placement,
+                self.kept_nbytes,
+                self.link_floor_s,
+                note=f"peer {bw / 1e9:.0f} GB/s" if bw else "one GPU: no peer route",
+            ),
             Row(
                 WEIGHTSYNC,
                 "direct",
@@ -163,8 +186,36 @@ def _receiver(
         share.copy_(source)
         torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    out.put(("floor", rank, times[1:], kept))
+    peer = _peer_bytes_per_s(device, reps) if rank == 0 and devices > 1 else None
+    out.put(("floor", rank, times[1:], kept, peer))
     receiver.close()
+
+
+def _peer_bytes_per_s(device: torch.device, reps: int, nbytes: int = 2 << 30) -> float:
+    """The best of torch's copy and :class:`~weightsync.peer_copies.PeerCopies` moving
+    ``nbytes`` from the next GPU into ``device``, alone (median of ``reps``)."""
+    from weightsync import peer_copies
+    from weightsync.regions import CopyBatch
+
+    peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
+    src = torch.empty(nbytes, dtype=torch.uint8, device=peer)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    ways = [lambda: dst.copy_(src, non_blocking=True)]
+    if peer_copies.fits(dst, src):
+        ways.append(CopyBatch.of([(dst, src)], reused=True).run)
+    best = 0.0
+    for copy in ways:
+        times = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize(peer)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            copy()
+            torch.cuda.synchronize(peer)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        best = max(best, nbytes / statistics.median(times[1:]))
+    return best
 
 
 def _child(what: str, body, *args) -> None:
@@ -295,6 +346,7 @@ def measure_node(
         dict(measured[-1].route_bytes),
         exact,
         trainer_tp,
+        next((f[4] for f in floors if f[4]), None),
     )
 
 
@@ -302,6 +354,7 @@ def summary(run: NodeRun) -> str:
     """Two lines: the node's timing and the floor."""
     applied = statistics.median(run.applied_s)
     floor = statistics.median(run.floor_s)
+    link = statistics.median(run.link_floor_s)
     return (
         f"node: trainer {run.layout}, engines TP={run.engine_tp} x "
         f"{run.gpus // run.engine_tp}, {run.nbytes / 1e9:.2f} GB, "
@@ -310,5 +363,6 @@ def summary(run: NodeRun) -> str:
         f"route bytes {run.route_bytes}\n"
         f"floor: every GPU copying its {run.kept_nbytes / 1e9:.2f} GB from its own memory at "
         f"once ({run.gpus} processes): {floor * 1e3:.2f} ms; applied / floor = "
-        f"{applied / floor:.2f}x"
+        f"{applied / floor:.2f}x\n"
+        f"interconnect floor: {link * 1e3:.2f} ms; applied / it = {applied / link:.2f}x"
     )

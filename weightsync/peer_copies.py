@@ -1,0 +1,201 @@
+"""Copies from one GPU's memory into another's, on the copy engines, with one ordering point.
+
+torch's ``copy_`` across GPUs puts a two-way barrier between both GPUs' streams around every
+copy; a direct read of a sharded trainer's tensors is hundreds (MoE: thousands) of pieces from
+a peer, and those barriers kept 4 x H200 node reads near half the NVLink bandwidth. Here the
+pieces of one batch are plain asynchronous copies (``cudaMemcpyAsync``) queued on the source
+GPU's stream, ordered once after the destinations' streams and once before them.
+
+Copy engines, not a kernel: copies from another process's memory then run beside that GPU's
+own copy kernels, where a kernel would share its SMs with the other process's by time slices.
+The copy engines move contiguous bytes at the link's speed but narrow strided rows slowly (a
+row-parallel shard landing in its columns of the whole tensor), so a piece whose destination
+is strided, or that is small, crosses the link contiguous, into a landing window on the
+destination GPU, and a copy kernel there puts it in place: two windows per link, the next
+crossing while the last is put in place. Measured in docs/benchmarks.md. Needs CuPy for the
+runtime calls and the kernel; without it callers keep torch's copies.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+
+from weightsync import copy_kernel
+
+WINDOW_BYTES = 64 << 20
+"""Bytes of one landing window; each link that lands pieces holds two on its destination
+(16 and 256 MiB were within 10% of it on 4 x H200)."""
+DIRECT_MIN_BYTES = 4 << 20
+"""A contiguous piece at least this large crosses straight into place; smaller ones land
+(an MoE trainer's thousands of expert shards cross as a few runs of its memory, not a copy
+each: a copy engine pays microseconds per copy, and so does the call that queues it)."""
+_MEMCPY_DEFAULT = 4
+"""cudaMemcpyDefault: the direction from the (unified) addresses."""
+_PEER_ACCESS_ALREADY_ENABLED = 704
+"""cudaErrorPeerAccessAlreadyEnabled: torch enables peer access itself on its peer copies."""
+_ALIGN = 256
+
+Pair = tuple[torch.Tensor, torch.Tensor]
+
+
+@functools.cache
+def _peer_access(src: int, dst: int) -> bool:
+    """Whether GPU ``src`` reaches GPU ``dst``'s memory directly; enabled here once (copies
+    between GPUs without it go through host memory)."""
+    if not torch.cuda.can_device_access_peer(src, dst):
+        return False
+    cupy = copy_kernel.cupy()
+    with cupy.cuda.Device(src):
+        try:
+            cupy.cuda.runtime.deviceEnablePeerAccess(dst)
+        except cupy.cuda.runtime.CUDARuntimeError as e:
+            if e.status != _PEER_ACCESS_ALREADY_ENABLED:
+                raise
+    return True
+
+
+def fits(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether :class:`PeerCopies` takes the copy: the same bytes on two GPUs that reach each
+    other, the source contiguous, the destination a box of contiguous rows."""
+    return (
+        dst.is_cuda
+        and src.is_cuda
+        and dst.device != src.device
+        and dst.dtype == src.dtype
+        and dst.shape == src.shape
+        and dst.nbytes > 0
+        and src.is_contiguous()
+        and copy_kernel.available(dst.device)
+        and copy_kernel.planes(dst, src) is not None
+        and _peer_access(src.device.index, dst.device.index)
+    )
+
+
+def _rows(dst: torch.Tensor, src: torch.Tensor, limit: int) -> list[Pair]:
+    """``(dst, src)`` cut along dim 0 into parts of at most ``limit`` bytes where it can be."""
+    if dst.dim() == 0 or src.nbytes <= limit:
+        return [(dst, src)]
+    step = max(1, limit // (src.nbytes // max(src.shape[0], 1) or 1))
+    return [(dst[i : i + step], src[i : i + step]) for i in range(0, src.shape[0], step)]
+
+
+class _Landing:
+    """The pieces one link lands: windows of them, each a few copies (runs of adjacent
+    source memory, which the windows mirror) and one copy kernel launch putting them in place."""
+
+    def __init__(self, pairs: list[Pair]) -> None:
+        src_device, self.device = pairs[0][1].device, pairs[0][0].device
+        parts = [part for dst, src in pairs for part in _rows(dst, src, WINDOW_BYTES)]
+        parts.sort(key=lambda pair: pair[1].data_ptr())
+        windows: list[list[tuple[Pair, int]]] = [[]]
+        at, run_end = 0, -1
+        for dst, src in parts:
+            ptr = src.data_ptr()
+            # Adjacent in the source: adjacent here too (one copy); else at the same
+            # alignment as the source, so every landed view is as aligned as its source.
+            start = at if ptr == run_end else -(-at // _ALIGN) * _ALIGN + ptr % _ALIGN
+            if windows[-1] and start + src.nbytes > WINDOW_BYTES:
+                windows.append([])
+                start = ptr % _ALIGN
+            windows[-1].append(((dst, src), start))
+            at, run_end = start + src.nbytes, ptr + src.nbytes
+        size = max(start + pair[1].nbytes for window in windows for pair, start in window)
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in "ab"]
+        self.copies: list[list[tuple[int, int, int]]] = []  # per window: (offset, source, bytes)
+        self.puts: list[list[copy_kernel.ChunkedCopies]] = []  # per window, per buffer
+        for window in windows:
+            runs: list[list[int]] = []
+            for (_, src), start in window:
+                ptr = src.data_ptr()
+                if runs and runs[-1][0] + runs[-1][2] == start and runs[-1][1] + runs[-1][2] == ptr:
+                    runs[-1][2] += src.nbytes
+                else:
+                    runs.append([start, ptr, src.nbytes])
+            self.copies.append([tuple(run) for run in runs])
+            self.puts.append(
+                [
+                    copy_kernel.ChunkedCopies(
+                        [(dst, _landed(buffer, start, src)) for (dst, src), start in window]
+                    )
+                    for buffer in self.buffers
+                ]
+            )
+        self.stream = torch.cuda.Stream(self.device)
+        """Where the landed pieces are put in place, beside the destination's own copies."""
+        self._crossed = [torch.cuda.Event() for _ in self.buffers]
+        self._put = [torch.cuda.Event() for _ in self.buffers]
+        self.source = src_device
+
+    def start(self, runtime, source: torch.cuda.Stream) -> None:
+        """Queue every window: across on ``source`` (a stream of the source GPU), in place on
+        :attr:`stream`."""
+        handle = source.cuda_stream
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        for k, (copies, puts) in enumerate(zip(self.copies, self.puts, strict=True)):
+            slot = k % 2
+            if k >= 2:
+                source.wait_event(self._put[slot])  # window k - 2 is out of this buffer
+            base = self.buffers[slot].data_ptr()
+            for offset, src, nbytes in copies:
+                runtime.memcpyAsync(base + offset, src, nbytes, _MEMCPY_DEFAULT, handle)
+            self._crossed[slot].record(source)
+            self.stream.wait_event(self._crossed[slot])
+            with torch.cuda.stream(self.stream):
+                puts[slot].run()
+            self._put[slot].record(self.stream)
+
+
+def _landed(buffer: torch.Tensor, start: int, src: torch.Tensor) -> torch.Tensor:
+    """The view of ``buffer`` from byte ``start`` shaped like contiguous ``src``."""
+    return buffer[start : start + src.nbytes].view(src.dtype).view(src.shape)
+
+
+class PeerCopies:
+    """Copies that :func:`fits` allows, queued per source GPU (build once, :meth:`start` and
+    :meth:`finish` every version: they hold addresses, which the views keep alive)."""
+
+    def __init__(self, pairs: Sequence[Pair]) -> None:
+        self.pairs = tuple(pairs)
+        self._direct: dict[torch.device, list[tuple[int, int, int]]] = {}
+        self._targets: dict[torch.device, set[torch.device]] = {}
+        landed: dict[tuple[torch.device, torch.device], list[Pair]] = {}
+        for dst, src in self.pairs:
+            self._targets.setdefault(src.device, set()).add(dst.device)
+            if dst.is_contiguous() and src.nbytes >= DIRECT_MIN_BYTES:
+                copies = self._direct.setdefault(src.device, [])
+                copies.append((dst.data_ptr(), src.data_ptr(), src.nbytes))
+            else:
+                landed.setdefault((src.device, dst.device), []).append((dst, src))
+        for copies in self._direct.values():  # largest first: the small ones queue behind
+            copies.sort(key=lambda copy: copy[2], reverse=True)
+        self._landings = [_Landing(group) for group in landed.values()]
+        # A stream of its own per source GPU: the current one there may be the legacy default
+        # stream, whose handle (0) names the default stream of whichever GPU is current.
+        self._streams = {device: torch.cuda.Stream(device) for device in self._targets}
+
+    def start(self) -> None:
+        """Queue every copy, after what the destinations' streams hold so far."""
+        cupy = copy_kernel.cupy()
+        for device, targets in self._targets.items():
+            stream = self._streams[device]
+            for target in targets:
+                stream.wait_stream(torch.cuda.current_stream(target))
+            with cupy.cuda.Device(device.index):
+                for landing in self._landings:  # first: the puts overlap what crosses next
+                    if landing.source == device:
+                        landing.start(cupy.cuda.runtime, stream)
+                for dst, src, nbytes in self._direct.get(device, ()):
+                    cupy.cuda.runtime.memcpyAsync(
+                        dst, src, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream
+                    )
+
+    def finish(self) -> None:
+        """Order the destinations' streams after the copies."""
+        for device, targets in self._targets.items():
+            for target in targets:
+                torch.cuda.current_stream(target).wait_stream(self._streams[device])
+        for landing in self._landings:
+            torch.cuda.current_stream(landing.device).wait_stream(landing.stream)
