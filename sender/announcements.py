@@ -19,6 +19,7 @@ from weightsync.sender.states import ReceiverState
 from weightsync.v1 import weightsync_pb2 as pb
 
 if TYPE_CHECKING:
+    from weightsync.sender.delta_bases import Encoded
     from weightsync.sender.version import Version
 
 Message = Callable[[ReceiverConn], pb.Announcement]
@@ -150,9 +151,16 @@ def direct_buckets(version: Version) -> Message:
     return own
 
 
-def packed_bucket(version: Version, layout: pb.BucketLayout, slot: Slot, group_id: str) -> Message:
+def packed_bucket(
+    version: Version,
+    layout: pb.BucketLayout,
+    slot: Slot,
+    group_id: str,
+    delta: Encoded | None = None,
+) -> Message:
     """A packed bucket: receivers that map it get the slot's buffer (and, on CUDA, the event
-    their reads wait for); broadcast receivers get the group its bytes come by."""
+    their reads wait for); broadcast receivers get the group its bytes come by (and, when
+    they come as a ``delta``, what it is made from: protocol §5.1)."""
     mapped = pb.Announcement(
         bucket=pb.BucketAnnouncement(
             version=version.version,
@@ -162,7 +170,12 @@ def packed_bucket(version: Version, layout: pb.BucketLayout, slot: Slot, group_i
         )
     )
     sent = pb.Announcement(
-        bucket=pb.BucketAnnouncement(version=version.version, layout=layout, group_id=group_id)
+        bucket=pb.BucketAnnouncement(
+            version=version.version,
+            layout=layout,
+            group_id=group_id,
+            delta=delta.msg if delta is not None else None,
+        )
     )
     return lambda conn: sent if conn.data_path == BROADCAST else mapped
 
@@ -182,10 +195,14 @@ def end_message(version: Version) -> pb.Announcement:
     checksums = [values.get(i, 0) for i in range(max(values, default=-1) + 1)]
     differ = [i for i, s in enumerate(version.expect_checksums) if s and s != checksums[i]]
     if differ:
+        # The checksum is per bucket: name the tensors one of which differs.
+        names = [e.spec.name for b in sent if b.index == differ[0] for e in b.entries]
+        held = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" * (len(names) > 3))
         raise WeightSyncError(
-            f"catch-up of version {version.version}: bucket {differ[0]} from its source differs "
-            f"from the version as published (checksum {checksums[differ[0]]:#x}, published "
-            f"{version.expect_checksums[differ[0]]:#x}); not applied"
+            f"catch-up of version {version.version}: bucket {differ[0]} from its source "
+            f"(holding {held}) differs from the version as published (checksum "
+            f"{checksums[differ[0]]:#x}, published {version.expect_checksums[differ[0]]:#x}); "
+            "not applied"
         )
     version.checksums = checksums
     return pb.Announcement(

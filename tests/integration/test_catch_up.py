@@ -345,7 +345,9 @@ def test_a_source_that_hands_out_other_bytes_fails_and_the_next_source_is_taken(
         assert digests(late_model) == want
         first, second = publisher.status().catch_ups
         assert (first.source, first.state) == ("receiver a", "failed")
-        assert "from its source differs from the version as published" in first.error.message
+        assert "from its source (holding 'embed', 'proj', 'norm' and 2 more) differs from " in (
+            first.error.message
+        )
         assert (second.source, second.state) == ("receiver b", "complete")
         for r in (*holders.values(), late, publisher):
             r.close()
