@@ -118,10 +118,19 @@ class Bucket:
             ranges.append(torch.arange(at, self.nbytes))
         return torch.cat(ranges) if ranges else torch.empty(0, dtype=torch.int64)
 
+    @cached_property
+    def _gaps_on(self) -> dict[torch.device, torch.Tensor]:
+        """:attr:`gaps` copied to each device once: a plan's buckets come again every
+        version, and a copy from pageable memory each time waits for the host."""
+        return {}
+
     def zero_gaps(self, buffer: torch.Tensor) -> None:
         """Zero the padding of this bucket in ``buffer`` (:attr:`gaps`)."""
         if len(self.gaps):
-            buffer.index_fill_(0, self.gaps.to(buffer.device, non_blocking=True), 0)
+            gaps = self._gaps_on.get(buffer.device)
+            if gaps is None:
+                gaps = self._gaps_on[buffer.device] = self.gaps.to(buffer.device)
+            buffer.index_fill_(0, gaps, 0)
 
 
 @dataclass(frozen=True)
