@@ -6,8 +6,10 @@ their own: NCCL orders each collective after the stream it is issued from, so is
 the current stream would hold the next transfer behind the previous load, and, on a receiver
 registered with several senders, behind reads of another sender's buffers that wait for that
 sender's packing, which waits for this sender's peers: a cycle across GPUs that hangs.
-The sender's end is :mod:`weightsync.sender.broadcast`; the group itself is
-:mod:`weightsync.transports.broadcast`.
+With deltas on (``receiver_delta_bytes``), a bucket's own bytes land in the buffer kept for
+its index instead, and a delta lands in a landing buffer and is applied onto it
+(:mod:`.kept_buckets`). The sender's end is :mod:`weightsync.sender.broadcast`; the group
+itself is :mod:`weightsync.transports.broadcast`.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
-from weightsync.errors import TransportError
+from weightsync.errors import TransportError, WeightSyncError
+from weightsync.receiver.kept_buckets import KeptBuckets
 from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, PendingBroadcast
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -25,8 +28,11 @@ from weightsync.v1 import weightsync_pb2 as pb
 class BroadcastReceiver:
     """Joins the sender's broadcast group when told to and receives buckets announced in it."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, delta_bytes: int = 0) -> None:
         self.device = device
+        self.kept = KeptBuckets(delta_bytes, device) if delta_bytes else None
+        self.holds = 0
+        """The version whose broadcast buckets ``kept`` holds, as applied (0: none)."""
         self._group: BroadcastGroup | None = None
         self._join_error: TransportError | None = None
         """Why the last join failed (the sender times out and fails this receiver too)."""
@@ -35,9 +41,24 @@ class BroadcastReceiver:
         """Recorded on the side stream after the loads from each landing buffer."""
         self._side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._recv = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.landings = 0
-        """Landing buffers allocated so far: views of one stay valid, and may be kept across
-        versions, while this is unchanged."""
+        self._allocated = 0
+
+    @property
+    def landings(self) -> int:
+        """Landing (and kept) buffers allocated so far: views of one stay valid, and may be
+        kept across versions, while this is unchanged."""
+        return self._allocated + (self.kept.allocations if self.kept else 0)
+
+    @property
+    def failure(self) -> WeightSyncError | None:
+        """Why the version of the bucket read last cannot apply here (a delta's base): its
+        buckets still arrive, so the group stays in step, but none may be loaded."""
+        return self.kept.error if self.kept else None
+
+    def ended(self, end: pb.VersionEnd) -> None:
+        """Raise :attr:`failure` if it is ``end``'s version's (before its end is checked)."""
+        if self.kept and self.kept.error and self.kept.version == end.version:
+            raise self.kept.error
 
     def join(self, join: pb.GroupJoin) -> None:
         """Join the group ``join`` names, leaving the previous one (runs on the pump thread)."""
@@ -76,28 +97,61 @@ class BroadcastReceiver:
                 f"{msg.group_id}, which this receiver did not join"
                 + (f" ({self._join_error})" if self._join_error else "")
             )
-        which = msg.layout.index % 2
-        landed, pending = self._receive(group, which, msg.layout.nbytes)
+        which, kept, delta = msg.layout.index % 2, self.kept, msg.HasField("delta")
+        self.holds, slot, fresh = 0, None, False
+        if kept is not None:
+            kept.arrive(msg.version)
+            before = kept.allocations
+            slot = None if delta else kept.slot(msg.layout.index, msg.layout.nbytes)
+            fresh = kept.allocations != before
+        nbytes = msg.delta.nbytes if delta else msg.layout.nbytes
+        landed, pending = self._receive(group, which, nbytes, slot, fresh)
         with self._loading(which, pending):
+            if delta:
+                if kept is None:
+                    raise TransportError(
+                        f"bucket {msg.layout.index} of version {msg.version} came as a delta, "
+                        "which this receiver did not ask for (ReceiverHello.deltas)"
+                    )
+                landed = kept.decode(msg, landed)
             yield landed
 
+    def applied(self, end: pb.VersionEnd) -> None:
+        """The version ``end`` ends committed here: what it kept becomes the delta base."""
+        self.holds = end.version if self.kept and self.kept.applied(end) else 0
+
     def _receive(
-        self, group: BroadcastGroup, which: int, nbytes: int
+        self,
+        group: BroadcastGroup,
+        which: int,
+        nbytes: int,
+        slot: torch.Tensor | None = None,
+        fresh: bool = False,
     ) -> tuple[torch.Tensor, PendingBroadcast]:
-        """Queue the transfer into landing buffer ``which`` once its previous loads are done."""
+        """Queue the transfer into ``slot`` (a kept buffer; ``fresh``: just allocated), else
+        into landing buffer ``which`` once its previous loads are done."""
+        if slot is not None:
+            # A kept buffer's reads of the previous version ended with it (``synchronize``).
+            if fresh and self._recv is not None:
+                self._recv.wait_stream(torch.cuda.current_stream(self.device))
+            return self._post(group, slot)
         if self._landing[which].numel() < nbytes:
             self.synchronize()  # the old buffer may still be read on the side stream
             self._landing[which] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            self.landings += 1
+            self._allocated += 1
             if self._recv is not None:
                 self._recv.wait_stream(torch.cuda.current_stream(self.device))
         elif self._loaded[which] is not None and self._recv is not None:
             self._recv.wait_event(self._loaded[which])
-        landed = self._landing[which][:nbytes]
+        return self._post(group, self._landing[which][:nbytes])
+
+    def _post(
+        self, group: BroadcastGroup, into: torch.Tensor
+    ) -> tuple[torch.Tensor, PendingBroadcast]:
         if self._recv is None:
-            return landed, group.broadcast(landed)
+            return into, group.broadcast(into)
         with torch.cuda.stream(self._recv):
-            return landed, group.broadcast(landed)
+            return into, group.broadcast(into)
 
     @contextmanager
     def _loading(self, which: int, pending: PendingBroadcast) -> Iterator[None]:

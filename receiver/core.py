@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from weightsync import gc_pause, trace
+from weightsync.config import ClientSettings
 from weightsync.errors import (
     ConfigError,
     ProtocolError,
@@ -70,6 +71,9 @@ class ReceiverCore(SeveralSenders):
             the version (computed on the device as buckets arrive).
         part_timeout_s: with several senders, how long after a version's first part the
             others may start; a part later than that fails the version before any write.
+        delta_bytes: keep each broadcast bucket's last bytes, up to this many in all, so the
+            sender may send the next version's as deltas (None:
+            ``WEIGHTSYNC_RECEIVER_DELTA_BYTES``, default 0: off).
         connection: an open connection to use instead of registering at ``address`` (tests:
             an in-memory one, which carries no broadcast joins), or one per address.
 
@@ -91,6 +95,7 @@ class ReceiverCore(SeveralSenders):
         transports: tuple[str, ...] = ("shm", "cuda_ipc"),
         part_timeout_s: float = 60.0,
         connection: Connection | Sequence[Connection] | None = None,
+        delta_bytes: int | None = None,
     ) -> None:
         self.target = target
         self.address = address
@@ -130,6 +135,9 @@ class ReceiverCore(SeveralSenders):
             transports=transports,
             exports=exports,
         )
+        if delta_bytes is None:
+            delta_bytes = ClientSettings().receiver_delta_bytes
+        hello.deltas = delta_bytes > 0
         exporter = Exporter(target, self._weights, self._load_lock) if exports else None
         self._links: list[Link] = []
         try:
@@ -145,6 +153,7 @@ class ReceiverCore(SeveralSenders):
                         self._weights,
                         connect_timeout_s,
                         exporter,
+                        delta_bytes,
                     )
                 )
         except BaseException:
@@ -236,7 +245,7 @@ class ReceiverCore(SeveralSenders):
         once its copies are under way."""
         read_event = b""
         with link.broadcast.reading(bucket) as landed:
-            if load:
+            if load and not (bucket.group_id and link.broadcast.failure):
                 if landed is not None and link.landings != link.broadcast.landings:
                     # A landing buffer was replaced: views of the old one are kept no longer
                     # (the target hears it with this bucket's arrival).
@@ -259,13 +268,16 @@ class ReceiverCore(SeveralSenders):
         link.connection.send(pb.ReceiverMessage(ack=ack))
 
     def _end(self, link: Link, reads: VersionReads, end: pb.VersionEnd) -> None:
-        """Every read of the sender's buckets done, and their checksums its own."""
+        """Every read of the sender's buckets done, and their checksums its own; what the
+        broadcast buckets left is kept as the next delta base."""
+        link.broadcast.ended(end)
         reads.require_complete()
         reads.wait()
         link.broadcast.synchronize()
         trace.flush_gpu()
         trace.mark("receiver.loaded", version=reads.version)
         reads.check(end)
+        link.broadcast.applied(end)
 
     def _abandoned(self, version: int, abort: pb.VersionAbort) -> ReceiverFailedError:
         return ReceiverFailedError(
@@ -278,9 +290,9 @@ class ReceiverCore(SeveralSenders):
         self.target.commit(manifest)
         trace.mark("receiver.committed", version=version)
         for link in self._links:
-            link.connection.send(
-                pb.ReceiverMessage(applied=pb.VersionApplied(version=version, ok=True))
-            )
+            holds = link.broadcast.holds == version
+            applied = pb.VersionApplied(version=version, ok=True, holds_base=holds)
+            link.connection.send(pb.ReceiverMessage(applied=applied))
         self._weights.applied_version, self._weights.dirty = version, False
         self.last_error = None
         return version

@@ -76,10 +76,11 @@ def open_link(
     weights: WeightsState,
     connect_timeout_s: float,
     exporter: Exporter | None = None,
+    delta_bytes: int = 0,
 ) -> Link:
     """Register with the sender at ``address`` (or use ``connection``) and make what reads
-    its buckets into ``target``'s device."""
-    broadcast = BroadcastReceiver(target.device)
+    its buckets into ``target``'s device (keeping ``delta_bytes`` of them for deltas)."""
+    broadcast = BroadcastReceiver(target.device, delta_bytes)
     if connection is None:
         own = pb.ReceiverHello()
         own.CopyFrom(hello)  # each connection fills in its own registration

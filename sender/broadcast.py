@@ -4,17 +4,21 @@ Private groups (``weightsync.transports.broadcast``) whose rank 0 is the sender 
 ranks are receivers that get broadcasts; they are kept while their members, the members'
 streams and the device stay the same and no member failed a version by a transport error, and
 rebuilt otherwise (:func:`in_step`). A broadcast that fails fails its group's receivers, never the
-version: receivers that map the staging buffers, and the other groups, go on.
+version: receivers that map the staging buffers, and the other groups, go on. With
+``--delta-mb``, a bucket whose group holds its previous bytes goes as a delta
+(:mod:`~weightsync.sender.delta_bases`).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from weightsync.errors import TransportError
+from weightsync.sender.delta_bases import DeltaBases, Encoded
 from weightsync.sender.records import ReceiverConn
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import Slot
@@ -22,10 +26,23 @@ from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, PendingBr
 from weightsync.v1 import weightsync_pb2 as pb
 
 if TYPE_CHECKING:
+    from weightsync.sender.announcements import Send
     from weightsync.sender.version import Version
 
 Members = tuple[str, ...]
 """The receivers of one group, in rank order (rank 0 is the sender)."""
+
+
+@dataclass
+class WireCount:
+    """What one version broadcast (``VersionStatus.broadcast_bytes`` and ``delta_buckets``)."""
+
+    nbytes: int = 0
+    deltas: int = 0
+
+    def sent(self, nbytes: int, delta: bool) -> None:
+        self.nbytes += nbytes
+        self.deltas += delta
 
 
 class QueuedBroadcast(NamedTuple):
@@ -38,6 +55,8 @@ class QueuedBroadcast(NamedTuple):
     run: Version
     members: Members
     pending: PendingBroadcast
+    payload: torch.Tensor | None = None
+    """A delta's encoded bytes, alive until the broadcast is done."""
 
 
 class SenderBroadcast:
@@ -54,9 +73,12 @@ class SenderBroadcast:
         timeout_s: float,
         cond: threading.Condition,
         registry: Registry,
+        delta_bytes: int = 0,
     ) -> None:
         self._store_host, self._timeout_s = store_host, timeout_s
         self._cond, self._registry = cond, registry
+        self._bases = DeltaBases(delta_bytes) if delta_bytes else None
+        """The last broadcast bytes of each bucket, to send the next as deltas (0: off)."""
         self._groups: dict[Members, BroadcastGroup | None] = {}
         """Each group by its members; None until built (or when it failed)."""
         self._joined: dict[Members, tuple[ReceiverConn, ...]] = {}
@@ -117,9 +139,26 @@ class SenderBroadcast:
                 self._groups.pop(members, None)
                 self._fail(run, members, e)
 
-    def send(self, run: Version, slot: Slot, nbytes: int, members: Members) -> None:
-        """Queue the broadcast of the slot's bucket to ``members``' group; packing into the
-        slot again waits for it (:meth:`finish`)."""
+    def encode(self, run: Version, send: Send, slot: Slot) -> Encoded | None:
+        """The packed bucket in ``slot`` as a delta for its broadcast group, or None: its
+        own bytes. A delta needs every member to decode deltas and hold the bytes kept of
+        this bucket; a catch-up (``audience``) is sent, and kept, as it is."""
+        if self._bases is None or run.audience is not None:
+            return None
+        with self._cond:
+            members = send.group.members if send.group else self.staged_members(run)
+            held = {c.holds if c.deltas else 0 for c in self._streams(members)}
+        if not members:
+            return None  # nobody gets it by broadcast: nothing to keep it for
+        base = held.pop() if len(held) == 1 else 0
+        packed = slot.buffer.tensor[: send.bucket.nbytes]
+        return self._bases.send(run.version, send.bucket, send.layout, packed, base)
+
+    def send(
+        self, run: Version, slot: Slot, nbytes: int, members: Members, delta: Encoded | None
+    ) -> None:
+        """Queue the broadcast of the slot's bucket (or its ``delta``) to ``members``' group;
+        packing into the slot again waits for it (:meth:`finish`)."""
         group = self._groups.get(members)
         try:
             if group is None:
@@ -127,8 +166,10 @@ class SenderBroadcast:
                     f"no broadcast group for {group_name(run, members)}: its members failed to join"
                 )
             try:
-                pending = group.broadcast(slot.buffer.tensor[:nbytes])
-                slot.broadcast = QueuedBroadcast(run, members, pending)
+                data = slot.buffer.tensor[:nbytes] if delta is None else delta.payload
+                pending = group.broadcast(data)
+                slot.broadcast = QueuedBroadcast(run, members, pending, data)
+                run.wire.sent(data.numel(), delta is not None)
             except TransportError:
                 self._close(members)
                 raise

@@ -76,7 +76,11 @@ class Coordinator:
         self._catch_ups = CatchUps(self._shared, self.history)
         self._outcomes = Outcomes(self._shared, self.history, self._catch_ups)
         self._broadcast = SenderBroadcast(
-            settings.broadcast_host, settings.ack_timeout_s, self._cond, self.registry
+            settings.broadcast_host,
+            settings.ack_timeout_s,
+            self._cond,
+            self.registry,
+            settings.delta_bytes,
         )
         self._driver = VersionDriver(self._shared, self._broadcast)
         self._joining: dict[tuple[str, int], _Joining] = {}  # by (publisher id, version)

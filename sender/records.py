@@ -71,6 +71,11 @@ class ReceiverConn:
     """Its stream moved to a same-host lane (``weightsync/control/lanes.py``)."""
     exports: bool = False
     """It can be a catch-up source (``ReceiverHello.exports``; ``catch_ups.py``)."""
+    deltas: bool = False
+    """It decodes broadcast buckets sent as deltas (``ReceiverHello.deltas``)."""
+    holds: int = 0
+    """The version whose broadcast buckets it keeps as delta bases (``holds_base`` of its last
+    applied version on this stream; 0: none)."""
     catch_up: str = ""
     """Its catch-up, or why it waits for the next version (``ReceiverStatus.catch_up``)."""
     registered_mono: float = field(default_factory=time.monotonic)
@@ -99,16 +104,20 @@ class ReceiverConn:
         self.state = ReceiverState.DIRTY if self.dirty else ReceiverState.IDLE
         self.last_error = error
 
-    def applied(self, version: int) -> None:
+    def applied(self, version: int, holds_base: bool = False) -> None:
         self.applied_version, self.last_error, self.catch_up = version, "", ""
+        self.holds = version if holds_base else 0
         self.state, self.dirty = ReceiverState.IDLE, False
 
     def failed_writing(self, error: str) -> None:
         """It failed a version after writing: its weights match no version until the next."""
         self.state, self.dirty, self.last_error = ReceiverState.DIRTY, True, error
+        self.holds = 0
 
     def left_version(self, detail: pb.ErrorDetail, wrote: bool) -> None:
-        """It is out of a version (``wrote``: a bucket of it was announced to it)."""
+        """It is out of a version (``wrote``: a bucket of it was announced to it); what it
+        kept of the previous one may have changed since (its buckets go in full next)."""
+        self.holds = 0
         if self.state == ReceiverState.APPLYING:
             # Told to abort after a bucket (its publisher died, a timeout): it may have
             # written some; its next hello says for sure.

@@ -87,7 +87,7 @@ class Registry:
             conn.applied_version, conn.dirty = hello.applied_version, hello.dirty
             conn.layouts_sent.peer_keeps = hello.layout_keys
             conn.manifests_sent.peer_keeps = hello.manifest_keys
-            conn.batches, conn.exports = hello.batches, hello.exports
+            conn.batches, conn.exports, conn.deltas = hello.batches, hello.exports, hello.deltas
             conn.state = ReceiverState.DIRTY if hello.dirty else ReceiverState.IDLE
             conn.data_path = data_paths([conn], self._settings.transport, self.staging_uuid)[rid]
             self._receivers[rid] = conn

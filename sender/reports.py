@@ -50,6 +50,8 @@ def version_status(version: Version) -> pb.VersionStatus:
         num_buckets=len(version.tensors.staged.buckets) + (1 if direct else 0),
         started_at_unix_s=version.started_at,
         plan_s=version.plan_s,
+        broadcast_bytes=version.wire.nbytes,
+        delta_buckets=version.wire.deltas,
         staged_s=version.staged_s,
         complete_s=version.complete_s,
         receivers=[

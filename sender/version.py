@@ -39,7 +39,7 @@ from weightsync.sender.announcements import (
     sends,
     starts,
 )
-from weightsync.sender.broadcast import Members
+from weightsync.sender.broadcast import Encoded, Members, WireCount
 from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.outcomes import Shared, declare_keeps
 from weightsync.sender.packing import pack_bucket
@@ -104,6 +104,7 @@ class Version:
     """Every bucket's checksum, as its end sent them (``end_message``)."""
     retained: Retained | None = field(default=None, repr=False, compare=False)
     """Its staged buckets copied to host memory as packed (``--retain-mb``)."""
+    wire: WireCount = field(default_factory=WireCount)
 
     @property
     def version(self) -> int:
@@ -138,8 +139,7 @@ class Version:
             ended = not todo  # then the end went with the start
             driver.broadcast.connect(self)
             while issued or todo:
-                # Every free slot gets the next bucket at once, so packing never waits for
-                # an announcement round trip between buckets.
+                # Every free slot gets a bucket at once: packing never waits for announcements.
                 driver.claim_slots(self, issued, todo, packs)
                 send, slot = issued[0]
                 if packs is None:
@@ -153,9 +153,10 @@ class Version:
                 driver.packed(self, send.bucket, slot, device, sums)
                 if self.retained is not None and send.group is None:
                     self.retained.keep(send.bucket.index, slot.buffer.tensor[: send.bucket.nbytes])
-                members = self._announce(driver, slot, send)
+                delta = driver.broadcast.encode(self, send, slot)
+                members = self._announce(driver, slot, send, delta)
                 if members:
-                    driver.broadcast.send(self, slot, send.bucket.nbytes, members)
+                    driver.broadcast.send(self, slot, send.bucket.nbytes, members, delta)
             if not ended:
                 driver.drain(device)
                 with cond:
@@ -198,9 +199,10 @@ class Version:
             self.shared.metrics.version_started(self.version)
             return todo
 
-    def _announce(self, driver: VersionDriver, slot: Slot, send: Send) -> Members:
-        """Announce a packed bucket to its receivers; returns the broadcast group that waits
-        for its bytes (empty: none)."""
+    def _announce(
+        self, driver: VersionDriver, slot: Slot, send: Send, delta: Encoded | None
+    ) -> Members:
+        """Announce a packed bucket (``delta``: as such to broadcast); its broadcast group or ()."""
         index = send.layout.index
         with self.shared.cond:
             if self.done:
@@ -210,7 +212,7 @@ class Version:
             members = group.members if group else driver.broadcast.staged_members(self)
             to = set(members).__contains__ if group else lambda rid: rid not in self.sliced
             group_id = driver.broadcast.group_id(members)
-            message = packed_bucket(self, send.layout, slot, group_id)
+            message = packed_bucket(self, send.layout, slot, group_id, delta)
             conns = address(self, f"bucket:{index}", message, to)
             slot.announced(
                 self.version, index, {c.receiver_id for c in conns if c.data_path == MAP}
@@ -290,7 +292,7 @@ class Version:
             return
         if applied.ok:
             outcome.state, outcome.applied_at = OutcomeState.APPLIED, time.time()
-            conn.applied(self.version)
+            conn.applied(self.version, applied.holds_base and self.audience is None)
             # It committed: it reads nothing more, whether or not it acked every read (else
             # the version would wait for it with no deadline left to end that).
             self.direct_readers.discard(conn.receiver_id)
@@ -336,8 +338,7 @@ class Version:
         self.fail(conn.receiver_id, error, notify=False)
 
     def abort(self, detail: pb.ErrorDetail) -> None:
-        """Abandon the version: every receiver still in it fails, its publishers get the
-        error."""
+        """Abandon the version: every receiver still in it fails; its publishers get the error."""
         if self.done:
             return
         staged = self.state == VersionState.STAGED  # then failing its last receivers ends it
@@ -366,10 +367,9 @@ class Version:
         self.shared.cond.notify_all()
 
     def maybe_complete(self) -> None:
-        """Once staged and no receiver is left owing anything, the version is over; once
-        every receiver it was addressed to failed, at once (its driver stops packing and
-        tells the publishers). Receivers can apply it before its driver staged it (they had
-        the end): it completes when staged."""
+        """Once staged and no receiver owes anything, the version is over; once every receiver
+        it was addressed to failed, at once (its driver stops packing and tells the publishers).
+        Receivers that had the end may apply it before it is staged: it completes when staged."""
         if self.active() or self.done:
             return
         if self.state != VersionState.STAGED:

@@ -110,6 +110,7 @@ class ClientSettings(_Settings):
         **_SECURITY_ACCEPTED,
         "tls_ca": "a readable PEM file of the CA that signed the sender's certificate",
         "lanes": "true or false (default true)",
+        "receiver_delta_bytes": "a number of bytes >= 0 (default 0: no deltas)",
     }
 
     token: SecretStr | None = None
@@ -119,6 +120,9 @@ class ClientSettings(_Settings):
     tls_key: str | None = None
     lanes: bool = True
     """Take a same-host lane the sender offers (``weightsync/control/lanes.py``)."""
+    receiver_delta_bytes: int = Field(0, ge=0)
+    """A receiver keeps the last bytes of each broadcast bucket, up to this many in all, so
+    the sender may send the next version's as deltas (``ReceiverHello.deltas``; 0: off)."""
 
 
 class SenderSettings(_Settings):
@@ -144,6 +148,7 @@ class SenderSettings(_Settings):
         "max_streams": "an integer >= 1 (default 1024)",
         "hello_timeout_s": "a number of seconds > 0 (default 10)",
         "retain_bytes": "a number of bytes >= 0 (default 0: retain nothing)",
+        "delta_bytes": "a number of bytes >= 0 (default 0: no deltas)",
         **_SECURITY_ACCEPTED,
         "tls_ca": "a readable PEM file of the CA that signs client certificates (then every "
         "client must present one)",
@@ -208,6 +213,13 @@ class SenderSettings(_Settings):
         description="keep the last version applied in host memory, when its staged bytes fit, "
         "so a receiver that registers behind it catches up even when no engine holds it "
         "(0: retain nothing; engines that hold it are the sources first)",
+    )
+    delta_bytes: int = Field(
+        0,
+        ge=0,
+        description="keep each broadcast bucket's last bytes, up to this many in all (on the "
+        "staging device), to send the next version's bucket as an exact delta to a group whose "
+        "receivers all hold them (0: every byte, every version)",
     )
     token: SecretStr | None = Field(
         None, description="shared secret every client must send (authorization: Bearer)"

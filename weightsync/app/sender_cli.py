@@ -83,6 +83,14 @@ def add_sender_args(p: argparse.ArgumentParser) -> None:
         "nothing; WEIGHTSYNC_RETAIN_BYTES)",
     )
     p.add_argument(
+        "--delta-mb",
+        type=arguments.megabytes,
+        default=None,
+        help="keep each broadcast bucket's last bytes (up to this many MiB in all, on the "
+        "staging device) and send the next version's as an exact delta to groups whose "
+        "receivers hold them (default 0: off; WEIGHTSYNC_DELTA_BYTES)",
+    )
+    p.add_argument(
         "--metrics-port",
         type=arguments.port,
         default=None,
@@ -149,6 +157,7 @@ def _sender_settings(args: argparse.Namespace) -> dict:
         "max_streams": args.max_streams,
         "hello_timeout_s": args.hello_timeout_s,
         "retain_bytes": None if args.retain_mb is None else args.retain_mb * MIB,
+        "delta_bytes": None if args.delta_mb is None else args.delta_mb * MIB,
         "metrics_port": args.metrics_port,
         "metrics_host": args.metrics_host,
         "broadcast_host": args.broadcast_host,

@@ -267,7 +267,7 @@ class LaneSwitch(_message.Message):
     def __init__(self) -> None: ...
 
 class ReceiverHello(_message.Message):
-    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys", "batches", "manifest_keys", "lanes", "exports")
+    __slots__ = ("receiver_id", "engine", "rank", "device", "device_uuid", "transports", "host_id", "applied_version", "dirty", "layout_keys", "batches", "manifest_keys", "lanes", "exports", "deltas")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +282,7 @@ class ReceiverHello(_message.Message):
     MANIFEST_KEYS_FIELD_NUMBER: _ClassVar[int]
     LANES_FIELD_NUMBER: _ClassVar[int]
     EXPORTS_FIELD_NUMBER: _ClassVar[int]
+    DELTAS_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     engine: str
     rank: int
@@ -296,7 +297,8 @@ class ReceiverHello(_message.Message):
     manifest_keys: bool
     lanes: bool
     exports: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ..., batches: _Optional[bool] = ..., manifest_keys: _Optional[bool] = ..., lanes: _Optional[bool] = ..., exports: _Optional[bool] = ...) -> None: ...
+    deltas: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., host_id: _Optional[str] = ..., applied_version: _Optional[int] = ..., dirty: _Optional[bool] = ..., layout_keys: _Optional[bool] = ..., batches: _Optional[bool] = ..., manifest_keys: _Optional[bool] = ..., lanes: _Optional[bool] = ..., exports: _Optional[bool] = ..., deltas: _Optional[bool] = ...) -> None: ...
 
 class TensorBox(_message.Message):
     __slots__ = ("name", "start", "size")
@@ -337,14 +339,16 @@ class BucketAck(_message.Message):
     def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., read_event: _Optional[bytes] = ...) -> None: ...
 
 class VersionApplied(_message.Message):
-    __slots__ = ("version", "ok", "error")
+    __slots__ = ("version", "ok", "error", "holds_base")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    HOLDS_BASE_FIELD_NUMBER: _ClassVar[int]
     version: int
     ok: bool
     error: ErrorDetail
-    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
+    holds_base: bool
+    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., holds_base: _Optional[bool] = ...) -> None: ...
 
 class ReceiverMessage(_message.Message):
     __slots__ = ("hello", "verdict", "ack", "applied", "lane", "exported")
@@ -395,7 +399,7 @@ class VersionStart(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ..., manifest_key: _Optional[bytes] = ...) -> None: ...
 
 class BucketAnnouncement(_message.Message):
-    __slots__ = ("version", "layout", "buffer", "group_id", "sources", "ready_event", "layout_key")
+    __slots__ = ("version", "layout", "buffer", "group_id", "sources", "ready_event", "layout_key", "delta")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +407,7 @@ class BucketAnnouncement(_message.Message):
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FIELD_NUMBER: _ClassVar[int]
     version: int
     layout: BucketLayout
     buffer: BufferHandle
@@ -410,7 +415,26 @@ class BucketAnnouncement(_message.Message):
     sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
     ready_event: bytes
     layout_key: bytes
-    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., layout_key: _Optional[bytes] = ...) -> None: ...
+    delta: BucketDelta
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., layout_key: _Optional[bytes] = ..., delta: _Optional[_Union[BucketDelta, _Mapping]] = ...) -> None: ...
+
+class BucketDelta(_message.Message):
+    __slots__ = ("form", "base_version", "base_checksum", "checksum", "nbytes", "count", "element_bytes")
+    FORM_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    ELEMENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    form: str
+    base_version: int
+    base_checksum: int
+    checksum: int
+    nbytes: int
+    count: int
+    element_bytes: int
+    def __init__(self, form: _Optional[str] = ..., base_version: _Optional[int] = ..., base_checksum: _Optional[int] = ..., checksum: _Optional[int] = ..., nbytes: _Optional[int] = ..., count: _Optional[int] = ..., element_bytes: _Optional[int] = ...) -> None: ...
 
 class GroupJoin(_message.Message):
     __slots__ = ("group_id", "store_host", "store_port", "rank", "world_size", "backend", "timeout_s")
@@ -535,7 +559,7 @@ class ReceiverOutcome(_message.Message):
     def __init__(self, receiver_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., applied_at_unix_s: _Optional[float] = ...) -> None: ...
 
 class VersionStatus(_message.Message):
-    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers", "direct_bytes", "staged_bytes", "sender_packed", "route_bytes", "abandoned", "plan_s")
+    __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers", "direct_bytes", "staged_bytes", "sender_packed", "route_bytes", "abandoned", "plan_s", "broadcast_bytes", "delta_buckets")
     class RouteBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -558,6 +582,8 @@ class VersionStatus(_message.Message):
     ROUTE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ABANDONED_FIELD_NUMBER: _ClassVar[int]
     PLAN_S_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     total_bytes: int
@@ -573,7 +599,9 @@ class VersionStatus(_message.Message):
     route_bytes: _containers.ScalarMap[str, int]
     abandoned: ErrorDetail
     plan_s: float
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ..., direct_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., sender_packed: _Optional[bool] = ..., route_bytes: _Optional[_Mapping[str, int]] = ..., abandoned: _Optional[_Union[ErrorDetail, _Mapping]] = ..., plan_s: _Optional[float] = ...) -> None: ...
+    broadcast_bytes: int
+    delta_buckets: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., total_bytes: _Optional[int] = ..., num_tensors: _Optional[int] = ..., num_buckets: _Optional[int] = ..., started_at_unix_s: _Optional[float] = ..., staged_s: _Optional[float] = ..., complete_s: _Optional[float] = ..., receivers: _Optional[_Iterable[_Union[ReceiverOutcome, _Mapping]]] = ..., direct_bytes: _Optional[int] = ..., staged_bytes: _Optional[int] = ..., sender_packed: _Optional[bool] = ..., route_bytes: _Optional[_Mapping[str, int]] = ..., abandoned: _Optional[_Union[ErrorDetail, _Mapping]] = ..., plan_s: _Optional[float] = ..., broadcast_bytes: _Optional[int] = ..., delta_buckets: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("sender_version", "transport", "bucket_size_bytes", "num_buffers", "publishers", "receivers", "versions", "catch_ups")

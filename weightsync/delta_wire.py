@@ -1,0 +1,101 @@
+"""A delta's wire form (protocol §5.1): one broadcast payload and its ``pb.BucketDelta``.
+
+:mod:`weightsync.deltas` makes and applies deltas as tensors; this lays their parts end to end
+in one byte buffer, the one tensor a broadcast carries, and reads them back, checking that the
+announcement and the payload agree before :func:`~weightsync.deltas.decode` touches anything.
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from weightsync.deltas import Delta
+from weightsync.errors import ProtocolError
+from weightsync.v1 import weightsync_pb2 as pb
+
+_UNITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+
+
+def element_bytes(bucket_dtypes: dict[int, int]) -> int:
+    """The element size a bucket's ``indices`` form compares: that of most of its bytes
+    (``bucket_dtypes``: bytes by element size). Sizes above 4 compare 4-byte words."""
+    unit = max(bucket_dtypes.items(), key=lambda kv: kv[1], default=(2, 0))[0]
+    return min(unit, 4)
+
+
+def to_wire(delta: Delta) -> tuple[pb.BucketDelta, torch.Tensor]:
+    """The announcement's delta fields and the payload to broadcast (its parts in order)."""
+    payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in delta.parts])
+    count = delta.parts[0].numel()
+    return (
+        pb.BucketDelta(
+            form=delta.kind,
+            base_version=delta.base_version,
+            base_checksum=delta.base_checksum,
+            checksum=delta.checksum,
+            nbytes=payload.numel(),
+            count=count,
+            element_bytes=delta.element_bytes,
+        ),
+        payload,
+    )
+
+
+def from_wire(msg: pb.BucketDelta, payload: torch.Tensor, nbytes: int, bucket: str) -> Delta:
+    """The :class:`Delta` of ``bucket`` (``nbytes`` bytes) that ``msg`` announced and
+    ``payload`` carried (views of it, no copies).
+
+    Raises:
+        ProtocolError: a form this receiver does not know, or sizes, runs or indices that do
+            not fit the bucket; nothing was written.
+    """
+    count, size = msg.count, payload.numel()
+    if msg.form == "indices" and msg.element_bytes in _UNITS:
+        unit = msg.element_bytes
+        expect = count * (4 + unit)
+    elif msg.form == "xor":
+        unit = msg.element_bytes or 4
+        expect = None  # the words follow the runs: checked against their lengths below
+    else:
+        raise _bad(bucket, f"form {msg.form!r} with elements of {msg.element_bytes} bytes")
+    if size != msg.nbytes or nbytes % 4 or (expect is not None and size != expect):
+        raise _bad(bucket, f"{size} payload bytes for {count} item(s), announced {msg.nbytes}")
+    head = payload[: count * 4].view(torch.int32)
+    if msg.form == "indices":
+        values = payload[count * 4 :].view(_UNITS[unit])
+        if count and (int(head.min()) < 0 or int(head.max()) >= nbytes // unit):
+            raise _bad(bucket, "an element index outside the bucket")
+        parts: tuple[torch.Tensor, ...] = (head, values)
+    else:
+        if size < count * 8:
+            raise _bad(bucket, f"{size} payload bytes cannot hold {count} run(s)")
+        lengths = payload[count * 4 : count * 8].view(torch.int32)
+        words = payload[count * 8 :].view(torch.int32)
+        if count and (
+            int(lengths.sum()) != words.numel()
+            or int(head.min()) < 0
+            or int(lengths.min()) < 1
+            or int((head.long() + lengths.long()).max()) > nbytes // 4
+        ):
+            raise _bad(bucket, "XOR runs that do not fit the bucket or its words")
+        if not count and words.numel():
+            raise _bad(bucket, "XOR words without runs")
+        parts = (head, lengths, words)
+    return Delta(
+        bucket,
+        msg.form,  # type: ignore[arg-type]
+        msg.base_version,
+        msg.base_checksum,
+        msg.checksum,
+        nbytes,
+        unit,
+        parts,
+    )
+
+
+def _bad(bucket: str, what: str) -> ProtocolError:
+    return ProtocolError(
+        f"{bucket}: its delta announcement and payload disagree ({what}); the sender and "
+        "this receiver speak different delta forms (protocol §5.1)"
+    )
