@@ -94,6 +94,20 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "i's engine is TP rank i %% T and declares its shard, so senders broadcast it only that",
     )
     p.add_argument(
+        "--megatron",
+        action="store_true",
+        help="node case: also a real megatron-core trainer (GPTModel, local spec, bf16) for "
+        "each --trainer-tp layout, its ranks one process group, published with "
+        "MegatronPublisher (direct); rows beside the synthetic trainer's (with --device cpu: "
+        "tiny shapes over gloo and shm)",
+    )
+    p.add_argument(
+        "--megatron-ep",
+        type=int,
+        default=2,
+        help="--megatron with an MoE model: expert-parallel size (expert TP=1)",
+    )
+    p.add_argument(
         "--hosts",
         type=int,
         default=0,
@@ -151,6 +165,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         gpus=args.gpus,
         engine_tp=args.engine_tp,
         trainer_tps=_ints(args.trainer_tp, "--trainer-tp"),
+        megatron=args.megatron,
+        megatron_ep=args.megatron_ep,
         hosts=args.hosts,
         fanout=args.fanout,
     )

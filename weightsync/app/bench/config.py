@@ -37,6 +37,10 @@ class BenchConfig:
     """The node case's engine TP size (``gpus`` a multiple of it)."""
     trainer_tps: tuple[int, ...] = (1,)
     """The node case's trainer TP sizes, one node run each (``gpus`` a multiple of each)."""
+    megatron: bool = False
+    """The node case also with a real megatron-core trainer per layout (``megatron_node.py``)."""
+    megatron_ep: int = 2
+    """Its expert-parallel size for MoE models (``gpus`` and the experts multiples of it)."""
     hosts: int = 0
     """With N >= 1: also the hosts case on N GPUs as two hosts (``hosts.py``; CPU: two
     receivers)."""
@@ -63,6 +67,12 @@ class BenchConfig:
             raise ConfigError(
                 f"--trainer-tp {bad[0] if bad else '(none)'}: give TP sizes that divide "
                 f"--gpus {self.gpus}"
+            )
+        if self.megatron and not self.gpus:
+            raise ConfigError("--megatron is the node case's: give --gpus N too")
+        if self.megatron_ep < 1 or (self.gpus and self.gpus % self.megatron_ep):
+            raise ConfigError(
+                f"--megatron-ep {self.megatron_ep}: give an EP size that divides --gpus {self.gpus}"
             )
         if self.fanout < 0 or self.fanout == 1:
             raise ConfigError(f"--fanout {self.fanout}: give 2 or more GPUs, or 0 for none")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from weightsync.app.bench.models import DTYPE, ModelShape, hf_specs
+from weightsync.app.bench.models import DTYPE, ModelShape, hf_config_fields, hf_specs
 from weightsync.errors import ConfigError
 
 ENGINES = ("vllm", "replay")
@@ -44,30 +44,9 @@ def hf_config(shape: ModelShape):
     """The transformers config vLLM builds ``shape`` from (Qwen2, Qwen3 or Qwen3-MoE)."""
     from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    common = dict(
-        hidden_size=shape.hidden,
-        num_hidden_layers=shape.layers,
-        num_attention_heads=shape.heads,
-        num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim,
-        vocab_size=shape.vocab,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        torch_dtype=DTYPE,
-    )
-    if shape.is_moe:
-        config = Qwen3MoeConfig(
-            **common,
-            num_experts=shape.experts,
-            num_experts_per_tok=min(8, shape.experts),
-            moe_intermediate_size=shape.moe_intermediate,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
-    elif shape.qk_norm:
-        config = Qwen3Config(**common, intermediate_size=shape.intermediate)
-    else:
-        config = Qwen2Config(**common, intermediate_size=shape.intermediate)
+    model_type, fields = hf_config_fields(shape)
+    kind = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "qwen3_moe": Qwen3MoeConfig}[model_type]
+    config = kind(**fields, max_position_embeddings=512, torch_dtype=DTYPE)
     config.architectures = [type(config).__name__.replace("Config", "ForCausalLM")]
     return config
 

@@ -25,7 +25,7 @@ What differs from a real engine (vLLM / SGLang):
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -179,6 +179,21 @@ class EngineLikeTarget(InPlaceTarget):
         if found is None:
             found = self._shards[name] = engine_shard(name, shape, self.model.tp, self.model.rank)
         return found
+
+    def mismatch(
+        self, names: Iterable[str], expected: Callable[[str], torch.Tensor], version: int
+    ) -> str:
+        """Empty when the kept part of every tensor of ``names`` equals version ``version``'s
+        (``expected``: the whole tensor by HF name), else which differ (bit for bit)."""
+        wrong = []
+        for name in names:
+            full = expected(name)
+            kept = self.shard(name, tuple(full.shape)).of(full)
+            if not torch.equal(self.resolve(name).view(torch.int16), kept.view(torch.int16)):
+                wrong.append(name)
+        return (
+            f"version {version}: {len(wrong)} tensor(s) differ, first {wrong[:3]}" if wrong else ""
+        )
 
     def resolve(self, name: str) -> torch.Tensor:
         """The live slice an HF checkpoint tensor ``name`` is loaded into (a view).

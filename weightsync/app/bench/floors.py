@@ -6,6 +6,8 @@
   one per GPU (two by default: the cross-GPU floor; N for the fan-out case), over a private
   ``torch.distributed`` group on its own file store; gloo on CPU (exercises the code; not a
   floor for anything).
+- peer bandwidth (the node case's interconnect floor): the best of torch's copy and
+  :mod:`~weightsync.peer_copies` moving 2 GB from one GPU into another, alone.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import statistics
 import tempfile
 import time
 from datetime import timedelta
@@ -118,3 +121,30 @@ def broadcast(
                     p.terminate()
     per_rep = [max(times) for times in zip(*(results[r] for r in range(ranks)), strict=True)]
     return per_rep, "nccl" if kind == "cuda" else "gloo"
+
+
+def peer_bytes_per_s(device: torch.device, reps: int, nbytes: int = 2 << 30) -> float:
+    """The best of torch's copy and :class:`~weightsync.peer_copies.PeerCopies` moving
+    ``nbytes`` from the next GPU into ``device``, alone (median of ``reps``)."""
+    from weightsync import peer_copies
+    from weightsync.regions import CopyBatch
+
+    peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
+    src = torch.empty(nbytes, dtype=torch.uint8, device=peer)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    ways = [lambda: dst.copy_(src, non_blocking=True)]
+    if peer_copies.fits(dst, src):
+        ways.append(CopyBatch.of([(dst, src)], reused=True).run)
+    best = 0.0
+    for copy in ways:
+        times = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize(peer)
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            copy()
+            torch.cuda.synchronize(peer)
+            torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        best = max(best, nbytes / statistics.median(times[1:]))
+    return best

@@ -113,8 +113,14 @@ def _tensors(specs: tuple[TensorSpec, ...], device: torch.device) -> dict[str, t
 def _fill(tensors: dict[str, torch.Tensor], order: dict[str, int], version: int) -> None:
     """Version ``version``'s bytes of each tensor, the same wherever it is filled."""
     for name, t in tensors.items():
-        seed = version * 1_000_003 + order[name]
-        t.view(torch.uint8).random_(0, 256, generator=torch.Generator(t.device).manual_seed(seed))
+        fill_version(t, order[name], version)
+
+
+def fill_version(t: torch.Tensor, index: int, version: int) -> None:
+    """Version ``version``'s bytes of the ``index``-th HF tensor (contiguous ``t``): the same on
+    any device of one type, so a receiver computes what a publisher filled."""
+    seed = version * 1_000_003 + index
+    t.view(torch.uint8).random_(0, 256, generator=torch.Generator(t.device).manual_seed(seed))
 
 
 def _sender_main(host: str, address: str, timeout_s: float, stop) -> None:

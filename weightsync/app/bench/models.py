@@ -141,6 +141,32 @@ def model_shape(name: str, layers: int | None = None) -> ModelShape:
     return shape.with_layers(layers or DEFAULT_LAYERS.get(name, shape.layers))
 
 
+def hf_config_fields(shape: ModelShape) -> tuple[str, dict[str, object]]:
+    """The ``model_type`` and config fields of the HF model ``shape`` stands for: Qwen3-MoE,
+    Qwen3 (q/k norms) or Qwen2 (q/k/v biases)."""
+    fields: dict[str, object] = dict(
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab,
+        tie_word_embeddings=False,
+    )
+    if shape.is_moe:
+        moe = dict(
+            num_experts=shape.experts,
+            num_experts_per_tok=min(8, shape.experts),
+            moe_intermediate_size=shape.moe_intermediate,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+        )
+        return "qwen3_moe", fields | moe
+    return ("qwen3" if shape.qk_norm else "qwen2"), fields | {
+        "intermediate_size": shape.intermediate
+    }
+
+
 def hf_specs(shape: ModelShape) -> tuple[TensorSpec, ...]:
     """Every HF checkpoint tensor of ``shape`` in checkpoint order (tied embeddings: never)."""
     h, out = shape.hidden, []

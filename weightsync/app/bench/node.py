@@ -27,10 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync.app.bench import floors
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import FLOOR, NODE_FLOOR, NODE_LINK_FLOOR, WEIGHTSYNC, Row
+from weightsync.app.bench.worker import sync
 from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
 from weightsync.manifest import VersionManifest
 
@@ -55,6 +57,10 @@ class NodeRun:
     trainer_tp: int = 1
     peer_bytes_per_s: float | None = None
     """The best peer bandwidth measured (one GPU from one peer, alone); None on one GPU."""
+    case: str = "direct"
+    """The row's name: ``direct`` (the synthetic trainer) or :data:`~.report.MEGATRON`."""
+    transport: str = "cuda_ipc"
+    trainer_note: str = ""
 
     @property
     def layout(self) -> str:
@@ -69,11 +75,11 @@ class NodeRun:
         return tuple(max(s, link) for s in self.floor_s)
 
     def rows(self) -> list[Row]:
-        placement = node_placement(self.gpus, self.engine_tp)
+        placement = node_placement(self.gpus, self.engine_tp, self.transport == "shm")
         # Route bytes count what each receiver keeps: a TP rank declares its shard.
         routes = ", ".join(f"{k} {n / 1e9:.1f} GB" for k, n in self.route_bytes.items() if n)
         bw = self.peer_bytes_per_s
-        return [
+        floors = [
             Row(FLOOR, NODE_FLOOR, "-", self.layout, placement, self.kept_nbytes, self.floor_s),
             Row(
                 FLOOR,
@@ -83,27 +89,30 @@ class NodeRun:
                 placement,
                 self.kept_nbytes,
                 self.link_floor_s,
-                note=f"peer {bw / 1e9:.0f} GB/s" if bw else "one GPU: no peer route",
+                note=f"peer {bw / 1e9:.0f} GB/s" if bw else "no peer route measured",
             ),
+        ]
+        return (floors if self.floor_s else []) + [
             Row(
                 WEIGHTSYNC,
-                "direct",
-                "cuda_ipc",
+                self.case,
+                self.transport,
                 self.layout,
                 placement,
                 self.kept_nbytes,
                 self.applied_s,
                 bit_exact=self.bit_exact,
-                note=f"engines TP={self.engine_tp} x {self.gpus // self.engine_tp}; "
-                f"routes: {routes}",
+                note=f"{self.trainer_note}engines TP={self.engine_tp} x "
+                f"{self.gpus // self.engine_tp}; routes: {routes}",
                 failed=not self.bit_exact,
             ),
         ]
 
 
-def node_placement(gpus: int, engine_tp: int = 1) -> str:
-    """The receivers' placement in the report: one per GPU of ``gpus``."""
-    return f"node: {gpus} GPUs" + (f", engines TP={engine_tp}" if engine_tp > 1 else "")
+def node_placement(gpus: int, engine_tp: int = 1, cpu: bool = False) -> str:
+    """The receivers' placement in the report: one per GPU of ``gpus`` (or CPU process)."""
+    where = f"node: {gpus} {'CPU processes' if cpu else 'GPUs'}"
+    return where + (f", engines TP={engine_tp}" if engine_tp > 1 else "")
 
 
 def _shards(shape: ModelShape, trainer_tp: int, device: torch.device) -> TrainerShards:
@@ -114,47 +123,66 @@ def _shards(shape: ModelShape, trainer_tp: int, device: torch.device) -> Trainer
     return TrainerShards(layout, flats)
 
 
-def _mismatch(target: EngineLikeTarget, shards: TrainerShards, version: int) -> str:
-    """Empty when every tensor's kept part equals version ``version``'s, else which differ."""
-    wrong = []
-    for recipe in shards.layout.recipes:
-        name, full = recipe.spec.name, shards.assemble(recipe)
-        kept = target.shard(name, tuple(full.shape)).of(full)
-        if not torch.equal(target.resolve(name).view(torch.int16), kept.view(torch.int16)):
-            wrong.append(name)
-    return f"version {version}: {len(wrong)} tensor(s) differ, first {wrong[:3]}" if wrong else ""
+@dataclass(frozen=True)
+class SyntheticTrainer:
+    """The node case's trainer: TP ``tp`` x DP, :mod:`.layout`'s flat buffer per rank."""
+
+    tp: int = 1
+    case = "direct"
+    note = ""
+
+    def publish(self, shape, rank, world, device, address, timeout_s, commands, out) -> None:
+        """Rank ``rank`` of ``world``: publish each version ``commands`` gives until None."""
+        from weightsync.sender import Publisher
+
+        shards = _shards(shape, self.tp, device)
+        regions, specs = shards.regions(rank % self.tp), shards.layout.specs
+        with Publisher(address, publisher_id="node", rank=rank, world_size=world) as publisher:
+            while (version := commands.get()) is not None:
+                shards.fill(version)
+                sync(device)
+                result = publisher.publish_packed(
+                    VersionManifest(version, specs),
+                    shards.pack,
+                    device=device,
+                    wait=True,
+                    timeout_s=timeout_s,
+                    regions=regions,
+                    direct=True,
+                )
+                out.put(("published", rank, result.status.SerializeToString()))
+
+    def check(self, shape: ModelShape, device: torch.device):
+        """A receiver's check of each version: ``(target, version) -> ""`` or what differs."""
+        shards = _shards(shape, self.tp, device)
+        recipes = {r.spec.name: r for r in shards.layout.recipes}
+
+        def check(target: EngineLikeTarget, version: int) -> str:
+            shards.fill(version)
+            return target.mismatch(recipes, lambda name: shards.assemble(recipes[name]), version)
+
+        return check
 
 
-def _publisher(
-    shape, rank: int, world: int, devices: int, trainer_tp: int, address, timeout_s, commands, out
-):
-    from weightsync.sender import Publisher
-
+def _device(rank: int, devices: int) -> torch.device:
+    """Rank ``rank``'s device: GPU ``rank % devices``, or the CPU when ``devices`` is 0."""
+    if not devices:
+        return torch.device("cpu")
     device = torch.device("cuda", rank % devices)
     torch.cuda.set_device(device)
-    shards = _shards(shape, trainer_tp, device)
-    regions, specs = shards.regions(rank % trainer_tp), shards.layout.specs
-    with Publisher(address, publisher_id="node", rank=rank, world_size=world) as publisher:
-        while (version := commands.get()) is not None:
-            shards.fill(version)
-            torch.cuda.synchronize(device)
-            result = publisher.publish_packed(
-                VersionManifest(version, specs),
-                shards.pack,
-                device=device,
-                wait=True,
-                timeout_s=timeout_s,
-                regions=regions,
-                direct=True,
-            )
-            out.put(("published", rank, result.status.SerializeToString()))
+    return device
+
+
+def _publisher(trainer, shape, rank: int, world: int, devices: int, *args) -> None:
+    trainer.publish(shape, rank, world, _device(rank, devices), *args)
 
 
 def _receiver(
+    trainer,
     shape,
     rank: int,
     devices: int,
-    tps: tuple[int, int],
+    engine_tp: int,
     address: str,
     versions,
     reps,
@@ -164,58 +192,29 @@ def _receiver(
 ):
     from weightsync.receiver.core import ReceiverCore
 
-    trainer_tp, engine_tp = tps
-    device = torch.device("cuda", rank % devices)
-    torch.cuda.set_device(device)
+    device = _device(rank, devices)
     model = EngineLikeModel(shape, device, tp=engine_tp, rank=rank % engine_tp)
     target = EngineLikeTarget(model)
-    expected = _shards(shape, trainer_tp, device)
+    check = trainer.check(shape, device)
     receiver = ReceiverCore(target, address, receiver_id=f"gpu{rank}")
     out.put(("ready", rank))
     for _ in range(versions):
         version = receiver.sync(timeout=timeout_s)
-        expected.fill(version)
-        out.put(("applied", rank, _mismatch(target, expected, version)))
+        out.put(("applied", rank, check(target, version)))
     kept = sum(p.nbytes for p in model.parameters())
-    share, source = (torch.empty(kept, dtype=torch.uint8, device=device) for _ in range(2))
     times = []
-    for _ in range(reps + 1):  # the first is a warm-up
-        barrier.wait()
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        share.copy_(source)
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    peer = _peer_bytes_per_s(device, reps) if rank == 0 and devices > 1 else None
+    if reps:  # the floor: every GPU copying its share at once
+        share, source = (torch.empty(kept, dtype=torch.uint8, device=device) for _ in range(2))
+        for _ in range(reps + 1):  # the first is a warm-up
+            barrier.wait()
+            sync(device)
+            start = time.perf_counter()
+            share.copy_(source)
+            sync(device)
+            times.append(time.perf_counter() - start)
+    peer = floors.peer_bytes_per_s(device, reps) if rank == 0 and devices > 1 and reps else None
     out.put(("floor", rank, times[1:], kept, peer))
     receiver.close()
-
-
-def _peer_bytes_per_s(device: torch.device, reps: int, nbytes: int = 2 << 30) -> float:
-    """The best of torch's copy and :class:`~weightsync.peer_copies.PeerCopies` moving
-    ``nbytes`` from the next GPU into ``device``, alone (median of ``reps``)."""
-    from weightsync import peer_copies
-    from weightsync.regions import CopyBatch
-
-    peer = torch.device("cuda", (device.index + 1) % torch.cuda.device_count())
-    src = torch.empty(nbytes, dtype=torch.uint8, device=peer)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    ways = [lambda: dst.copy_(src, non_blocking=True)]
-    if peer_copies.fits(dst, src):
-        ways.append(CopyBatch.of([(dst, src)], reused=True).run)
-    best = 0.0
-    for copy in ways:
-        times = []
-        for _ in range(reps + 1):
-            torch.cuda.synchronize(peer)
-            torch.cuda.synchronize(device)
-            start = time.perf_counter()
-            copy()
-            torch.cuda.synchronize(peer)
-            torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - start)
-        best = max(best, nbytes / statistics.median(times[1:]))
-    return best
 
 
 def _child(what: str, body, *args) -> None:
@@ -265,6 +264,7 @@ def measure_node(
     engine_tp: int = 1,
     trainer_tp: int = 1,
     devices: int | None = None,
+    trainer=None,
 ) -> NodeRun:
     """Run the node case on GPUs 0..``gpus``-1, a trainer of TP ``trainer_tp`` and engines of
     TP ``engine_tp``: ``warmup`` + ``versions`` versions, then ``reps`` floor repetitions.
@@ -272,7 +272,10 @@ def measure_node(
     ``devices`` (default ``gpus``): the GPUs the ranks spread over, rank r on GPU r % devices.
     Fewer than ``gpus`` makes ranks share a GPU: every read is then local and the timing is
     no node's, but a one-GPU machine runs the many-rank paths (DP and TP publishers, engine
-    TP ranks declaring their shards) on CUDA.
+    TP ranks declaring their shards) on CUDA. 0: every rank on the CPU (shm staging, no
+    direct reads; the process logic, not a node's timing). ``trainer`` (default: the
+    synthetic one of TP ``trainer_tp``): what the publisher ranks hold and how receivers
+    check it (:class:`SyntheticTrainer`, or :class:`~.megatron_node.MegatronTrainer`).
 
     Raises:
         ConfigError: fewer GPUs than ``devices``, or ``gpus`` not a multiple of either TP size.
@@ -280,52 +283,55 @@ def measure_node(
     from weightsync.sender import Sender
     from weightsync.v1 import weightsync_pb2 as pb
 
-    devices = devices or gpus
-    if not 1 <= devices <= torch.cuda.device_count():
+    trainer = trainer or SyntheticTrainer(trainer_tp)
+    devices = gpus if devices is None else devices
+    if devices and not devices <= torch.cuda.device_count():
         raise ConfigError(f"--gpus {devices}: this machine has {torch.cuda.device_count()} GPU(s)")
-    if devices > gpus:
+    if devices > gpus or gpus < 1:
         raise ConfigError(f"{gpus} rank(s) of each kind cannot spread over {devices} GPUs")
     if engine_tp < 1 or gpus % engine_tp:
         raise ConfigError(f"--engine-tp {engine_tp}: --gpus {gpus} must be a multiple of it")
-    if trainer_tp < 1 or gpus % trainer_tp:
-        raise ConfigError(f"--trainer-tp {trainer_tp}: --gpus {gpus} must be a multiple of it")
+    if trainer.tp < 1 or gpus % trainer.tp:
+        raise ConfigError(f"--trainer-tp {trainer.tp}: --gpus {gpus} must be a multiple of it")
     total = warmup + versions
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(gpus)
     commands = [ctx.Queue() for _ in range(gpus)]
     sock_dir = tempfile.mkdtemp(prefix="ws-node-", dir="/tmp")
     procs: list = []
+
+    def start(what: str, body, *args) -> None:
+        where = f"GPU {args[2] % devices}" if devices else "the CPU"
+        what = f"{what} {args[2]} on {where}"
+        procs.append(ctx.Process(target=_child, args=(what, body, *args), daemon=True))
+        procs[-1].start()
+
     try:
         with Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s) as sender:
             for r in range(gpus):
-                tps = (trainer_tp, engine_tp)
-                args = (
-                    shape, r, devices, tps, sender.address, total, reps, timeout_s, barrier, out
+                start(
+                    "receiver", _receiver, trainer, shape, r, devices, engine_tp, sender.address,
+                    total, reps, timeout_s, barrier, out,
                 )  # fmt: skip
-                what = f"receiver {r} on GPU {r % devices}"
-                procs.append(ctx.Process(target=_child, args=(what, _receiver, *args), daemon=True))
-                procs[-1].start()
             _collect(out, {"ready": gpus}, timeout_s)
             for r in range(gpus):
-                args = (
-                    shape, r, gpus, devices, trainer_tp, sender.address, timeout_s, commands[r], out
+                start(
+                    "publisher rank", _publisher, trainer, shape, r, gpus, devices,
+                    sender.address, timeout_s, commands[r], out,
                 )  # fmt: skip
-                what = f"publisher rank {r} on GPU {r % devices}"
-                procs.append(
-                    ctx.Process(target=_child, args=(what, _publisher, *args), daemon=True)
-                )
-                procs[-1].start()
             statuses, exact = [], True
             for version in range(1, total + 1):
                 for q in commands:
                     q.put(version)
-                got = _collect(out, {"published": gpus, "applied": gpus}, timeout_s)
+                # After the last version, receivers report their floors (at once without reps).
+                kinds = {"published": gpus, "applied": gpus, "floor": gpus * (version == total)}
+                got = _collect(out, kinds, timeout_s)
                 statuses.append(pb.VersionStatus.FromString(got["published"][0][2]))
                 wrong = [f"gpu{rank} {why}" for _, rank, why in got["applied"] if why]
                 exact = exact and not wrong
                 for line in wrong:
                     print(f"node bench: NOT bit-exact: {line}", flush=True)
-            floors = _collect(out, {"floor": gpus}, timeout_s)["floor"]
+            floors = got["floor"]
             for q in commands:
                 q.put(None)
             for p in procs:
@@ -345,8 +351,11 @@ def measure_node(
         tuple(max(f[2][i] for f in floors) for i in range(reps)),
         dict(measured[-1].route_bytes),
         exact,
-        trainer_tp,
+        trainer.tp,
         next((f[4] for f in floors if f[4]), None),
+        trainer.case,
+        "cuda_ipc" if devices else "shm",
+        trainer.note,
     )
 
 

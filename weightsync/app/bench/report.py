@@ -21,6 +21,9 @@ NODE_FLOOR = "every GPU its share"
 NODE_LINK_FLOOR = "interconnect floor"
 """The node case's floor with the links (issue 32): the larger of every GPU its share and the
 peer bytes into one GPU over the best peer bandwidth measured in the same run."""
+MEGATRON = "megatron"
+"""The node case's row with a real megatron-core trainer (issue 32), beside the synthetic
+trainer's ``direct`` row of the same layout and held to the same floors."""
 HOSTS_FLOOR = "one broadcast"
 """The hosts case's floor: one broadcast of the model's bytes between two GPUs; the fan-out
 case's too, from GPU 0 to its other GPUs (its rows' placement starts with "fan-out")."""
@@ -132,9 +135,14 @@ class Report:
             if r.kind != WEIGHTSYNC or not r.seconds:
                 continue
             label = f"{r.name} {r.transport} {r.layout} ({r.placement})"
+            where = (r.placement, r.layout)
             x = self.ratios(r)
             if r.placement.startswith("node"):
                 add(f"{label}: x interconnect floor (issue 32)", x["x_floor"], 1.3, True)
+            if r.name == MEGATRON and (synthetic := self._find(WEIGHTSYNC, "direct", *where)):
+                add(
+                    f"{label}: x the synthetic trainer (issue 32)", r.seconds / synthetic, 1.1, True
+                )
             if r.name == "direct" and r.layout == "TP=1":
                 add(f"{label}: x floor", x["x_floor"], 1.4, True)
             if r.name == "staged" and r.layout == "TP=2" and r.placement == SAME:

@@ -157,19 +157,7 @@ def _run(cfg: BenchConfig, console) -> Report:
         shutil.rmtree(sock_dir, ignore_errors=True)
     # After the single-GPU cases: their workers have given back their memory.
     for tp in cfg.trainer_tps if cfg.gpus else ():
-        engines = f"TP={cfg.engine_tp} x {cfg.gpus // cfg.engine_tp}"
-        console.print(f"node: trainer TP={tp} x DP={cfg.gpus // tp}, engines {engines}")
-        node_run = node.measure_node(
-            shape,
-            cfg.gpus,
-            cfg.versions,
-            cfg.warmup,
-            cfg.versions,
-            cfg.timeout_s,
-            cfg.engine_tp,
-            tp,
-        )
-        report.rows.extend(node_run.rows())
+        report.rows.extend(_node_rows(cfg, shape, tp, cuda, console))
     if cfg.hosts:
         console.print("hosts: trainer PP=2 over 2 hosts, a sender per host")
         hosts_run = hosts.measure_hosts(
@@ -185,8 +173,32 @@ def _run(cfg: BenchConfig, console) -> Report:
         console.print(fanout.summary(fanout_run))
         report.rows.extend(fanout_run.rows())
     if not cuda:
-        notes.append("CPU mode: shm instead of cuda_ipc; direct, cross-GPU and nccl skipped")
+        notes.append(
+            "CPU mode: shm instead of cuda_ipc; direct, cross-GPU and nccl skipped; the node "
+            "case's processes on the CPU, staged through shm"
+        )
     return report
+
+
+def _node_rows(cfg: BenchConfig, shape, tp: int, cuda: bool, console) -> list[Row]:
+    """The node case of trainer TP ``tp``, synthetic and (``--megatron``) megatron-core; on
+    the CPU its process logic over shm, no node's timing."""
+    layout = f"TP={tp} x DP={cfg.gpus // tp}, engines TP={cfg.engine_tp} x "
+    console.print(f"node: trainer {layout}{cfg.gpus // cfg.engine_tp}")
+    args = (shape, cfg.gpus, cfg.versions, cfg.warmup)
+    run = node.measure_node(
+        *args, cfg.versions, cfg.timeout_s, cfg.engine_tp, tp, devices=None if cuda else 0
+    )
+    rows = run.rows()
+    if cfg.megatron:
+        from weightsync.app.bench.megatron_node import measure_megatron_node
+
+        console.print(f"node: megatron-core trainer {layout}{cfg.gpus // cfg.engine_tp}")
+        run = measure_megatron_node(
+            *args, cfg.timeout_s, cfg.engine_tp, tp, cfg.megatron_ep, cpu=not cuda
+        )
+        rows.extend(run.rows())
+    return rows
 
 
 def _broadcast_floor(cfg: BenchConfig, nbytes: int, cuda: bool, gpus: int) -> Row:
