@@ -149,7 +149,8 @@ def pack_bucket(run: Version, bucket: Bucket, slot: Slot) -> torch.Tensor | None
         if batch is None:
             pairs, names = [], []
             for entry in bucket.entries:
-                for pair in region_copies(buffer, entry, run.regions[entry.name]):
+                # An empty tensor is covered by no piece at all: nothing to copy.
+                for pair in region_copies(buffer, entry, run.regions.get(entry.name, ())):
                     pairs.append(pair)
                     names.append(entry.name)
             batch = copies.by_bucket[bucket.index] = summed_copies.copies(
@@ -170,5 +171,6 @@ def pack_bucket(run: Version, bucket: Bucket, slot: Slot) -> torch.Tensor | None
         ) from e
     if not buffer.is_cuda:
         for entry in bucket.entries:
-            verify_copies(what, entry.name, region_copies(buffer, entry, run.regions[entry.name]))
+            regions = run.regions.get(entry.name, ())
+            verify_copies(what, entry.name, region_copies(buffer, entry, regions))
     return sums
