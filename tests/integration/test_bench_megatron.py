@@ -39,5 +39,5 @@ def test_megatron_rows_come_out_beside_the_synthetic_ones_bit_exact(model, train
         if r["kind"] == "weightsync":  # every version of every receiver checked bit for bit
             assert r["bit_exact"] is True and r["transport"] == "shm"
             assert r["x_floor"] > 0  # the megatron row too: held to its layout's floor
-    trainer = "megatron-core GPTModel" + (", EP=2;" if model == "tiny-moe" else ";")
+    trainer = "megatron-core GPTModel in DDP buffers" + (", EP=2;" if model == "tiny-moe" else ";")
     assert all(r["note"].startswith(trainer) for r in node if r["name"] == "megatron")

@@ -42,7 +42,8 @@ def test_megatron_options_need_the_node_case_and_an_ep_size_that_divides_it():
     with pytest.raises(ConfigError, match="--megatron is the node case's"):
         BenchConfig(megatron=True)
     with pytest.raises(ConfigError, match="--megatron-ep 4: .* divides --gpus 2"):
-        BenchConfig(gpus=2, trainer_tps=(2,), megatron=True, megatron_ep=4)
+        BenchConfig(model="tiny-moe", gpus=2, trainer_tps=(2,), megatron=True, megatron_ep=4)
+    assert BenchConfig(model="tiny", gpus=1, megatron=True).megatron  # dense: no EP
 
 
 def test_megatron_rows_are_held_within_1_1x_of_the_synthetic_row_of_their_layout():

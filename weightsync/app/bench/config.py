@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from weightsync.app.bench.models import MODELS
 from weightsync.buckets import DEFAULT_BUCKET_SIZE_BYTES
 from weightsync.errors import ConfigError
 
@@ -40,7 +41,8 @@ class BenchConfig:
     megatron: bool = False
     """The node case also with a real megatron-core trainer per layout (``megatron_node.py``)."""
     megatron_ep: int = 2
-    """Its expert-parallel size for MoE models (``gpus`` and the experts multiples of it)."""
+    """Its expert-parallel size for MoE models (``gpus`` and the experts multiples of it;
+    dense models ignore it)."""
     hosts: int = 0
     """With N >= 1: also the hosts case on N GPUs as two hosts (``hosts.py``; CPU: two
     receivers)."""
@@ -70,7 +72,9 @@ class BenchConfig:
             )
         if self.megatron and not self.gpus:
             raise ConfigError("--megatron is the node case's: give --gpus N too")
-        if self.megatron_ep < 1 or (self.gpus and self.gpus % self.megatron_ep):
+        shape = MODELS.get(self.model)
+        moe = shape is not None and shape.is_moe  # dense models have no experts to spread
+        if self.megatron_ep < 1 or (moe and self.gpus and self.gpus % self.megatron_ep):
             raise ConfigError(
                 f"--megatron-ep {self.megatron_ep}: give an EP size that divides --gpus {self.gpus}"
             )

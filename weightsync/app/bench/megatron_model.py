@@ -135,3 +135,14 @@ def build_model(shape: ModelShape, tp: int, ep: int, device: torch.device) -> to
     )
     # The router is built on the CPU whatever the device; the rest is there already.
     return model.to(device=device, dtype=torch.bfloat16).eval()
+
+
+def in_param_buffers(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` wrapped as trainers run it, megatron's ``DistributedDataParallel`` with the
+    distributed optimizer's layout: every parameter a view into one contiguous buffer (one
+    for the dense parameters, one for the experts), as a real trainer's shards are offered.
+    Its gradient buffer (bf16) doubles the memory; no step runs."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=False)
+    return DistributedDataParallel(model.config, ddp, model)

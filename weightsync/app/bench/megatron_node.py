@@ -4,10 +4,11 @@ The same run as :mod:`.node` (a publisher rank process per GPU, an engine-like r
 GPU, direct reads over CUDA IPC, every version checked bit for bit), but each publisher rank
 is a rank of a real megatron-core job: the N rank processes join one process group (NCCL;
 gloo on CPU), megatron's parallel state is TP=T x DP=N/T (MoE: experts over EP ranks, expert
-TP=1), and each holds its ``GPTModel`` (:mod:`.megatron_model`) and publishes through
-``MegatronPublisher`` with ``direct``: receivers read its shards in place where it offers them,
-as a real trainer's would be. Its rows sit beside the synthetic trainer's rows of the same
-layout and are held to the same floors, measured by the synthetic run.
+TP=1), and each holds its ``GPTModel`` (:mod:`.megatron_model`) in megatron's DDP parameter
+buffers (the distributed optimizer's layout: a few contiguous buffers per rank) and publishes
+through ``MegatronPublisher`` with ``direct``: receivers read its shards in place where it
+offers them, as a real trainer's would be. Its rows sit beside the synthetic trainer's rows
+of the same layout and are held to the same floors, measured by the synthetic run.
 
 Every version the ranks fill their parameters by HF name: version v of HF tensor i is
 :func:`~.hosts.fill_version`'s bytes, written through the publisher's own regions (each
@@ -44,9 +45,8 @@ class MegatronTrainer:
 
     @property
     def note(self) -> str:
-        return (
-            f"megatron-core GPTModel, EP={self.ep}; " if self.ep > 1 else "megatron-core GPTModel; "
-        )
+        ep = f", EP={self.ep}" if self.ep > 1 else ""
+        return f"megatron-core GPTModel in DDP buffers{ep}; "
 
     def publish(self, shape, rank, world, device, address, timeout_s, commands, out) -> None:
         """Rank ``rank`` of ``world``: publish each version ``commands`` gives until None."""
@@ -56,7 +56,7 @@ class MegatronTrainer:
         cuda = device.type == "cuda"
         mm.init_ranks(rank, world, self.rendezvous, self.tp, self.ep, cuda)
         try:
-            model = mm.build_model(shape, self.tp, self.ep, device)
+            model = mm.in_param_buffers(mm.build_model(shape, self.tp, self.ep, device))
             publisher = MegatronPublisher(
                 [model], mm.hf_config(shape), address, publisher_id="node-megatron", direct=cuda
             )
