@@ -152,7 +152,8 @@ class SenderBroadcast:
             return None  # nobody gets it by broadcast: nothing to keep it for
         base = held.pop() if len(held) == 1 else 0
         packed = slot.buffer.tensor[: send.bucket.nbytes]
-        return self._bases.send(run.version, send.bucket, send.layout, packed, base)
+        who = frozenset(members)
+        return self._bases.send(run.version, send.bucket, send.layout, packed, who, base)
 
     def send(
         self, run: Version, slot: Slot, nbytes: int, members: Members, delta: Encoded | None

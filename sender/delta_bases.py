@@ -1,10 +1,11 @@
 """What the sender keeps to send broadcast buckets as exact deltas (issue 36; protocol §5.1).
 
 Per broadcast bucket index: the bytes it was last broadcast with, the version and the layout
-they are of. A bucket of the same layout goes as a delta from them when every receiver of its
-group said it decodes deltas (``ReceiverHello.deltas``) and holds exactly that version
-(``VersionApplied.holds_base``, as :class:`~weightsync.sender.records.ReceiverConn.holds`
-records it), and the delta is smaller than the bucket (the codec chooses); else in full. The
+they are of, and to whom. A bucket of the same layout goes as a delta from them when every
+receiver of its group got them, said it decodes deltas (``ReceiverHello.deltas``) and holds
+exactly that version (``VersionApplied.holds_base``, as
+:class:`~weightsync.sender.records.ReceiverConn.holds` records it), and the delta is smaller
+than the bucket (the codec chooses); else in full. The
 bytes kept are bounded (``--delta-mb``, docs/caches.md); they live where the bucket was staged
 (the staging GPU, or plain host memory for CPU staging), so diffing reads no host copy.
 
@@ -30,6 +31,9 @@ class _Base:
     version: int
     layout: bytes
     data: torch.Tensor
+    members: frozenset[str]
+    """The receivers it was broadcast to: a receiver that held that version got it only
+    if it was one of them (it may have been in another group then)."""
 
 
 @dataclass(frozen=True)
@@ -48,15 +52,27 @@ class DeltaBases:
         self._kept: dict[int, _Base] = {}
 
     def send(
-        self, version: int, bucket: Bucket, layout: pb.BucketLayout, packed: torch.Tensor, base: int
+        self,
+        version: int,
+        bucket: Bucket,
+        layout: pb.BucketLayout,
+        packed: torch.Tensor,
+        members: frozenset[str],
+        base: int,
     ) -> Encoded | None:
-        """Keep ``packed`` (bucket ``layout.index`` of ``version``) as the next base; returns
-        the delta to broadcast instead of it, made from the kept bytes of version ``base``
-        (0: full bytes, every receiver of its group does not hold one), or None: full bytes."""
+        """Keep ``packed`` (bucket ``layout.index`` of ``version``, broadcast to ``members``)
+        as the next base; returns the delta to broadcast instead of it, made from the kept
+        bytes of version ``base`` (0: the members do not all hold one version), or None:
+        full bytes."""
         key = layout.SerializeToString()
         kept = self._kept.get(layout.index)
         out = None
-        if base and kept is not None and kept.version == base and kept.layout == key:
+        if (
+            base
+            and kept is not None
+            and (kept.version, kept.layout) == (base, key)
+            and members <= kept.members
+        ):
             units = Counter()
             for e in bucket.entries:
                 units[e.spec.torch_dtype.itemsize] += e.nbytes
@@ -69,14 +85,15 @@ class DeltaBases:
             )
             if delta.kind != "full":
                 out = Encoded(*to_wire(delta))
-        self._keep(layout.index, key, packed, version)
+        self._keep(_Base(version, key, packed, members), layout.index)
         return out
 
-    def _keep(self, index: int, layout: bytes, packed: torch.Tensor, version: int) -> None:
+    def _keep(self, new: _Base, index: int) -> None:
+        packed, version = new.data, new.version
         kept = self._kept.pop(index, None)
         if kept is not None and kept.data.numel() == packed.numel():
             kept.data.copy_(packed)  # in place: no allocation once the layout settled
-            self._kept[index] = _Base(version, layout, kept.data)
+            self._kept[index] = _Base(version, new.layout, kept.data, new.members)
             return
         used = sum(b.data.numel() for b in self._kept.values())
         for old in sorted(self._kept, key=lambda i: self._kept[i].version):
@@ -84,4 +101,4 @@ class DeltaBases:
                 break
             used -= self._kept.pop(old).data.numel()  # an older version's bucket gives way
         if used + packed.numel() <= self.limit:
-            self._kept[index] = _Base(version, layout, packed.clone())
+            self._kept[index] = _Base(version, new.layout, packed.clone(), new.members)

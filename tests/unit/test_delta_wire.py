@@ -65,6 +65,9 @@ def test_element_bytes_follow_most_of_the_bucket():
     assert element_bytes({}) == 2
 
 
+AB = frozenset({"a", "b"})
+
+
 def _layout(nbytes: int, index: int = 0) -> pb.BucketLayout:
     return pb.BucketLayout(index=index, nbytes=nbytes)
 
@@ -74,23 +77,27 @@ def test_the_sender_sends_a_delta_only_from_the_version_the_group_holds():
     bases = DeltaBases(1 << 20)
     layout = _layout(old.numel())
     fake = _FakeBucket()
-    assert bases.send(1, fake, layout, old, base=0) is None  # kept, sent in full
-    assert bases.send(2, fake, layout, new, base=0) is None  # the group holds nothing
+    assert bases.send(1, fake, layout, old, AB, base=0) is None  # kept, sent in full
+    assert bases.send(2, fake, layout, new, AB, base=0) is None  # the group holds nothing
     newer = new.clone()
     newer[:2] ^= 1
-    encoded = bases.send(3, fake, layout, newer, base=2)
-    assert encoded is not None and encoded.msg.base_version == 2
-    assert encoded.msg.base_checksum == checksum_of(new)
-    assert bases.send(4, fake, _layout(old.numel(), index=0), newer, base=2) is None  # kept: 3
+    abc = AB | {"c"}
+    assert bases.send(3, fake, layout, newer, abc, base=2) is None  # "c" was not sent 2's
+    newest = newer.clone()
+    newest[8:10] ^= 1
+    encoded = bases.send(4, fake, layout, newest, AB, base=3)
+    assert encoded is not None and encoded.msg.base_version == 3
+    assert encoded.msg.base_checksum == checksum_of(newer)
+    assert bases.send(5, fake, layout, newest, AB, base=3) is None  # it keeps 4 now
 
 
 def test_the_sender_keeps_no_more_than_its_bound():
     old, _ = versions()
     bases = DeltaBases(old.numel())
     fake = _FakeBucket()
-    bases.send(1, fake, _layout(old.numel(), 0), old, base=0)
-    bases.send(1, fake, _layout(old.numel(), 1), old, base=0)  # over the bound: not kept
-    assert bases.send(2, fake, _layout(old.numel(), 1), old, base=1) is None
+    bases.send(1, fake, _layout(old.numel(), 0), old, AB, base=0)
+    bases.send(1, fake, _layout(old.numel(), 1), old, AB, base=0)  # over the bound: not kept
+    assert bases.send(2, fake, _layout(old.numel(), 1), old, AB, base=1) is None
     assert sum(b.data.numel() for b in bases._kept.values()) <= old.numel()
 
 
