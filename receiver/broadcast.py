@@ -100,6 +100,8 @@ class BroadcastReceiver:
         which, kept, delta = msg.layout.index % 2, self.kept, msg.HasField("delta")
         self.holds, slot, fresh = 0, None, False
         if kept is not None:
+            if kept.version != msg.version:
+                self.synchronize()  # a failed version's loads may still read kept buffers
             kept.arrive(msg.version)
             before = kept.allocations
             slot = None if delta else kept.slot(msg.layout.index, msg.layout.nbytes)
