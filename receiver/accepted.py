@@ -45,9 +45,7 @@ class Accepted:
             target.validate(manifest)
             self._validated = validated
 
-    def keeps(
-        self, target: WeightTarget, manifest: VersionManifest, key: bytes
-    ) -> Keeps:
+    def keeps(self, target: WeightTarget, manifest: VersionManifest, key: bytes) -> Keeps:
         """The boxes of ``manifest``'s tensors ``target`` keeps (after validating), declared
         in the verdict so the sender plans this receiver's bytes, keyed by the manifest and
         generation they are worked out from (the stream then sends the key alone)."""
