@@ -102,6 +102,24 @@ def test_cpu_bench_hosts_case_two_senders_and_one_bit_exact(tmp_path):
     assert rows["one sender"]["note"].endswith(f"; {kept(1):,} bytes broadcast")
 
 
+def test_cpu_bench_fp8_and_delta_rows_beside_full_ones(tmp_path):
+    """``--fp8`` and ``--deltas`` (issue 36) in the report: bf16 and FP8 versions of the model,
+    full and delta versions of a layer's Adam steps broadcast to another host; every one
+    bit-exact, FP8 and deltas fewer bytes than the rows beside them."""
+    code = bench(
+        ["--model", "tiny", "--device", "cpu", "--tp", "", "--no-baselines", "--no-floors"]
+        + ["--fp8", "--deltas", "--versions", "2", "--warmup", "0", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]}
+    assert set(rows) == {"bf16", "fp8", "full", "deltas"}
+    assert all(r["bit_exact"] is True and not r["failed"] for r in rows.values()), rows
+    assert rows["fp8"]["nbytes"] < rows["bf16"]["nbytes"]
+    assert rows["deltas"]["nbytes"] < rows["full"]["nbytes"] / 4
+    assert len(rows["deltas"]["samples_s"]) == 2  # versions 2 and 3: the first goes full
+    assert "the bytes" in rows["deltas"]["note"]
+
+
 def test_cpu_bench_with_the_sender_in_its_own_process_as_deployed(tmp_path):
     """``--sender-process``: each case's sender is a `weightsync-sender` of its own, started
     and stopped by SIGTERM per case (a sender that did not stop would fail the row)."""

@@ -141,6 +141,48 @@ def summary(row: WireRow) -> str:
     )
 
 
+def both_modes(model: str, steps: int, bucket_mb: int, delta_mb: int) -> list[WireRow]:
+    """One layer's ``steps`` + 1 Adam versions published in full, then as deltas."""
+    chain = adam_chain(layer_specs(model_shape(model, 1)), steps)
+    rows = run_mode("full", chain, model, bucket_mb, 0)
+    return rows + run_mode("deltas", chain, model, bucket_mb, delta_mb)
+
+
+def medians(rows: Sequence[WireRow]) -> tuple[dict, dict, dict]:
+    """Per mode: its versions after the first (the first goes full in both), and their median
+    bytes broadcast and seconds."""
+    later = {m: [r for r in rows if r.mode == m and r.version > 1] for m in ("full", "deltas")}
+    sent = {m: int(statistics.median(r.broadcast_bytes for r in rs)) for m, rs in later.items()}
+    seconds = {m: statistics.median(r.seconds for r in rs) for m, rs in later.items()}
+    return later, sent, seconds
+
+
+def measure(model: str, steps: int, bucket_size_bytes: int, delta_mb: int = 1024) -> list:
+    """The report's rows: versions 2.. of ``steps`` + 1 in full and as deltas, their seconds,
+    the median bytes broadcast, and the issue's targets (both under a quarter) in the note."""
+    from weightsync.app.bench.report import WEIGHTSYNC, Row
+
+    rows = both_modes(model, steps, max(1, bucket_size_bytes >> 20), delta_mb)
+    later, sent, seconds = medians(rows)
+    bytes_x, time_x = sent["deltas"] / sent["full"], seconds["deltas"] / seconds["full"]
+    note = f"{bytes_x:.4f}x the bytes, {time_x:.2f}x the time of full (targets: both < 0.25)"
+    return [
+        Row(
+            WEIGHTSYNC,
+            mode,
+            "broadcast",
+            "1 layer, Adam lr 1e-6",
+            "another host",
+            sent[mode],
+            tuple(r.seconds for r in rs),
+            bit_exact=all(r.bit_exact for r in rs),
+            note=note if mode == "deltas" else "",
+            failed=not all(r.bit_exact for r in rs),
+        )  # fmt: skip
+        for mode, rs in later.items()
+    ]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen2.5-7b")
@@ -148,13 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bucket-size-mb", type=int, default=64)
     p.add_argument("--delta-mb", type=int, default=1024)
     args = p.parse_args(argv)
-    specs = layer_specs(model_shape(args.model, 1))
-    chain = adam_chain(specs, args.steps)
-    rows = run_mode("full", chain, args.model, args.bucket_size_mb, 0)
-    rows += run_mode("deltas", chain, args.model, args.bucket_size_mb, args.delta_mb)
-    later = {m: [r for r in rows if r.mode == m and r.version > 1] for m in ("full", "deltas")}
-    med = {m: statistics.median(r.seconds for r in rs) for m, rs in later.items()}
-    sent = {m: statistics.median(r.broadcast_bytes for r in rs) for m, rs in later.items()}
+    rows = both_modes(args.model, args.steps, args.bucket_size_mb, args.delta_mb)
+    _, sent, med = medians(rows)
     print(
         f"versions 2-{args.steps + 1}, median: deltas {sent['deltas'] / sent['full']:.4f}x the "
         f"bytes, {med['deltas'] / med['full']:.3f}x the time ({med['deltas'] * 1e3:.0f} vs "

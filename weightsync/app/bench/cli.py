@@ -125,6 +125,18 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "bytes from GPU 0 to the others in the same run (--tp '' --cases staged --no-baselines "
         "--no-floors for it alone)",
     )
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also the model's versions quantized to block FP8 by the trainer (e4m3, 128 x 128 "
+        "scales) against the same versions in bf16: bytes and time, bit-exact (issue 36)",
+    )
+    p.add_argument(
+        "--deltas",
+        action="store_true",
+        help="also one decoder layer's Adam steps at lr 1e-6 (--versions of them) broadcast to "
+        "a receiver on another host, in full and as exact deltas: bytes and time (issue 36)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
     p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
@@ -169,6 +181,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         megatron_ep=args.megatron_ep,
         hosts=args.hosts,
         fanout=args.fanout,
+        fp8=args.fp8,
+        deltas=args.deltas,
     )
 
 

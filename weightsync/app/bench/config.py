@@ -49,6 +49,11 @@ class BenchConfig:
     fanout: int = 0
     """With N >= 2: also the NCCL fan-out case, GPU 0 to a receiver on each of GPUs 0..N-1,
     against one broadcast of the same bytes (``fanout.py``)."""
+    fp8: bool = False
+    """Also the model's versions in block FP8 against bf16, bytes and time (``fp8.py``)."""
+    deltas: bool = False
+    """Also one layer's Adam steps broadcast to another host in full and as exact deltas,
+    bytes and time (``broadcast_deltas.py``)."""
 
     def __post_init__(self) -> None:
         unknown = set(self.cases) - set(CASES)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as tmp
 
-from weightsync.app.bench import baselines, fanout, floors, hosts, node
+from weightsync.app.bench import baselines, broadcast_deltas, fanout, floors, fp8, hosts, node
 from weightsync.app.bench.cases import measure_case, mismatch_note
 from weightsync.app.bench.config import BenchConfig
 from weightsync.app.bench.host import check_memory, machine
@@ -172,6 +172,16 @@ def _run(cfg: BenchConfig, console) -> Report:
         )
         console.print(fanout.summary(fanout_run))
         report.rows.extend(fanout_run.rows())
+    if cfg.fp8:
+        console.print("fp8: the versions in bf16, then quantized to block FP8 by the trainer")
+        fp8_run = fp8.measure_fp8(
+            shape, device, cfg.versions, cfg.warmup, cfg.timeout_s, cfg.bucket_size_bytes
+        )
+        console.print(fp8.summary(fp8_run))
+        report.rows.extend(fp8_run.rows())
+    if cfg.deltas:
+        console.print("deltas: one layer's Adam steps to another host, in full and as deltas")
+        report.rows.extend(broadcast_deltas.measure(cfg.model, cfg.versions, cfg.bucket_size_bytes))
     if not cuda:
         notes.append(
             "CPU mode: shm instead of cuda_ipc; direct, cross-GPU and nccl skipped; the node "
