@@ -308,7 +308,12 @@ class ReceiverCore(SeveralSenders):
         try:
             self.target.abort(manifest, error)
         finally:
-            failed = pb.VersionApplied(version=manifest.version, ok=False, error=error_to_pb(error))
+            failed = pb.VersionApplied(
+                version=manifest.version,
+                ok=False,
+                error=error_to_pb(error),
+                untouched=not self._touched,
+            )
             for link in tell:
                 if not link.connection.closed:
                     link.connection.send(pb.ReceiverMessage(applied=failed))

@@ -298,7 +298,7 @@ class Version:
             self.direct_readers.discard(conn.receiver_id)
             self.shared.metrics.receiver_applied(conn.receiver_id, self.version)
         else:
-            self._fail_dirty(conn, applied.error)
+            self._fail_dirty(conn, applied.error, wrote=not applied.untouched)
         self._moved()
 
     def _owed(self, conn: ReceiverConn, what: str, ok: bool = True) -> Outcome | None:
@@ -332,9 +332,9 @@ class Version:
         self.shared.metrics.receiver_failed(rid)
         self._moved()
 
-    def _fail_dirty(self, conn: ReceiverConn, error: pb.ErrorDetail) -> None:
-        """The receiver failed after writing: its weights match no version until the next."""
-        conn.failed_writing(error.message)
+    def _fail_dirty(self, conn: ReceiverConn, error: pb.ErrorDetail, wrote: bool = True) -> None:
+        """Out after writing (weights of no version till the next), or (not ``wrote``) before."""
+        (conn.failed_writing if wrote else conn.rejected)(error.message)
         self.fail(conn.receiver_id, error, notify=False)
 
     def abort(self, detail: pb.ErrorDetail) -> None:

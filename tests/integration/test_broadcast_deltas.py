@@ -133,6 +133,8 @@ def test_a_changed_base_fails_its_version_before_any_write_and_the_next_is_full(
         assert isinstance(failed, WrongBaseError), failed
         assert "bucket 2" in str(failed) and "version 3 fails here before any write" in str(failed)
         assert not receiver.dirty and bits_equal(model, held)  # nothing of version 3 loaded
+        (seen,) = publisher.status().receivers  # and the sender knows it (VersionApplied.untouched)
+        assert (seen.state, seen.applied_version) == ("idle", 2), seen
         assert status_of(publisher, 3).delta_buckets > 0  # the sender had sent deltas
         nudge(sent, 4)
         assert apply([receiver], publisher, sent, 4) == [4]

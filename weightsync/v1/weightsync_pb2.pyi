@@ -339,16 +339,18 @@ class BucketAck(_message.Message):
     def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., read_event: _Optional[bytes] = ...) -> None: ...
 
 class VersionApplied(_message.Message):
-    __slots__ = ("version", "ok", "error", "holds_base")
+    __slots__ = ("version", "ok", "error", "holds_base", "untouched")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HOLDS_BASE_FIELD_NUMBER: _ClassVar[int]
+    UNTOUCHED_FIELD_NUMBER: _ClassVar[int]
     version: int
     ok: bool
     error: ErrorDetail
     holds_base: bool
-    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., holds_base: _Optional[bool] = ...) -> None: ...
+    untouched: bool
+    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., holds_base: _Optional[bool] = ..., untouched: _Optional[bool] = ...) -> None: ...
 
 class ReceiverMessage(_message.Message):
     __slots__ = ("hello", "verdict", "ack", "applied", "lane", "exported")
