@@ -142,8 +142,8 @@ class VersionHistory:
 
 
 def left_no_trace(version: Version) -> bool:
-    """Whether ``version`` failed before any receiver applied it or was sent a byte of it
-    (every receiver rejected its manifest, or it was abandoned first): then its number is not
+    """Whether ``version`` failed before any receiver applied it or may have written a byte of
+    it (every receiver rejected its manifest, or it was abandoned first): then its number is not
     used up. Every receiver's failure is final, so that holds from the last verdict on, even
     before the version itself is marked failed (its publisher may hear first)."""
     outcomes = version.outcomes.values()

@@ -182,7 +182,8 @@ class Outcome:
     """What the sender waits for from it: "verdict", "bucket:<i>", "applied"."""
     deadline: float | None = None
     wrote: bool = False
-    """A bucket was announced to it: failing now may leave its weights a mix."""
+    """A bucket was announced to it: failing now may leave its weights a mix (cleared when
+    it says it wrote nothing: it rejected the manifest, or failed before its first load)."""
 
     def expect(self, what: str, timeout_s: float) -> None:
         if not self.awaiting:

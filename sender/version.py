@@ -258,8 +258,7 @@ class Version:
         if self._owed(conn, "verdict") is None:
             return
         if not verdict.accepted:
-            conn.rejected(verdict.error.message)
-            self.fail(conn.receiver_id, verdict.error, notify=False)
+            self._failed(conn, verdict.error, wrote=False)
         else:
             try:
                 declare_keeps(conn, verdict, self.manifest.tensors)
@@ -277,12 +276,12 @@ class Version:
         try:
             self.shared.slots.release_reader(rid, self.version, ack.index, ack.read_event)
         except TransportError as e:
-            self._fail_dirty(conn, error_to_pb(e))
+            self._failed(conn, error_to_pb(e))
         direct = self.tensors.direct
         if direct is not None and ack.index == direct.index:
             self.direct_readers.discard(rid)
         if not ack.ok:
-            self._fail_dirty(conn, ack.error)
+            self._failed(conn, ack.error)
         self._moved()
 
     def on_applied(self, conn: ReceiverConn, applied: pb.VersionApplied) -> None:
@@ -298,7 +297,7 @@ class Version:
             self.direct_readers.discard(conn.receiver_id)
             self.shared.metrics.receiver_applied(conn.receiver_id, self.version)
         else:
-            self._fail_dirty(conn, applied.error, wrote=not applied.untouched)
+            self._failed(conn, applied.error, wrote=not applied.untouched)
         self._moved()
 
     def _owed(self, conn: ReceiverConn, what: str, ok: bool = True) -> Outcome | None:
@@ -332,9 +331,10 @@ class Version:
         self.shared.metrics.receiver_failed(rid)
         self._moved()
 
-    def _fail_dirty(self, conn: ReceiverConn, error: pb.ErrorDetail, wrote: bool = True) -> None:
+    def _failed(self, conn: ReceiverConn, error: pb.ErrorDetail, wrote: bool = True) -> None:
         """Out after writing (weights of no version till the next), or (not ``wrote``) before."""
         (conn.failed_writing if wrote else conn.rejected)(error.message)
+        self.outcomes[conn.receiver_id].wrote &= wrote  # buckets announced, none read
         self.fail(conn.receiver_id, error, notify=False)
 
     def abort(self, detail: pb.ErrorDetail) -> None:

@@ -25,11 +25,12 @@ N = 1024
 """float32 elements of ``w0`` and ``w1``: one 4 KiB bucket each (the fixture's cap)."""
 
 
-class Two(torch.nn.Module):
+class Three(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.w0 = torch.nn.Parameter(torch.zeros(N))
         self.w1 = torch.nn.Parameter(torch.zeros(N))
+        self.w2 = torch.nn.Parameter(torch.zeros(N))
 
 
 def _ack(index: int) -> pb.ReceiverMessage:
@@ -70,12 +71,17 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_reply_out_of_turn_ends_the_receivers_stream_and_fails_it_alone(sender, case):
     when, messages, details = CASES[case]
-    model = Two()
+    model = Three()
     good = TorchReceiver(model, sender.address, receiver_id="good")
     syncs, _ = sync_in_thread(good)
     raw = raw_receiver(sender.address)
     assert raw.first() == "welcome"
     tensors = {"w0": torch.ones(N), "w1": torch.full((N,), 2.0)}
+    if case == "applied before the end":
+        # A third bucket needs a staging slot back from every reader (two slots), so the end
+        # cannot be announced before the raw receiver's applied (else that applied would be
+        # before its acks, on a loaded machine).
+        tensors["w2"] = torch.full((N,), 3.0)
     published: list = []
 
     def publish() -> None:
