@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from weightsync.errors import WeightSyncError
-from weightsync.receiver.broadcast import BroadcastReceiver
 from weightsync.receiver.connection import Connection, GrpcConnection, Keeps, WeightsState
 from weightsync.receiver.exports import Exporter
 from weightsync.receiver.reader import BucketReader
 from weightsync.receiver.target import WeightTarget
+from weightsync.transports.broadcast import BroadcastReceiver
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 

@@ -13,14 +13,14 @@ from weightsync.checksum import ALGORITHM, finish_all
 from weightsync.errors import TransportError, WeightSyncError
 from weightsync.sender.planner import BROADCAST, MAP
 from weightsync.sender.records import Outcome, ReceiverConn
-from weightsync.sender.slices import SliceGroup
 from weightsync.sender.slots import Slot
 from weightsync.sender.states import ReceiverState
+from weightsync.transports.broadcast.slices import SliceGroup
 from weightsync.v1 import weightsync_pb2 as pb
 
 if TYPE_CHECKING:
-    from weightsync.sender.delta_bases import Encoded
     from weightsync.sender.version import Version
+    from weightsync.transports.broadcast import Encoded
 
 Message = Callable[[ReceiverConn], pb.Announcement]
 """Each receiver's message (receivers alike share one)."""

@@ -10,7 +10,7 @@ The parts, each given what it uses:
 - :func:`~weightsync.sender.planner.plan_version`: how a version travels (pure);
 - :class:`~weightsync.sender.version.Version`: one planned version, taking its replies;
 - :class:`~weightsync.sender.driver.VersionDriver`: runs each version, one at a time;
-- :class:`~weightsync.sender.broadcast.SenderBroadcast`: the broadcast data path.
+- :class:`~weightsync.transports.broadcast.SenderBroadcast`: the broadcast path's sender end.
 
 One lock (an ``RLock`` condition) guards all state, handed to each part (to versions in
 :class:`~weightsync.sender.outcomes.Shared`). A monitor thread fails receivers that owe a reply
@@ -34,7 +34,6 @@ from weightsync.errors import ConfigError, ReplacedError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.memo import Memo
 from weightsync.metrics import SenderMetrics
-from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.catch_ups import CatchUps
 from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
@@ -48,11 +47,11 @@ from weightsync.sender.planner import Staging, TensorPlans, plan_version
 from weightsync.sender.records import PublisherConn, RankConn, ReceiverConn
 from weightsync.sender.registry import Registry
 from weightsync.sender.reports import log_line
-from weightsync.sender.slices import SlicePlans
 from weightsync.sender.slots import SlotPool
 from weightsync.sender.version import Version
 from weightsync.transports import resolve_transport
-from weightsync.transports.broadcast import host_id
+from weightsync.transports.broadcast import SenderBroadcast, host_id
+from weightsync.transports.broadcast.slices import SlicePlans
 from weightsync.transports.cuda_ipc import device_uuid
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import ManifestCache, error_to_pb
@@ -79,7 +78,8 @@ class Coordinator:
             settings.broadcast_host,
             settings.ack_timeout_s,
             self._cond,
-            self.registry,
+            self.registry.broadcast_members,
+            self.registry.receiver,
             settings.delta_bytes,
         )
         self._driver = VersionDriver(self._shared, self._broadcast)

@@ -29,7 +29,7 @@ from weightsync.buckets import TensorSpec, direct_entry
 from weightsync.memo import Memo, Same
 from weightsync.sender.offer import Copy
 from weightsync.topology import Box, Piece, Receiver, Source, cells, plan_topology, whole_box
-from weightsync.topology_model import fits
+from weightsync.topology_model import Keeps, fits
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import entry_to_pb
 
@@ -43,8 +43,6 @@ _WHOLE = 1 << 62
 
 ReceiverGpus = tuple[tuple[str, str], ...]
 """(receiver id, GPU UUID) of every receiver that reads direct, sorted."""
-Keeps = Mapping[str, Mapping[str, Box]]
-"""By receiver id: the boxes it declared it keeps of tensors it keeps only part of."""
 
 
 @dataclass(frozen=True)

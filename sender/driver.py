@@ -22,13 +22,13 @@ from weightsync.buckets import Bucket
 from weightsync.checksum import row_sums
 from weightsync.errors import SyncTimeoutError, TransportError, WeightSyncError
 from weightsync.sender.announcements import Send, largest_bucket
-from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.outcomes import Shared
 from weightsync.sender.publisher_packs import PublisherPacks
 from weightsync.sender.records import RunAborted
 from weightsync.sender.slots import Slot
 from weightsync.sender.version import Version
 from weightsync.transports import get_transport
+from weightsync.transports.broadcast import SenderBroadcast
 from weightsync.wire import error_to_pb
 
 log = logging.getLogger("weightsync.sender")

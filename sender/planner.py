@@ -30,14 +30,14 @@ from weightsync.memo import Memo
 from weightsync.regions import entry_rows
 from weightsync.sender.direct_reads import (
     DirectRead,
-    Keeps,
     ReceiverGpus,
     located,
     lowest_copies,
     plan_direct_reads,
 )
 from weightsync.sender.offer import Copy, Offer, OfferKey
-from weightsync.sender.slices import SliceGroup, plan_slices
+from weightsync.topology_model import Keeps
+from weightsync.transports.broadcast.slices import SliceGroup, plan_slices
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb
 
@@ -121,7 +121,8 @@ def plan_version(
     Tensors go direct only when a publisher allows it, the sender stages with CUDA IPC and
     every connected receiver maps. ``tensors_of``: :func:`plan_tensors` (default) or its memo;
     ``reads_of``: :func:`~weightsync.sender.direct_reads.plan_direct_reads` or its memo;
-    ``slices_of``: :func:`~weightsync.sender.slices.plan_slices` (the default) or its memo.
+    ``slices_of``: :func:`~weightsync.transports.broadcast.slices.plan_slices` (the default) or
+    its memo.
     Broadcast receivers get slices only where the sender packs (it packs their boxes from the
     offered regions; a publisher packs whole buckets only).
     """

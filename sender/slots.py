@@ -24,8 +24,8 @@ from weightsync.transports.base import transport_for_handle
 from weightsync.transports.cuda_ipc import EventCache, new_event, release_event
 
 if TYPE_CHECKING:
-    from weightsync.sender.broadcast import QueuedBroadcast
     from weightsync.sender.planner import TensorPlan
+    from weightsync.transports.broadcast import QueuedBroadcast
 
 OpenEvent = Callable[[bytes, torch.device], object]
 """Opens a receiver's read event from its interprocess handle."""

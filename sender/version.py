@@ -39,7 +39,6 @@ from weightsync.sender.announcements import (
     sends,
     starts,
 )
-from weightsync.sender.broadcast import Encoded, Members, WireCount
 from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.outcomes import Shared, declare_keeps
 from weightsync.sender.packing import pack_bucket
@@ -47,9 +46,10 @@ from weightsync.sender.planner import BROADCAST, MAP, TensorPlan
 from weightsync.sender.publisher_packs import PublisherPacks
 from weightsync.sender.records import Outcome, RankConn, ReceiverConn, RunAborted
 from weightsync.sender.reports import take_owed, tell_done, tell_staged
-from weightsync.sender.slices import SliceGroup
 from weightsync.sender.slots import Slot
 from weightsync.sender.states import OutcomeState, VersionState
+from weightsync.transports.broadcast import Encoded, Members, WireCount
+from weightsync.transports.broadcast.slices import SliceGroup
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 
@@ -153,7 +153,7 @@ class Version:
                 driver.packed(self, send.bucket, slot, device, sums)
                 if self.retained is not None and send.group is None:
                     self.retained.keep(send.bucket.index, slot.buffer.tensor[: send.bucket.nbytes])
-                delta = driver.broadcast.encode(self, send, slot)
+                delta = driver.broadcast.encode(self, send.group, send.bucket, send.layout, slot)
                 members = self._announce(driver, slot, send, delta)
                 if members:
                     driver.broadcast.send(self, slot, send.bucket.nbytes, members, delta)

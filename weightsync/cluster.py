@@ -279,9 +279,9 @@ class RuntimeEstimate:
     """What the multi-host runtime as built moves for a cluster, from its second version on: a
     sender per trainer host (:func:`weightsync.parts.plan_parts` gives each HF tensor to one host
     holding a whole copy), each packing its part on one staging GPU and broadcasting, to every
-    group of engine ranks that keep the same boxes (``sender/slices.py``: the same TP rank of
-    every replica), the boxes of its part that group keeps (NCCL's ring: each member takes its
-    bytes in once and passes them on once). The first version goes whole, while the ranks
+    group of engine ranks that keep the same boxes (``transports/broadcast/slices.py``: the same
+    TP rank of every replica), the boxes of its part that group keeps (NCCL's ring: each member
+    takes its bytes in once and passes them on once). The first version goes whole, while the ranks
     declare what they keep. Unlike :func:`plan_cluster`'s plan, a box is not relayed between
     engine hosts, and each trainer host sends from one GPU's NIC."""
 

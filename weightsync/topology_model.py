@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import defaultdict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeVar
 
@@ -92,6 +92,10 @@ def fits(start: Sequence[int], size: Sequence[int], shape: Sequence[int]) -> boo
     return len(start) == len(size) == len(shape) and all(
         0 <= a and 0 <= n and a + n <= d for a, n, d in zip(start, size, shape, strict=True)
     )
+
+
+Keeps = Mapping[str, Mapping[str, Box]]
+"""By receiver id: the boxes it declared it keeps of tensors it keeps only part of."""
 
 
 def whole_box(shape: Sequence[int]) -> Box:

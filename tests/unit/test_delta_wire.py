@@ -1,5 +1,5 @@
 """Deltas on the wire (protocol §5.1): the payload round trip, the checks made before any
-write, and the two ends' kept bytes (``sender/delta_bases.py``, ``receiver/kept_buckets.py``)."""
+write, and the two ends' kept bytes (``weightsync/transports/broadcast/kept.py``)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import torch
 from weightsync.delta_wire import element_bytes, from_wire, to_wire
 from weightsync.deltas import checksum_of, decode, encode
 from weightsync.errors import ProtocolError, WrongBaseError
-from weightsync.receiver.kept_buckets import KeptBuckets
-from weightsync.sender.delta_bases import DeltaBases
+from weightsync.transports.broadcast import DeltaBases, KeptBuckets
 from weightsync.v1 import weightsync_pb2 as pb
 
 

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 from tests.support.sender_parts import published, sender_parts
 from weightsync.errors import NameResolutionError, TransportError
-from weightsync.sender.broadcast import QueuedBroadcast, SenderBroadcast, group_name, in_step
+from weightsync.transports.broadcast import QueuedBroadcast, SenderBroadcast, group_name, in_step
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 
@@ -82,7 +82,9 @@ def test_a_failed_broadcast_of_an_older_group_leaves_the_rebuilt_group_and_its_v
     for rid in ("r0", "r1"):
         parts.registry.add_receiver(hello(rid))
     members = ("r0", "r1")
-    broadcast = SenderBroadcast("127.0.0.1", 5, parts.cond, parts.registry)
+    broadcast = SenderBroadcast(
+        "127.0.0.1", 5, parts.cond, parts.registry.broadcast_members, parts.registry.receiver
+    )
     old, new = published(parts, 1), published(parts, 2)
     old_group, new_group = _Group(), _Group()
     broadcast._groups[members] = new_group

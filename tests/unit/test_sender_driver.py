@@ -14,11 +14,11 @@ from tests.support.sender_parts import SETTINGS, SenderParts, sender_parts
 from weightsync.buckets import TensorSpec
 from weightsync.errors import ProtocolError
 from weightsync.manifest import VersionManifest
-from weightsync.sender.broadcast import SenderBroadcast
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.planner import plan_tensors
 from weightsync.sender.records import RankConn
 from weightsync.sender.version import Version
+from weightsync.transports.broadcast import SenderBroadcast
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -73,7 +73,9 @@ def test_a_direct_version_is_staged_once_its_reader_is_done_and_done_once(messag
     parts = sender_parts()
     hello = pb.ReceiverHello(receiver_id="r0", engine="torch", device="cpu", host_id="here")
     conn = parts.registry.add_receiver(hello)
-    broadcast = SenderBroadcast("127.0.0.1", 5, parts.cond, parts.registry)
+    broadcast = SenderBroadcast(
+        "127.0.0.1", 5, parts.cond, parts.registry.broadcast_members, parts.registry.receiver
+    )
     driver = VersionDriver(parts.shared, broadcast)
     run = _direct_run(parts, 1)
     assert run.tensors.direct.index == 0

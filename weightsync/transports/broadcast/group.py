@@ -1,4 +1,4 @@
-"""Broadcast data path: the sender is rank 0 of a private group with its remote receivers.
+"""A broadcast group: the sender is rank 0 of a private group with its remote receivers.
 
 The group is a torch ``ProcessGroupNCCL`` (CUDA staging) or ``ProcessGroupGloo`` (CPU staging,
 so CI runs the same code) built directly on its own ``TCPStore``: it never touches

@@ -15,18 +15,22 @@ checksums stay one index space).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from weightsync.buckets import BucketPlan, TensorSpec, plan_buckets
 from weightsync.memo import Memo, Same
-from weightsync.sender.direct_reads import Keeps
-from weightsync.topology_model import Box, whole_box
+from weightsync.topology_model import Box, Keeps, whole_box
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import bucket_to_pb
 
-if TYPE_CHECKING:
-    from weightsync.sender.planner import TensorPlan
+
+class TensorPlan(Protocol):
+    """What slicing needs of a version's tensor plan (``sender.planner.TensorPlan``)."""
+
+    staged: BucketPlan
+    layouts: Sequence[pb.BucketLayout]
 
 
 @dataclass(frozen=True)

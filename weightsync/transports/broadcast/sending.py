@@ -1,33 +1,31 @@
-"""The sender's end of the broadcast data path (the receivers' end: ``receiver/broadcast.py``).
+"""The sender's end of the broadcast path (the receivers' end: :mod:`.receiving`).
 
-Private groups (``weightsync.transports.broadcast``) whose rank 0 is the sender and whose other
-ranks are receivers that get broadcasts; they are kept while their members, the members'
-streams and the device stay the same and no member failed a version by a transport error, and
-rebuilt otherwise (:func:`in_step`). A broadcast that fails fails its group's receivers, never the
-version: receivers that map the staging buffers, and the other groups, go on. With
-``--delta-mb``, a bucket whose group holds its previous bytes goes as a delta
-(:mod:`~weightsync.sender.delta_bases`).
+Private groups (:mod:`.group`) whose rank 0 is the sender and whose other ranks are receivers
+that get broadcasts; they are kept while their members, the members' streams and the device
+stay the same and no member failed a version by a transport error, and rebuilt otherwise
+(:func:`in_step`). A broadcast that fails fails its group's receivers, never the version:
+receivers that map the staging buffers, and the other groups, go on. With ``--delta-mb``, a
+bucket whose group holds its previous bytes goes as a delta (:class:`.kept.DeltaBases`).
+
+Which receivers get broadcasts is the sender's to say (``members_of``); what this end needs of
+a version, a receiver's stream and a staging slot are the protocols below.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
+from weightsync.buckets import Bucket
 from weightsync.errors import TransportError
-from weightsync.sender.delta_bases import DeltaBases, Encoded
-from weightsync.sender.records import ReceiverConn
-from weightsync.sender.registry import Registry
-from weightsync.sender.slots import Slot
-from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, PendingBroadcast
+from weightsync.transports.base import StagingBuffer
+from weightsync.transports.broadcast.group import BroadcastGroup, GroupSpec, PendingBroadcast
+from weightsync.transports.broadcast.kept import DeltaBases, Encoded
 from weightsync.v1 import weightsync_pb2 as pb
-
-if TYPE_CHECKING:
-    from weightsync.sender.announcements import Send
-    from weightsync.sender.version import Version
 
 Members = tuple[str, ...]
 """The receivers of one group, in rank order (rank 0 is the sender)."""
@@ -45,6 +43,42 @@ class WireCount:
         self.deltas += delta
 
 
+class Member(Protocol):
+    """A receiver's stream, as the sender registered it (``ReceiverConn``)."""
+
+    broadcast_failed: bool
+    deltas: bool
+    holds: int
+
+    def send(self, msg: pb.Announcement) -> None: ...
+
+
+class Group(Protocol):
+    members: Members
+
+
+class Run(Protocol):
+    """A version being sent (``sender.version.Version``)."""
+
+    version: int
+    audience: frozenset[str] | None
+    """Set for a catch-up (sent to some receivers only)."""
+    slices: Sequence[Group]
+    wire: WireCount
+
+    @property
+    def sliced(self) -> frozenset[str]: ...
+
+    def active(self) -> Iterable[str]: ...
+
+    def fail(self, receiver_id: str, error: TransportError) -> None: ...
+
+
+class Slot(Protocol):
+    buffer: StagingBuffer
+    broadcast: QueuedBroadcast | None
+
+
 class QueuedBroadcast(NamedTuple):
     """A slot's bucket being broadcast: for which version, to which group, the pending work.
 
@@ -52,7 +86,7 @@ class QueuedBroadcast(NamedTuple):
     that every receiver failed ends without waiting for its broadcasts): its failure then
     concerns its own version and group, never the new ones."""
 
-    run: Version
+    run: Run
     members: Members
     pending: PendingBroadcast
     payload: torch.Tensor | None = None
@@ -61,8 +95,9 @@ class QueuedBroadcast(NamedTuple):
 
 class SenderBroadcast:
     """Invites, connects and feeds the groups; ``cond`` is the sender's lock (see
-    ``outcomes.Shared``); ``registry`` says who gets broadcasts; a group that fails fails its
-    members in their version.
+    ``outcomes.Shared``); ``members_of`` says which of a version's receivers get broadcasts,
+    ``stream`` gives a receiver's stream by id; a group that fails fails its members in their
+    version.
 
     One group for the broadcast receivers that get the staged buckets, and one per slice group
     (``slices.py``: receivers that keep the same boxes get buckets of those boxes)."""
@@ -72,16 +107,17 @@ class SenderBroadcast:
         store_host: str,
         timeout_s: float,
         cond: threading.Condition,
-        registry: Registry,
+        members_of: Callable[[Run], list[str]],
+        stream: Callable[[str], Member],
         delta_bytes: int = 0,
     ) -> None:
         self._store_host, self._timeout_s = store_host, timeout_s
-        self._cond, self._registry = cond, registry
+        self._cond, self._members_of, self._stream = cond, members_of, stream
         self._bases = DeltaBases(delta_bytes) if delta_bytes else None
         """The last broadcast bytes of each bucket, to send the next as deltas (0: off)."""
         self._groups: dict[Members, BroadcastGroup | None] = {}
         """Each group by its members; None until built (or when it failed)."""
-        self._joined: dict[Members, tuple[ReceiverConn, ...]] = {}
+        self._joined: dict[Members, tuple[Member, ...]] = {}
         """Each group's members' streams (registrations) when it was hosted."""
         self._device: torch.device | None = None
         self._invited: list[tuple[Members, GroupSpec, object]] = []
@@ -91,16 +127,16 @@ class SenderBroadcast:
         group = self._groups.get(members)
         return group.spec.group_id if group else ""
 
-    def staged_members(self, run: Version) -> Members:
+    def staged_members(self, run: Run) -> Members:
         """The group of ``run``'s broadcast receivers in no slice group: they get the staged
         buckets (lock held)."""
-        return tuple(r for r in self._registry.broadcast_members(run) if r not in run.sliced)
+        return tuple(r for r in self._members_of(run) if r not in run.sliced)
 
-    def groups_of(self, run: Version) -> list[Members]:
+    def groups_of(self, run: Run) -> list[Members]:
         """The groups ``run`` needs: :meth:`staged_members`, then each slice group's."""
         return [m for m in (self.staged_members(run), *(g.members for g in run.slices)) if m]
 
-    def invite(self, run: Version, device: torch.device) -> None:
+    def invite(self, run: Run, device: torch.device) -> None:
         """Send each broadcast receiver of ``run`` its join message if its group must be
         (re)built (lock held). A rendezvous that cannot be hosted fails the group's members."""
         wanted = self.groups_of(run)
@@ -126,9 +162,9 @@ class SenderBroadcast:
                 conn.broadcast_failed = False
             self._invited.append((members, spec, store))
             for rank, rid in enumerate(members, start=1):
-                self._registry.receiver(rid).send(pb.Announcement(join=spec.join_message(rank)))
+                self._stream(rid).send(pb.Announcement(join=spec.join_message(rank)))
 
-    def connect(self, run: Version) -> None:
+    def connect(self, run: Run) -> None:
         """Build rank 0 of every invited group: blocks until each member joined (gloo), or
         fails them."""
         invited, self._invited = self._invited, []
@@ -139,24 +175,26 @@ class SenderBroadcast:
                 self._groups.pop(members, None)
                 self._fail(run, members, e)
 
-    def encode(self, run: Version, send: Send, slot: Slot) -> Encoded | None:
-        """The packed bucket in ``slot`` as a delta for its broadcast group, or None: its
-        own bytes. A delta needs every member to decode deltas and hold the bytes kept of
-        this bucket; a catch-up (``audience``) is sent, and kept, as it is."""
+    def encode(
+        self, run: Run, group: Group | None, bucket: Bucket, layout: pb.BucketLayout, slot: Slot
+    ) -> Encoded | None:
+        """The bucket packed in ``slot`` as a delta for its broadcast group (``group``, or
+        None: the staged buckets'), or None: its own bytes. A delta needs every member to
+        decode deltas and hold the bytes kept of this bucket; a catch-up (``audience``) is
+        sent, and kept, as it is."""
         if self._bases is None or run.audience is not None:
             return None
         with self._cond:
-            members = send.group.members if send.group else self.staged_members(run)
+            members = group.members if group else self.staged_members(run)
             held = {c.holds if c.deltas else 0 for c in self._streams(members)}
         if not members:
             return None  # nobody gets it by broadcast: nothing to keep it for
         base = held.pop() if len(held) == 1 else 0
-        packed = slot.buffer.tensor[: send.bucket.nbytes]
-        who = frozenset(members)
-        return self._bases.send(run.version, send.bucket, send.layout, packed, who, base)
+        packed = slot.buffer.tensor[: bucket.nbytes]
+        return self._bases.send(run.version, bucket, layout, packed, frozenset(members), base)
 
     def send(
-        self, run: Version, slot: Slot, nbytes: int, members: Members, delta: Encoded | None
+        self, run: Run, slot: Slot, nbytes: int, members: Members, delta: Encoded | None
     ) -> None:
         """Queue the broadcast of the slot's bucket (or its ``delta``) to ``members``' group;
         packing into the slot again waits for it (:meth:`finish`)."""
@@ -196,8 +234,8 @@ class SenderBroadcast:
             self._close(members)
         self._invited = []
 
-    def _streams(self, members: Members) -> tuple[ReceiverConn, ...]:
-        return tuple(self._registry.receiver(rid) for rid in members)
+    def _streams(self, members: Members) -> tuple[Member, ...]:
+        return tuple(self._stream(rid) for rid in members)
 
     def _close(self, members: Members) -> None:
         self._joined.pop(members, None)
@@ -205,7 +243,7 @@ class SenderBroadcast:
         if group is not None:
             group.close()
 
-    def _fail(self, run: Version, members: Members, error: TransportError) -> None:
+    def _fail(self, run: Run, members: Members, error: TransportError) -> None:
         with self._cond:
             active = set(run.active())
             for rid in members:
@@ -213,7 +251,7 @@ class SenderBroadcast:
                     run.fail(rid, error)
 
 
-def in_step(joined: tuple[ReceiverConn, ...], now: tuple[ReceiverConn, ...]) -> bool:
+def in_step(joined: tuple[Member, ...], now: tuple[Member, ...]) -> bool:
     """Whether a group whose members joined on the streams ``joined`` can carry a version to
     the streams ``now``: the same ones (a receiver that registered again may have left a
     transfer half done, and a new stream is a new process when it restarted), and none failed a
@@ -223,7 +261,7 @@ def in_step(joined: tuple[ReceiverConn, ...], now: tuple[ReceiverConn, ...]) -> 
     )
 
 
-def group_name(run: Version, members: Members) -> str:
+def group_name(run: Run, members: Members) -> str:
     """How errors name a broadcast group of ``run``: the staged buckets' group or a slice
     group, and its receivers."""
     which = next(

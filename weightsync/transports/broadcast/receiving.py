@@ -1,4 +1,4 @@
-"""The receiver's end of the broadcast data path: join the sender's group, land its buckets.
+"""The receiver's end of the broadcast path: join the sender's group, land its buckets.
 
 Buckets land in two buffers, alternating, so bucket i+1 arrives while bucket i is loaded. On
 CUDA the loads run on a side stream and the transfers are issued from a receive stream of
@@ -8,8 +8,7 @@ registered with several senders, behind reads of another sender's buffers that w
 sender's packing, which waits for this sender's peers: a cycle across GPUs that hangs.
 With deltas on (``receiver_delta_bytes``), a bucket's own bytes land in the buffer kept for
 its index instead, and a delta lands in a landing buffer and is applied onto it
-(:mod:`.kept_buckets`). The sender's end is :mod:`weightsync.sender.broadcast`; the group
-itself is :mod:`weightsync.transports.broadcast`.
+(:mod:`.kept`). The sender's end is :mod:`.sending`; the group itself :mod:`.group`.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ from contextlib import contextmanager
 import torch
 
 from weightsync.errors import TransportError, WeightSyncError
-from weightsync.receiver.kept_buckets import KeptBuckets
-from weightsync.transports.broadcast import BroadcastGroup, GroupSpec, PendingBroadcast
+from weightsync.transports.broadcast.group import BroadcastGroup, GroupSpec, PendingBroadcast
+from weightsync.transports.broadcast.kept import KeptBuckets
 from weightsync.v1 import weightsync_pb2 as pb
 
 
