@@ -116,7 +116,7 @@ def pytest_collection_modifyitems(config, items):
 
 def _suffix_nodeid(item, suffix: str) -> None:
     """What pytest-xdist's worker does for ``--dist loadgroup`` (3.8 sets ``item._nodeid``,
-    which pytest 9.2 no longer reads: its ids are ``NodeId``\ s in ``item._id``)."""
+    which pytest 9.2 no longer reads: its ids are ``NodeId`` objects in ``item._id``)."""
     if item.nodeid.endswith(suffix):
         return
     if hasattr(item, "_id"):

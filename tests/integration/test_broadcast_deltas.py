@@ -127,7 +127,7 @@ def test_a_changed_base_fails_its_version_before_any_write_and_the_next_is_full(
             assert apply([receiver], publisher, sent, version) == [version]
         held = {n: t.clone() for n, t in model.state_dict().items()}
         (link,) = receiver._links
-        link.broadcast.kept._kept[2].data[17] ^= 0xFF
+        link.broadcast.bases._kept[2].data[17] ^= 0xFF
         nudge(sent, 3)
         (failed,) = apply([receiver], publisher, sent, 3)
         assert isinstance(failed, WrongBaseError), failed

@@ -1,5 +1,5 @@
 """Deltas on the wire (protocol §5.1): the payload round trip, the checks made before any
-write, and the two ends' kept bytes (``weightsync/transports/broadcast/kept.py``)."""
+write, and the two ends' kept bytes (``weightsync/transports/broadcast/bases.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from weightsync.delta_wire import element_bytes, from_wire, to_wire
 from weightsync.deltas import checksum_of, decode, encode
 from weightsync.errors import ProtocolError, WrongBaseError
-from weightsync.transports.broadcast import DeltaBases, KeptBuckets
+from weightsync.transports.broadcast import AppliedBases, DeltaBases
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -102,7 +102,7 @@ def test_the_sender_keeps_no_more_than_its_bound():
 
 def test_the_receiver_refuses_a_delta_onto_bytes_that_changed_before_any_write():
     old, new = versions()
-    kept = KeptBuckets(1 << 20, torch.device("cpu"))
+    kept = AppliedBases(1 << 20, torch.device("cpu"))
     kept.arrive(1)
     kept.slot(0, old.numel()).copy_(old)
     assert kept.applied(pb.VersionEnd(version=1, checksums=[checksum_of(old)]))
@@ -117,7 +117,7 @@ def test_the_receiver_refuses_a_delta_onto_bytes_that_changed_before_any_write()
 
 def test_the_receiver_applies_a_delta_onto_what_it_kept_and_holds_the_result():
     old, new = versions()
-    kept = KeptBuckets(1 << 20, torch.device("cpu"))
+    kept = AppliedBases(1 << 20, torch.device("cpu"))
     kept.arrive(1)
     kept.slot(0, old.numel()).copy_(old)
     kept.applied(pb.VersionEnd(version=1, checksums=[checksum_of(old)]))

@@ -9,16 +9,17 @@
   each bucket queued on its slot and finished before the slot is packed again.
 - :mod:`.receiving`: the receiver's end: joins when told and lands buckets in two alternating
   buffers (or in the bytes it keeps, with deltas on).
-- :mod:`.kept`: what each end keeps so a bucket may cross as an exact delta (protocol §5.1).
+- :mod:`.bases`: the bytes each end holds as the base of the next delta, so a bucket may
+  cross as an exact delta (protocol §5.1).
 """
 
+from weightsync.transports.broadcast.bases import AppliedBases, DeltaBases, Encoded
 from weightsync.transports.broadcast.group import (
     BroadcastGroup,
     GroupSpec,
     PendingBroadcast,
     host_id,
 )
-from weightsync.transports.broadcast.kept import DeltaBases, Encoded, KeptBuckets
 from weightsync.transports.broadcast.receiving import BroadcastReceiver
 from weightsync.transports.broadcast.sending import (
     Members,
@@ -30,12 +31,12 @@ from weightsync.transports.broadcast.sending import (
 )
 
 __all__ = [
+    "AppliedBases",
     "BroadcastGroup",
     "BroadcastReceiver",
     "DeltaBases",
     "Encoded",
     "GroupSpec",
-    "KeptBuckets",
     "Members",
     "PendingBroadcast",
     "QueuedBroadcast",

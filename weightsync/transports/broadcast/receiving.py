@@ -8,7 +8,7 @@ registered with several senders, behind reads of another sender's buffers that w
 sender's packing, which waits for this sender's peers: a cycle across GPUs that hangs.
 With deltas on (``receiver_delta_bytes``), a bucket's own bytes land in the buffer kept for
 its index instead, and a delta lands in a landing buffer and is applied onto it
-(:mod:`.kept`). The sender's end is :mod:`.sending`; the group itself :mod:`.group`.
+(:mod:`.bases`). The sender's end is :mod:`.sending`; the group itself :mod:`.group`.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from contextlib import contextmanager
 import torch
 
 from weightsync.errors import TransportError, WeightSyncError
+from weightsync.transports.broadcast.bases import AppliedBases
 from weightsync.transports.broadcast.group import BroadcastGroup, GroupSpec, PendingBroadcast
-from weightsync.transports.broadcast.kept import KeptBuckets
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -29,9 +29,9 @@ class BroadcastReceiver:
 
     def __init__(self, device: torch.device, delta_bytes: int = 0) -> None:
         self.device = device
-        self.kept = KeptBuckets(delta_bytes, device) if delta_bytes else None
+        self.bases = AppliedBases(delta_bytes, device) if delta_bytes else None
         self.holds = 0
-        """The version whose broadcast buckets ``kept`` holds, as applied (0: none)."""
+        """The version whose broadcast buckets ``bases`` holds, as applied (0: none)."""
         self._group: BroadcastGroup | None = None
         self._join_error: TransportError | None = None
         """Why the last join failed (the sender times out and fails this receiver too)."""
@@ -46,18 +46,18 @@ class BroadcastReceiver:
     def landings(self) -> int:
         """Landing (and kept) buffers allocated so far: views of one stay valid, and may be
         kept across versions, while this is unchanged."""
-        return self._allocated + (self.kept.allocations if self.kept else 0)
+        return self._allocated + (self.bases.allocations if self.bases else 0)
 
     @property
     def failure(self) -> WeightSyncError | None:
         """Why the version of the bucket read last cannot apply here (a delta's base): its
         buckets still arrive, so the group stays in step, but none may be loaded."""
-        return self.kept.error if self.kept else None
+        return self.bases.error if self.bases else None
 
     def ended(self, end: pb.VersionEnd) -> None:
         """Raise :attr:`failure` if it is ``end``'s version's (before its end is checked)."""
-        if self.kept and self.kept.error and self.kept.version == end.version:
-            raise self.kept.error
+        if self.bases and self.bases.error and self.bases.version == end.version:
+            raise self.bases.error
 
     def join(self, join: pb.GroupJoin) -> None:
         """Join the group ``join`` names, leaving the previous one (runs on the pump thread)."""
@@ -96,30 +96,30 @@ class BroadcastReceiver:
                 f"{msg.group_id}, which this receiver did not join"
                 + (f" ({self._join_error})" if self._join_error else "")
             )
-        which, kept, delta = msg.layout.index % 2, self.kept, msg.HasField("delta")
+        which, bases, delta = msg.layout.index % 2, self.bases, msg.HasField("delta")
         self.holds, slot, fresh = 0, None, False
-        if kept is not None:
-            if kept.version != msg.version:
+        if bases is not None:
+            if bases.version != msg.version:
                 self.synchronize()  # a failed version's loads may still read kept buffers
-            kept.arrive(msg.version)
-            before = kept.allocations
-            slot = None if delta else kept.slot(msg.layout.index, msg.layout.nbytes)
-            fresh = kept.allocations != before
+            bases.arrive(msg.version)
+            before = bases.allocations
+            slot = None if delta else bases.slot(msg.layout.index, msg.layout.nbytes)
+            fresh = bases.allocations != before
         nbytes = msg.delta.nbytes if delta else msg.layout.nbytes
         landed, pending = self._receive(group, which, nbytes, slot, fresh)
         with self._loading(which, pending):
             if delta:
-                if kept is None:
+                if bases is None:
                     raise TransportError(
                         f"bucket {msg.layout.index} of version {msg.version} came as a delta, "
                         "which this receiver did not ask for (ReceiverHello.deltas)"
                     )
-                landed = kept.decode(msg, landed)
+                landed = bases.decode(msg, landed)
             yield landed
 
     def applied(self, end: pb.VersionEnd) -> None:
-        """The version ``end`` ends committed here: what it kept becomes the delta base."""
-        self.holds = end.version if self.kept and self.kept.applied(end) else 0
+        """The version ``end`` ends committed here: what landed becomes the next delta's base."""
+        self.holds = end.version if self.bases and self.bases.applied(end) else 0
 
     def _receive(
         self,

@@ -5,7 +5,7 @@ that get broadcasts; they are kept while their members, the members' streams and
 stay the same and no member failed a version by a transport error, and rebuilt otherwise
 (:func:`in_step`). A broadcast that fails fails its group's receivers, never the version:
 receivers that map the staging buffers, and the other groups, go on. With ``--delta-mb``, a
-bucket whose group holds its previous bytes goes as a delta (:class:`.kept.DeltaBases`).
+bucket whose group holds its previous bytes goes as a delta (:class:`.bases.DeltaBases`).
 
 Which receivers get broadcasts is the sender's to say (``members_of``); what this end needs of
 a version, a receiver's stream and a staging slot are the protocols below.
@@ -23,8 +23,8 @@ import torch
 from weightsync.buckets import Bucket
 from weightsync.errors import TransportError
 from weightsync.transports.base import StagingBuffer
+from weightsync.transports.broadcast.bases import DeltaBases, Encoded
 from weightsync.transports.broadcast.group import BroadcastGroup, GroupSpec, PendingBroadcast
-from weightsync.transports.broadcast.kept import DeltaBases, Encoded
 from weightsync.v1 import weightsync_pb2 as pb
 
 Members = tuple[str, ...]

@@ -9,7 +9,7 @@ the delta is smaller than the bucket (the codec chooses); else in full. They liv
 bucket was staged (the staging GPU, or host memory for CPU staging), so diffing reads no host
 copy. Only the sender's driver thread calls it (no lock).
 
-The receiver (:class:`KeptBuckets`) keeps each broadcast bucket's bytes as last applied. A
+The receiver (:class:`AppliedBases`) keeps each broadcast bucket's bytes as last applied. A
 bucket's own bytes land straight in its kept buffer (no copy); a delta lands in a landing
 buffer and is applied onto the kept bytes in place (:func:`~weightsync.deltas.decode` checks
 the base's checksum and the result's). Once the version commits, the receiver says it holds it
@@ -120,7 +120,7 @@ class _Kept:
     checksum: int = 0
 
 
-class KeptBuckets:
+class AppliedBases:
     """Each broadcast bucket's last applied bytes on ``device``, ``limit`` bytes in all."""
 
     def __init__(self, limit: int, device: torch.device) -> None:
