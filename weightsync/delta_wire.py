@@ -64,7 +64,8 @@ def from_wire(msg: pb.BucketDelta, payload: torch.Tensor, nbytes: int, bucket: s
     head = payload[: count * 4].view(torch.int32)
     if msg.form == "indices":
         values = payload[count * 4 :].view(_UNITS[unit])
-        if count and (int(head.min()) < 0 or int(head.max()) >= nbytes // unit):
+        low, high = _host(head.min(), head.max()) if count else (0, 0)
+        if low < 0 or high >= nbytes // unit:
             raise _bad(bucket, "an element index outside the bucket")
         parts: tuple[torch.Tensor, ...] = (head, values)
     else:
@@ -72,12 +73,10 @@ def from_wire(msg: pb.BucketDelta, payload: torch.Tensor, nbytes: int, bucket: s
             raise _bad(bucket, f"{size} payload bytes cannot hold {count} run(s)")
         lengths = payload[count * 4 : count * 8].view(torch.int32)
         words = payload[count * 8 :].view(torch.int32)
-        if count and (
-            int(lengths.sum()) != words.numel()
-            or int(head.min()) < 0
-            or int(lengths.min()) < 1
-            or int((head.long() + lengths.long()).max()) > nbytes // 4
-        ):
+        if count:
+            ends = head.long() + lengths.long()
+            total, low, shortest, end = _host(lengths.sum(), head.min(), lengths.min(), ends.max())
+        if count and (total != words.numel() or low < 0 or shortest < 1 or end > nbytes // 4):
             raise _bad(bucket, "XOR runs that do not fit the bucket or its words")
         if not count and words.numel():
             raise _bad(bucket, "XOR words without runs")
@@ -92,6 +91,11 @@ def from_wire(msg: pb.BucketDelta, payload: torch.Tensor, nbytes: int, bucket: s
         unit,
         parts,
     )
+
+
+def _host(*values: torch.Tensor) -> list[int]:
+    """Scalars of the payload on the host, in one copy (one sync on CUDA)."""
+    return torch.stack([v.long() for v in values]).tolist()
 
 
 def _bad(bucket: str, what: str) -> ProtocolError:

@@ -18,6 +18,10 @@ exactly. A delta carries the version it was made from, the checksum of those byt
 result (:mod:`weightsync.checksum`'s algorithm): :func:`decode` refuses other bytes
 (:class:`~weightsync.errors.WrongBaseError`, naming the bucket; the receiver then needs full
 bytes) before writing anything, and checks the result it wrote.
+
+Both ends run in a few whole-tensor torch ops on the bucket's device (:mod:`weightsync.
+delta_scan`): on CUDA one sync to size the payload when encoding and one to check the result
+when decoding; on CPU two passes over the bucket beside the checksums.
 """
 
 from __future__ import annotations
@@ -27,15 +31,14 @@ from typing import Literal
 
 import torch
 
+from weightsync import delta_scan
 from weightsync.buckets import ALIGNMENT_BYTES
-from weightsync.checksum import finish, row_sums
+from weightsync.delta_scan import GAP_WORDS, UNITS, Scan, checksum_of, covered_words
 from weightsync.errors import ChecksumError, ConfigError, WrongBaseError
 
+__all__ = ["GAP_WORDS", "Delta", "Sizes", "checksum_of", "decode", "encode", "sizes"]
+
 Kind = Literal["indices", "xor", "full"]
-GAP_WORDS = 2
-"""Zero words kept inside an XOR run rather than starting a new one (a run costs 8 bytes)."""
-_UNITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-"""The integer dtype of each element size the ``indices`` form compares and carries."""
 
 
 @dataclass(frozen=True)
@@ -80,21 +83,16 @@ class Sizes:
         return best[0] if best[1] < self.full else "full"  # type: ignore[return-value]
 
 
-def checksum_of(data: torch.Tensor) -> int:
-    """The bucket checksum of ``data``'s bytes."""
-    flat = _bytes(data)
-    return finish(row_sums(flat, flat.numel()), flat.numel())
-
-
 @torch.no_grad()
 def sizes(previous: torch.Tensor, new: torch.Tensor, element_bytes: int | None = None) -> Sizes:
-    """The cost of each form of the delta from ``previous`` to ``new`` (one pass over each).
+    """The cost of each form of the delta from ``previous`` to ``new``.
 
     Raises:
         ConfigError: sizes that differ, a length not a multiple of 256 (buckets are), an
             element size other than 1, 2 or 4.
     """
-    return _measured(*_checked(previous, new, element_bytes, "a delta"))[0]
+    old, cur, unit = _checked(previous, new, element_bytes, "a delta")
+    return _sizes(_scan(old, cur, unit), cur.numel(), unit)
 
 
 @torch.no_grad()
@@ -115,24 +113,16 @@ def encode(
         ConfigError: as :func:`sizes` does, naming ``bucket``.
     """
     old, cur, unit = _checked(previous, new, element_bytes, bucket)
-    cost, changed, starts, lengths = _measured(old, cur, unit)
-    if cost.kind == "indices":
-        where = torch.nonzero(changed).flatten()
-        parts: tuple[torch.Tensor, ...] = (where.to(torch.int32), cur.view(_UNITS[unit])[where])
-    elif cost.kind == "xor":
-        words = old.view(torch.int32) ^ cur.view(torch.int32)
-        parts = (starts, lengths, words[_covered(starts, lengths, words.numel())])
+    scan = _scan(old, cur, unit)
+    kind = _sizes(scan, cur.numel(), unit).kind
+    if kind == "indices":
+        parts: tuple[torch.Tensor, ...] = scan.indices()
+    elif kind == "xor":
+        parts = scan.xor()
     else:
         parts = (cur.clone(),)
     return Delta(
-        bucket,
-        cost.kind,
-        base_version,
-        checksum_of(old),
-        checksum_of(cur),
-        cur.numel(),
-        unit,
-        parts,
+        bucket, kind, base_version, scan.base_checksum, scan.checksum, cur.numel(), unit, parts
     )
 
 
@@ -160,12 +150,12 @@ def decode(
         _check_base(delta, out, base_version, base_checksum)
     if delta.kind == "indices":
         indices, values = delta.parts
-        out.view(_UNITS[delta.element_bytes])[indices.long()] = values
+        out.view(UNITS[delta.element_bytes]).index_put_((indices,), values)
     elif delta.kind == "xor":
         starts, lengths, words = delta.parts
         target = out.view(torch.int32)
-        covered = _covered(starts, lengths, target.numel())
-        target[covered] = target[covered] ^ words
+        at = covered_words(starts, lengths, words.numel())
+        target.index_put_((at,), target.index_select(0, at) ^ words)
     else:
         out.copy_(delta.parts[0])
     got = checksum_of(out)
@@ -197,6 +187,16 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _scan(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
+    """The scan suited to the device: on a GPU whole-bucket masks cost little beside a host
+    round trip; on a CPU each pass over the bucket costs."""
+    return (delta_scan.dense if cur.is_cuda else delta_scan.sparse)(old, cur, unit)
+
+
+def _sizes(scan: Scan, nbytes: int, unit: int) -> Sizes:
+    return Sizes(scan.changed * (4 + unit), scan.runs * 8 + scan.covered * 4, nbytes, scan.changed)
+
+
 def _checked(
     previous: torch.Tensor, new: torch.Tensor, element_bytes: int | None, bucket: str
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -207,43 +207,16 @@ def _checked(
             f"{bucket}: a delta needs two versions of one bucket, got {old.numel()} bytes on "
             f"{old.device} and {cur.numel()} on {cur.device}"
         )
-    if cur.numel() % ALIGNMENT_BYTES or unit not in _UNITS:
+    if cur.numel() % ALIGNMENT_BYTES or unit not in UNITS:
         raise ConfigError(
             f"{bucket}: deltas take buckets of a multiple of {ALIGNMENT_BYTES} bytes in "
             f"elements of 1, 2 or 4 bytes, not {cur.numel()} bytes of {unit}"
         )
     if cur.numel() // unit >= 2**31:
         raise ConfigError(f"{bucket}: {cur.numel() // unit} elements exceed int32 indices")
+    if old.storage_offset() % 8 or cur.storage_offset() % 8:
+        raise ConfigError(
+            f"{bucket}: deltas compare 64-bit words: the bytes must start 8-byte aligned, not "
+            f"at offsets {old.storage_offset()} and {cur.storage_offset()}"
+        )
     return old, cur, unit
-
-
-def _measured(
-    old: torch.Tensor, cur: torch.Tensor, unit: int
-) -> tuple[Sizes, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The sizes, the mask of changed elements and the XOR form's runs."""
-    changed = old.view(_UNITS[unit]) != cur.view(_UNITS[unit])
-    count = int(torch.count_nonzero(changed))  # a sum of bools widens to int64: 7x slower
-    starts, lengths = _run_bounds(old.view(torch.int32) != cur.view(torch.int32))
-    xor = starts.numel() * 8 + int(lengths.sum()) * 4
-    return Sizes(count * (4 + unit), xor, old.numel(), count), changed, starts, lengths
-
-
-def _run_bounds(nonzero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int32 starts and lengths of the runs covering ``nonzero``'s words, a run going on
-    across gaps of up to :data:`GAP_WORDS` zero words."""
-    at = torch.nonzero(nonzero).flatten()
-    if not at.numel():
-        empty = torch.zeros(0, dtype=torch.int32, device=nonzero.device)
-        return empty, empty
-    new_run = (at[1:] - at[:-1]) > GAP_WORDS + 1
-    first = torch.cat([at[:1], at[1:][new_run]])
-    last = torch.cat([at[:-1][new_run], at[-1:]])
-    return first.to(torch.int32), (last - first + 1).to(torch.int32)
-
-
-def _covered(starts: torch.Tensor, lengths: torch.Tensor, words: int) -> torch.Tensor:
-    """The words the runs cover, as a mask."""
-    marks = torch.zeros(words + 1, dtype=torch.int32, device=starts.device)
-    marks.index_add_(0, starts.long(), torch.ones_like(starts))
-    marks.index_add_(0, (starts + lengths).long(), -torch.ones_like(starts))
-    return marks.cumsum(0)[:-1] > 0

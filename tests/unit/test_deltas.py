@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.deltas import GAP_WORDS, decode, encode, sizes
+from weightsync.deltas import GAP_WORDS, Delta, checksum_of, decode, encode, sizes
 from weightsync.errors import ChecksumError, ConfigError, WrongBaseError
 
 ELEMENTS = 1 << 16  # a 128 KiB bf16 bucket
@@ -172,3 +172,79 @@ def test_the_bench_rows_are_exact_and_pick_the_form_the_changes_call_for(capsys)
     assert rows["synthetic 0.01 scattered"]["kinds"] == {"indices": 1}
     assert rows["synthetic 0.01 whole rows"]["kinds"] == {"xor": 1}
     assert all(r["bit_exact"] for r in rows.values())
+
+
+def _patterned(pattern: str, dtype: torch.dtype, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two versions of a bucket of ``nbytes`` in ``dtype`` changed in ``pattern``."""
+    g = torch.Generator().manual_seed(len(pattern) + nbytes)
+    previous = torch.randint(-(2**31), 2**31 - 1, (nbytes // 4,), generator=g, dtype=torch.int32)
+    new = previous.clone()
+    words = nbytes // 4
+    if pattern == "scattered":
+        at = torch.randperm(words, generator=g)[: max(1, words // 40)]
+    elif pattern == "gaps":  # consecutive changed words 1..5 apart: runs join and split
+        at = torch.cumsum(torch.randint(1, 6, (words // 4,), generator=g), 0)
+        at = at[at < words]
+    elif pattern == "clustered":
+        at = torch.arange(words // 3, words // 3 + words // 4)
+    elif pattern == "all":
+        at = torch.arange(words)
+    else:
+        at = torch.zeros(0, dtype=torch.long)
+    new[at] ^= torch.randint(1, 2**16, (at.numel(),), generator=g, dtype=torch.int32) << (
+        16 * (at % 2)  # one half or the other of each word, or for bytes one of its bytes
+    ).to(torch.int32)
+    new[at[::7]] ^= -1  # and some whole words
+    return previous.view(dtype), new.view(dtype)
+
+
+@pytest.mark.parametrize("pattern", ["none", "scattered", "gaps", "clustered", "all"])
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.int32]
+)
+@pytest.mark.parametrize("nbytes", [256, 768, 256 * 37])
+def test_the_gpu_scan_and_the_cpu_scan_give_the_same_delta_bit_for_bit(pattern, dtype, nbytes):
+    """Encoding takes whole-bucket masks on CUDA (``delta_scan.dense``) and the changed words
+    alone on CPU (``delta_scan.sparse``): here both run on CPU, on odd sizes, every element
+    size and every kind of change, and agree on the sizes, the checksums and every part."""
+    from weightsync import delta_scan
+
+    previous, new = _patterned(pattern, dtype, nbytes)
+    old, cur = previous.view(torch.uint8), new.view(torch.uint8)
+    unit = new.element_size()
+    scans = [delta_scan.sparse(old, cur, unit), delta_scan.dense(old, cur, unit)]
+    changed = int((previous != new).sum()) if dtype.is_floating_point is False else None
+    for scan in scans:
+        assert (scan.base_checksum, scan.checksum) == (checksum_of(old), checksum_of(cur))
+        if changed is not None:
+            assert scan.changed == changed
+    fields = [(s.changed, s.runs, s.covered) for s in scans]
+    assert fields[0] == fields[1]
+    for form in ("indices", "xor"):
+        sparse_parts, dense_parts = (getattr(s, form)() for s in scans)
+        for a, b in zip(sparse_parts, dense_parts, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        delta = Delta("b", form, 1, scans[0].base_checksum, scans[0].checksum, nbytes, unit,
+                      sparse_parts)  # fmt: skip
+        held = previous.clone()
+        decode(delta, held, base_version=1)
+        assert _same_bits(held, new)
+    delta = encode(previous, new, base_version=1, bucket="b")
+    if pattern == "none":
+        assert (delta.kind, delta.payload_bytes) == ("indices", 0)
+    if pattern == "all":
+        assert delta.kind == "full"
+    held = previous.clone()
+    decode(delta, held, base_version=1)
+    assert _same_bits(held, new)
+
+
+def test_bytes_that_do_not_start_8_byte_aligned_are_refused_naming_the_bucket():
+    previous, new = _patterned("gaps", torch.bfloat16, 1024 + 16)
+    old, cur = previous.view(torch.uint8), new.view(torch.uint8)
+    delta = encode(old[8:-8], cur[8:-8], base_version=2, bucket="b", element_bytes=2)
+    held = old[8:-8].clone()
+    decode(delta, held, base_version=2)
+    assert torch.equal(held, cur[8:-8])
+    with pytest.raises(ConfigError, match="b: deltas compare 64-bit words"):
+        encode(old[4:-12], cur[4:-12], base_version=2, bucket="b")

@@ -189,7 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=4, help="versions after the first")
     p.add_argument("--bucket-size-mb", type=int, default=64)
     p.add_argument("--delta-mb", type=int, default=1024)
+    p.add_argument("--gpus", type=int, default=0, help="NCCL from GPU 0 to GPUs 1..N-1")
+    p.add_argument("--layers", type=int, default=None, help="with --gpus: default all")
+    p.add_argument("--changed", type=float, nargs="*", default=[], help="--gpus: not Adam")
     args = p.parse_args(argv)
+    if args.gpus:
+        return _main_gpu(args)
     rows = both_modes(args.model, args.steps, args.bucket_size_mb, args.delta_mb)
     _, sent, med = medians(rows)
     print(
@@ -200,6 +205,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(json.dumps([asdict(r) for r in rows]))
     return 0 if all(r.bit_exact for r in rows) else 1
+
+
+def _main_gpu(args: argparse.Namespace) -> int:
+    """The Adam chain of the model (or ``--layers`` of it), or each ``--changed`` fraction's
+    synthetic chain, over NCCL; a medians line per chain, then one JSON line of every row."""
+    from weightsync.app.bench import broadcast_deltas_gpu as gpu
+
+    model, layers, out = args.model, args.layers, {}
+    steps = gpu.fitting_steps(model, layers, args.steps, args.delta_mb)
+    for changed in args.changed or [None]:
+        what = gpu.describe(model, layers, changed, args.gpus)
+        print(f"{what}: {steps} version(s) after the first", flush=True)
+        rows = gpu.both_modes_gpu(
+            model, layers, steps, args.gpus, args.bucket_size_mb, args.delta_mb, changed
+        )
+        print(gpu.medians_line(rows, what), flush=True)
+        out[what] = rows
+    print(json.dumps({w: [asdict(r) for r in rows] for w, rows in out.items()}))
+    return 0 if all(r.bit_exact for rows in out.values() for r in rows) else 1
 
 
 if __name__ == "__main__":

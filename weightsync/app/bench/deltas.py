@@ -12,8 +12,8 @@ less). Synthetic: one bf16 bucket with a fraction of its values moved by one bf1
 random places, and with whole rows moved (clustered, where the XOR form wins).
 
 Every delta is decoded onto the previous bytes and checked bit for bit. Times are this
-machine's, for encoding and decoding on ``--device``; the wire is not involved (the codec is
-not in the data path yet).
+machine's, for encoding and decoding on ``--device`` (``cuda``: the GPU scan); the wire is not
+involved (``broadcast_deltas`` measures it).
 
 Run alone: ``python -m weightsync.app.bench.deltas`` (prints the rows and one JSON line).
 """
@@ -110,12 +110,16 @@ def measure(
                 pack_entry(buffer, entry, tensors[entry.name])
             bucket.zero_gaps(buffer)  # as the sender packs: the bytes are the tensors' alone
         n, name = bucket.nbytes, f"bucket {bucket.index}"
+        _settle(device)
         start = time.perf_counter()
         d = encode(old_buf[:n], new_buf[:n], base_version=1, bucket=name, element_bytes=2)
+        _settle(device)
         encode_s += time.perf_counter() - start
         held = old_buf[:n].clone()
+        _settle(device)
         start = time.perf_counter()
         decode(d, held, base_version=1, base_checksum=d.base_checksum)
+        _settle(device)
         decode_s += time.perf_counter() - start
         exact &= torch.equal(held, new_buf[:n])
         full, delta, kinds[d.kind] = full + n, delta + d.payload_bytes, kinds[d.kind] + 1
@@ -123,6 +127,12 @@ def measure(
     return DeltaRow(
         case, full, delta, changed / (full // 2), dict(kinds), encode_s, decode_s, exact
     )
+
+
+def _settle(device: torch.device) -> None:
+    """Wait for the device's queued work (CUDA ops return before they ran)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def synthetic(
@@ -174,7 +184,8 @@ def summary(row: DeltaRow) -> str:
     return (
         f"{row.case}: {row.changed:.2%} of values changed; {row.full_bytes / 1e6:.1f} MB full, "
         f"{row.delta_bytes / 1e6:.2f} MB as deltas ({row.ratio:.4f}x; buckets: {kinds}); "
-        f"encode {row.encode_s:.2f} s, decode {row.decode_s:.2f} s; bit-exact {row.bit_exact}"
+        f"encode {row.encode_s * 1e3:.1f} ms, decode {row.decode_s * 1e3:.1f} ms; bit-exact "
+        f"{row.bit_exact}"
     )
 
 

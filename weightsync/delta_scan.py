@@ -1,0 +1,165 @@
+"""How one bucket's new bytes differ from its previous ones (:mod:`weightsync.deltas`' scan):
+the sizes of each delta form and the parts of the one chosen, in a few whole-tensor torch ops,
+no Python per element or run. Two ways to the same parts, bit for bit:
+
+- :func:`sparse` (CPU): compare 8-byte words, then work on the changed ones only. On CPU every
+  pass over the bucket costs; here there are two (the comparison and the ``nonzero`` of its
+  mask), the rest touches only the changed words (under a tenth of them for an Adam step at
+  lr 1e-6). Twice the speed of comparing elements and words apart.
+- :func:`dense` (CUDA): the sizes from masks of the whole bucket (cheap passes on a GPU), the
+  checksums beside them, and one copy to the host for all of them: the only sync, the one that
+  sizes the payload. The parts then come from ``nonzero_static`` of the known sizes (no sync).
+
+The XOR form's runs follow from the positions of the changed 32-bit words: consecutive changed
+words ``d`` apart share a run when ``d <= GAP_WORDS + 1`` (the ``d - 1`` zero words between
+them travel inside it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from weightsync.checksum import finish, row_sums
+
+GAP_WORDS = 2
+"""Zero words kept inside an XOR run rather than starting a new one (a run costs 8 bytes)."""
+UNITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+"""The integer dtype of each element size the ``indices`` form compares and carries."""
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What a delta from ``old`` to ``new`` would carry, and how to build its parts."""
+
+    changed: int
+    """Elements that differ."""
+    runs: int
+    """XOR runs."""
+    covered: int
+    """32-bit words inside the runs."""
+    base_checksum: int
+    checksum: int
+    indices: Callable[[], tuple[torch.Tensor, torch.Tensor]]
+    """The ``indices`` form's parts: int32 flat indices, the new values."""
+    xor: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+    """The ``xor`` form's parts: int32 starts, int32 lengths, int32 words."""
+
+
+def checksum_of(data: torch.Tensor) -> int:
+    """The bucket checksum of ``data``'s bytes (flat uint8)."""
+    return finish(row_sums(data, data.numel()), data.numel())
+
+
+def sparse(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
+    """The scan of two flat uint8 tensors (8-byte aligned, of a length that is a multiple of
+    256), through the changed 8-byte words."""
+    wo, wc = old.view(torch.int64), cur.view(torch.int64)
+    at = torch.nonzero(wo != wc).flatten()  # the changed wide words
+    new = wc.index_select(0, at)
+    x = wo.index_select(0, at) ^ new
+    per, halves = 8 // unit, 2
+    element = x.view(UNITS[unit]) != 0  # each changed word's elements, changed or not
+    nonzero_words = torch.nonzero(x.view(torch.int32) != 0).flatten()
+    positions = _spread(at, nonzero_words, halves)  # of the changed 32-bit words
+    runs, covered = _run_sizes(positions)
+
+    def indices() -> tuple[torch.Tensor, torch.Tensor]:
+        picked = torch.nonzero(element).flatten()
+        values = new.view(UNITS[unit]).index_select(0, picked)
+        return _spread(at, picked, per).to(torch.int32), values
+
+    def xor() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        values = x.view(torch.int32).index_select(0, nonzero_words)
+        return _xor_parts(positions, values, runs, covered)
+
+    changed = int(torch.count_nonzero(element))
+    return Scan(changed, runs, covered, checksum_of(old), checksum_of(cur), indices, xor)
+
+
+def dense(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
+    """The scan of two flat uint8 tensors through masks of the whole of them, with one copy to
+    the host (the sizes and both checksums together)."""
+    wo, wc = old.view(torch.int32), cur.view(torch.int32)
+    words = wo != wc
+    element = words if unit == 4 else old.view(UNITS[unit]) != cur.view(UNITS[unit])
+    counts = [torch.count_nonzero(element), torch.count_nonzero(words)]
+    n = words.numel()
+    # ``alone[i]``: word i changed and the d - 1 words after it did not; with word i + d
+    # changed too, the two are consecutive changed words d apart.
+    alone = words[: n - 1]
+    for d in range(1, GAP_WORDS + 2):
+        counts.append(torch.count_nonzero(alone[: n - d] & words[d:]))
+        alone = alone[: n - d - 1] & ~words[d : n - 1]
+    nbytes = old.numel()
+    sums = torch.cat([torch.stack(counts), row_sums(old, nbytes), row_sums(cur, nbytes)])
+    got = sums.tolist()  # the one sync
+    changed, nonzero, near = got[0], got[1], got[2 : 3 + GAP_WORDS]
+    runs = nonzero - sum(near)  # each pair of consecutive changed words <= GAP+1 apart joins
+    covered = nonzero + sum((d - 1) * k for d, k in enumerate(near, 1))  # and the d - 1 between
+    base, checksum = (
+        finish(torch.tensor(got[i : i + 2]), nbytes) for i in (3 + GAP_WORDS, 5 + GAP_WORDS)
+    )
+
+    def indices() -> tuple[torch.Tensor, torch.Tensor]:
+        picked = torch.nonzero_static(element, size=changed).flatten()
+        return picked.to(torch.int32), cur.view(UNITS[unit])[picked]
+
+    def xor() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        positions = torch.nonzero_static(words, size=nonzero).flatten()
+        values = wo[positions] ^ wc[positions]
+        return _xor_parts(positions, values, runs, covered)
+
+    return Scan(changed, runs, covered, base, checksum, indices, xor)
+
+
+def covered_words(starts: torch.Tensor, lengths: torch.Tensor, covered: int) -> torch.Tensor:
+    """The positions of the ``covered`` words the runs cover, in order (no sync)."""
+    offsets = torch.cumsum(lengths, 0, dtype=torch.int64) - lengths
+    first = torch.repeat_interleave(starts - offsets, lengths.long(), output_size=covered)
+    return first + torch.arange(covered, device=starts.device)
+
+
+def _spread(at: torch.Tensor, picked: torch.Tensor, per: int) -> torch.Tensor:
+    """Flat positions, in units ``per`` to a wide word, of the ``picked`` units of the wide
+    words at ``at`` (``picked`` counts units through ``at``'s words, in order)."""
+    shift = per.bit_length() - 1  # per is a power of two: shifts, not slow integer division
+    return (at.index_select(0, picked >> shift) << shift) | (picked & (per - 1))
+
+
+def _run_sizes(positions: torch.Tensor) -> tuple[int, int]:
+    """Runs and covered words of changed 32-bit words at ``positions`` (ascending)."""
+    if not positions.numel():
+        return 0, 0
+    gaps = positions[1:] - positions[:-1]
+    joined = gaps <= GAP_WORDS + 1
+    return positions.numel() - int(torch.count_nonzero(joined)), positions.numel() + int(
+        ((gaps - 1) * joined).sum()
+    )
+
+
+def _xor_parts(
+    positions: torch.Tensor, values: torch.Tensor, runs: int, covered: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The runs' starts, lengths and words (zero between changed words) of the changed words
+    ``values`` at ``positions`` (ascending), ``runs`` runs covering ``covered`` words."""
+    device = positions.device
+    if not runs:
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return empty, empty, empty
+    apart = (positions[1:] - positions[:-1]) > GAP_WORDS + 1
+    if device.type == "cuda":
+        breaks = torch.nonzero_static(apart, size=runs - 1).flatten() + 1
+    else:  # nonzero_static is several times slower than nonzero on CPU
+        breaks = torch.nonzero(apart).flatten() + 1
+    head = torch.zeros(1, dtype=breaks.dtype, device=device)
+    first = positions[torch.cat([head, breaks])]
+    last = positions[torch.cat([breaks - 1, head + positions.numel() - 1])]
+    lengths = last - first + 1
+    offsets = torch.cumsum(lengths, 0) - lengths
+    run = torch.cat([head, torch.cumsum(apart, 0)])  # each changed word's run
+    words = torch.zeros(covered, dtype=torch.int32, device=device)
+    words[positions - first[run] + offsets[run]] = values
+    return first.to(torch.int32), lengths.to(torch.int32), words
