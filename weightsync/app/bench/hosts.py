@@ -1,21 +1,22 @@
 """The hosts case of ``weightsync bench --hosts`` (issue 12): a trainer spanning two hosts.
 
-The devices of this machine play two hosts, told apart by ``WEIGHTSYNC_HOST_ID``: GPUs
-0..N/2-1 are host a, the rest host b (on CPU: one receiver process per host). Trainer PP=2:
-the publisher process on each host's first device holds its pipeline stage's HF tensors
-(layers 0..L/2-1 with the embedding; the rest with the final norm and ``lm_head``), the
-split :func:`~weightsync.parts.plan_parts` makes. Engines TP=1: a receiver process per
-device. Measured in one run:
+The devices of this machine play two hosts, told apart by ``WEIGHTSYNC_HOST_ID``: the first
+half of the engines is host a, the rest host b (GPUs 0..N/2-1 and N/2..N-1; on CPU N receiver
+processes). Trainer PP=2: the publisher process on each host's first device holds its
+pipeline stage's HF tensors (layers 0..L/2-1 with the embedding; the rest with the final norm
+and ``lm_head``), the split :func:`~weightsync.parts.plan_parts` makes. Engines TP=1: a
+receiver process per device. Measured in one run:
 
 - **two senders**: a sender process per host, both sending their stage's part at once; every
   receiver is registered with both, maps its own host's part and gets the other's by
-  broadcast (NCCL on CUDA, gloo on CPU);
+  broadcast (NCCL on CUDA, gloo on CPU): each sender broadcasts its part once, to a group of
+  the other host's receivers (each sender's Status says every receiver's data path);
 - **one sender**: host a's sender sends every tensor from one publisher holding the whole
   model on host a's first device; host b's receivers get all of it by broadcast;
-- the floor beside them: one broadcast of the same bytes between two devices
-  (``floors.broadcast``, two processes): what the model costs to cross to the other host
-  once. On one machine the "hosts" share NVLink, not NICs: the two-sender case shows that
-  both senders work at once, not a network's numbers.
+- the floors beside them: one broadcast of the model's bytes, and of the larger part's (the
+  issue 32 target's), between two devices (``floors.broadcast``, two processes). On one
+  machine the "hosts" share NVLink, not NICs: a host's second GPU takes its own host's part
+  from the first over the same links as the other host's part, which real hosts' NICs do not.
 
 A version's time: from the first part's start to the last part's end (every receiver
 applied it), by the senders' clocks (``started_at_unix_s + complete_s`` of each part; one
@@ -59,18 +60,38 @@ class HostsRun:
     transport: str
     engine_tp: int = 1
     broadcast_bytes: tuple[int, int] = (0, 0)
-    """Bytes broadcast across the hosts in the last version (two senders, one sender)."""
+    """Bytes the senders broadcast in the last version, once per group and bucket
+    (``VersionStatus.broadcast_bytes`` summed over the parts; two senders, one sender)."""
+    received_bytes: tuple[int, int] = (0, 0)
+    """Bytes the receivers took by broadcast in the last version, each receiver counted
+    (``route_bytes["broadcast"]``; two senders, one sender)."""
+    paths: tuple[dict[str, dict[str, str]], ...] = ()
+    """Per case (two senders, one sender): each sender host's Status, receiver id -> data
+    path ("map" or "broadcast")."""
+    part_broadcast_s: tuple[float, ...] = ()
+    """One broadcast of the larger part between two devices: issue 32's floor for two
+    senders."""
 
     def rows(self) -> list[Row]:
         layout = "PP=2 over 2 hosts"
         placement = f"2 hosts: {len(self.devices)} engines" + (
             f" TP={self.engine_tp}" if self.engine_tp > 1 else ""
         )
-        cross_two, cross_one = self.broadcast_bytes
+        (wire_two, wire_one), (into_two, into_one) = self.broadcast_bytes, self.received_bytes
         a, b = (n / 1e9 for n in self.part_bytes)
         transport = self.transport
+        part = max(self.part_bytes)
         return [
             Row(FLOOR, HOSTS_FLOOR, transport, layout, placement, self.nbytes, self.broadcast_s),
+            Row(
+                FLOOR,
+                f"{HOSTS_FLOOR} of a part",
+                transport,
+                layout,
+                placement,
+                part,
+                self.part_broadcast_s,
+            ),
             Row(
                 WEIGHTSYNC,
                 "two senders",
@@ -81,7 +102,8 @@ class HostsRun:
                 self.two_senders_s,
                 bit_exact=self.bit_exact,
                 note=f"a sender per host, at once: parts {a:.2f} + {b:.2f} GB; "
-                f"{cross_two:,} bytes broadcast",
+                f"{_ratio(self.two_senders_s, self.part_broadcast_s)} one broadcast of a part; "
+                f"{wire_two:,} bytes broadcast, {into_two:,} received",
                 failed=not self.bit_exact,
             ),
             Row(
@@ -93,10 +115,17 @@ class HostsRun:
                 self.nbytes,
                 self.one_sender_s,
                 bit_exact=self.bit_exact,
-                note=f"host a's sender sends everything; {cross_one:,} bytes broadcast",
+                note=f"host a's sender sends everything; {wire_one:,} bytes broadcast, "
+                f"{into_one:,} received",
                 failed=not self.bit_exact,
             ),
         ]
+
+
+def _ratio(times: tuple[float, ...], floor: tuple[float, ...]) -> str:
+    if not times or not floor:
+        return "-"
+    return f"{statistics.median(times) / statistics.median(floor):.2f}x"
 
 
 def stage_of(name: str, layers: int) -> int:
@@ -175,18 +204,22 @@ def _publish(tensors, order, device, host, address, part, timeout_s, commands, o
                 torch.cuda.synchronize(device)
             result = publisher.publish(tensors, version, wait=True, timeout_s=timeout_s, part=part)
             s = result.status
-            out.put(("published", host, s.started_at_unix_s, s.complete_s, dict(s.route_bytes)))
+            crossed = (s.broadcast_bytes, s.route_bytes["broadcast"])
+            out.put(("published", host, s.started_at_unix_s, s.complete_s, crossed))
+        paths = {r.receiver_id: r.data_path for r in publisher.status().receivers}
+        out.put(("paths", host, paths))
 
 
 def _receiver_main(
-    shape, device_name, host, rank, engine_tp, addresses, versions, timeout_s, out
+    shape, device_name, host, index, engine_tp, addresses, versions, timeout_s, out
 ) -> None:
     from weightsync.receiver.core import ReceiverCore
 
     device, specs, order = _as_host(host, device_name, shape)
+    rank = index % engine_tp
     target = EngineLikeTarget(EngineLikeModel(shape, device, tp=engine_tp, rank=rank))
     expected = _tensors(specs, device)
-    receiver = ReceiverCore(target, addresses, receiver_id=f"{host}-{device_name}")
+    receiver = ReceiverCore(target, addresses, receiver_id=f"{host}-{index}-{device_name}")
     out.put(("ready", device_name))
     for _ in range(versions):
         version = receiver.sync(timeout=timeout_s)
@@ -213,7 +246,8 @@ def _collect(out, kind: str, count: int, timeout_s: float) -> list[tuple]:
 
 def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, socks, engine_tp):
     """One case: ``publishers`` = (device, host, address, names, part) each; returns each
-    version's time and whether every receiver was bit-exact every time."""
+    version's time, whether every receiver was bit-exact every time, the bytes broadcast and
+    received in the last version, and each sender host's receivers' data paths."""
     ctx = mp.get_context("spawn")
     out, procs, senders = ctx.Queue(), [], []
     half = len(devices) // 2
@@ -225,9 +259,8 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
             senders.append((proc, stop))
         for i, device in enumerate(devices):
             host = HOSTS[i >= half]
-            rank = i % engine_tp
             args = (
-                shape, device, host, rank, engine_tp, receiver_addresses, total, timeout_s, out
+                shape, device, host, i, engine_tp, receiver_addresses, total, timeout_s, out
             )  # fmt: skip
             procs.append(ctx.Process(target=_receiver_main, args=args, daemon=True))
             procs[-1].start()
@@ -239,7 +272,7 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
             procs.append(ctx.Process(target=_publisher_main, args=args, daemon=True))
             procs[-1].start()
             commands.append(q)
-        times, exact, crossed = [], True, 0
+        times, exact, crossed = [], True, (0, 0)
         for version in range(1, total + 1):
             for q in commands:
                 q.put(version)
@@ -249,13 +282,14 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
             if len(parts) != len(publishers):
                 raise RuntimeError(f"hosts bench: version {version}: reports {got}")
             times.append(max(g[2] + g[3] for g in parts) - min(g[2] for g in parts))
-            crossed = sum(g[4].get("broadcast", 0) for g in parts)
+            crossed = tuple(sum(g[4][k] for g in parts) for k in (0, 1))
             wrong = [f"{g[1]} {g[2]}" for g in got if g[0] == "applied" and g[2]]
             for line in wrong:
                 print(f"hosts bench: NOT bit-exact: {line}", flush=True)
             exact = exact and not wrong
         for q in commands:
             q.put(None)
+        paths = {g[1]: g[2] for g in _collect(out, "paths", len(publishers), timeout_s)}
         for p in procs:
             p.join(60)
     finally:
@@ -267,7 +301,7 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
             proc.join(30)
             if proc.is_alive():
                 proc.terminate()
-    return times, exact, crossed
+    return times, exact, crossed, paths
 
 
 def measure_hosts(
@@ -277,26 +311,27 @@ def measure_hosts(
     warmup: int,
     timeout_s: float,
     engine_tp: int = 1,
+    cpu_engines: int = 2,
 ) -> HostsRun:
-    """Both cases on GPUs 0..``gpus``-1 as two hosts (``gpus`` = 0: on CPU, one receiver per
-    host); ``warmup`` + ``versions`` versions each. Engines TP=``engine_tp``: device i's
-    receiver is TP rank i % ``engine_tp`` and declares its shard, so from the second version on
-    each sender broadcasts it only that (where the sender packs: CUDA).
+    """Both cases on GPUs 0..``gpus``-1 as two hosts (``gpus`` = 0: on CPU, ``cpu_engines``
+    receiver processes); ``warmup`` + ``versions`` versions each. Engines TP=``engine_tp``:
+    engine i is TP rank i % ``engine_tp`` and declares its shard, so from the second version on
+    each sender broadcasts it only that (where the sender packs: CUDA, and CPU publishers
+    offering shm).
 
     Raises:
-        ConfigError: an odd number of GPUs, or more than this machine has.
+        ConfigError: an odd number of engines, or more GPUs than this machine has.
     """
     from weightsync.parts import plan_parts
 
-    if gpus:
-        if gpus < 2 or gpus % 2 or gpus > torch.cuda.device_count():
-            raise ConfigError(
-                f"--hosts needs an even number of GPUs >= 2 (this machine has "
-                f"{torch.cuda.device_count()}); got {gpus}"
-            )
-        devices = tuple(f"cuda:{i}" for i in range(gpus))
-    else:
-        devices = ("cpu", "cpu")
+    have = torch.cuda.device_count() if gpus else cpu_engines
+    engines = gpus or cpu_engines
+    if engines < 2 or engines % 2 or engines > have:
+        raise ConfigError(
+            f"--hosts needs an even number of engines >= 2 (this machine has "
+            f"{torch.cuda.device_count()} GPUs); got {engines}"
+        )
+    devices = tuple(f"cuda:{i}" if gpus else "cpu" for i in range(engines))
     specs = hf_specs(shape)
     plan = plan_parts(specs, {s.name: [{HOSTS[stage_of(s.name, shape.layers)]}] for s in specs})
     sock_dir = tempfile.mkdtemp(prefix="ws-hosts-", dir="/tmp")
@@ -308,15 +343,17 @@ def measure_hosts(
             (first[h], h, socks[h], {s.name for s in plan.tensors_of(h)}, plan.part_of(h))
             for h in HOSTS
         ]
-        two_s, exact_two, crossed_two = _measure(
+        two_s, exact_two, crossed_two, paths_two = _measure(
             shape, devices, two, list(socks.values()), total, timeout_s, socks, engine_tp
         )
         one = [(first[HOSTS[0]], HOSTS[0], socks[HOSTS[0]], {s.name for s in specs}, None)]
         one_socks = {HOSTS[0]: socks[HOSTS[0]]}
-        one_s, exact_one, crossed_one = _measure(
+        one_s, exact_one, crossed_one, paths_one = _measure(
             shape, devices, one, [socks[HOSTS[0]]], total, timeout_s, one_socks, engine_tp
         )
         broadcast_s, backend = floors.broadcast(sum(s.nbytes for s in specs), versions, timeout_s)
+        part = max(plan.bytes_of(h) for h in HOSTS)
+        part_s, _ = floors.broadcast(part, versions, timeout_s)
     finally:
         shutil.rmtree(sock_dir, ignore_errors=True)
     return HostsRun(
@@ -329,18 +366,25 @@ def measure_hosts(
         tuple(broadcast_s),
         "cuda_ipc + nccl" if backend == "nccl" else "shm + gloo",
         engine_tp,
-        (crossed_two, crossed_one),
+        (crossed_two[0], crossed_one[0]),
+        (crossed_two[1], crossed_one[1]),
+        (paths_two, paths_one),
+        tuple(part_s),
     )
 
 
 def summary(run: HostsRun) -> str:
     two, one = statistics.median(run.two_senders_s), statistics.median(run.one_sender_s)
     floor = statistics.median(run.broadcast_s)
+    part = statistics.median(run.part_broadcast_s)
     return (
         f"hosts: {run.nbytes / 1e9:.2f} GB into {len(run.devices)} engines on 2 hosts: two "
         f"senders at once {two * 1e3:.1f} ms, one sender {one * 1e3:.1f} ms "
-        f"({one / two:.2f}x), one broadcast of the same bytes {floor * 1e3:.1f} ms; "
-        f"bytes broadcast in the last version: {run.broadcast_bytes[0]} (two senders), "
-        f"{run.broadcast_bytes[1]} (one); engines TP={run.engine_tp}; "
+        f"({one / two:.2f}x), one broadcast of the same bytes {floor * 1e3:.1f} ms, of the "
+        f"larger part {part * 1e3:.1f} ms (two senders {two / part:.2f}x it; issue 32's "
+        f"target 1.3x); broadcast in the last version (sent once per group / received): "
+        f"{run.broadcast_bytes[0]} / {run.received_bytes[0]} (two senders), "
+        f"{run.broadcast_bytes[1]} / {run.received_bytes[1]} (one); data paths "
+        f"{run.paths[0] if run.paths else '-'}; engines TP={run.engine_tp}; "
         f"bit-exact: {'yes' if run.bit_exact else 'NO'}"
     )
