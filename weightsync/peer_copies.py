@@ -177,10 +177,12 @@ class PeerCopies:
         self._streams = {device: torch.cuda.Stream(device) for device in self._targets}
 
     def start(self) -> None:
-        """Queue every copy, after what the destinations' streams hold so far."""
+        """Queue every copy, after what the sources' and the destinations' streams hold so
+        far (a staged read waits for its bucket's packed event on the source GPU's stream)."""
         cupy = copy_kernel.cupy()
         for device, targets in self._targets.items():
             stream = self._streams[device]
+            stream.wait_stream(torch.cuda.current_stream(device))
             for target in targets:
                 stream.wait_stream(torch.cuda.current_stream(target))
             with cupy.cuda.Device(device.index):

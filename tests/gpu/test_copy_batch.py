@@ -163,3 +163,30 @@ def test_peer_copies_land_strided_pieces_through_windows_bit_exact(monkeypatch):
         assert torch.equal(odd_whole[:, 1:8].cpu(), odd.cpu())
         assert not odd_whole[:, 0].any() and not odd_whole[:, 8].any()
         assert torch.equal(contiguous.cpu(), shards[7].cpu())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_peer_copies_wait_for_what_the_source_gpu_stream_writes_first():
+    """A staged read from another GPU waits for its bucket's packed event on the source GPU's
+    current stream (``BucketReader``), so the peer copies must queue after that stream too: the
+    4 x H200 hosts bench read buckets before they were packed (wrong bytes every version). Here
+    the source is written behind a long sleep on its GPU's stream; both a piece that crosses
+    straight (>= 4 MiB) and one that lands through a window must see the new bytes."""
+    pytest.importorskip("cupy")
+    from weightsync import peer_copies
+
+    big = torch.zeros(peer_copies.DIRECT_MIN_BYTES, dtype=torch.uint8, device="cuda:1")
+    small = torch.zeros(4096, dtype=torch.uint8, device="cuda:1")
+    big_dst = torch.zeros_like(big, device="cuda:0")
+    small_dst = torch.zeros_like(small, device="cuda:0")
+    batch = CopyBatch.of([(big_dst, big), (small_dst, small)])
+    assert batch.peer is not None
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(1):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time before the writes
+        big.fill_(7)
+        small.fill_(9)
+    batch.run()
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    assert bool((big_dst == 7).all()) and bool((small_dst == 9).all())
