@@ -43,6 +43,7 @@ PACKAGES = [
     "weightsync.sender",
     "weightsync.sender.megatron",
     "weightsync.transports",
+    "weightsync.transports.broadcast",
     "weightsync.v1",
 ]
 CORE_MODULES = [

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 
 import torch
 
 from weightsync.app.bench.broadcast_deltas import WireRow, medians, summary
+from weightsync.app.bench.children import children, scratch_dir
 from weightsync.app.bench.deltas import BETAS, EPS, GRAD_STD, LR, WEIGHT_STD
 from weightsync.app.bench.fanout import _offsets, _views
 from weightsync.app.bench.models import hf_specs, model_shape
@@ -132,17 +131,19 @@ def run_mode_gpu(
 
     ctx = tmp.get_context("spawn")
     out = ctx.Queue()
-    sock_dir = tempfile.mkdtemp(prefix="ws-deltas-", dir="/tmp")
     delta_bytes = delta_mb << 20
-    rows, procs = [], []
-    try:
-        with Sender(
-            f"unix:{sock_dir}/s.sock",
-            transport="nccl",
-            bucket_size_bytes=bucket_mb << 20,
-            delta_bytes=delta_bytes,
-            ack_timeout_s=300,
-        ) as sender:
+    rows = []
+    with scratch_dir("ws-deltas-") as sock_dir:
+        with (
+            Sender(
+                f"unix:{sock_dir}/s.sock",
+                transport="nccl",
+                bucket_size_bytes=bucket_mb << 20,
+                delta_bytes=delta_bytes,
+                ack_timeout_s=300,
+            ) as sender,
+            children() as procs,
+        ):
             for r in range(1, gpus):
                 args = (model, layers, r, sender.address, chain, delta_bytes, out)
                 procs.append(ctx.Process(target=_receiver, args=args, daemon=True))
@@ -168,13 +169,6 @@ def run_mode_gpu(
                         )
                     )
                     print(summary(rows[-1]), *wrong, flush=True)
-            for p in procs:
-                p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        shutil.rmtree(sock_dir, ignore_errors=True)
     return rows
 
 

@@ -23,16 +23,15 @@ import argparse
 import json
 import multiprocessing as mp
 import queue
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
+from weightsync.app.bench.children import children, scratch_dir
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
 from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
 
@@ -247,16 +246,17 @@ def measure_fanout(
         views = {n: torch.empty_like(v) for n, v in views.items()}
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    sock_dir = tempfile.mkdtemp(prefix="ws-fanout-", dir="/tmp")
-    procs: list = []
     settings = dict(sender_settings)
     if bucket_size_bytes is not None:
         settings["bucket_size_bytes"] = bucket_size_bytes
     samples, statuses, wrong = [], [], []
-    try:
-        with Sender(
-            f"unix:{sock_dir}/s.sock", transport="nccl", ack_timeout_s=timeout_s, **settings
-        ) as sender:
+    with scratch_dir("ws-fanout-") as sock_dir:
+        with (
+            Sender(
+                f"unix:{sock_dir}/s.sock", transport="nccl", ack_timeout_s=timeout_s, **settings
+            ) as sender,
+            children() as procs,
+        ):
             for r in range(gpus):
                 args = (shape, r, sender.address, warmup + versions, timeout_s, out)
                 procs.append(
@@ -276,13 +276,6 @@ def measure_fanout(
                     samples.append(time.perf_counter() - start)
                     statuses.append(result.status)
                     wrong += [why for _, _, why in _expect(out, "applied", gpus, timeout_s) if why]
-            for p in procs:
-                p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        shutil.rmtree(sock_dir, ignore_errors=True)
     for line in wrong:
         print(f"fan-out bench: NOT bit-exact: {line}", flush=True)
     last = statuses[-1]

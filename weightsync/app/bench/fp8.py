@@ -21,16 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
+from weightsync.app.bench.children import children, scratch_dir
 from weightsync.app.bench.fanout import _child, _expect, _module, _offsets, _views
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
 from weightsync.buckets import TensorSpec
@@ -140,13 +139,15 @@ def _measure(
     fp8 = BlockFp8()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    sock_dir = tempfile.mkdtemp(prefix="ws-fp8-", dir="/tmp")
-    samples, wrong, nbytes, proc = [], [], 0, None
-    try:
-        with Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s, **settings) as sender:
+    samples, wrong, nbytes = [], [], 0
+    with scratch_dir("ws-fp8-") as sock_dir:
+        with (
+            Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s, **settings) as sender,
+            children() as procs,
+        ):
             args = (specs, quantize, str(device), sender.address, warmup + versions, timeout_s, out)
-            proc = ctx.Process(target=_child, args=("receiver", _receiver, *args))
-            proc.start()
+            procs.append(ctx.Process(target=_child, args=("receiver", _receiver, *args)))
+            procs[-1].start()
             _expect(out, "ready", 1, timeout_s)
             with Publisher(sender.address) as publisher:
                 for version in range(1, warmup + versions + 1):
@@ -159,11 +160,6 @@ def _measure(
                     samples.append(time.perf_counter() - start)
                     nbytes = result.status.total_bytes
                     wrong += [why for _, _, why in _expect(out, "applied", 1, timeout_s) if why]
-            proc.join(60)
-    finally:
-        if proc is not None and proc.is_alive():
-            proc.terminate()
-        shutil.rmtree(sock_dir, ignore_errors=True)
     return tuple(samples[warmup:]), nbytes, wrong
 
 

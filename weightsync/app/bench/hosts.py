@@ -28,14 +28,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import shutil
 import statistics
-import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from weightsync.app.bench import floors
+from weightsync.app.bench.children import children, scratch_dir
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import FLOOR, HOSTS_FLOOR, WEIGHTSYNC, Row
@@ -249,53 +248,49 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
     version's time, whether every receiver was bit-exact every time, the bytes broadcast and
     received in the last version, and each sender host's receivers' data paths."""
     ctx = mp.get_context("spawn")
-    out, procs, senders = ctx.Queue(), [], []
+    out, senders = ctx.Queue(), []
     half = len(devices) // 2
     try:
-        for host, address in socks.items():
-            stop = ctx.Queue()
-            proc = ctx.Process(target=_sender_main, args=(host, address, timeout_s, stop))
-            proc.start()
-            senders.append((proc, stop))
-        for i, device in enumerate(devices):
-            host = HOSTS[i >= half]
-            args = (
-                shape, device, host, i, engine_tp, receiver_addresses, total, timeout_s, out
-            )  # fmt: skip
-            procs.append(ctx.Process(target=_receiver_main, args=args, daemon=True))
-            procs[-1].start()
-        _collect(out, "ready", len(devices), timeout_s)
-        commands = []
-        for device, host, address, names, part in publishers:
-            q = ctx.Queue()
-            args = (shape, device, host, address, names, part, timeout_s, q, out)
-            procs.append(ctx.Process(target=_publisher_main, args=args, daemon=True))
-            procs[-1].start()
-            commands.append(q)
-        times, exact, crossed = [], True, (0, 0)
-        for version in range(1, total + 1):
+        with children() as procs:
+            for host, address in socks.items():
+                stop = ctx.Queue()
+                proc = ctx.Process(target=_sender_main, args=(host, address, timeout_s, stop))
+                proc.start()
+                senders.append((proc, stop))
+            for i, device in enumerate(devices):
+                host = HOSTS[i >= half]
+                args = (
+                    shape, device, host, i, engine_tp, receiver_addresses, total, timeout_s, out
+                )  # fmt: skip
+                procs.append(ctx.Process(target=_receiver_main, args=args, daemon=True))
+                procs[-1].start()
+            _collect(out, "ready", len(devices), timeout_s)
+            commands = []
+            for device, host, address, names, part in publishers:
+                q = ctx.Queue()
+                args = (shape, device, host, address, names, part, timeout_s, q, out)
+                procs.append(ctx.Process(target=_publisher_main, args=args, daemon=True))
+                procs[-1].start()
+                commands.append(q)
+            times, exact, crossed = [], True, (0, 0)
+            for version in range(1, total + 1):
+                for q in commands:
+                    q.put(version)
+                # Receivers may report before the publishers' waits return: any order.
+                got = [out.get(timeout=timeout_s) for _ in range(len(publishers) + len(devices))]
+                parts = [g for g in got if g[0] == "published"]
+                if len(parts) != len(publishers):
+                    raise RuntimeError(f"hosts bench: version {version}: reports {got}")
+                times.append(max(g[2] + g[3] for g in parts) - min(g[2] for g in parts))
+                crossed = tuple(sum(g[4][k] for g in parts) for k in (0, 1))
+                wrong = [f"{g[1]} {g[2]}" for g in got if g[0] == "applied" and g[2]]
+                for line in wrong:
+                    print(f"hosts bench: NOT bit-exact: {line}", flush=True)
+                exact = exact and not wrong
             for q in commands:
-                q.put(version)
-            # Receivers may report before the publishers' waits return: any order.
-            got = [out.get(timeout=timeout_s) for _ in range(len(publishers) + len(devices))]
-            parts = [g for g in got if g[0] == "published"]
-            if len(parts) != len(publishers):
-                raise RuntimeError(f"hosts bench: version {version}: reports {got}")
-            times.append(max(g[2] + g[3] for g in parts) - min(g[2] for g in parts))
-            crossed = tuple(sum(g[4][k] for g in parts) for k in (0, 1))
-            wrong = [f"{g[1]} {g[2]}" for g in got if g[0] == "applied" and g[2]]
-            for line in wrong:
-                print(f"hosts bench: NOT bit-exact: {line}", flush=True)
-            exact = exact and not wrong
-        for q in commands:
-            q.put(None)
-        paths = {g[1]: g[2] for g in _collect(out, "paths", len(publishers), timeout_s)}
-        for p in procs:
-            p.join(60)
+                q.put(None)
+            paths = {g[1]: g[2] for g in _collect(out, "paths", len(publishers), timeout_s)}
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
         for proc, stop in senders:
             stop.put(None)
             proc.join(30)
@@ -334,11 +329,10 @@ def measure_hosts(
     devices = tuple(f"cuda:{i}" if gpus else "cpu" for i in range(engines))
     specs = hf_specs(shape)
     plan = plan_parts(specs, {s.name: [{HOSTS[stage_of(s.name, shape.layers)]}] for s in specs})
-    sock_dir = tempfile.mkdtemp(prefix="ws-hosts-", dir="/tmp")
-    socks = {h: f"unix:{sock_dir}/{h}.sock" for h in HOSTS}
     first = {HOSTS[0]: devices[0], HOSTS[1]: devices[len(devices) // 2]}
     total = warmup + versions
-    try:
+    with scratch_dir("ws-hosts-") as sock_dir:
+        socks = {h: f"unix:{sock_dir}/{h}.sock" for h in HOSTS}
         two = [
             (first[h], h, socks[h], {s.name for s in plan.tensors_of(h)}, plan.part_of(h))
             for h in HOSTS
@@ -354,8 +348,6 @@ def measure_hosts(
         broadcast_s, backend = floors.broadcast(sum(s.nbytes for s in specs), versions, timeout_s)
         part = max(plan.bytes_of(h) for h in HOSTS)
         part_s, _ = floors.broadcast(part, versions, timeout_s)
-    finally:
-        shutil.rmtree(sock_dir, ignore_errors=True)
     return HostsRun(
         devices,
         sum(s.nbytes for s in specs),

@@ -19,13 +19,12 @@ not the Megatron -> HF rules (the integration tests check those against transfor
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from weightsync.app.bench import node
+from weightsync.app.bench.children import scratch_dir
 from weightsync.app.bench.hosts import fill_version
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import MEGATRON
@@ -137,8 +136,7 @@ def measure_megatron_node(
         raise ConfigError(
             f"--megatron-ep {ep}: give a size dividing --gpus {gpus} and {shape.experts} experts"
         )
-    directory = tempfile.mkdtemp(prefix="ws-megatron-", dir="/tmp")
-    try:
+    with scratch_dir("ws-megatron-") as directory:
         trainer = MegatronTrainer(trainer_tp, ep, f"{directory}/ranks")
         return node.measure_node(
             shape,
@@ -151,5 +149,3 @@ def measure_megatron_node(
             devices=0 if cpu else None,
             trainer=trainer,
         )
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)

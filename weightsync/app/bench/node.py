@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
-import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
 
 from weightsync.app.bench import floors
+from weightsync.app.bench.children import children, scratch_dir
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import ModelShape, hf_specs
@@ -297,8 +296,6 @@ def measure_node(
     ctx = mp.get_context("spawn")
     out, barrier = ctx.Queue(), ctx.Barrier(gpus)
     commands = [ctx.Queue() for _ in range(gpus)]
-    sock_dir = tempfile.mkdtemp(prefix="ws-node-", dir="/tmp")
-    procs: list = []
 
     def start(what: str, body, *args) -> None:
         where = f"GPU {args[2] % devices}" if devices else "the CPU"
@@ -306,8 +303,11 @@ def measure_node(
         procs.append(ctx.Process(target=_child, args=(what, body, *args), daemon=True))
         procs[-1].start()
 
-    try:
-        with Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s) as sender:
+    with scratch_dir("ws-node-") as sock_dir:
+        with (
+            Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s) as sender,
+            children() as procs,
+        ):
             for r in range(gpus):
                 start(
                     "receiver", _receiver, trainer, shape, r, devices, engine_tp, sender.address,
@@ -334,13 +334,6 @@ def measure_node(
             floors = got["floor"]
             for q in commands:
                 q.put(None)
-            for p in procs:
-                p.join(60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        shutil.rmtree(sock_dir, ignore_errors=True)
     measured = statuses[warmup:]
     return NodeRun(
         gpus,

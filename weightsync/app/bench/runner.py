@@ -9,8 +9,6 @@ cases (:mod:`.node`, :mod:`.hosts`, :mod:`.fanout`) run on workers of their own.
 from __future__ import annotations
 
 import datetime
-import shutil
-import tempfile
 from collections.abc import Callable
 
 import torch
@@ -18,6 +16,7 @@ import torch.multiprocessing as tmp
 
 from weightsync.app.bench import baselines, broadcast_deltas, fanout, floors, fp8, hosts, node
 from weightsync.app.bench.cases import measure_case, mismatch_note
+from weightsync.app.bench.children import scratch_dir
 from weightsync.app.bench.config import BenchConfig
 from weightsync.app.bench.host import check_memory, machine
 from weightsync.app.bench.layout import TrainerShards, plan_layout
@@ -132,29 +131,30 @@ def _run(cfg: BenchConfig, console) -> Report:
         placements[OTHER] = "cuda:1"
     console.print(f"starting receivers on {', '.join(placements.values())}")
     workers = _Workers(shape, placements, cfg.timeout_s)
-    sock_dir = tempfile.mkdtemp(prefix="ws-bench-", dir="/tmp")
     try:
-        if cfg.floors:
-            report.rows.append(_broadcast_floor(cfg, nbytes, cuda, gpus))
-        for tp in cfg.tps:
-            layout = plan_layout(shape, tp)
-            console.print(f"{layout.name}: {len(layout.shards)} shards on {device}")
-            shards = TrainerShards.allocate(layout, device, cfg.seed)
-            workers.broadcast(SetLayout(tp, shards.flats), cfg.timeout_s)
-            if tp == 1 and (cfg.floors or cfg.baselines):
-                report.rows.extend(_floor_and_baselines(cfg, shards, workers, console))
-            for case in cfg.cases:
-                console.print(f"{layout.name}: {case}")
-                report.rows.append(
-                    measure_case(cfg, case, layout, shards, workers.links, device, gpus, sock_dir)
-                )
-            workers.broadcast(DropLayout(), cfg.timeout_s)
-            del shards
-            if cuda:
-                torch.cuda.empty_cache()
+        with scratch_dir("ws-bench-") as sock_dir:
+            if cfg.floors:
+                report.rows.append(_broadcast_floor(cfg, nbytes, cuda, gpus))
+            for tp in cfg.tps:
+                layout = plan_layout(shape, tp)
+                console.print(f"{layout.name}: {len(layout.shards)} shards on {device}")
+                shards = TrainerShards.allocate(layout, device, cfg.seed)
+                workers.broadcast(SetLayout(tp, shards.flats), cfg.timeout_s)
+                if tp == 1 and (cfg.floors or cfg.baselines):
+                    report.rows.extend(_floor_and_baselines(cfg, shards, workers, console))
+                for case in cfg.cases:
+                    console.print(f"{layout.name}: {case}")
+                    report.rows.append(
+                        measure_case(
+                            cfg, case, layout, shards, workers.links, device, gpus, sock_dir
+                        )
+                    )
+                workers.broadcast(DropLayout(), cfg.timeout_s)
+                del shards
+                if cuda:
+                    torch.cuda.empty_cache()
     finally:
         workers.close()
-        shutil.rmtree(sock_dir, ignore_errors=True)
     # After the single-GPU cases: their workers have given back their memory.
     for tp in cfg.trainer_tps if cfg.gpus else ():
         report.rows.extend(_node_rows(cfg, shape, tp, cuda, console))
