@@ -46,6 +46,19 @@ class WireRow:
     seconds: float
     bit_exact: bool
 
+    @classmethod
+    def of(cls, mode: str, status, seconds: float, bit_exact: bool) -> WireRow:
+        """The row of the version ``status`` (a ``pb.VersionStatus``) reports."""
+        return cls(
+            mode,
+            status.version,
+            status.staged_bytes,
+            status.broadcast_bytes,
+            status.delta_buckets,
+            seconds,
+            bit_exact,
+        )
+
 
 def adam_chain(specs: Sequence[TensorSpec], steps: int, seed: int = 0) -> list[dict]:
     """``steps + 1`` consecutive bf16 versions of every tensor (one Adam step apart)."""
@@ -116,17 +129,7 @@ def run_mode(
                 applied, got = out.get(timeout=600)
                 status = [s for s in publisher.status().versions if s.version == version][-1]
                 exact = applied == version and got == digest(tensors)
-                rows.append(
-                    WireRow(
-                        mode,
-                        version,
-                        status.staged_bytes,
-                        status.broadcast_bytes,
-                        status.delta_buckets,
-                        seconds,
-                        exact,
-                    )
-                )
+                rows.append(WireRow.of(mode, status, seconds, exact))
                 print(summary(rows[-1]), flush=True)
             proc.join(60)
     return rows

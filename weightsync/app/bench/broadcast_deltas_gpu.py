@@ -157,17 +157,7 @@ def run_mode_gpu(
                     seconds = time.perf_counter() - start
                     wrong = [w for w in _expect(out, "applied", gpus - 1, 300) if w]
                     status = result.status
-                    rows.append(
-                        WireRow(
-                            mode,
-                            version,
-                            status.staged_bytes,
-                            status.broadcast_bytes,
-                            status.delta_buckets,
-                            seconds,
-                            not wrong,
-                        )
-                    )
+                    rows.append(WireRow.of(mode, status, seconds, not wrong))
                     print(summary(rows[-1]), *wrong, flush=True)
     return rows
 
