@@ -17,11 +17,11 @@ def _must_import(modname, *args, **kwargs):
     every package its tests import (scripts/setup.sh), so one that does not import is a broken
     install, which a skip would hide. GPU tests skip where their wheels were not carried."""
     caller = sys._getframe(1).f_globals.get("__file__") or ""
-    if os.path.abspath(caller).startswith(_GPU_TESTS):
-        return _importorskip(modname, *args, **kwargs)
     try:
         return _importorskip(modname, *args, **kwargs)
     except pytest.skip.Exception as e:
+        if os.path.abspath(caller).startswith(_GPU_TESTS + os.sep):
+            raise
         raise ImportError(
             f"{modname} does not import here ({e}); scripts/setup.sh installs it: run it again"
         ) from None

@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from weightsync.deltas import Delta
+from weightsync.deltas import UNITS, Delta
 from weightsync.errors import ProtocolError
 from weightsync.v1 import weightsync_pb2 as pb
-
-_UNITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 
 
 def element_bytes(bucket_dtypes: dict[int, int]) -> int:
@@ -51,7 +49,7 @@ def from_wire(msg: pb.BucketDelta, payload: torch.Tensor, nbytes: int, bucket: s
             not fit the bucket; nothing was written.
     """
     count, size = msg.count, payload.numel()
-    if msg.form == "indices" and msg.element_bytes in _UNITS:
+    if msg.form == "indices" and msg.element_bytes in UNITS:
         unit = msg.element_bytes
         expect = count * (4 + unit)
     elif msg.form == "xor":
@@ -63,7 +61,7 @@ def from_wire(msg: pb.BucketDelta, payload: torch.Tensor, nbytes: int, bucket: s
         raise _bad(bucket, f"{size} payload bytes for {count} item(s), announced {msg.nbytes}")
     head = payload[: count * 4].view(torch.int32)
     if msg.form == "indices":
-        values = payload[count * 4 :].view(_UNITS[unit])
+        values = payload[count * 4 :].view(UNITS[unit])
         low, high = _host(head.min(), head.max()) if count else (0, 0)
         if low < 0 or high >= nbytes // unit:
             raise _bad(bucket, "an element index outside the bucket")

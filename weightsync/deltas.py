@@ -36,7 +36,7 @@ from weightsync.buckets import ALIGNMENT_BYTES
 from weightsync.delta_scan import GAP_WORDS, UNITS, Scan, checksum_of, covered_words
 from weightsync.errors import ChecksumError, ConfigError, WrongBaseError
 
-__all__ = ["GAP_WORDS", "Delta", "Sizes", "checksum_of", "decode", "encode", "sizes"]
+__all__ = ["GAP_WORDS", "UNITS", "Delta", "Sizes", "checksum_of", "decode", "encode", "sizes"]
 
 Kind = Literal["indices", "xor", "full"]
 
