@@ -91,7 +91,8 @@ extern "C" __global__ void __launch_bounds__(1024) copy_chunks(const unsigned lo
 // One table row per block: (source, destination, bytes per row, rows, source pitch,
 // destination pitch, first word, flags). ``word`` is the bucket word index of the summed side's
 // first byte (8-byte aligned, as are both ends); flags: 1 sum the destination (else the
-// source), 2 copy without summing, and destination 0 sums the source without copying. A word's
+// source: which pitch is the bucket's), 2 copy without summing, and destination 0 sums the
+// source without copying (landed bytes: the source pitch theirs, flag 1 the bucket's). A word's
 // weight is its checksum row position (checksum.py): rows of 8192 words up to ``whole``, then
 // rows of 32. One row: a span; a tail shorter than a word is summed as the whole word of the
 // summed side, read after the copy (the rest of it is padding nobody writes). Several rows: a
@@ -142,7 +143,7 @@ __device__ __forceinline__ void sum_rows(const char* src, char* dst, unsigned lo
     for (unsigned u = threadIdx.x; u < total; u += blockDim.x) {
         const unsigned r = u / units, c = u - r * units;
         const T v = ((const T*)(src + r * sp))[c];
-        ((T*)(dst + r * dp))[c] = v;
+        if (dst) ((T*)(dst + r * dp))[c] = v;
         take(v, first + r * pitch_words + c * (sizeof(T) / 8), whole, a, b);
     }
 }

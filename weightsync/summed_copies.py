@@ -17,12 +17,19 @@ are packed; an engine TP=2 rank reading its half of a bucket's tensor does not).
 
 On CPU buffers :func:`copies` gives :mod:`.blocked_copies` instead: the same value, the sum
 taken block by block behind the copies while the bytes are in cache.
+
+A receiver reading a bucket on another GPU cannot sum on the way (:mod:`.peer_copies` moves
+those bytes on the copy engines), and a second read of the bucket would prove the bucket, not
+what landed: 4 x H200 once reported versions applied whose peer copies had read a bucket
+before it was packed. :class:`LandedSums` sums each word where it landed instead, under its
+bucket word, after the copies (:func:`landed_rows`).
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -213,6 +220,96 @@ class SummedCopies:
         return out
 
 
+def landed_rows(rows: Sequence[Row]) -> list[Row]:
+    """A receiver's read ``rows`` (:func:`plan_rows`, the bucket their source) as sum-only rows
+    over the bytes the copies wrote, each word under its bucket word: the sum-only rows (bytes
+    no copy moves) as they are, a span read twice summed at its first landing only, and the
+    last word of a copy shorter than whole words summed in the bucket (where it landed, its
+    other bytes belong to whatever follows the parameter)."""
+    out = []
+    for r in rows:
+        if r.dst == 0:
+            out.append(r)
+            continue
+        if r.flags & NO_SUM:
+            continue
+        whole = r.nbytes // _WORD * _WORD
+        if whole:  # a box's bucket pitch rides in the destination pitch (flag 1)
+            out.append(
+                Row(r.dst, 0, whole, r.word, SUM_DESTINATION, r.rows, r.dst_pitch, r.src_pitch)
+            )
+        if whole < r.nbytes:  # only a span's bytes can end mid-word (boxes are whole words)
+            out.append(
+                replace(r, src=r.src + whole, dst=0, nbytes=_WORD, word=r.word + whole // _WORD)
+            )
+    return out
+
+
+def _extent(t: torch.Tensor) -> int:
+    """The bytes from ``t``'s first element to just past its last."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    return (last + 1) * t.element_size()
+
+
+class LandedSums:
+    """A receiver's reads of a bucket on another GPU, then the checksum of what they wrote:
+    each GPU sums the words that landed in its parameters, the bucket's GPU the bytes no copy
+    moves (:func:`landed_rows`), one launch each, the parts added up. Build once
+    (:meth:`plan`) and :meth:`run` every version."""
+
+    def __init__(self, pairs: Sequence[Pair], rows: list[Row], buffer: torch.Tensor, nbytes: int):
+        self.batch = CopyBatch.of(pairs, reused=True)
+        self.device = buffer.device
+        self.whole = whole_row_words(nbytes)
+        # Which GPU's memory each summed address is in: per device, its tensors' merged extents
+        # (several parameters' views may interleave; two GPUs' addresses never do).
+        spans = sorted(
+            [(d.data_ptr(), d.data_ptr() + _extent(d), d.device) for d, _ in pairs]
+            + [(buffer.data_ptr(), buffer.data_ptr() + nbytes, buffer.device)],
+            key=lambda span: span[0],
+        )
+        merged: list[list] = []
+        for lo, hi, device in spans:
+            if merged and merged[-1][2] == device and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi, device])
+        starts = [m[0] for m in merged]
+        by_device: dict[torch.device, list[Row]] = {}
+        for row in rows:
+            device = merged[bisect.bisect_right(starts, row.src) - 1][2]
+            by_device.setdefault(device, []).append(row)
+        self._tables = [(d, len(r), table(r).to(d)) for d, r in by_device.items()]
+
+    @classmethod
+    def plan(cls, pairs: Sequence[Pair], buffer: torch.Tensor, nbytes: int) -> LandedSums | None:
+        """The reads and their landed checksum, or None where a copy is not of the same bytes
+        (a cast), a GPU lacks the kernel, or :func:`plan_rows` says no."""
+        pairs = [(d, s) for d, s in pairs if d.numel()]
+        devices = {d.device for d, _ in pairs} | {buffer.device}
+        if nbytes == 0 or not all(copy_kernel.available(d) for d in devices):
+            return None
+        if any(d.dtype != s.dtype or d.shape != s.shape for d, s in pairs):
+            return None
+        if any(copy_kernel.planes(d, s) is None for d, s in pairs):
+            return None
+        rows = plan_rows(spans_of(pairs), base=buffer.data_ptr(), nbytes=nbytes, destination=False)
+        return None if rows is None else cls(pairs, landed_rows(rows), buffer, nbytes)
+
+    def run(self) -> torch.Tensor:
+        """Queue the copies and the sums behind them; returns the checksum's reduction on the
+        bucket's GPU (as :func:`~.checksum.row_sums`)."""
+        self.batch.run()  # leaves every destination GPU's stream behind its copies
+        parts = []
+        for device, blocks, rows in self._tables:
+            out = torch.zeros(2, dtype=torch.int64, device=device)
+            copy_kernel.launch(
+                "copy_sum", device, blocks, rows.data_ptr(), self.whole, out.data_ptr()
+            )
+            parts.append(out.to(self.device))
+        return torch.stack(parts).sum(dim=0)
+
+
 def copies(
     pairs: Sequence[Pair],
     buffer: torch.Tensor,
@@ -220,14 +317,17 @@ def copies(
     *,
     destination: bool,
     names: Sequence[str] = (),
-) -> SummedCopies | BlockedCopies | CopyBatch:
+) -> SummedCopies | LandedSums | BlockedCopies | CopyBatch:
     """The copies of ``pairs`` to run every version: summing ``buffer[:nbytes]`` on the way
     where they can (``run()`` then returns the reduction; on CPU :class:`BlockedCopies`, whose
     ``run(check)`` also compares a pack with its sources, ``names`` naming each pair's
-    tensor), else a plain :class:`CopyBatch` (``run()`` returns None: sum apart)."""
+    tensor), reads into other GPUs summed where they landed (:class:`LandedSums`), else a
+    plain :class:`CopyBatch` (``run()`` returns None: sum apart)."""
     if not buffer.is_cuda:
         blocked = BlockedCopies.plan(pairs, buffer, nbytes, destination=destination, names=names)
         if blocked is not None:
             return blocked
     summed = SummedCopies.plan(pairs, buffer, nbytes, destination=destination)
+    if summed is None and not destination and any(d.device != buffer.device for d, _ in pairs):
+        summed = LandedSums.plan(pairs, buffer, nbytes)
     return summed or CopyBatch.of(pairs, reused=True)

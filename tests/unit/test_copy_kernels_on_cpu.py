@@ -13,12 +13,13 @@ import torch
 from tests.support import cuda_on_cpu, kernel_cases
 from weightsync import copy_kernel
 from weightsync.checksum import finish, row_sums, whole_row_words
-from weightsync.summed_copies import Row, plan_rows, spans_of, table
+from weightsync.regions import _BITS
+from weightsync.summed_copies import Row, landed_rows, plan_rows, spans_of, table
 
 pytestmark = pytest.mark.skipif(cuda_on_cpu.compiler() is None, reason="needs g++ and its libubsan")
 
 
-def _run(case: kernel_cases.Case, destination: bool) -> tuple[int, list[Row]]:
+def _plan(case: kernel_cases.Case, destination: bool) -> list[Row]:
     rows = plan_rows(
         spans_of(case.pairs),
         base=case.bucket.data_ptr(),
@@ -26,13 +27,21 @@ def _run(case: kernel_cases.Case, destination: bool) -> tuple[int, list[Row]]:
         destination=destination,
     )
     assert rows is not None
+    return rows
+
+
+def _run(case: kernel_cases.Case, destination: bool) -> tuple[int, list[Row]]:
+    rows = _plan(case, destination)
+    return _launch(rows, case.nbytes), rows
+
+
+def _launch(rows: list[Row], nbytes: int) -> int:
     rows_table = table(rows)
     out = torch.zeros(2, dtype=torch.int64)
     cuda_on_cpu.launch(
-        "copy_sum", len(rows), rows_table.data_ptr(), whole_row_words(case.nbytes),
-        out.data_ptr(),
+        "copy_sum", len(rows), rows_table.data_ptr(), whole_row_words(nbytes), out.data_ptr(),
     )  # fmt: skip
-    return finish(out, case.nbytes), rows
+    return finish(out, nbytes)
 
 
 @kernel_cases.SUMMED
@@ -49,6 +58,38 @@ def test_the_kernel_sums_the_whole_bucket_once_and_moves_every_byte(make, destin
     flipped, _ = _run(case, destination)
     assert flipped != got
     assert flipped == finish(row_sums(case.bucket, case.nbytes), case.nbytes)
+
+
+def _columns_read(device: str) -> kernel_cases.Case:
+    """A TP=2 engine's two ranks reading their columns of each tensor out of one bucket."""
+    case = kernel_cases.columns(device)
+    return kernel_cases.Case(case.bucket, case.nbytes, [(s, d) for d, s in case.pairs], case.flip)
+
+
+@pytest.mark.parametrize("make", [kernel_cases.reading, _columns_read], ids=["whole", "columns"])
+def test_reads_into_another_gpu_are_summed_where_they_landed_not_in_the_bucket(make):
+    """Reads from a bucket on another GPU run on the copy engines, so their checksum is taken
+    after them (``landed_rows``): of the parameters' bytes, each under its bucket word, and of
+    the bucket only where no copy lands (padding, tensors not kept, last partial words)."""
+    case = make("cpu")
+    for dst, src in case.pairs:
+        dst.copy_(src)
+    want = finish(row_sums(case.bucket, case.nbytes), case.nbytes)
+    rows = landed_rows(_plan(case, destination=False))
+    assert any(r.rows > 1 for r in rows) == (make is _columns_read)
+    assert _launch(rows, case.nbytes) == want
+    # A word that did not land as the bucket holds it (a copy that read the bucket too early,
+    # or wrote past its place) fails, wherever in a tensor it is, strided columns included.
+    for dst, _ in case.pairs[1:4]:
+        bits = dst.view(_BITS[dst.element_size()])
+        middle = tuple(n // 2 for n in dst.shape)
+        bits[middle] ^= 1
+        assert _launch(rows, case.nbytes) != want
+        bits[middle] ^= 1
+    assert _launch(rows, case.nbytes) == want
+    # What the bucket holds now is not what it proves: every landed word is read where it is.
+    case.bucket[case.pairs[1][1].data_ptr() - case.bucket.data_ptr() + 16] ^= 1
+    assert _launch(rows, case.nbytes) == want
 
 
 def test_one_launch_moves_exactly_the_bytes_of_strided_and_contiguous_copies() -> None:
