@@ -17,13 +17,13 @@ mid-version with a receiver in a thread, then one version (``test_a_killed_sende
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 import signal
 import time
 
 import pytest
 
+from tests.support import children
 from tests.support.models import digests
 from tests.support.processes import (
     PUBLISHED_SEED,
@@ -268,11 +268,10 @@ def test_a_process_stopped_mid_report_holds_back_no_other_report(sock_dir):
     queue, its feeder thread held the queue's write lock while its big report filled the pipe;
     stopped there, no other process's report ever came (the publisher's version 2 and r0's
     'applied' waited 120 s)."""
-    ctx = mp.get_context("spawn")
     reports = fault_reports(f"{sock_dir}/reports.sock")
     inbox = Inbox(reports)
-    victim = ctx.Process(target=_report_twice, args=(reports.path,), daemon=True)
-    other = ctx.Process(target=_report_ready, args=(reports.path,), daemon=True)
+    victim = children.process(_report_twice, (reports.path,), daemon=True)
+    other = children.process(_report_ready, (reports.path,), daemon=True)
     try:
         victim.start()
         inbox.wait(lambda seen: inbox.find("victim", "loading", 2), 30, "no 'loading'")
@@ -283,6 +282,6 @@ def test_a_process_stopped_mid_report_holds_back_no_other_report(sock_dir):
     finally:
         for proc in (victim, other):
             if proc.pid is not None:
-                os.kill(proc.pid, signal.SIGKILL)
+                proc.kill()
                 proc.join(10)
         reports.close()

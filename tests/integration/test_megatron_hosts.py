@@ -20,7 +20,6 @@ trainer rank gets its exact error, and the next version heals.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import threading
@@ -28,7 +27,7 @@ import threading
 import pytest
 import torch
 
-from tests.support import holder_module
+from tests.support import children, holder_module
 from tests.support import megatron as ms
 from tests.support.models import digests
 from tests.support.processes import (
@@ -131,7 +130,7 @@ class Hosts:
         self.addresses = {h: f"unix:{sock_dir}/{h}.sock" for h in HOSTS}
         self.out = fault_reports(f"{sock_dir}/reports.sock")
         self.inbox = Inbox(self.out)
-        self.gates = {name: mp.get_context("spawn").Event() for name in ("go", "release", "resume")}
+        self.gates = {name: children.event() for name in ("go", "release", "resume")}
         self.senders: dict = {}
         self.killed: list = []
         self.receivers: list = []

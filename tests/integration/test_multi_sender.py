@@ -16,12 +16,12 @@ new sender.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 
 import pytest
 
+from tests.support import children
 from tests.support.models import digests
 from tests.support.processes import (
     PUBLISHED_SEED,
@@ -105,10 +105,8 @@ class Rig:
     def publish(self, versions: list[int]) -> None:
         """A publisher process per sender, each publishing its part of every version."""
         for i, address in enumerate(self.addresses):
-            proc = mp.get_context("spawn").Process(
-                target=_part_publisher_main,
-                daemon=True,
-                args=(address, i, versions, self.out.path),
+            proc = children.process(
+                _part_publisher_main, (address, i, versions, self.out.path), daemon=True
             )
             proc.start()
             self.publishers.append(proc)

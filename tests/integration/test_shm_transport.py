@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
 import torch
 
+from tests.support import children
 from weightsync.transports import get_transport
 
 
@@ -25,9 +24,8 @@ def test_shm_is_shared_both_ways_across_processes():
     staging = shm.allocate(1 << 16, torch.device("cpu"))
     try:
         staging.tensor.fill_(3)
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        p = ctx.Process(target=_child, args=(staging.handle.SerializeToString(), out))
+        out = children.queue()
+        p = children.process(_child, (staging.handle.SerializeToString(), out))
         p.start()
         assert out.get(timeout=60) == 3 * (1 << 16)
         assert out.get(timeout=60) == "written"

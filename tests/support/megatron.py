@@ -567,7 +567,7 @@ def launch(tmp_path: Path, sizes: dict, fn, *args) -> dict[int, object]:
     ``dp`` times the smallest that fits both the dense (tp x pp) and the expert (etp x ep x pp)
     layouts; EP is carved out of data parallelism, as in megatron.
     """
-    import torch.multiprocessing as mp
+    from tests.support import children
 
     expert = sizes.get("ep", 1) * (sizes.get("etp") or sizes["tp"])
     world = sizes["pp"] * math.lcm(sizes["tp"], expert) * sizes.get("dp", 1)
@@ -575,7 +575,7 @@ def launch(tmp_path: Path, sizes: dict, fn, *args) -> dict[int, object]:
     out_dir.mkdir()
     init_file = str(out_dir / "rendezvous")
     try:
-        mp.spawn(_entry, args=(world, init_file, sizes, fn, args, str(out_dir)), nprocs=world)
+        children.start_ranks(_entry, (world, init_file, sizes, fn, args, str(out_dir)), world)
     except Exception as e:
         errors = "\n".join(p.read_text() for p in sorted(out_dir.glob("*.error")))
         raise AssertionError(f"gloo workers failed ({sizes}):\n{errors}") from e
@@ -848,12 +848,10 @@ def start_receiver(addresses: list[str], rid: str, case_name: str, host: str, ou
     registered, ``began`` (the version) once a version's parts are joined and about to be
     written, ``lost`` (the message) when it loses a sender, and after each sync ``applied``
     or the error's type name (with the version it began), with the model's ``digests``."""
-    import multiprocessing
+    from tests.support import children
 
-    proc = multiprocessing.get_context("spawn").Process(
-        target=_receiver_main,
-        daemon=True,
-        args=(addresses, rid, case_name, host, out.path),
+    proc = children.process(
+        _receiver_main, (addresses, rid, case_name, host, out.path), daemon=True
     )
     proc.start()
     return proc

@@ -4,7 +4,6 @@ in their own processes (reporting ``Outcome``s on a queue) or in a thread of the
 from __future__ import annotations
 
 import glob
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import NamedTuple
 
+from tests.support import children
 from tests.support.models import TinyNet, digests, step
 from weightsync.control.client import connect
 
@@ -141,12 +141,11 @@ def start_receivers(
     that version's first bucket arrived. ``env`` maps a receiver id to environment variables
     set in its process.
     """
-    ctx = mp.get_context("spawn")
-    ready, out = ctx.Queue(), out or ctx.Queue()
+    ready, out = children.queue(), out or children.queue()
     procs = []
     for i, rid in enumerate(ids):
-        p = ctx.Process(
-            target=_receiver_main,
+        p = children.process(
+            _receiver_main,
             daemon=True,
             args=(
                 address,
@@ -392,10 +391,8 @@ def start_slow_receiver(address: str, rid: str, seed: int, out: Reports, load_de
     bucket's load ``load_delay_s`` late. To ``out``: ``ready`` once registered, ``loading``
     (the version) when a version's first bucket arrived, then ``applied`` or the error's type
     name (with the version it was loading) after each sync."""
-    p = mp.get_context("spawn").Process(
-        target=_slow_receiver_main,
-        daemon=True,
-        args=(address, rid, seed, load_delay_s, out.path),
+    p = children.process(
+        _slow_receiver_main, (address, rid, seed, load_delay_s, out.path), daemon=True
     )
     p.start()
     return p
@@ -424,9 +421,7 @@ def start_publisher_process(address: str, versions: list[int], out: Reports):
     """A publisher process publishing ``fault_model(PUBLISHED_SEED + v)`` as each of
     ``versions`` (``wait=True``); reports ``published`` or the error's type name per version to
     ``out`` and stops at its first error."""
-    p = mp.get_context("spawn").Process(
-        target=_fault_publisher_main, daemon=True, args=(address, versions, out.path)
-    )
+    p = children.process(_fault_publisher_main, (address, versions, out.path), daemon=True)
     p.start()
     return p
 
@@ -454,18 +449,16 @@ def stop_children(children, senders: list[subprocess.Popen]) -> None:
 
 
 def spawn_ranks(target, args: tuple, world_size: int, timeout_s: float) -> dict[int, object]:
-    """Run ``target(rank, *args, out)`` in a spawned process per rank (``target`` a
+    """Run ``target(rank, *args, out)`` in a child process per rank (``target`` a
     module-level function, which puts ``(rank, result)`` on ``out``); each rank's result.
 
     Fails the test, with the processes' exit codes, when a rank reports nothing in
     ``timeout_s``; every process is joined (or killed) before returning.
     """
     import pytest
-    import torch.multiprocessing as tmp
 
-    ctx = tmp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, *args, out)) for r in range(world_size)]
+    out = children.queue()
+    procs = [children.process(target, (r, *args, out)) for r in range(world_size)]
     for p in procs:
         p.start()
     got: dict[int, object] = {}

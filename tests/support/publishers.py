@@ -4,12 +4,12 @@ publisher id, as the ranks of one trainer."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 
+from tests.support import children
 from tests.support.models import TinyNet, step
 
 
@@ -71,12 +71,11 @@ def start_publishers(address: str, world_size: int, seed: int, versions: tuple[i
     """One process per rank of a trainer of ``world_size`` data-parallel replicas, each
     stepping ``TinyNet(seed)`` with ``step(trainer, version)`` and publishing every version
     (``wait=True``); returns (processes, out queue of ``Published``)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    out = children.queue()
     procs = []
     for rank in range(world_size):
         args = (address, "dp-trainer", rank, world_size, seed, versions, out)
-        p = ctx.Process(target=_publisher_main, daemon=True, args=args)
+        p = children.process(_publisher_main, args, daemon=True)
         p.start()
         procs.append(p)
     return procs, out
