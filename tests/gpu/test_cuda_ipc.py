@@ -37,9 +37,13 @@ def make_tensors(version: int, device: str) -> dict[str, torch.Tensor]:
 
 
 def _receiver(address: str, device: str, versions: int, out) -> None:
+    from weightsync import summed_copies
     from weightsync.receiver.core import ReceiverCore
     from weightsync.receiver.torch_receiver import TorchModuleTarget
 
+    landed = []  # whether the reads were checksummed where they landed (another GPU's bucket)
+    run = summed_copies.LandedSums.run
+    summed_copies.LandedSums.run = lambda self: landed.append(True) or run(self)
     holder = holder_module(make_tensors(0, device))
     receiver = ReceiverCore(TorchModuleTarget(holder), address, engine="torch")
     out.put("ready")
@@ -47,7 +51,8 @@ def _receiver(address: str, device: str, versions: int, out) -> None:
         v = receiver.sync(timeout=120)
         expected = make_tensors(v, device)
         live = holder.state_dict()
-        out.put((device, v, all(torch.equal(live[n], expected[n]) for n in expected)))
+        exact = all(torch.equal(live[n], expected[n]) for n in expected)
+        out.put((device, v, exact, bool(landed)))
 
 
 @pytest.mark.parametrize("mode", ["staged", "direct", "nccl"])
@@ -93,10 +98,14 @@ def test_bit_exact_on_the_same_gpu_and_across_gpus(sock_dir, mode):
         results = [out.get(timeout=120) for _ in range(versions * len(devices))]
         for p in procs:
             p.join(60)
-        assert all(ok for _, _, ok in results), results
-        assert sorted((d, v) for d, v, _ in results) == sorted(
+        assert all(ok for _, _, ok, _ in results), results
+        assert sorted((d, v) for d, v, _, _ in results) == sorted(
             (d, v) for d in devices for v in range(1, versions + 1)
         )
+        # Staged reads into another GPU than the bucket's are checksummed where they landed.
+        assert {d for d, _, _, landed in results if landed} == {
+            d for d in devices if mode == "staged" and d != "cuda:0"
+        }
         assert {r.data_path for r in publisher.status().receivers} == {
             "broadcast" if mode == "nccl" else "map"
         }
