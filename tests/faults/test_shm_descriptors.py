@@ -219,7 +219,7 @@ def _open_fds() -> int:
 
 def test_no_descriptor_is_left_open_across_versions(sock_dir):
     """Begins by key alone, of a new mapping of the same file and of new files every version:
-    the sender (in this process) holds as many descriptors after 60 versions as after 12. Each
+    the sender (in this process) holds as many descriptors after 36 versions as after 12. Each
     mapping holds one (CPython's mmap keeps a duplicate) while a kept version (``history``, 4
     here), a cached offer (4) or its stream's last begin with contents refers to it; so does the
     publisher's own mapping of each file, in this process too."""
@@ -229,16 +229,21 @@ def test_no_descriptor_is_left_open_across_versions(sock_dir):
         _versions_of_new_files(sender)
 
 
+VERSIONS = 36
+"""Eight new files after version 12 (a leak of one descriptor per file shows); the count is
+flat from about version 10 on."""
+
+
 def _versions_of_new_files(sender) -> None:
     model = One()
     r = TorchReceiver(model, sender.address, receiver_id="r")
-    t, results = sync_in_thread(r, n=60)
+    t, results = sync_in_thread(r, n=VERSIONS)
     shm = get_transport("shm")
     store, tensors = offered_copy({"w": torch.zeros(N)})
     counts = {}
     try:
         with Publisher(sender.address) as publisher:
-            for version in range(1, 61):
+            for version in range(1, VERSIONS + 1):
                 if version % 3 == 0:  # a new file: a whole begin with a new descriptor
                     shm.release(store)
                     store, tensors = offered_copy({"w": torch.zeros(N)})
@@ -249,8 +254,8 @@ def _versions_of_new_files(sender) -> None:
                 assert result.status.sender_packed, version
                 counts[version] = _open_fds()
         t.join()
-        assert torch.equal(model.w.detach(), torch.full((N,), 60.0))
-        assert counts[60] <= counts[12], counts
+        assert torch.equal(model.w.detach(), torch.full((N,), float(VERSIONS)))
+        assert counts[VERSIONS] <= counts[12], counts
     finally:
         r.close()
         shm.release(store)
