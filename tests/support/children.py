@@ -5,9 +5,10 @@ A spawned child imports them again: 1.4 s for our packages and 3.7 s more for me
 on the idle 2-core CI box, several times that while the other worker runs, and a run starts
 well over a hundred children (gloo ranks, receivers, publishers). A child here is a fork of
 the server: the imports are done, nothing else is shared (the server has run no torch op, made
-no thread, CUDA context or gRPC channel). As with spawn, the child gets the parent's
-environment and working directory as they are at ``start()``, and its target and arguments
-are pickled (module-level functions).
+no thread or gRPC channel). As with spawn, the child gets the parent's environment and
+working directory as they are at ``start()``, and its target and arguments are pickled
+(module-level functions). Where CUDA is, children are spawned as before: importing
+megatron-core initializes CUDA in the server, and a forked child cannot use it then.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 
+import torch
 import torch.multiprocessing as mp
 
 PRELOAD = ["torch", "megatron.core", "tests.support.megatron", "tests.support.processes"]
@@ -23,10 +25,16 @@ has no megatron-core)."""
 
 
 @functools.cache
+def _method() -> str:
+    return "spawn" if torch.cuda.is_available() else "forkserver"
+
+
+@functools.cache
 def context():
-    """The forkserver context (its server starts with the first child)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    """The forkserver context (its server starts with the first child); spawn's with CUDA."""
+    ctx = mp.get_context(_method())
+    if _method() == "forkserver":
+        ctx.set_forkserver_preload(PRELOAD)
     return ctx
 
 
@@ -62,5 +70,5 @@ def start_ranks(fn, args: tuple, nprocs: int) -> None:
     context()  # the preload is set before torch starts the server
     mp.start_processes(
         _rank, args=(dict(os.environ), os.getcwd(), fn, args), nprocs=nprocs,
-        start_method="forkserver",
+        start_method=_method(),
     )  # fmt: skip
