@@ -1,11 +1,10 @@
 """The tests' child processes: forked from one server per pytest worker that imported torch,
 megatron-core and our test support once.
 
-A spawned child imports them again: 1.4 s for our packages and 3.7 s more for megatron-core
-on the idle 2-core CI box, several times that while the other worker runs, and a run starts
-well over a hundred children (gloo ranks, receivers, publishers). A child here is a fork of
-the server: the imports are done, nothing else is shared (the server has run no torch op, made
-no thread or gRPC channel). As with spawn, the child gets the parent's environment and
+A spawned child imports them again, seconds each on the 2-core CI box, and a run starts well
+over a hundred children (gloo ranks, receivers, publishers). A child here is a fork of the
+server: the imports are done, nothing else is shared (the server has run no torch op, made no
+thread or gRPC channel). As with spawn, the child gets the parent's environment and
 working directory as they are at ``start()``, and its target and arguments are pickled
 (module-level functions). Where CUDA is, children are spawned as before: importing
 megatron-core initializes CUDA in the server, and a forked child cannot use it then.
