@@ -6,13 +6,18 @@ repo=$(cd "$(dirname "$0")/.." && pwd)
 cd "$repo"
 bash scripts/setup.sh
 .venv/bin/python -m ruff check .
-# The kernels' CPU tests build our CUDA source with g++ and its sanitizer runtime (libubsan).
-if [[ $(g++ -print-file-name=libubsan.so 2>/dev/null) != /* ]]; then
+# Tools the tests need beside the venvs, installed where they can be (root with apt-get): g++
+# with its sanitizer runtime (the kernels' CPU tests build our CUDA source) and, as root,
+# iproute2 (the network-namespace test). A missing one fails the run, not skips its tests.
+missing=()
+[[ $(g++ -print-file-name=libubsan.so 2>/dev/null) == /* ]] || missing+=(g++)
+[[ $(id -u) != 0 ]] || command -v ip >/dev/null || missing+=(iproute2)
+if ((${#missing[@]})); then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
-    apt-get install -y -q g++ >/dev/null \
-      || { apt-get update -q >/dev/null && apt-get install -y -q g++ >/dev/null; }
+    apt-get install -y -q "${missing[@]}" >/dev/null \
+      || { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null; }
   else
-    echo "test.sh: the tests need g++ with libubsan (Debian: apt-get install g++)" >&2
+    echo "test.sh: the tests need ${missing[*]} (Debian: apt-get install ${missing[*]})" >&2
     exit 1
   fi
 fi
