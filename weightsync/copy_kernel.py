@@ -105,10 +105,14 @@ def cupy():
 def fits(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether the kernel can copy ``src`` into ``dst``: the same bytes on one GPU, each a
     box of rows whose elements are contiguous (:func:`planes`)."""
+    return dst.is_cuda and dst.device == src.device and tabled(dst, src)
+
+
+def tabled(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """:func:`fits`, wherever the two are: a table row can describe the copy (the same bytes,
+    each a box of rows whose elements are contiguous)."""
     return (
-        dst.is_cuda
-        and dst.device == src.device
-        and dst.dtype == src.dtype
+        dst.dtype == src.dtype
         and dst.shape == src.shape
         and dst.nbytes > 0
         and planes(dst, src) is not None

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import TypeVar
 
 import torch
 
@@ -43,6 +44,7 @@ SUM_DESTINATION = 1
 NO_SUM = 2
 """Row flag: copy only (another row already sums these source bytes)."""
 _WORD = 8
+D = TypeVar("D")
 
 
 @dataclass(frozen=True)
@@ -162,7 +164,7 @@ def plan_rows(
 
 
 def spans_of(pairs: Sequence[Pair]) -> list[Copy]:
-    """``pairs`` (each :func:`~.copy_kernel.fits`, the device aside) as :func:`plan_rows`'s
+    """``pairs`` (each :func:`~.copy_kernel.tabled`) as :func:`plan_rows`'s
     copies: spans, and boxes for strided ones (one per plane)."""
     out: list[Copy] = []
     for d, s in pairs:
@@ -245,10 +247,17 @@ def landed_rows(rows: Sequence[Row]) -> list[Row]:
     return out
 
 
-def _extent(t: torch.Tensor) -> int:
-    """The bytes from ``t``'s first element to just past its last."""
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-    return (last + 1) * t.element_size()
+def rows_by_device(rows: Sequence[Row], starts: Sequence[tuple[int, D]]) -> dict[D, list[Row]]:
+    """``rows`` by the device of the memory each sums (``src``), given where every tensor they
+    sum in starts (``(address, device)``). A summed address is in a tensor starting at or below
+    it, in one allocation of one device, where no other device's tensor can start: the closest
+    start at or below it is on its device."""
+    ordered = sorted(starts, key=lambda start: start[0])
+    addresses = [address for address, _ in ordered]
+    out: dict[D, list[Row]] = {}
+    for row in rows:
+        out.setdefault(ordered[bisect.bisect_right(addresses, row.src) - 1][1], []).append(row)
+    return out
 
 
 class LandedSums:
@@ -261,25 +270,10 @@ class LandedSums:
         self.batch = CopyBatch.of(pairs, reused=True)
         self.device = buffer.device
         self.whole = whole_row_words(nbytes)
-        # Which GPU's memory each summed address is in: per device, its tensors' merged extents
-        # (several parameters' views may interleave; two GPUs' addresses never do).
-        spans = sorted(
-            [(d.data_ptr(), d.data_ptr() + _extent(d), d.device) for d, _ in pairs]
-            + [(buffer.data_ptr(), buffer.data_ptr() + nbytes, buffer.device)],
-            key=lambda span: span[0],
-        )
-        merged: list[list] = []
-        for lo, hi, device in spans:
-            if merged and merged[-1][2] == device and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi, device])
-        starts = [m[0] for m in merged]
-        by_device: dict[torch.device, list[Row]] = {}
-        for row in rows:
-            device = merged[bisect.bisect_right(starts, row.src) - 1][2]
-            by_device.setdefault(device, []).append(row)
-        self._tables = [(d, len(r), table(r).to(d)) for d, r in by_device.items()]
+        starts = [(d.data_ptr(), d.device) for d, _ in pairs] + [(buffer.data_ptr(), buffer.device)]
+        self._tables = [
+            (d, len(r), table(r).to(d)) for d, r in rows_by_device(rows, starts).items()
+        ]
 
     @classmethod
     def plan(cls, pairs: Sequence[Pair], buffer: torch.Tensor, nbytes: int) -> LandedSums | None:
@@ -289,9 +283,7 @@ class LandedSums:
         devices = {d.device for d, _ in pairs} | {buffer.device}
         if nbytes == 0 or not all(copy_kernel.available(d) for d in devices):
             return None
-        if any(d.dtype != s.dtype or d.shape != s.shape for d, s in pairs):
-            return None
-        if any(copy_kernel.planes(d, s) is None for d, s in pairs):
+        if not all(copy_kernel.tabled(d, s) for d, s in pairs):
             return None
         rows = plan_rows(spans_of(pairs), base=buffer.data_ptr(), nbytes=nbytes, destination=False)
         return None if rows is None else cls(pairs, landed_rows(rows), buffer, nbytes)

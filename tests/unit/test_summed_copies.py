@@ -14,7 +14,7 @@ import torch
 
 from weightsync.checksum import ROW_WORDS, finish, row_sums, whole_row_words
 from weightsync.copy_kernel import BOX_CHUNK_BYTES, CHUNK_BYTES
-from weightsync.summed_copies import NO_SUM, SUM_DESTINATION, Row, plan_rows
+from weightsync.summed_copies import NO_SUM, SUM_DESTINATION, Row, plan_rows, rows_by_device
 
 _MASK = (1 << 64) - 1
 BASE = 4096
@@ -172,3 +172,16 @@ def test_copies_the_kernel_cannot_sum_exactly_once_are_left_to_a_second_read(
     copies: list[tuple[int, ...]], destination: bool
 ) -> None:
     assert plan_rows(copies, base=BASE, nbytes=512, destination=destination) is None
+
+
+def test_landed_rows_go_to_the_device_whose_memory_they_sum() -> None:
+    """``LandedSums`` launches each row on the GPU of the memory it sums: the tensor starting
+    closest at or below its address, even where another GPU's allocation lies between two
+    tensors of one GPU, or one GPU's tensors start inside another of its tensors (views)."""
+    starts = [(1000, "gpu1"), (9000, "gpu0"), (1400, "gpu1"), (5000, "gpu0")]  # any order
+    rows = [Row(src, 0, 8, 0, 0) for src in (1000, 1300, 1400, 4000, 5000, 8999, 9000, 20000)]
+    got = rows_by_device(rows, starts)
+    assert {d: [r.src for r in rs] for d, rs in got.items()} == {
+        "gpu1": [1000, 1300, 1400, 4000],
+        "gpu0": [5000, 8999, 9000, 20000],
+    }
