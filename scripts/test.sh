@@ -14,6 +14,7 @@ missing=()
 [[ $(id -u) != 0 ]] || command -v ip >/dev/null || missing+=(iproute2)
 if ((${#missing[@]})); then
   if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive  # a package's question must not wait for an answer
     apt-get install -y -q "${missing[@]}" >/dev/null \
       || { apt-get update -q >/dev/null && apt-get install -y -q "${missing[@]}" >/dev/null; }
   else

@@ -230,8 +230,8 @@ def test_no_descriptor_is_left_open_across_versions(sock_dir):
 
 
 VERSIONS = 36
-"""Eight new files after version 12 (a leak of one descriptor per file shows); the count is
-flat from about version 10 on."""
+"""Eight new files after version 12, by when the kept versions and cached offers (4 each) are
+full: a leak of one descriptor per file shows."""
 
 
 def _versions_of_new_files(sender) -> None:
