@@ -9,7 +9,8 @@ MoE experts, each its own launch in torch) and large contiguous copies go in the
 one launch has no tail between copies. Measured against a flat copy: docs/benchmarks.md.
 
 The kernels' CUDA source is :mod:`.copy_kernel_source`; this module compiles and launches them
-and builds the copy kernel's table. The same launch path serves the copy that also takes the
+(with the block FP8 kernel of :mod:`.fp8_kernel_source`, one module for both) and builds the
+copy kernel's table. The same launch path serves the copy that also takes the
 bucket checksum (``copy_sum``, planned by :mod:`.summed_copies`): each 8-byte word is summed as
 it passes through registers, so a bucket is read once, not once by its copies and again by
 :func:`~.checksum.row_sums`.
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weightsync.copy_kernel_source import SOURCE
+from weightsync import copy_kernel_source, fp8_kernel_source
 
 log = logging.getLogger("weightsync")
 
@@ -42,6 +43,8 @@ BOX_CHUNK_BYTES = 256 << 10
 fastest of 128 KiB to 512 KiB on H200."""
 THREADS = 1024
 """Threads per block: 1024 beat 256 and 512 on H200 for both kernels and every chunk size."""
+KERNELS = {"copy_chunks": THREADS, "copy_sum": THREADS, "quantize_fp8": 256}
+"""Each kernel by name, with its threads per block (its ``__launch_bounds__``)."""
 
 
 @functools.cache
@@ -55,8 +58,8 @@ def _kernels():
     except ImportError:
         return None
     try:
-        module = cupy.RawModule(code=SOURCE)
-        kernels = {name: module.get_function(name) for name in ("copy_chunks", "copy_sum")}
+        module = cupy.RawModule(code=copy_kernel_source.SOURCE + fp8_kernel_source.SOURCE)
+        kernels = {name: module.get_function(name) for name in KERNELS}
     except Exception as e:  # a CuPy that does not match this machine's CUDA
         log.warning(
             "batched copy kernel unavailable (%s: %s); using torch copies", type(e).__name__, e
@@ -70,7 +73,9 @@ def launch(name: str, device: torch.device, blocks: int, *args: object) -> None:
     cupy, kernels = _kernels()
     stream = _cupy_stream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index):
-        kernels[name]((blocks,), (THREADS,), tuple(cupy.uint64(a) for a in args), stream=stream)
+        kernels[name](
+            (blocks,), (KERNELS[name],), tuple(cupy.uint64(a) for a in args), stream=stream
+        )
 
 
 @dataclass(frozen=True)

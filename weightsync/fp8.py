@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from weightsync import fp8_kernel
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
 BLOCK = (128, 128)
@@ -88,7 +90,8 @@ class BlockFp8:
     views of one buffer per device, kept from call to call while the tensors' names and shapes
     stay (one storage to offer, not one per tensor: a MoE model has thousands), so a trainer
     that publishes every step offers the same memory every time and the sender maps it once.
-    Quantizes on the tensors' device (the trainer's GPU).
+    Quantizes on the tensors' device (the trainer's GPU): bf16 weights on a GPU with CuPy in one
+    launch of :mod:`.fp8_kernel` (one read and one write), others with torch's ops.
 
     Args:
         quantized: which tensors to quantize (default :func:`linear_weight`).
@@ -106,6 +109,9 @@ class BlockFp8:
         self.quantized, self.block, self.ue8m0 = quantized, block, ue8m0
         self._key: tuple = ()
         self._views: dict[str, torch.Tensor] = {}
+        self._where: tuple = ()
+        self._launches: list[fp8_kernel.Quantize] = []
+        self._launched: frozenset[str] = frozenset()
 
     @torch.no_grad()
     def __call__(self, tensors) -> dict[str, torch.Tensor]:
@@ -120,7 +126,11 @@ class BlockFp8:
         key = tuple((name, tuple(t.shape), t.device) for name, t in picked)
         if key != self._key:
             self._views, self._key = self._allocate(picked), key
-        for group in self._groups(picked):
+            self._where = ()
+        self._plan_launches(picked)
+        for launch in self._launches:
+            launch.run()
+        for group in self._groups([(n, t) for n, t in picked if n not in self._launched]):
             self._quantize(group)
         out: dict[str, torch.Tensor] = {}
         for name, tensor in items:
@@ -130,6 +140,31 @@ class BlockFp8:
             else:
                 out[name] = tensor
         return out
+
+    @property
+    def launched(self) -> frozenset[str]:
+        """The names the kernel quantized in the last call (the rest went through torch's
+        ops)."""
+        return self._launched
+
+    def _plan_launches(self, picked) -> None:
+        """The kernel's launches (one per GPU) for the picked tensors it can quantize, kept
+        while the tensors are at the same addresses (the trainer's parameters are)."""
+        where = tuple((t.data_ptr(), t.stride()) for _, t in picked)
+        if where == self._where:
+            return
+        by_device: dict[torch.device, list[tuple[str, fp8_kernel.Job]]] = {}
+        if self.block == (fp8_kernel.TILE, fp8_kernel.TILE):
+            for name, t in picked:
+                job = (t, self._views[name], self._views[scale_name(name)])
+                if fp8_kernel.fits(*job):
+                    by_device.setdefault(t.device, []).append((name, job))
+        self._launches = [
+            fp8_kernel.Quantize([job for _, job in jobs], ue8m0=self.ue8m0)
+            for jobs in by_device.values()
+        ]
+        self._launched = frozenset(name for jobs in by_device.values() for name, _ in jobs)
+        self._where = where
 
     def _groups(self, picked) -> list[list[tuple[str, torch.Tensor]]]:
         """Tensors quantized in one go: small ones of one shape, dtype and device that split

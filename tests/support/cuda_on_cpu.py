@@ -1,12 +1,13 @@
 """Our CUDA kernels' own source, compiled for the CPU with g++ and run there, block by block.
 
-The kernels (``weightsync/copy_kernel_source.py``) only launch on a GPU, which CI does not have. A
-few lines of C++ stand in for what they use of CUDA: each block's threads are real threads
-(``threadIdx``), ``__syncthreads`` a barrier among them, ``__shared__`` memory shared by them,
-``__shfl_down_sync`` an exchange between two barriers, ``atomicAdd`` an atomic add, and a
-misaligned load or store stops the process (as it would fault on a GPU). Blocks run one after
-another. The kernels then read and write CPU memory at the addresses in their
-tables, so a test can compare what they did with torch's answer, bit for bit.
+The kernels (``weightsync/copy_kernel_source.py``, ``weightsync/fp8_kernel_source.py``) only
+launch on a GPU, which CI does not have. A few lines of C++ stand in for what they use of CUDA:
+each block's threads are real threads (``threadIdx``), ``__syncthreads`` a barrier among them,
+``__shared__`` memory shared by them, ``__shfl_down_sync`` an exchange between two barriers,
+``atomicAdd`` an atomic add, the float intrinsics the CPU's float arithmetic (both round to
+nearest even), and a misaligned load or store stops the process (as it would fault on a GPU).
+Blocks run one after another. The kernels then read and write CPU memory at the addresses in
+their tables, so a test can compare what they did with torch's answer, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from weightsync import copy_kernel, copy_kernel_source
+from weightsync import copy_kernel, copy_kernel_source, fp8_kernel_source
 
 _SHIM = r"""
 #include <barrier>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -57,6 +59,13 @@ static unsigned long long __shfl_down_sync(unsigned, unsigned long long v, int o
     return got;
 }
 
+static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+// Rounded to nearest even, as the CPU does in float (no contraction: x86-64 has no FMA here).
+static float __fadd_rn(float a, float b) { return a + b; }
+static float __fmul_rn(float a, float b) { return a * b; }
+static float __fdiv_rn(float a, float b) { return a / b; }
+
 static unsigned long long atomicAdd(unsigned long long* at, unsigned long long v) {
     return __atomic_fetch_add(at, v, __ATOMIC_SEQ_CST);
 }
@@ -86,6 +95,12 @@ extern "C" void launch_copy_sum(unsigned blocks, unsigned threads,
                                 unsigned long long* out) {
     grid(blocks, threads, [=] { copy_sum(table, whole, out); });
 }
+
+extern "C" void launch_quantize_fp8(unsigned blocks, unsigned threads,
+                                    const unsigned long long* table, unsigned long long tensors,
+                                    unsigned long long ue8m0) {
+    grid(blocks, threads, [=] { quantize_fp8(table, tensors, ue8m0); });
+}
 """
 
 
@@ -103,7 +118,8 @@ def kernels() -> ctypes.CDLL:
     """The kernels of ``copy_kernel_source.SOURCE`` built for this CPU: ``launch_<kernel>`` takes
     the block count, the threads per block, then the kernel's arguments."""
     build = Path(tempfile.mkdtemp(prefix="ws-kernels-"))
-    (build / "kernels.cpp").write_text(_SHIM + copy_kernel_source.SOURCE + _LAUNCHERS)
+    sources = copy_kernel_source.SOURCE + fp8_kernel_source.SOURCE
+    (build / "kernels.cpp").write_text(_SHIM + sources + _LAUNCHERS)
     # A load or store at an address its type does not align to is reported (a GPU would
     # fault; x86 does not care): see launch().
     cmd = [compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread"]
@@ -114,11 +130,12 @@ def kernels() -> ctypes.CDLL:
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     lib.launch_copy_chunks.argtypes = [u32, u32, u64]
     lib.launch_copy_sum.argtypes = [u32, u32, u64, u64, u64]
+    lib.launch_quantize_fp8.argtypes = [u32, u32, u64, u64, u64]
     return lib
 
 
 def launch(kernel: str, blocks: int, *args: int) -> None:
-    """Run ``kernel`` over ``blocks`` blocks of ``copy_kernel.THREADS`` threads.
+    """Run ``kernel`` over ``blocks`` blocks of its threads (``copy_kernel.KERNELS``).
 
     Raises:
         AssertionError: it loaded or stored at a misaligned address (the sanitizer's report).
@@ -128,7 +145,7 @@ def launch(kernel: str, blocks: int, *args: int) -> None:
         saved = os.dup(2)  # the sanitizer writes to stderr
         os.dup2(report.fileno(), 2)
         try:
-            getattr(lib, f"launch_{kernel}")(blocks, copy_kernel.THREADS, *args)
+            getattr(lib, f"launch_{kernel}")(blocks, copy_kernel.KERNELS[kernel], *args)
         finally:
             os.dup2(saved, 2)
             os.close(saved)
