@@ -48,6 +48,8 @@ class Fp8Run:
     bf16_s: tuple[float, ...]
     fp8_s: tuple[float, ...]
     bit_exact: bool
+    quantize_s: tuple[float, ...] = ()
+    """The trainer's quantization alone, every tensor once per sample (part of ``fp8_s``)."""
 
     @property
     def byte_ratio(self) -> float:
@@ -71,10 +73,13 @@ class Fp8Run:
             f"bytes {self.byte_ratio:.3f}x bf16 (target <= {BYTES_TARGET}); time "
             f"{self.time_ratio:.2f}x bf16 scaled by bytes (target <= {TIME_TARGET})"
         )
-        return [
+        rows = [
             row("bf16", self.bf16_bytes, self.bf16_s),
             row("fp8", self.fp8_bytes, self.fp8_s, note),
         ]
+        if self.quantize_s:
+            rows.append(row("fp8 quantize alone", self.bf16_bytes, self.quantize_s))
+        return rows
 
 
 def _fill(views: Mapping[str, torch.Tensor], version: int) -> None:
@@ -131,7 +136,7 @@ def _received_specs(specs, quantize: bool, device: torch.device) -> list[TensorS
 def _measure(
     specs, quantize: bool, device: torch.device, versions: int, warmup: int, timeout_s: float,
     settings: dict,
-) -> tuple[tuple[float, ...], int, list[str]]:  # fmt: skip
+) -> tuple[tuple[float, ...], int, list[str], tuple[float, ...]]:  # fmt: skip
     from weightsync.sender import Publisher, Sender
 
     offsets, total = _offsets(specs)
@@ -160,7 +165,21 @@ def _measure(
                     samples.append(time.perf_counter() - start)
                     nbytes = result.status.total_bytes
                     wrong += [why for _, _, why in _expect(out, "applied", 1, timeout_s) if why]
-    return tuple(samples[warmup:]), nbytes, wrong
+    quantize_s = tuple(_quantize_alone(fp8, views, versions)) if quantize else ()
+    return tuple(samples[warmup:]), nbytes, wrong, quantize_s
+
+
+def _quantize_alone(fp8: BlockFp8, views, times: int):
+    """Each of ``times`` quantizations of every tensor, alone (after the versions)."""
+    device = next(iter(views.values())).device
+    for _ in range(times):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fp8(views)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        yield time.perf_counter() - start
 
 
 def measure_fp8(
@@ -175,13 +194,17 @@ def measure_fp8(
     FP8, to a receiver on ``device``; the measured ones' times and the bytes of each."""
     specs = hf_specs(shape)
     settings = {} if bucket_size_bytes is None else {"bucket_size_bytes": bucket_size_bytes}
-    bf16_s, bf16_bytes, wrong = _measure(
+    bf16_s, bf16_bytes, wrong, _ = _measure(
         specs, False, device, versions, warmup, timeout_s, settings
     )
-    fp8_s, fp8_bytes, wrong8 = _measure(specs, True, device, versions, warmup, timeout_s, settings)
+    fp8_s, fp8_bytes, wrong8, quantize_s = _measure(
+        specs, True, device, versions, warmup, timeout_s, settings
+    )
     for line in wrong + wrong8:
         print(f"fp8 bench: NOT bit-exact: {line}", flush=True)
-    return Fp8Run(str(device), bf16_bytes, fp8_bytes, bf16_s, fp8_s, not (wrong or wrong8))
+    return Fp8Run(
+        str(device), bf16_bytes, fp8_bytes, bf16_s, fp8_s, not (wrong or wrong8), quantize_s
+    )
 
 
 def summary(run: Fp8Run) -> str:
@@ -189,7 +212,8 @@ def summary(run: Fp8Run) -> str:
     bf16, fp8 = statistics.median(run.bf16_s), statistics.median(run.fp8_s)
     return (
         f"bf16 {run.bf16_bytes / 1e9:.2f} GB in {bf16 * 1e3:.1f} ms; fp8 {run.fp8_bytes / 1e9:.2f} "
-        f"GB in {fp8 * 1e3:.1f} ms (quantizing included): bytes {run.byte_ratio:.3f}x (target "
+        f"GB in {fp8 * 1e3:.1f} ms (quantizing included; alone "
+        f"{statistics.median(run.quantize_s) * 1e3:.1f} ms): bytes {run.byte_ratio:.3f}x (target "
         f"<= {BYTES_TARGET}), time {run.time_ratio:.2f}x the bf16 time scaled by bytes (target "
         f"<= {TIME_TARGET}); bit-exact {run.bit_exact}"
     )
