@@ -28,9 +28,10 @@ from weightsync.errors import (
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region, whole
 from weightsync.sender.exports import Exports
-from weightsync.sender.placement import Published, WireManifest, placement_key
+from weightsync.sender.placement import Published, WireManifest
 from weightsync.sender.publish_stream import PublishStream
 from weightsync.sender.states import OutcomeState
+from weightsync.tensor_keys import layout_key
 from weightsync.transports import MappedBuffers, get_transport
 from weightsync.transports.base import StagingBuffer
 from weightsync.transports.cuda_ipc import device_uuid
@@ -168,15 +169,13 @@ class Publisher:
         last = self._published
         mapping = named_tensors if isinstance(named_tensors, Mapping) else None
         if (
-            mapping is not None
-            and last is not None
-            and last.mapping is mapping
+            last is not None
             and (last.lora, last.part) == (lora, part)
-            and last.same_tensors()
+            and last.same_tensors(named_tensors)
         ):
             return last
         tensors = dict(named_tensors.items() if mapping is not None else named_tensors)
-        key = placement_key(tensors)
+        key = layout_key(tensors)
         if last is None or (last.key, last.lora, last.part) != (key, lora, part):
             specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
             manifest, regions = VersionManifest(version, specs, lora, part), whole(tensors)

@@ -18,9 +18,9 @@ def test_a_mapping_published_again_is_checked_again_only_when_its_tensors_moved(
     import weightsync.sender.publisher as publisher_module
 
     checks = []
-    real = publisher_module.placement_key
+    real = publisher_module.layout_key
     monkeypatch.setattr(
-        publisher_module, "placement_key", lambda tensors: checks.append(1) or real(tensors)
+        publisher_module, "layout_key", lambda tensors: checks.append(1) or real(tensors)
     )
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=4096) as sender:
         model, trainer = TinyNet(seed=1), TinyNet(seed=2)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from weightsync.fp8 import FP8, BlockFp8, dequantize_block_fp8, quantize_block_fp8
+from weightsync.fp8 import FP8, BlockFp8, dequantize_block_fp8, quantize_block_fp8, scale_name
 
 SHAPES = [(256, 128), (300, 200), (1, 7), (128, 1000)]
 
@@ -110,3 +110,29 @@ def test_block_fp8_names_a_picked_tensor_it_cannot_quantize():
     fp8 = BlockFp8(quantized=lambda name, t: True)
     with pytest.raises(ValueError, match=r"'model.norm.weight' is \(16,\) torch.bfloat16"):
         fp8({"model.norm.weight": torch.ones(16, dtype=torch.bfloat16)})
+
+
+def test_the_same_mapping_again_is_quantized_again_without_being_looked_at_again():
+    """A trainer passing its mapping every version gets the same dict back (the publisher
+    then knows it at once) with the new values quantized; a tensor given new memory, or
+    another mapping, is looked at afresh."""
+    g = torch.Generator().manual_seed(5)
+    proj = "model.layers.0.self_attn.q_proj.weight"
+    weights = {
+        proj: torch.randn(256, 256, generator=g).bfloat16(),
+        "model.norm.weight": torch.ones(256, dtype=torch.bfloat16),
+    }
+    fp8 = BlockFp8()
+    first = fp8(weights)
+    weights[proj].mul_(3)  # the next version, in place
+    again = fp8(weights)
+    assert again is first
+    values, scale = quantize_block_fp8(weights[proj])
+    assert torch.equal(again[proj].view(torch.uint8), values.view(torch.uint8))
+    assert torch.equal(again[scale_name(proj)], scale)
+    weights[proj].data = torch.randn(256, 256, generator=g).bfloat16()  # new memory
+    moved = fp8(weights)
+    assert moved is not first
+    values, _ = quantize_block_fp8(weights[proj])
+    assert torch.equal(moved[proj].view(torch.uint8), values.view(torch.uint8))
+    assert fp8(dict(weights)) is not moved  # another mapping of the same tensors

@@ -2,20 +2,20 @@
 
 import torch
 
-from weightsync.sender.publisher import placement_key
+from weightsync.tensor_keys import layout_key
 
 
 def _key(**tensors):
-    return placement_key(tensors)
+    return layout_key(tensors)
 
 
 def test_the_same_placement_gives_the_same_key():
     w = torch.randn(4, 4)
     assert _key(w=w, b=torch.zeros(3)[:2]) != _key(w=w)
     same = {"w": w}
-    assert placement_key(same) == placement_key({"w": w})
+    assert layout_key(same) == layout_key({"w": w})
     w.add_(1)  # new values, same memory: nothing to describe again
-    assert placement_key(same) == placement_key({"w": w})
+    assert layout_key(same) == layout_key({"w": w})
 
 
 def test_any_change_of_address_dtype_shape_or_strides_changes_it():
