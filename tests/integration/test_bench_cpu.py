@@ -109,8 +109,8 @@ def test_cpu_bench_hosts_case_two_senders_and_one_bit_exact(tmp_path):
 
 def test_cpu_bench_fp8_and_delta_rows_beside_full_ones(tmp_path):
     """``--fp8`` and ``--deltas`` (issue 36) in the report: bf16 and FP8 versions of the model
-    (and the quantization alone), full and delta versions of a layer's Adam steps broadcast to another host; every one
-    bit-exact, FP8 and deltas fewer bytes than the rows beside them."""
+    (and the quantization alone), full and delta versions of a layer's Adam steps broadcast to
+    another host; every one bit-exact, FP8 and deltas fewer bytes than the rows beside them."""
     code = bench(
         ["--model", "tiny", "--device", "cpu", "--tp", "", "--no-baselines", "--no-floors"]
         + ["--fp8", "--deltas", "--versions", "2", "--warmup", "0", "--out", str(tmp_path)]
