@@ -29,6 +29,7 @@ chain is taken to run at its slowest link's rate).
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections import defaultdict
@@ -99,8 +100,14 @@ Keeps = Mapping[str, Mapping[str, Box]]
 
 
 def whole_box(shape: Sequence[int]) -> Box:
-    """The box of a whole tensor of ``shape``."""
-    return Box((0,) * len(shape), tuple(shape))
+    """The box of a whole tensor of ``shape`` (one object per shape: a trillion-parameter
+    plan asks for the same few thousand hundreds of thousands of times)."""
+    return _whole_box(tuple(shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _whole_box(shape: tuple[int, ...]) -> Box:
+    return Box((0,) * len(shape), shape)
 
 
 def shard_box(shape: Sequence[int], dim: int, rank: int, world: int) -> Box:
