@@ -24,15 +24,19 @@ Job = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 def fits(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> bool:
     """Whether the kernel can quantize ``weight`` into ``values`` and ``scales``: a bf16
-    matrix on a GPU where the kernel runs, rows of contiguous elements in both, the scales
-    contiguous, all on one device."""
+    matrix on a GPU where the kernel runs, e4m3 values of its shape, float32 scales of its
+    grid of tiles (contiguous), rows of contiguous elements, all on one device."""
     return (
         copy_kernel.available(weight.device)
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.numel() > 0
         and weight.stride(1) == 1
+        and values.dtype == torch.float8_e4m3fn
+        and values.shape == weight.shape
         and values.stride(1) == 1
+        and scales.dtype == torch.float32
+        and tuple(scales.shape) == tuple(-(-n // TILE) for n in weight.shape)
         and scales.is_contiguous()
         and values.device == weight.device == scales.device
     )

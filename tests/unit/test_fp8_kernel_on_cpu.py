@@ -99,3 +99,20 @@ def test_the_table_numbers_tiles_across_tensors_in_order():
     assert table[:, 1].tolist() == [400, 256]  # source pitches in bytes
     assert table[:, 2:4].tolist() == [[300, 200], [128, 128]]
     assert fp8_kernel.tiles(jobs) == 7
+
+
+def test_the_kernel_takes_only_what_it_can_write_within_bounds(monkeypatch):
+    """``fits`` refuses (so ``BlockFp8`` takes torch's ops) anything but a bf16 matrix with
+    e4m3 values of its shape and float32 scales of its tiles; and a CPU tensor, where the
+    kernel does not launch."""
+    w = torch.zeros(300, 200, dtype=torch.bfloat16)
+    values, scales = torch.zeros(300, 200, dtype=FP8), torch.zeros(3, 2)
+    assert not fp8_kernel.fits(w, values, scales)  # on the CPU
+    monkeypatch.setattr(fp8_kernel.copy_kernel, "available", lambda device: True)
+    assert fp8_kernel.fits(w, values, scales)
+    assert not fp8_kernel.fits(w.float(), values, scales)
+    assert not fp8_kernel.fits(w, values[:, :100], scales)
+    assert not fp8_kernel.fits(w, values.view(torch.uint8), scales)
+    assert not fp8_kernel.fits(w, values, torch.zeros(2, 2))
+    assert not fp8_kernel.fits(w, values, torch.zeros(2, 3).t())
+    assert not fp8_kernel.fits(w.t(), values.t(), scales.t())  # columns not contiguous
