@@ -67,21 +67,29 @@ def mixed_logits(
     """Independently, with transformers: the logits behind ``tokens[switch:]`` when the prompt
     and the tokens sampled before the switch (all but the last) kept the old weights' KV and
     every later position is computed by the new weights (teacher-forced on ``tokens``)."""
-    import transformers
-
-    # Eager attention: the CI run once got NaN logits from the SDPA path over a split cache.
-    old_model, new_model = (
-        transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-        for path in (old, new)
-    )
+    old_model, new_model = (_reference(path) for path in (old, new))
     ids = prompt + tokens
     fed = len(prompt) + switch - 1  # positions [0, fed) hold the old weights' KV
     with torch.no_grad():
         cache = old_model(torch.tensor([ids[:fed]]), use_cache=True).past_key_values
         out = new_model(torch.tensor([ids[fed:-1]]), past_key_values=cache, use_cache=True)
     return out.logits[0]
+
+
+def _reference(path: Path) -> torch.nn.Module:
+    """transformers' model of the checkpoint at ``path``, built from its config and loaded
+    with its tensors (strict). Not ``from_pretrained``: in this process (the engine's CPU
+    shims installed) it left the rotary embedding's ``inv_freq``, a buffer no checkpoint
+    holds, as uninitialized memory: positions went unrotated, and about one run in ten the
+    logits were NaN."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, dtype=torch.float32, attn_implementation="eager"
+    )
+    model.load_state_dict(checkpoint_tensors(path), strict=True)
+    return model.eval()
 
 
 NEAR_TIE = 0.05
