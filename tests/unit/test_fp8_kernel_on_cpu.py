@@ -11,7 +11,7 @@ import torch
 
 from tests.support import cuda_on_cpu
 from weightsync import fp8_kernel
-from weightsync.fp8 import FP8, _ceil_to_power_of_two, scale_shape
+from weightsync.fp8 import FP8, BlockFp8, _ceil_to_power_of_two, scale_name, scale_shape
 
 CANARY = 0xA5
 
@@ -116,3 +116,16 @@ def test_the_kernel_takes_only_what_it_can_write_within_bounds(monkeypatch):
     assert not fp8_kernel.fits(w, values, torch.zeros(2, 2))
     assert not fp8_kernel.fits(w, values, torch.zeros(2, 3).t())
     assert not fp8_kernel.fits(w.t(), values.t(), scales.t())  # columns not contiguous
+
+
+def test_block_fp8s_own_buffers_are_what_the_kernel_takes(monkeypatch):
+    """The values and scales ``BlockFp8`` allocates pass ``fits`` (so on a GPU its bf16
+    weights go through the kernel, as tests/gpu/test_fp8_gpu.py asserts there)."""
+    weights = {
+        "q_proj.weight": torch.zeros(300, 200, dtype=torch.bfloat16),
+        "up_proj.weight": torch.zeros(512, 256, dtype=torch.bfloat16)[:, 128:],
+    }
+    out = BlockFp8()(weights)
+    monkeypatch.setattr(fp8_kernel.copy_kernel, "available", lambda device: True)
+    for name, w in weights.items():
+        assert fp8_kernel.fits(w, out[name], out[scale_name(name)]), name
