@@ -8,6 +8,7 @@ the CPU). The source: :mod:`.fp8_kernel_source`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -36,10 +37,15 @@ def fits(weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> bo
         and values.shape == weight.shape
         and values.stride(1) == 1
         and scales.dtype == torch.float32
-        and tuple(scales.shape) == tuple(-(-n // TILE) for n in weight.shape)
+        and tuple(scales.shape) == grid(weight.shape)
         and scales.is_contiguous()
         and values.device == weight.device == scales.device
     )
+
+
+def grid(shape: Sequence[int]) -> tuple[int, ...]:
+    """The tiles of a matrix of ``shape`` along each dim (its scales' shape)."""
+    return tuple(-(-n // TILE) for n in shape)
 
 
 def table(jobs: Sequence[Job]) -> np.ndarray:
@@ -61,12 +67,13 @@ def table(jobs: Sequence[Job]) -> np.ndarray:
                 first,
             )
         )
-        first += -(-r // TILE) * -(-c // TILE)
+        first += math.prod(grid(weight.shape))
     return np.array(rows, dtype=np.int64).reshape(-1, 8)
 
 
 def tiles(jobs: Sequence[Job]) -> int:
-    return sum(-(-w.shape[0] // TILE) * -(-w.shape[1] // TILE) for w, _, _ in jobs)
+    """The blocks a launch of ``jobs`` takes: every tile of every weight."""
+    return sum(math.prod(grid(w.shape)) for w, _, _ in jobs)
 
 
 class Quantize:
