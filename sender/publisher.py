@@ -118,9 +118,12 @@ class Publisher:
         contiguous tensors straight out of this process's memory: one copy per byte, no
         staging and no checksum; the call then returns once they have read them.
 
-        Returns once every byte is copied out of these tensors (the trainer may change them),
-        or, with ``wait=True``, once every receiver applied the version. ``part``: these
-        tensors are this sender's share of a version several senders send together.
+        It first waits for the work queued so far on the current CUDA stream of the tensors'
+        device (the optimizer step that wrote them); work on other streams must be ordered
+        before it. Returns once every byte is copied out of these tensors (the trainer may
+        change them), or, with ``wait=True``, once every receiver applied the version.
+        ``part``: these tensors are this sender's share of a version several senders send
+        together.
 
         Every version, the tensors' names, dtypes, shapes, addresses and strides are checked
         against the last version's. Passing the same mapping again, holding the same tensor
@@ -203,7 +206,8 @@ class Publisher:
         ranks' regions cover every staged tensor and the sender can map them, it packs the
         buckets itself and ``pack`` is not called. With ``direct``, receivers on this host
         may read in place the tensors that contiguous regions hold whole, or tile together
-        (TP shards of every rank). The sender decides both per version.
+        (TP shards of every rank). The sender decides both per version. On CUDA it first
+        waits for ``device``'s current stream, as :meth:`publish` does.
         """
         with gc_pause.paused():
             return self._publish(manifest, pack, device, wait, timeout_s, regions, direct)
@@ -245,6 +249,11 @@ class Publisher:
         # The stream lives on across versions, so the deadline is this version's own.
         expired = stream.watchdog.arm(timeout_s)
         try:
+            if device.type == "cuda":
+                # The sender and receivers read the offered memory from other processes, which
+                # no stream order reaches: what the trainer queued (its optimizer step, a
+                # quantization) must be done before they may start.
+                torch.cuda.current_stream(device).synchronize()
             stream.send_begin(begin)
             for reply in stream.replies:
                 kind = reply.WhichOneof("kind")

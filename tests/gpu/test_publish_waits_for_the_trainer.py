@@ -1,0 +1,70 @@
+"""A publish reads what the trainer wrote, not what it had only queued.
+
+The trainer (a process of its own, as deployed) queues about a second of GPU work and then
+the write of version 2, and publishes at once. The sender and the receiver read its memory
+from other processes, which no stream order reaches: unless ``publish`` waits for the trainer's
+stream first, they read version 1's bytes while the write is still queued, checksum them, and
+the receiver applies stale weights as if they were exact.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from tests.support import holder_module
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+_NUMEL = 64 << 20  # 256 MiB of int32
+_QUEUED_CYCLES = 2_000_000_000  # about a second of one GPU's time before the write
+
+
+def _trainer(address: str, direct: bool, out) -> None:
+    from weightsync.sender import Publisher
+
+    tensors = {"w": torch.ones(_NUMEL, dtype=torch.int32, device="cuda:0")}
+    with Publisher(address) as publisher:
+        publisher.publish(tensors, 1, wait=True, timeout_s=120, direct=direct)
+        torch.cuda._sleep(_QUEUED_CYCLES)
+        tensors["w"].fill_(2)  # queued behind the sleep
+        publisher.publish(tensors, 2, wait=True, timeout_s=120, direct=direct)
+    out.put("published")
+
+
+def _engine(address: str, out) -> None:
+    from weightsync.receiver.core import ReceiverCore
+    from weightsync.receiver.torch_receiver import TorchModuleTarget
+
+    holder = holder_module({"w": torch.zeros(_NUMEL, dtype=torch.int32, device="cuda:0")})
+    receiver = ReceiverCore(TorchModuleTarget(holder), address, engine="torch")
+    out.put("ready")
+    for _ in range(2):
+        version = receiver.sync(timeout=120)
+        live = holder.state_dict()["w"]
+        out.put((version, int((live != version).sum())))
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["staged", "direct"])
+def test_a_publish_right_after_queued_writes_delivers_them(sock_dir, direct):
+    from weightsync.sender.daemon import Sender
+
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=64 << 20) as sender:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        engine = ctx.Process(target=_engine, args=(sender.address, out))
+        engine.start()
+        assert out.get(timeout=120) == "ready"
+        trainer = ctx.Process(target=_trainer, args=(sender.address, direct, out))
+        trainer.start()
+        items = [out.get(timeout=180) for _ in range(3)]
+        trainer.join(60)
+        engine.join(60)
+    assert "published" in items
+    # Per version the engine applied: (version, elements of the weight that differ from it).
+    assert sorted(i for i in items if isinstance(i, tuple)) == [(1, 0), (2, 0)], items
