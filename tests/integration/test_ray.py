@@ -57,6 +57,9 @@ CLUSTER_ENV = {
     "RAY_USAGE_STATS_ENABLED": "0",  # no usage report attempts (no network here)
     "WEIGHTSYNC_BUCKET_SIZE_BYTES": "4096",  # a node's own settings: small staging, chunking
     "WEIGHTSYNC_ACK_TIMEOUT_S": "30",
+    # Ray waits 30 s for its GCS server to start by default: a cold CI run on the 2-core box,
+    # beside the vLLM sweep, ran out of it (it takes about 5 s on an idle box).
+    "RAY_gcs_server_port_wait_time_s": "180",
 }
 """Set for the cluster's processes, which inherit this process's environment."""
 
@@ -73,7 +76,12 @@ def cluster() -> Iterator[Cluster]:
         env.setenv("RAY_TMPDIR", temp)
         args = {"num_cpus": 1, "object_store_memory": OBJECT_STORE_BYTES}
         try:
-            c = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
+            try:
+                c = Cluster(
+                    initialize_head=True, head_node_args={**args, "include_dashboard": False}
+                )
+            except RuntimeError as e:
+                raise RuntimeError(f"{e}\n{_ray_logs(temp)}") from e
             try:
                 for _ in range(NODES - 1):
                     c.add_node(**args)
@@ -84,6 +92,17 @@ def cluster() -> Iterator[Cluster]:
                 c.shutdown()
         finally:
             shutil.rmtree(temp, ignore_errors=True)
+
+
+def _ray_logs(temp: str, lines: int = 20) -> str:
+    """The last ``lines`` of each of Ray's GCS and raylet logs under ``temp``: why a cluster
+    did not start."""
+    out = []
+    for path in sorted(Path(temp).glob("ray/session_2*/logs/*")):  # not session_latest
+        if path.name.startswith(("gcs_server", "raylet")) and path.is_file():
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(tail))
+    return "\n".join(out) or f"(no Ray logs under {temp})"
 
 
 @pytest.fixture
