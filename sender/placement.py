@@ -29,6 +29,8 @@ class Published:
 
     def __post_init__(self) -> None:
         self._same = SameTensors(self.mapping) if self.mapping is not None else None
+        self.gpus = frozenset(t.device for t in self.tensors.values() if t.is_cuda)
+        """The GPUs the tensors are on (whose streams a publish waits for)."""
 
     def same_tensors(self, mapping: object) -> bool:
         """Whether ``mapping`` is the one published, still holding the same tensors where

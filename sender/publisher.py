@@ -118,9 +118,9 @@ class Publisher:
         contiguous tensors straight out of this process's memory: one copy per byte, no
         staging and no checksum; the call then returns once they have read them.
 
-        It first waits for the work queued so far on the current CUDA stream of the tensors'
-        device (the optimizer step that wrote them); work on other streams must be ordered
-        before it. Returns once every byte is copied out of these tensors (the trainer may
+        It first waits for the work queued so far on the current CUDA stream of each GPU the
+        tensors are on (the optimizer step that wrote them); work on other streams must be
+        ordered before it. Returns once every byte is copied out of these tensors (the trainer may
         change them), or, with ``wait=True``, once every receiver applied the version.
         ``part``: these tensors are this sender's share of a version several senders send
         together.
@@ -150,15 +150,10 @@ class Publisher:
                 pack_entry(buffer, entry, tensors[entry.name])
                 verify_entry(what, buffer, entry, tensors[entry.name])
 
-        return self.publish_packed(
-            manifest,
-            pack,
-            device=device,
-            wait=wait,
-            timeout_s=timeout_s,
-            regions=regions,
-            direct=direct,
-        )
+        with gc_pause.paused():
+            return self._publish(
+                manifest, pack, device, wait, timeout_s, regions, direct, published.gpus
+            )
 
     def _placed(
         self,
@@ -210,7 +205,9 @@ class Publisher:
         waits for ``device``'s current stream, as :meth:`publish` does.
         """
         with gc_pause.paused():
-            return self._publish(manifest, pack, device, wait, timeout_s, regions, direct)
+            return self._publish(
+                manifest, pack, device, wait, timeout_s, regions, direct, (device,)
+            )
 
     def _publish(
         self,
@@ -221,7 +218,10 @@ class Publisher:
         timeout_s: float,
         regions: Mapping[str, Sequence[Region]] | None,
         direct: bool,
+        ready: Iterable[torch.device],
     ) -> PublishResult:
+        """:meth:`publish_packed`, first waiting for the current streams of the CUDA devices
+        in ``ready``."""
         what = f"publish version {manifest.version} to {self.address}"
         version = manifest.version
         if not manifest.tensors:
@@ -249,11 +249,12 @@ class Publisher:
         # The stream lives on across versions, so the deadline is this version's own.
         expired = stream.watchdog.arm(timeout_s)
         try:
-            if device.type == "cuda":
-                # The sender and receivers read the offered memory from other processes, which
-                # no stream order reaches: what the trainer queued (its optimizer step, a
-                # quantization) must be done before they may start.
-                torch.cuda.current_stream(device).synchronize()
+            # The sender and receivers read the offered memory from other processes, which no
+            # stream order reaches: what the trainer queued (its optimizer step, a
+            # quantization) must be done before they may start.
+            for gpu in ready:
+                if gpu.type == "cuda":
+                    torch.cuda.current_stream(gpu).synchronize()
             stream.send_begin(begin)
             for reply in stream.replies:
                 kind = reply.WhichOneof("kind")
