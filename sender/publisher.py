@@ -118,12 +118,11 @@ class Publisher:
         contiguous tensors straight out of this process's memory: one copy per byte, no
         staging and no checksum; the call then returns once they have read them.
 
-        It first waits for the work queued so far on the current CUDA stream of each GPU the
-        tensors are on (the optimizer step that wrote them); work on other streams must be
-        ordered before it. Returns once every byte is copied out of these tensors (the trainer may
-        change them), or, with ``wait=True``, once every receiver applied the version.
-        ``part``: these tensors are this sender's share of a version several senders send
-        together.
+        It first waits for what the current CUDA stream of each GPU the tensors are on queued
+        (the optimizer step that wrote them; order other streams' work before it). Returns once
+        every byte is copied out of these tensors (the trainer may change them), or, with
+        ``wait=True``, once every receiver applied the version. ``part``: these tensors are
+        this sender's share of a version several senders send together.
 
         Every version, the tensors' names, dtypes, shapes, addresses and strides are checked
         against the last version's. Passing the same mapping again, holding the same tensor
@@ -204,10 +203,9 @@ class Publisher:
         (TP shards of every rank). The sender decides both per version. On CUDA it first
         waits for ``device``'s current stream, as :meth:`publish` does.
         """
+        gpus = (device,) if device.type == "cuda" else ()
         with gc_pause.paused():
-            return self._publish(
-                manifest, pack, device, wait, timeout_s, regions, direct, (device,)
-            )
+            return self._publish(manifest, pack, device, wait, timeout_s, regions, direct, gpus)
 
     def _publish(
         self,
@@ -218,10 +216,8 @@ class Publisher:
         timeout_s: float,
         regions: Mapping[str, Sequence[Region]] | None,
         direct: bool,
-        ready: Iterable[torch.device],
+        gpus: Iterable[torch.device],
     ) -> PublishResult:
-        """:meth:`publish_packed`, first waiting for the current streams of the CUDA devices
-        in ``ready``."""
         what = f"publish version {manifest.version} to {self.address}"
         version = manifest.version
         if not manifest.tensors:
@@ -249,12 +245,10 @@ class Publisher:
         # The stream lives on across versions, so the deadline is this version's own.
         expired = stream.watchdog.arm(timeout_s)
         try:
-            # The sender and receivers read the offered memory from other processes, which no
-            # stream order reaches: what the trainer queued (its optimizer step, a
-            # quantization) must be done before they may start.
-            for gpu in ready:
-                if gpu.type == "cuda":
-                    torch.cuda.current_stream(gpu).synchronize()
+            # Other processes read the offered memory, which no stream order reaches: what the
+            # trainer queued on its GPUs (its optimizer step, a quantization) must be done.
+            for gpu in gpus:
+                torch.cuda.current_stream(gpu).synchronize()
             stream.send_begin(begin)
             for reply in stream.replies:
                 kind = reply.WhichOneof("kind")
