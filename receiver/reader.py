@@ -18,7 +18,7 @@ from weightsync.errors import ChecksumError, ProtocolError, TransportError
 from weightsync.receiver.target import Arrival, TensorBox, WeightTarget
 from weightsync.topology_model import fits
 from weightsync.transports import MappedBuffers
-from weightsync.transports.cuda_ipc import EventCache, new_event
+from weightsync.transports.cuda_ipc import EventCache, new_event, wait_for_streams
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import ParseCache, bucket_from_pb
 
@@ -75,11 +75,6 @@ class BucketLoad:
         )
         if self.checksum is not None:
             self.checksum[0].checksum(bucket, self.buffers[0], sums if summed else None)
-
-
-def wait_for_streams(devices: set[torch.device]) -> None:
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()
 
 
 class VersionReads:

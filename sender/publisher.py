@@ -34,7 +34,7 @@ from weightsync.sender.states import OutcomeState
 from weightsync.tensor_keys import layout_key
 from weightsync.transports import MappedBuffers, get_transport
 from weightsync.transports.base import StagingBuffer
-from weightsync.transports.cuda_ipc import device_uuid
+from weightsync.transports.cuda_ipc import device_uuid, wait_for_streams
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
     ParseCache,
@@ -245,10 +245,9 @@ class Publisher:
         # The stream lives on across versions, so the deadline is this version's own.
         expired = stream.watchdog.arm(timeout_s)
         try:
-            # Other processes read the offered memory, which no stream order reaches: what the
-            # trainer queued on its GPUs (its optimizer step, a quantization) must be done.
-            for gpu in gpus:
-                torch.cuda.current_stream(gpu).synchronize()
+            # The sender and receivers read the offered memory: what the trainer queued on its
+            # GPUs (its optimizer step, a quantization) must be done first.
+            wait_for_streams(gpus)
             stream.send_begin(begin)
             for reply in stream.replies:
                 kind = reply.WhichOneof("kind")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import uuid
+from collections.abc import Iterable
 
 import torch
 
@@ -104,6 +105,13 @@ def export_handle(tensor: torch.Tensor, buffer_id: str | None = None) -> pb.Buff
             event_sync_required=event_sync_required,
         ),
     )
+
+
+def wait_for_streams(devices: Iterable[torch.device]) -> None:
+    """Wait for what the current streams of CUDA ``devices`` queued: another process that
+    reads the memory they write is reached by no stream order."""
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 # Interprocess events order the GPU work of sender and receivers on one host without a CPU
