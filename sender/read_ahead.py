@@ -5,6 +5,8 @@ one: a message that arrived while the sender still handled the one before it sta
 hands, and is dropped with the call if the receiver cancels it then (it sent ``applied`` and
 cancelled at once: the version failed for it as "receiver disconnected", docs/protocol.md §4).
 Reading on a thread of its own, one message ahead, takes it off the stream as it arrives.
+Only the gRPC part of a stream needs it: a lane's socket keeps what the receiver wrote before it
+cancelled, so the sender handles lane messages on the thread that reads them.
 """
 
 from __future__ import annotations

@@ -303,8 +303,13 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             _abort(context, e)
         context.add_callback(lambda: self._gone_later(conn))
         out = _Outgoing(self._lanes, hello.lanes, conn.outbox, conn)
-        requests = out.incoming(request_iterator, pb.ReceiverMessage)
-        threading.Thread(target=self._consume_receiver, args=(conn, requests), daemon=True).start()
+        # Read one ahead only what comes by gRPC: a lane keeps what the receiver wrote before it
+        # cancelled, so its messages are handled on the reading thread, a thread hop sooner.
+        ahead = ReadAhead(request_iterator, f"weightsync-receiver-{conn.receiver_id}")
+        requests = out.incoming(ahead, pb.ReceiverMessage)
+        threading.Thread(
+            target=self._consume_receiver, args=(conn, requests, ahead), daemon=True
+        ).start()
         welcome = pb.ReceiverWelcome(receiver_id=conn.receiver_id, keeps_keys=True, lane=out.offer)
         yield from out.deliver(
             self._announcements(conn, welcome, context), pb.Announcement(lane=pb.LaneSwitch())
@@ -337,14 +342,14 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             elif isinstance(end, WeightSyncError):
                 _abort(context, end)
 
-    def _consume_receiver(self, conn: ReceiverConn, requests) -> None:
-        """Read a receiver's stream (one message ahead of handling it, so that one sent just
-        before the call was cancelled is not lost); a message refused ends it with the error
-        (the receiver fails in its versions at once rather than at the ack timeout of each)."""
+    def _consume_receiver(self, conn: ReceiverConn, requests, ahead: ReadAhead) -> None:
+        """Read a receiver's stream (its gRPC part one message ahead of handling it, so that
+        one sent just before the call was cancelled is not lost); a message refused ends it
+        with the error (the receiver fails in its versions at once rather than at the ack
+        timeout of each)."""
         why = "closed its stream"
-        incoming = ReadAhead(requests, f"weightsync-receiver-{conn.receiver_id}")
         try:
-            for msg in incoming:
+            for msg in requests:
                 check_receiver_message(msg)
                 self._co.on_receiver_message(conn, msg)
         except WeightSyncError as e:
@@ -356,7 +361,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             why = f"the sender failed on its message: {type(e).__name__}: {e}"
             log.exception("receiver %s: stream failed", conn.receiver_id)
         finally:
-            incoming.stop()
+            ahead.stop()
             self._co.receiver_gone(conn, why)
 
     def Status(self, request, context):
