@@ -157,10 +157,12 @@ class VersionDriver:
             if version.done:
                 raise RunAborted()
             if not issued:
-                what = "a free staging buffer"
-                self.wait(version, self._slots.any_free, self._settings.ack_timeout_s + 5, what)
+                index = todo[0].bucket.index
+                what = f"staging buffer {index % len(self._slots.slots)} to be free"
+                free = partial(self._slots.free_for, index)
+                self.wait(version, free, self._settings.ack_timeout_s + 5, what)
             fresh = []
-            while todo and (slot := self._slots.claim()) is not None:
+            while todo and (slot := self._slots.claim(todo[0].bucket.index)) is not None:
                 send = todo.popleft()
                 issued.append((send, slot))
                 fresh.append((send, slot))

@@ -71,7 +71,7 @@ class PublisherPacks:
             return all(bucket.index in r.packed for r in run.ranks.values())
 
         with self._cond:
-            while not (packed() or (todo and slots.any_free())):
+            while not (packed() or (todo and slots.free_for(todo[0].bucket.index))):
                 if run.done:
                     raise RunAborted()
                 left = self._left(bucket.index)

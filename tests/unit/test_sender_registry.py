@@ -177,7 +177,7 @@ def test_packing_does_not_wait_for_the_reads_of_a_failed_receiver():
     run = published(parts, 1)
     slots.reallocate(256, torch.device("cpu"), get_transport("shm"))
     try:
-        slot = slots.claim()
+        slot = slots.claim(0)
         slot.announced(1, 0, {"a", "b"})
         for rid in conns:
             run.outcomes[rid].expect("bucket:0", SETTINGS.ack_timeout_s)  # as announcing does
