@@ -42,10 +42,7 @@ class MegatronTrainer:
     rendezvous: str
     case = MEGATRON
 
-    @property
-    def note(self) -> str:
-        ep = f", EP={self.ep}" if self.ep > 1 else ""
-        return f"megatron-core GPTModel in DDP buffers{ep}; "
+    note = "megatron-core GPTModel in DDP buffers; "  # its EP is in the row's layout
 
     def publish(self, shape, rank, world, device, address, timeout_s, commands, out) -> None:
         """Rank ``rank`` of ``world``: publish each version ``commands`` gives until None."""

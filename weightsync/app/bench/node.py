@@ -21,7 +21,7 @@ import multiprocessing as mp
 import queue
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -60,10 +60,19 @@ class NodeRun:
     """The row's name: ``direct`` (the synthetic trainer) or :data:`~.report.MEGATRON`."""
     transport: str = "cuda_ipc"
     trainer_note: str = ""
+    expert_parallel: int = 1
+    """A megatron MoE trainer's EP size: its experts are split over the ranks, so its routes
+    (and its interconnect floor) are not those of the synthetic trainer of the same TP."""
 
     @property
     def layout(self) -> str:
-        return f"TP={self.trainer_tp} x DP={self.gpus // self.trainer_tp}"
+        ep = f", EP={self.expert_parallel}" if self.expert_parallel > 1 else ""
+        return f"TP={self.trainer_tp} x DP={self.gpus // self.trainer_tp}{ep}"
+
+    def held_to(self, measured: NodeRun) -> NodeRun:
+        """This run with the floors of ``measured`` (the synthetic run on the same GPUs):
+        its own layout's routes then set its interconnect floor."""
+        return replace(self, floor_s=measured.floor_s, peer_bytes_per_s=measured.peer_bytes_per_s)
 
     @property
     def link_floor_s(self) -> tuple[float, ...]:
@@ -127,6 +136,7 @@ class SyntheticTrainer:
     """The node case's trainer: TP ``tp`` x DP, :mod:`.layout`'s flat buffer per rank."""
 
     tp: int = 1
+    ep = 1
     case = "direct"
     note = ""
 
@@ -355,6 +365,7 @@ def measure_node(
         trainer.case,
         "cuda_ipc" if devices else "shm",
         trainer.note,
+        trainer.ep,
     )
 
 

@@ -204,10 +204,12 @@ def _node_rows(cfg: BenchConfig, shape, tp: int, cuda: bool, console) -> list[Ro
         from weightsync.app.bench.megatron_node import measure_megatron_node
 
         console.print(f"node: megatron-core trainer {layout}{cfg.gpus // cfg.engine_tp}")
-        run = measure_megatron_node(
+        megatron = measure_megatron_node(
             *args, cfg.timeout_s, cfg.engine_tp, tp, cfg.megatron_ep, cpu=not cuda
         )
-        rows.extend(run.rows())
+        if megatron.layout != run.layout:  # EP: floor rows of its own routes
+            megatron = megatron.held_to(run)
+        rows.extend(megatron.rows())
     return rows
 
 
