@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -47,11 +46,12 @@ _WORD = 8
 D = TypeVar("D")
 
 
-@dataclass(frozen=True)
-class Row:
+class Row(NamedTuple):
     """One block's work: copy ``nbytes`` from ``src`` to ``dst`` (0: sum only), summing the
     summed side's words, the first of which is word ``word`` of the bucket. With ``rows`` > 1
-    a box: ``rows`` rows of ``nbytes``, each ``src_pitch`` / ``dst_pitch`` after the last."""
+    a box: ``rows`` rows of ``nbytes``, each ``src_pitch`` / ``dst_pitch`` after the last.
+    A tuple: a 512 MiB bucket is thousands of rows, built once per layout and buffer (as
+    frozen dataclasses they took most of a first version's packing on the CPU)."""
 
     src: int
     dst: int
@@ -242,7 +242,7 @@ def landed_rows(rows: Sequence[Row]) -> list[Row]:
             )
         if whole < r.nbytes:  # only a span's bytes can end mid-word (boxes are whole words)
             out.append(
-                replace(r, src=r.src + whole, dst=0, nbytes=_WORD, word=r.word + whole // _WORD)
+                r._replace(src=r.src + whole, dst=0, nbytes=_WORD, word=r.word + whole // _WORD)
             )
     return out
 
