@@ -68,3 +68,20 @@ def test_a_publish_right_after_queued_writes_delivers_them(sock_dir, direct):
     assert "published" in items
     # Per version the engine applied: (version, elements of the weight that differ from it).
     assert sorted(i for i in items if isinstance(i, tuple)) == [(1, 0), (2, 0)], items
+
+
+def test_a_trainer_whose_queued_work_never_ends_gets_a_timeout_naming_its_gpu(sock_dir):
+    """The wait for the trainer's stream honours the publish's timeout (a synchronize could
+    not be interrupted: a hung kernel or collective hung the publish with it)."""
+    from weightsync.errors import SyncTimeoutError
+    from weightsync.sender import Publisher
+    from weightsync.sender.daemon import Sender
+
+    tensors = {"w": torch.ones(1024, dtype=torch.int32, device="cuda:0")}
+    with Sender(f"unix:{sock_dir}/s.sock") as sender, Publisher(sender.address) as publisher:
+        torch.cuda._sleep(5 * _QUEUED_CYCLES)  # a few seconds: longer than the timeout
+        with pytest.raises(SyncTimeoutError, match=r"cuda:0's current stream was not done "
+                           r"within 0\.5 s .*nothing was sent"):  # fmt: skip
+            publisher.publish(tensors, 1, wait=True, timeout_s=0.5)
+        torch.cuda.synchronize()
+        publisher.publish(tensors, 1, timeout_s=60)  # the same version, once the GPU is free

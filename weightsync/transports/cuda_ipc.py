@@ -7,12 +7,13 @@ by UUID (indices differ between processes with different ``CUDA_VISIBLE_DEVICES`
 from __future__ import annotations
 
 import functools
+import time
 import uuid
 from collections.abc import Iterable
 
 import torch
 
-from weightsync.errors import TransportError
+from weightsync.errors import SyncTimeoutError, TransportError
 from weightsync.transports.base import StagingBuffer, Transport
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -107,11 +108,40 @@ def export_handle(tensor: torch.Tensor, buffer_id: str | None = None) -> pb.Buff
     )
 
 
-def wait_for_streams(devices: Iterable[torch.device]) -> None:
+def wait_for_streams(
+    devices: Iterable[torch.device], timeout_s: float | None = None, what: str = "wait"
+) -> None:
     """Wait for what the current streams of CUDA ``devices`` queued: another process that
-    reads the memory they write is reached by no stream order."""
+    reads the memory they write is reached by no stream order.
+
+    Raises:
+        SyncTimeoutError: with ``timeout_s``, a device's queued work not done by then (a
+            synchronize cannot be interrupted, so the wait polls an event instead), naming
+            ``what`` and the device.
+    """
+    if timeout_s is None:
+        for device in devices:
+            torch.cuda.current_stream(device).synchronize()
+        return
+    queued = []
     for device in devices:
-        torch.cuda.current_stream(device).synchronize()
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        queued.append((device, event))
+    deadline = time.monotonic() + timeout_s
+    for device, event in queued:
+        while not event.query():
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(
+                    f"{what}: the work queued on {device}'s current stream was not done "
+                    f"within {timeout_s:g} s (a kernel or collective that never ends?); "
+                    "nothing was sent"
+                )
+            time.sleep(_POLL_S)
+
+
+_POLL_S = 50e-6
+"""How often a bounded wait looks at the GPU: a few hundredths of a millisecond late at most."""
 
 
 # Interprocess events order the GPU work of sender and receivers on one host without a CPU
