@@ -25,6 +25,15 @@ def test_fanout_row_is_held_against_its_own_broadcast_and_issue_32s_target():
     assert run.ratio == pytest.approx(0.062 / 0.041)
 
 
+def test_fanout_without_a_receiver_on_the_trainers_gpu_says_so_and_keeps_its_floor():
+    run = FanoutRun(1, 1000, (0.047,), (0.041,), True, (), {}, local_receiver=False)
+    report = Report({"gpus": 2, "bucket_size_bytes": 0}, run.rows())
+    floor, row = report.rows
+    assert row.placement == floor.placement == "fan-out: GPU 0 -> 1 other GPU(s)"
+    assert report.ratios(row)["x_floor"] == pytest.approx(0.047 / 0.041)
+    assert FanoutRun(2, 1000, (0.06,), (), True).rows()[0].placement == "fan-out: GPU 0 -> 2 GPUs"
+
+
 def test_fanout_needs_two_gpus_or_none():
     assert BenchConfig(fanout=2).fanout == 2
     with pytest.raises(ConfigError, match="--fanout 1"):

@@ -14,7 +14,10 @@ applied), median over the measured versions. Every version is checked bit for bi
 receiver (each fills the expected bytes on its own GPU from the version's seed, as the
 trainer did) before the next is published, so the check is not timed.
 
-Run alone: ``python -m weightsync.app.bench.fanout --gpus 2`` (prints one JSON line).
+Run alone: ``python -m weightsync.app.bench.fanout --gpus 2`` (prints one JSON line);
+``--no-local-receiver`` leaves GPU 0 without a receiver: what the one on GPU 0 costs the others
+(its copies and the sender's pack and broadcast are two processes' kernels on one GPU, which
+take turns).
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class FanoutRun:
     """The sender's ``complete_s`` of each measured version."""
     route_bytes: dict[str, int] | None = None
     """The last version's bytes by route, all receivers together."""
+    local_receiver: bool = True
+    """Whether a receiver sat on GPU 0 beside the trainer (else on GPUs 1..N only)."""
 
     @property
     def seconds(self) -> float:
@@ -72,7 +77,7 @@ class FanoutRun:
     def rows(self) -> list:
         from weightsync.app.bench.report import FLOOR, HOSTS_FLOOR, WEIGHTSYNC, Row
 
-        placement = fanout_placement(self.receivers)
+        placement = fanout_placement(self.receivers, self.local_receiver)
         routes = ", ".join(
             f"{k} {n / 1e9:.1f} GB" for k, n in (self.route_bytes or {}).items() if n
         )
@@ -106,9 +111,11 @@ class FanoutRun:
         return rows
 
 
-def fanout_placement(receivers: int) -> str:
+def fanout_placement(receivers: int, local_receiver: bool = True) -> str:
     """The receivers' placement in the report: one per GPU, the trainer on GPU 0."""
-    return f"fan-out: GPU 0 -> {receivers} GPUs"
+    if local_receiver:
+        return f"fan-out: GPU 0 -> {receivers} GPUs"
+    return f"fan-out: GPU 0 -> {receivers} other GPU(s)"
 
 
 def _offsets(specs) -> tuple[list[int], int]:
@@ -216,13 +223,15 @@ def measure_fanout(
     bucket_size_bytes: int | None = None,
     floor_reps: int | None = None,
     flat: bool = False,
+    local_receiver: bool = True,
     **sender_settings,
 ) -> FanoutRun:
     """Publish ``warmup`` + ``versions`` versions from GPU 0 to a receiver on each of GPUs
     0..``gpus``-1 over ``Sender(transport="nccl")``; first the floor, ``floor_reps``
     broadcasts (default ``versions``; 0: none) of the same bytes from GPU 0 to the others.
     The trainer's tensors are allocated one by one, as a model's parameters are, or (``flat``)
-    as views of one buffer, as Megatron keeps them. ``sender_settings`` go to the sender.
+    as views of one buffer, as Megatron keeps them. Without ``local_receiver`` GPU 0 has no
+    receiver (GPUs 1..``gpus``-1 have one each). ``sender_settings`` go to the sender.
 
     Raises:
         ConfigError: fewer than 2 GPUs asked for, or more than the machine has.
@@ -257,13 +266,14 @@ def measure_fanout(
             ) as sender,
             children() as procs,
         ):
-            for r in range(gpus):
+            ranks = range(0 if local_receiver else 1, gpus)
+            for r in ranks:
                 args = (shape, r, sender.address, warmup + versions, timeout_s, out)
                 procs.append(
                     ctx.Process(target=_child, args=(f"receiver on GPU {r}", _receiver, *args))
                 )
                 procs[-1].start()
-            _expect(out, "ready", gpus, timeout_s)
+            _expect(out, "ready", len(ranks), timeout_s)
             with Publisher(sender.address) as publisher:
                 for version in range(1, warmup + versions + 1):
                     _fill(buffer, version)
@@ -275,18 +285,21 @@ def measure_fanout(
                     result = publisher.publish(views, version, wait=True, timeout_s=timeout_s)
                     samples.append(time.perf_counter() - start)
                     statuses.append(result.status)
-                    wrong += [why for _, _, why in _expect(out, "applied", gpus, timeout_s) if why]
+                    wrong += [
+                        why for _, _, why in _expect(out, "applied", len(ranks), timeout_s) if why
+                    ]
     for line in wrong:
         print(f"fan-out bench: NOT bit-exact: {line}", flush=True)
     last = statuses[-1]
     return FanoutRun(
-        gpus,
+        len(ranks),
         nbytes,
         tuple(samples[warmup:]),
         floor,
         not wrong,
         tuple(s.complete_s for s in statuses[warmup:] if s is not None),
         dict(last.route_bytes) if last is not None and hasattr(last, "route_bytes") else None,
+        local_receiver,
     )
 
 
@@ -296,8 +309,9 @@ def summary(run: FanoutRun) -> str:
     against = (
         f"; one broadcast of the same bytes {floor * 1e3:.1f} ms: {run.ratio:.2f}x" if floor else ""
     )
+    placement = fanout_placement(run.receivers, run.local_receiver)
     return (
-        f"nccl fan-out GPU 0 -> {run.receivers} GPUs, {run.nbytes / 1e9:.2f} GB: publish "
+        f"nccl {placement}, {run.nbytes / 1e9:.2f} GB: publish "
         f"{run.seconds * 1e3:.1f} ms (median of {len(run.publish_s)}){against}, bit-exact "
         f"{run.bit_exact}"
     )
@@ -315,6 +329,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=120.0)
     p.add_argument("--flat", action="store_true", help="trainer tensors as views of one buffer")
     p.add_argument("--num-buffers", type=int, default=None, help="the sender's staging slots")
+    p.add_argument(
+        "--no-local-receiver",
+        dest="local_receiver",
+        action="store_false",
+        help="no receiver on GPU 0 (the trainer's): GPUs 1..N-1 only",
+    )
     args = p.parse_args(argv)
     extra = {} if args.num_buffers is None else {"num_buffers": args.num_buffers}
     bucket = args.bucket_size_mb * 1024 * 1024 if args.bucket_size_mb else None
@@ -327,6 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bucket,
         args.floor_reps,
         args.flat,
+        args.local_receiver,
         **extra,
     )
     print(summary(run), flush=True)
