@@ -247,7 +247,7 @@ class Publisher:
         try:
             # The sender and receivers read the offered memory: what the trainer queued on its
             # GPUs (its optimizer step, a quantization) must be done first.
-            wait_for_streams(gpus, timeout_s, what)
+            wait_for_streams(gpus, timeout_s, f"{what} (nothing was sent)")
             stream.send_begin(begin)
             for reply in stream.replies:
                 kind = reply.WhichOneof("kind")

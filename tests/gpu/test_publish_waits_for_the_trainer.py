@@ -80,8 +80,9 @@ def test_a_trainer_whose_queued_work_never_ends_gets_a_timeout_naming_its_gpu(so
     tensors = {"w": torch.ones(1024, dtype=torch.int32, device="cuda:0")}
     with Sender(f"unix:{sock_dir}/s.sock") as sender, Publisher(sender.address) as publisher:
         torch.cuda._sleep(5 * _QUEUED_CYCLES)  # a few seconds: longer than the timeout
-        with pytest.raises(SyncTimeoutError, match=r"cuda:0's current stream was not done "
-                           r"within 0\.5 s .*nothing was sent"):  # fmt: skip
+        with pytest.raises(SyncTimeoutError, match=r"publish version 1 .*\(nothing was sent\): "
+                           r"the work queued on cuda:0's current stream was not done "
+                           r"within 0\.5 s"):  # fmt: skip
             publisher.publish(tensors, 1, wait=True, timeout_s=0.5)
         torch.cuda.synchronize()
         publisher.publish(tensors, 1, timeout_s=60)  # the same version, once the GPU is free

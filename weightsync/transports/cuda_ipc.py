@@ -134,8 +134,7 @@ def wait_for_streams(
             if time.monotonic() >= deadline:
                 raise SyncTimeoutError(
                     f"{what}: the work queued on {device}'s current stream was not done "
-                    f"within {timeout_s:g} s (a kernel or collective that never ends?); "
-                    "nothing was sent"
+                    f"within {timeout_s:g} s (a kernel or collective that never ends?)"
                 )
             time.sleep(_POLL_S)
 
