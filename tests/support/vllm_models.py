@@ -19,6 +19,7 @@ _world = None
 def vllm_config(path: Path, load_format: str, tensor_parallel_size: int = 1, **engine_args):
     from vllm.engine.arg_utils import EngineArgs
 
+    _inspect_models_here()
     return EngineArgs(
         model=str(path),
         dtype="float32",
@@ -32,6 +33,22 @@ def vllm_config(path: Path, load_format: str, tensor_parallel_size: int = 1, **e
         distributed_executor_backend="mp" if tensor_parallel_size > 1 else None,
         **engine_args,
     ).create_engine_config()
+
+
+def _inspect_models_here() -> None:
+    """vLLM inspects a model class in a new Python process (so that importing it cannot start
+    CUDA), once per architecture and machine (cached under ``VLLM_CACHE_ROOT``): on a fresh CI
+    machine that is a vLLM import per architecture the sweeps load, about 20 s each on the
+    2-core box. On the CPU there is no CUDA to keep out, so these tests inspect in process
+    (the same inspection, the same cache). Versions without that helper are left as they are."""
+    from vllm.model_executor.models import registry
+
+    if hasattr(registry, "_run_in_subprocess"):
+        registry._run_in_subprocess = _call
+
+
+def _call(fn):
+    return fn()
 
 
 def init_distributed(world_size: int = 1, rank: int = 0, store: str | None = None) -> None:
