@@ -58,7 +58,7 @@ class FanoutRun:
     route_bytes: dict[str, int] | None = None
     """The last version's bytes by route, all receivers together."""
     local_receiver: bool = True
-    """Whether a receiver sat on GPU 0 beside the trainer (else on GPUs 1..N only)."""
+    """Whether a receiver sat on GPU 0 beside the trainer (else only on the other GPUs)."""
 
     @property
     def seconds(self) -> float:
