@@ -158,7 +158,7 @@ class VersionDriver:
                 raise RunAborted()
             if not issued:
                 index = todo[0].bucket.index
-                what = f"staging buffer {index % len(self._slots.slots)} to be free"
+                what = f"staging buffer {self._slots.position(index)} to be free"
                 free = partial(self._slots.free_for, index)
                 self.wait(version, free, self._settings.ack_timeout_s + 5, what)
             fresh = []

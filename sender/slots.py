@@ -102,9 +102,13 @@ class SlotPool:
     def all_free(self) -> bool:
         return all(s.free for s in self._slots)
 
+    def position(self, index: int) -> int:
+        """Which slot bucket ``index`` lands in (see :meth:`claim`)."""
+        return index % len(self._slots)
+
     def free_for(self, index: int) -> bool:
         """Whether bucket ``index``'s slot is free."""
-        return self._slots[index % len(self._slots)].free
+        return self._slots[self.position(index)].free
 
     def claim(self, index: int) -> Slot | None:
         """Bucket ``index``'s slot, now packing; None while it is packing or still read.
@@ -116,7 +120,7 @@ class SlotPool:
         Acks come in bucket order, so the slot of bucket ``index - num_buffers`` is the one
         that frees first anyway; the first free slot was not always it (most likely when a
         version began while the last one's final bucket was still read)."""
-        slot = self._slots[index % len(self._slots)]
+        slot = self._slots[self.position(index)]
         if not slot.free:
             return None
         slot.packing, slot.readers = True, set()
