@@ -4,6 +4,7 @@ the target keeps of each manifest (declared to the sender in the verdict)."""
 
 from __future__ import annotations
 
+from weightsync.exports import Exports
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.connection import Keeps
 from weightsync.receiver.links import Link
@@ -24,6 +25,9 @@ class Accepted:
         """(manifest key, target generation) the target last accepted: the same tensor list
         for the same model need not be checked again."""
         self._keeps: dict[tuple[bytes, int], Keeps] = {}
+        self._writes: dict[tuple[bytes, int], pb.WriteOffer | None] = {}
+        self._exports = Exports()
+        """The weights' storages offered to the sender (kept exported while offered)."""
 
     def manifest(self, link: Link, start: pb.VersionStart) -> tuple[VersionManifest, bytes]:
         """The version's manifest and its key; a manifest sent by key alone is taken from the
@@ -58,3 +62,25 @@ class Accepted:
             boxes = boxes_to_pb({n: b for n, b in kept.items() if n in names})
             self._keeps[cached] = Keeps(boxes, key + target.generation.to_bytes(8, "little"))
         return self._keeps[cached]
+
+    def writes(
+        self, target: WeightTarget, manifest: VersionManifest, key: bytes
+    ) -> pb.WriteOffer | None:
+        """Where the sender may write ``manifest``'s tensors into ``target``
+        (:meth:`~.WeightTarget.write_regions`, after validating and :meth:`keeps`), keyed
+        like the boxes; None where the target loads every bucket itself."""
+        cached = (key, target.generation)
+        if cached not in self._writes:
+            if len(self._writes) >= _KEPT_MANIFESTS:
+                self._writes.clear()
+            regions = target.write_regions(manifest)
+            offer = None
+            if regions is not None:
+                begin = self._exports.offer(regions)
+                offer = pb.WriteOffer(
+                    key=b"w" + key + target.generation.to_bytes(8, "little"),
+                    sources=begin.sources,
+                    pieces=begin.pieces,
+                )
+            self._writes[cached] = offer
+        return self._writes[cached]

@@ -75,11 +75,15 @@ class KeptByStream:
     when it needs them (copying 4,719 layout entries into every version's announcement cost
     a millisecond on the path before the copies start)."""
 
-    def __init__(self, keeps_keys: bool = False) -> None:
+    def __init__(self, keeps_keys: bool = False, takes_writes: bool = False) -> None:
         self._layouts: KeptByKey[pb.BucketAnnouncement] = KeptByKey("layout_key")
         self._manifests: KeptByKey[pb.Manifest] = KeptByKey("manifest_key")
         self._keeps_sent = SentKeys()
         self._keeps_sent.peer_keeps = keeps_keys  # the sender's welcome said ``keeps_keys``
+        self.takes_writes = takes_writes
+        """The sender's welcome said ``takes_writes``: it may write our weights (§4.3)."""
+        self._offers_sent = SentKeys()
+        self._offers_sent.peer_keeps = takes_writes
 
     def declare(self, verdict: pb.ManifestVerdict, keeps: Keeps) -> None:
         """Put ``keeps`` into ``verdict`` under their key, or the key alone once the sender
@@ -89,6 +93,14 @@ class KeptByStream:
         verdict.keeps_key = keeps.key
         if not self._keeps_sent.alone(keeps.key):
             verdict.keeps.extend(keeps.boxes)
+
+    def offer(self, verdict: pb.ManifestVerdict, offer: pb.WriteOffer) -> pb.WriteOffer | None:
+        """Name ``offer`` in ``verdict`` (``writes_key``) for a sender that takes writes;
+        returns it when it must go before the verdict (not sent on this stream yet)."""
+        if not self.takes_writes:
+            return None
+        verdict.writes_key = offer.key
+        return None if self._offers_sent.alone(offer.key) else offer
 
     def complete(self, msg: pb.Announcement) -> pb.Announcement:
         """Keep what ``msg`` sends with its key; ``msg`` itself, or an abort of its version
@@ -260,7 +272,8 @@ class GrpcConnection:
         backoff_s = 0.5
         while True:
             # The sender's record of what it sent is per stream too.
-            kept = self.kept = KeptByStream(self._welcome.keeps_keys)
+            welcome = self._welcome
+            kept = self.kept = KeptByStream(welcome.keeps_keys, welcome.takes_writes)
             try:
                 for msg in self._stream.replies:
                     for item in _items(msg):

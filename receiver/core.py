@@ -25,7 +25,6 @@ from weightsync.errors import (
     ConfigError,
     ProtocolError,
     ReceiverFailedError,
-    SyncTimeoutError,
     VersionError,
     WeightSyncError,
 )
@@ -37,7 +36,7 @@ from weightsync.receiver.connection import (
     receiver_hello,
 )
 from weightsync.receiver.exports import Exporter
-from weightsync.receiver.links import Link, as_weightsync_error, leave, open_link
+from weightsync.receiver.links import Link, as_weightsync_error, in_hand, leave, open_link
 from weightsync.receiver.parts import refuse_split
 from weightsync.receiver.reader import VersionReads
 from weightsync.receiver.several_senders import SeveralSenders
@@ -135,8 +134,9 @@ class ReceiverCore(SeveralSenders):
             transports=transports,
             exports=exports,
         )
-        if delta_bytes is None:
-            delta_bytes = ClientSettings().receiver_delta_bytes
+        settings = ClientSettings()
+        delta_bytes = settings.receiver_delta_bytes if delta_bytes is None else delta_bytes
+        self._sender_writes = settings.receiver_sender_writes
         hello.deltas = delta_bytes > 0
         exporter = Exporter(target, self._weights, self._load_lock) if exports else None
         self._links: list[Link] = []
@@ -179,8 +179,7 @@ class ReceiverCore(SeveralSenders):
 
         Waits up to ``timeout`` seconds (None: forever) for a version to start (with several
         senders: its first part; the others then get ``part_timeout_s``). With ``version``, an
-        earlier one still announced (its caller gave up waiting for it) is declined unapplied
-        and the wait goes on.
+        earlier one still announced (its caller gave up waiting for it) is declined unapplied.
 
         Raises:
             NameResolutionError, ManifestMismatchError: the manifest does not fit the model;
@@ -224,9 +223,11 @@ class ReceiverCore(SeveralSenders):
         )
         link.verdict(stale, error)
 
-    def _begin(self, manifest: VersionManifest) -> None:
-        self._touched = False
-        self._weights.applying = True
+    def _begin(self, manifest: VersionManifest, writes: bool = False) -> None:
+        # writes: the sender writes from the verdict on (touched); the lock orders exports.
+        with self._load_lock:
+            self._touched = writes
+            self._weights.applying = True
         self.target.begin(manifest)
 
     def _bucket(
@@ -237,15 +238,20 @@ class ReceiverCore(SeveralSenders):
         reads: VersionReads,
         load: bool,
         launched: Callable[[], None] | None = None,
+        written: bool = False,
     ) -> None:
         """Read one bucket into the model (``load``) or only take part in its transfer (its
         version already failed here: the sender and its broadcast group go on in step).
         ``bucket`` has its layout (:meth:`.Link.bucket`: it may be an announcement of an
         earlier version); ``version``: the one it was announced for now. ``launched`` is called
-        once its copies are under way."""
-        read_event = b""
+        once its copies are under way. A bucket the sender wrote into the weights itself
+        (``written``: this version let it, protocol §4.3) is only acked."""
+        read_event, index = b"", bucket.layout.index
+        if bucket.written and not written:
+            what = f"bucket {index} of version {version} came as written"
+            raise ProtocolError(f"{what} into weights this receiver did not offer the sender")
         with link.broadcast.reading(bucket) as landed:
-            if load and not (bucket.group_id and link.broadcast.failure):
+            if load and not bucket.written and not (bucket.group_id and link.broadcast.failure):
                 if landed is not None and link.landings != link.broadcast.landings:
                     # A landing buffer was replaced: views of the old one are kept no longer
                     # (the target hears it with this bucket's arrival).
@@ -255,16 +261,15 @@ class ReceiverCore(SeveralSenders):
                 with self._load_lock:
                     self._touched = True
                     prepared.write(self.target)
-                    trace.gpu_mark(
-                        "receiver.gpu_loaded", link.broadcast.device, index=bucket.layout.index
-                    )
+                    trace.gpu_mark("receiver.gpu_loaded", link.broadcast.device, index=index)
                 if launched is not None:
                     launched()
+                    launched = None
                 read_event = link.reader.release(bucket, prepared, reads)
-        trace.mark("receiver.queued", index=bucket.layout.index)
-        ack = pb.BucketAck(
-            version=version, index=bucket.layout.index, ok=True, read_event=read_event
-        )
+        if launched is not None:  # nothing read here: the verdict goes now
+            launched()
+        trace.mark("receiver.queued", index=index)
+        ack = pb.BucketAck(version=version, index=index, ok=True, read_event=read_event)
         link.connection.send(pb.ReceiverMessage(ack=ack))
 
     def _end(self, link: Link, reads: VersionReads, end: pb.VersionEnd) -> None:
@@ -329,6 +334,8 @@ class ReceiverCore(SeveralSenders):
             refuse_split(manifest, link.address)
             self._accepted.validate(self.target, manifest, key)
             keeps = self._accepted.keeps(self.target, manifest, key)  # the target's code too
+            takes = self._sender_writes and link.connection.kept.takes_writes
+            writes = self._accepted.writes(self.target, manifest, key) if takes else None
         except Exception as e:
             error = self._refuse([link], version, e)
             if error is e:
@@ -336,18 +343,21 @@ class ReceiverCore(SeveralSenders):
             raise error from e
 
         def accept() -> None:
-            link.verdict(version, None, keeps)
+            link.verdict(version, None, keeps, writes)
 
         pending: Callable[[], None] | None = accept
         reads = VersionReads(version, manifest.tensors)
         index = -1
         waiting_for = f"bucket of version {version}"
         try:
-            msg = _in_hand(link, waiting_for)
+            msg = in_hand(link, waiting_for)
+            if writes is not None:  # begun before the sender may write
+                self._begin(manifest, writes=True)
             if msg is None or msg.WhichOneof("kind") != "bucket":
                 accept()
                 pending = None
-            self._begin(manifest)
+            if writes is None:
+                self._begin(manifest)
             while True:
                 if msg is None:
                     msg = link.connection.next(None, waiting_for, in_version=True)
@@ -356,9 +366,8 @@ class ReceiverCore(SeveralSenders):
                 if kind == "bucket":
                     bucket = link.bucket(msg.bucket)
                     index = bucket.layout.index
-                    self._bucket(
-                        link, bucket, msg.bucket.version, reads, load=True, launched=pending
-                    )
+                    written = writes is not None
+                    self._bucket(link, bucket, msg.bucket.version, reads, True, pending, written)
                     pending = None
                 elif kind == "end":
                     self._end(link, reads, msg.end)
@@ -388,11 +397,3 @@ class ReceiverCore(SeveralSenders):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _in_hand(link: Link, waiting_for: str) -> pb.Announcement | None:
-    """The sender's next announcement if it arrived already, else None."""
-    try:
-        return link.connection.next(time.monotonic(), waiting_for, in_version=True)
-    except SyncTimeoutError:
-        return None

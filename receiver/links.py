@@ -3,9 +3,10 @@ single-sender path (:mod:`.core`) and the several-senders path (:mod:`.several_s
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
-from weightsync.errors import WeightSyncError
+from weightsync.errors import SyncTimeoutError, WeightSyncError
 from weightsync.receiver.connection import Connection, GrpcConnection, Keeps, WeightsState
 from weightsync.receiver.exports import Exporter
 from weightsync.receiver.reader import BucketReader
@@ -56,14 +57,20 @@ class Link:
         version: int,
         error: WeightSyncError | None,
         keeps: Keeps | None = None,
+        writes: pb.WriteOffer | None = None,
     ) -> None:
-        """Accept ``version`` (declaring ``keeps``, by key alone once this stream sent them)
-        or refuse it with ``error``."""
+        """Accept ``version`` (declaring ``keeps``, by key alone once this stream sent them;
+        letting the sender write it into the memory of ``writes``, sent first unless this
+        stream sent it) or refuse it with ``error``."""
         verdict = pb.ManifestVerdict(version=version, accepted=error is None)
         if error is not None:
             verdict.error.CopyFrom(error_to_pb(error))
         elif keeps is not None:
             self.connection.kept.declare(verdict, keeps)
+        if error is None and writes is not None:
+            first = self.connection.kept.offer(verdict, writes)
+            if first is not None:
+                self.connection.send(pb.ReceiverMessage(offer=first))
         self.connection.send(pb.ReceiverMessage(verdict=verdict))
 
 
@@ -112,3 +119,11 @@ def as_weightsync_error(error: BaseException, where: str) -> WeightSyncError:
     if isinstance(error, WeightSyncError):
         return error
     return WeightSyncError(f"{where}: {type(error).__name__}: {error}")
+
+
+def in_hand(link: Link, waiting_for: str) -> pb.Announcement | None:
+    """The sender's next announcement if it arrived already, else None."""
+    try:
+        return link.connection.next(time.monotonic(), waiting_for, in_version=True)
+    except SyncTimeoutError:
+        return None

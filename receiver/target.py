@@ -19,7 +19,7 @@ from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.memo import Memo
-from weightsync.regions import CopyBatch, Pair
+from weightsync.regions import CopyBatch, Pair, Region
 from weightsync.summed_copies import SummedCopies
 from weightsync.topology_model import Box
 
@@ -186,6 +186,14 @@ class WeightTarget(ABC):
         held so (an engine that processes what it loads)."""
         return None
 
+    def write_regions(self, manifest: VersionManifest) -> Mapping[str, Sequence[Region]] | None:
+        """After :meth:`validate`: where a sender on this GPU may write each tensor of
+        ``manifest`` itself (protocol §4.3), by name: views of the live weights, each filling
+        the box of its tensor that :meth:`keeps` declares (whole when none). Only for a target
+        whose :meth:`begin` prepares nothing and whose loads are plain copies into those views;
+        None (the default): it loads every bucket itself."""
+        return None
+
     def keeps(self) -> Mapping[str, Box]:
         """After :meth:`validate`: the tensors of that manifest this rank keeps only a box of
         (an engine TP rank's shard, as its loaders slice them), declared to the sender. A
@@ -235,6 +243,22 @@ class InPlaceTarget(WeightTarget):
         # As :meth:`box_copies` writes it: element i of the live tensor is element
         # ``kept.start + i`` of the tensor.
         return live if kept is None else live[tuple(slice(0, n) for n in kept.size)]
+
+    def write_regions(self, manifest: VersionManifest) -> Mapping[str, Sequence[Region]] | None:
+        """Each tensor's live view as :meth:`held` gives it, on a GPU (where a sender packing
+        on the same GPU gains by writing it: its kernels and ours would take turns)."""
+        if self.device.type != "cuda":
+            return None
+        kept = self.keeps()
+        return {
+            spec.name: [
+                Region(
+                    kept[spec.name].start if spec.name in kept else (0,) * len(spec.shape),
+                    self.held(spec.name),
+                )
+            ]
+            for spec in manifest.tensors
+        }
 
     def check_shapes(self, manifest: VersionManifest) -> None:
         """Every manifest tensor against its live tensor.

@@ -157,10 +157,15 @@ def packed_bucket(
     slot: Slot,
     group_id: str,
     delta: Encoded | None = None,
+    wrote: frozenset[str] = frozenset(),
 ) -> Message:
     """A packed bucket: receivers that map it get the slot's buffer (and, on CUDA, the event
-    their reads wait for); broadcast receivers get the group its bytes come by (and, when
-    they come as a ``delta``, what it is made from: protocol §5.1)."""
+    their reads wait for), those in ``wrote`` that it is written into their weights (§4.3);
+    broadcast receivers get the group its bytes come by (and, when they come as a ``delta``,
+    what it is made from: protocol §5.1)."""
+    written = pb.Announcement(
+        bucket=pb.BucketAnnouncement(version=version.version, layout=layout, written=True)
+    )
     mapped = pb.Announcement(
         bucket=pb.BucketAnnouncement(
             version=version.version,
@@ -177,7 +182,9 @@ def packed_bucket(
             delta=delta.msg if delta is not None else None,
         )
     )
-    return lambda conn: sent if conn.data_path == BROADCAST else mapped
+    return lambda conn: (
+        sent if conn.data_path == BROADCAST else written if conn.receiver_id in wrote else mapped
+    )
 
 
 def end_message(version: Version) -> pb.Announcement:

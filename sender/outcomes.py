@@ -22,6 +22,7 @@ from weightsync.sender.history import VersionHistory
 from weightsync.sender.records import ReceiverConn
 from weightsync.sender.registry import Registry
 from weightsync.sender.slots import SlotPool
+from weightsync.sender.writes import map_offer
 from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import boxes_from_pb, check_boxes, error_to_pb
@@ -67,6 +68,9 @@ class Outcomes:
         kind = msg.WhichOneof("kind")
         body = getattr(msg, kind)
         trace.mark(f"sender.{kind}", receiver=conn.receiver_id, index=getattr(body, "index", -1))
+        if kind == "offer":  # mapped off the lock; its verdict comes after it on this stream
+            conn.write_offers.keep(body.key, map_offer(body, conn.receiver_id))
+            return
         with self._shared.cond:
             if kind == "exported":
                 self._catch_ups.exported(conn, body)

@@ -25,9 +25,9 @@ from weightsync.errors import (
     WeightSyncError,
     error_from_rpc,
 )
+from weightsync.exports import Exports
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region, whole
-from weightsync.sender.exports import Exports
 from weightsync.sender.placement import Published, WireManifest
 from weightsync.sender.publish_stream import PublishStream
 from weightsync.sender.states import OutcomeState

@@ -11,6 +11,7 @@ import queue
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from weightsync.buckets import TensorSpec
 from weightsync.errors import TransportError
@@ -19,6 +20,9 @@ from weightsync.sender.states import OutcomeState, ReceiverState
 from weightsync.stream_keys import KeptByKey, SentKeys
 from weightsync.topology_model import Box
 from weightsync.v1 import weightsync_pb2 as pb
+
+if TYPE_CHECKING:
+    from weightsync.sender.writes import Offered
 
 
 class RunAborted(Exception):
@@ -67,6 +71,9 @@ class ReceiverConn:
     the tensor list they were checked against."""
     kept_bytes: int = 0
     """Bytes of its last accepted version it keeps."""
+    write_offers: KeptByKey[Offered | None] = field(default_factory=lambda: KeptByKey("writes_key"))
+    """Its offers to have the sender write its weights, mapped here (None: one that did not
+    map), by ``WriteOffer.key`` (``writes.py``)."""
     lane: bool = False
     """Its stream moved to a same-host lane (``weightsync/control/lanes.py``)."""
     exports: bool = False

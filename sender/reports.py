@@ -5,14 +5,20 @@ its receivers may report back, when (:func:`take_owed`)."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import TYPE_CHECKING, NamedTuple
+
+import torch
 
 from weightsync.errors import ProtocolError
 from weightsync.sender.states import OutcomeState
 from weightsync.v1 import weightsync_pb2 as pb
 
 if TYPE_CHECKING:
+    from weightsync.sender.announcements import Send
+    from weightsync.sender.publisher_packs import PublisherPacks
     from weightsync.sender.records import Outcome
+    from weightsync.sender.slots import Slot
     from weightsync.sender.version import Version
 
 
@@ -154,3 +160,21 @@ def _check_owed(outcome: Outcome, receiver_id: str, version: int, what: str) -> 
 def _named(what: str) -> str:
     index = what.removeprefix("bucket:")
     return f"its ack of bucket {index}" if index != what else f"its {what}"
+
+
+def release_publishers(
+    version: Version,
+    issued: deque[tuple[Send, Slot]],
+    device: torch.device,
+    packs: PublisherPacks | None,
+) -> None:
+    """The version ended early, every receiver having failed: the publishers are told at
+    once (``staged``; ``done`` when they wait for it), once nothing of theirs is read or
+    written (:meth:`PublisherPacks.settle`)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    with version.shared.cond:
+        if packs is not None:
+            packs.release(issued, version.shared.slots)
+        tell_staged(version)
+        tell_done(version)

@@ -310,7 +310,9 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
         threading.Thread(
             target=self._consume_receiver, args=(conn, requests, ahead), daemon=True
         ).start()
-        welcome = pb.ReceiverWelcome(receiver_id=conn.receiver_id, keeps_keys=True, lane=out.offer)
+        welcome = pb.ReceiverWelcome(
+            receiver_id=conn.receiver_id, keeps_keys=True, takes_writes=True, lane=out.offer
+        )
         yield from out.deliver(
             self._announcements(conn, welcome, context), pb.Announcement(lane=pb.LaneSwitch())
         )

@@ -45,9 +45,10 @@ from weightsync.sender.packing import pack_bucket
 from weightsync.sender.planner import BROADCAST, MAP, TensorPlan
 from weightsync.sender.publisher_packs import PublisherPacks
 from weightsync.sender.records import Outcome, RankConn, ReceiverConn, RunAborted
-from weightsync.sender.reports import take_owed, tell_done, tell_staged
+from weightsync.sender.reports import release_publishers, take_owed, tell_done, tell_staged
 from weightsync.sender.slots import Slot
 from weightsync.sender.states import OutcomeState, VersionState
+from weightsync.sender.writes import Writes
 from weightsync.transports.broadcast import Encoded, Members, WireCount
 from weightsync.transports.broadcast.slices import SliceGroup
 from weightsync.v1 import weightsync_pb2 as pb
@@ -105,6 +106,8 @@ class Version:
     retained: Retained | None = field(default=None, repr=False, compare=False)
     """Its staged buckets copied to host memory as packed (``--retain-mb``)."""
     wire: WireCount = field(default_factory=WireCount)
+    writes: Writes = field(default_factory=Writes)
+    """The receivers whose weights the sender writes itself, and what it wrote (``writes.py``)."""
 
     @property
     def version(self) -> int:
@@ -142,9 +145,12 @@ class Version:
                 # Every free slot gets a bucket at once: packing never waits for announcements.
                 driver.claim_slots(self, issued, todo, packs)
                 send, slot = issued[0]
+                wrote: frozenset[str] = frozenset()
                 if packs is None:
                     driver.before_reuse(slot, device, on_stream=device.type == "cuda")
                     sums = pack_bucket(self, send.bucket, slot)
+                    if send.group is None:
+                        wrote = self.writes.write(self, send.bucket, slot)
                 elif packs.packed_or_slot_free(send.bucket, todo, slots):
                     sums = None
                 else:
@@ -154,7 +160,7 @@ class Version:
                 if self.retained is not None and send.group is None:
                     self.retained.keep(send.bucket.index, slot.buffer.tensor[: send.bucket.nbytes])
                 delta = driver.broadcast.encode(self, send.group, send.bucket, send.layout, slot)
-                members = self._announce(driver, slot, send, delta)
+                members = self._announce(driver, slot, send, delta, wrote)
                 if members:
                     driver.broadcast.send(self, slot, send.bucket.nbytes, members, delta)
             if not ended:
@@ -164,7 +170,7 @@ class Version:
             self._all_sent()
         except RunAborted:
             if self.abandoned is None:
-                self._release_publishers(issued, device, packs)
+                release_publishers(self, issued, device, packs)
         except WeightSyncError as e:
             with cond:
                 self.abort(error_to_pb(e))
@@ -200,9 +206,15 @@ class Version:
             return todo
 
     def _announce(
-        self, driver: VersionDriver, slot: Slot, send: Send, delta: Encoded | None
+        self,
+        driver: VersionDriver,
+        slot: Slot,
+        send: Send,
+        delta: Encoded | None,
+        wrote: frozenset[str],
     ) -> Members:
-        """Announce a packed bucket (``delta``: as such to broadcast); its broadcast group or ()."""
+        """Announce a packed bucket (``delta``: as such to broadcast; ``wrote``: to these
+        receivers as written into their weights); its broadcast group or ()."""
         index = send.layout.index
         with self.shared.cond:
             if self.done:
@@ -212,11 +224,10 @@ class Version:
             members = group.members if group else driver.broadcast.staged_members(self)
             to = set(members).__contains__ if group else lambda rid: rid not in self.sliced
             group_id = driver.broadcast.group_id(members)
-            message = packed_bucket(self, send.layout, slot, group_id, delta)
+            message = packed_bucket(self, send.layout, slot, group_id, delta, wrote)
             conns = address(self, f"bucket:{index}", message, to)
-            slot.announced(
-                self.version, index, {c.receiver_id for c in conns if c.data_path == MAP}
-            )
+            readers = {c.receiver_id for c in conns if c.data_path == MAP} - wrote
+            slot.announced(self.version, index, readers)
             trace.mark("sender.announce", index=index)
             self.shared.metrics.bucket_announced(send.layout.nbytes)
             self.shared.cond.notify_all()
@@ -225,6 +236,8 @@ class Version:
     def _send_end(self) -> None:
         """Every receiver still in the version gets the end; each owes ``applied`` back."""
         end = end_message(self)
+        for rid, error in self.writes.differ(self.checksums):
+            self.fail(rid, error)
         address(self, "applied", lambda _: end)
 
     def _all_sent(self) -> None:
@@ -236,20 +249,6 @@ class Version:
                 raise RunAborted()
             self.state = VersionState.READING
             self.reads_done()
-
-    def _release_publishers(
-        self, issued: deque[tuple[Send, Slot]], device: torch.device, packs: PublisherPacks | None
-    ) -> None:
-        """The version ended early, every receiver having failed: the publishers are told at
-        once (``staged``; ``done`` when they wait for it), once nothing of theirs is read or
-        written (:meth:`PublisherPacks.settle`)."""
-        if device.type == "cuda":
-            torch.cuda.current_stream(device).synchronize()
-        with self.shared.cond:
-            if packs is not None:
-                packs.release(issued, self.shared.slots)
-            tell_staged(self)
-            tell_done(self)
 
     # ---- the receivers' replies ----
 
@@ -265,6 +264,7 @@ class Version:
             except ProtocolError as e:
                 self.fail(conn.receiver_id, e)
                 return
+            self.writes.grant(self, conn, verdict)
         self._moved()
 
     def on_ack(self, conn: ReceiverConn, ack: pb.BucketAck) -> None:

@@ -111,6 +111,7 @@ class ClientSettings(_Settings):
         "tls_ca": "a readable PEM file of the CA that signed the sender's certificate",
         "lanes": "true or false (default true)",
         "receiver_delta_bytes": "a number of bytes >= 0 (default 0: no deltas)",
+        "receiver_sender_writes": "true or false (default true)",
     }
 
     token: SecretStr | None = None
@@ -123,6 +124,9 @@ class ClientSettings(_Settings):
     receiver_delta_bytes: int = Field(0, ge=0)
     """A receiver keeps the last bytes of each broadcast bucket, up to this many in all, so
     the sender may send the next version's as deltas (``ReceiverHello.deltas``; 0: off)."""
+    receiver_sender_writes: bool = True
+    """A receiver on the GPU where its sender stages lets the sender write its weights
+    (``WriteOffer``, protocol §4.3): one process's kernels on that GPU, not two taking turns."""
 
 
 class SenderSettings(_Settings):

@@ -281,10 +281,16 @@ def check_receiver_message(msg: pb.ReceiverMessage) -> str:
         ConfigError: no kind is set, or a field is past its bound.
         ProtocolError: a second hello.
     """
-    kind = _kind_after_hello(msg, "Receive", "verdict, ack, applied or exported", "register again")
+    kind = _kind_after_hello(
+        msg, "Receive", "verdict, ack, applied, exported or offer", "register again"
+    )
     body = getattr(msg, kind)
     if kind == "verdict":
         check_key(body.keeps_key, "ManifestVerdict.keeps_key")
+        check_key(body.writes_key, "ManifestVerdict.writes_key")
+    if kind == "offer":
+        check_key(body.key, "WriteOffer.key")
+        return kind  # its sources and pieces are checked where it is mapped
     if kind == "ack" and len(body.read_event) > MAX_HANDLE_BYTES:
         raise ConfigError(
             f"BucketAck.read_event is {len(body.read_event)} bytes, over the limit of "

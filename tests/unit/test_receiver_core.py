@@ -36,6 +36,7 @@ from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.inbox import Inbox, SenderLost
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import Arrival, InPlaceTarget, WeightTarget, assembled
+from weightsync.regions import Region
 from weightsync.topology_model import Box
 from weightsync.transports import get_transport
 from weightsync.transports.base import StagingBuffer
@@ -868,3 +869,73 @@ def test_the_verdict_goes_once_the_first_bucket_in_hand_is_launched_else_before_
         assert target.sent_at[:2] == [("begin", []), ("load", [])]
     else:
         assert target.sent_at[:2] == [("begin", ["verdict"]), ("load", ["verdict"])]
+
+
+# -- the sender writing the weights (protocol §4.3) ---------------------------------------------
+
+
+class Offering(Recorder):
+    """A target that lets a sender write its weights (on the CPU here: only the protocol)."""
+
+    def write_regions(self, manifest: VersionManifest) -> dict:
+        return {s.name: [Region((0,) * len(s.shape), self.live[s.name])] for s in manifest.tensors}
+
+
+def offering_core(takes_writes: bool) -> tuple[Offering, ReceiverCore, MemoryConnection]:
+    target = Offering(zeros_like(weights(1)))
+    core, connection = core_for(target)
+    connection.kept = KeptByStream(takes_writes=takes_writes)
+    return target, core, connection
+
+
+def test_a_receiver_offers_its_weights_once_per_stream_and_begins_before_the_verdict(stage):
+    staged = stage(weights(1))
+    target, core, connection = offering_core(takes_writes=True)
+    written = pb.Announcement(bucket=staged.bucket_msg(0))
+    written.bucket.ClearField("buffer")
+    written.bucket.written = True
+    rest = [staged.bucket(i) for i in range(1, len(staged.plan.buckets))]
+    connection.announce(staged.start(), written, *rest, pb.Announcement(end=staged.end_msg()))
+    assert core.sync(timeout=5) == 1
+    assert connection.kinds()[:2] == ["offer", "verdict"]
+    offer, verdict = connection.sent[0].offer, connection.sent[1].verdict
+    assert verdict.writes_key == offer.key != b""
+    assert target.calls == ["validate", "begin", "commit"]
+    # The written bucket was only acked: its tensors were not loaded here.
+    first = {e.spec.name for e in staged.plan.buckets[0].entries}
+    assert not first & {n for names in target.loaded for n in names}
+    assert [m.ack.index for m in connection.sent if m.WhichOneof("kind") == "ack"][0] == 0
+    # The next version names the offer by its key alone.
+    again = stage(weights(2), version=2)
+    connection.announce(*again.announcements())
+    assert core.sync(timeout=5) == 2
+    kinds = connection.kinds()
+    assert kinds.count("offer") == 1
+    assert connection.sent[kinds.index("verdict", 2)].verdict.writes_key == offer.key
+
+
+def test_after_letting_the_sender_write_an_aborted_version_leaves_the_weights_dirty(stage):
+    staged = stage(weights(1))
+    _, core, connection = offering_core(takes_writes=True)
+    reason = pb.ErrorDetail(code="ChecksumError", message="bucket 0 as the sender wrote it")
+    connection.announce(
+        staged.start(), pb.Announcement(abort=pb.VersionAbort(version=1, reason=reason))
+    )
+    with pytest.raises(ReceiverFailedError, match="as the sender wrote it"):
+        core.sync(timeout=5)
+    assert core.dirty  # no bucket came, but the sender may have written one
+
+
+@pytest.mark.parametrize("takes_writes", [False, True], ids=["sender-takes-none", "not-offered"])
+def test_a_bucket_written_into_weights_never_offered_fails_the_version(stage, takes_writes):
+    staged = stage(weights(1))
+    target, core, connection = offering_core(takes_writes)
+    if takes_writes:
+        target.write_regions = lambda manifest: None  # this target loads every bucket
+    written = pb.Announcement(bucket=staged.bucket_msg(0))
+    written.bucket.written = True
+    connection.announce(staged.start(), written)
+    with pytest.raises(ProtocolError, match="came as written into weights this receiver did not"):
+        core.sync(timeout=5)
+    assert "offer" not in connection.kinds()
+    assert not connection.sent[0].verdict.writes_key

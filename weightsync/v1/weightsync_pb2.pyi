@@ -311,18 +311,30 @@ class TensorBox(_message.Message):
     def __init__(self, name: _Optional[str] = ..., start: _Optional[_Iterable[int]] = ..., size: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ManifestVerdict(_message.Message):
-    __slots__ = ("version", "accepted", "error", "keeps", "keeps_key")
+    __slots__ = ("version", "accepted", "error", "keeps", "keeps_key", "writes_key")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     KEEPS_FIELD_NUMBER: _ClassVar[int]
     KEEPS_KEY_FIELD_NUMBER: _ClassVar[int]
+    WRITES_KEY_FIELD_NUMBER: _ClassVar[int]
     version: int
     accepted: bool
     error: ErrorDetail
     keeps: _containers.RepeatedCompositeFieldContainer[TensorBox]
     keeps_key: bytes
-    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., keeps: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ..., keeps_key: _Optional[bytes] = ...) -> None: ...
+    writes_key: bytes
+    def __init__(self, version: _Optional[int] = ..., accepted: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., keeps: _Optional[_Iterable[_Union[TensorBox, _Mapping]]] = ..., keeps_key: _Optional[bytes] = ..., writes_key: _Optional[bytes] = ...) -> None: ...
+
+class WriteOffer(_message.Message):
+    __slots__ = ("key", "sources", "pieces")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
+    pieces: _containers.RepeatedCompositeFieldContainer[SourcePiece]
+    def __init__(self, key: _Optional[bytes] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., pieces: _Optional[_Iterable[_Union[SourcePiece, _Mapping]]] = ...) -> None: ...
 
 class BucketAck(_message.Message):
     __slots__ = ("version", "index", "ok", "error", "read_event")
@@ -353,20 +365,22 @@ class VersionApplied(_message.Message):
     def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., holds_base: _Optional[bool] = ..., untouched: _Optional[bool] = ...) -> None: ...
 
 class ReceiverMessage(_message.Message):
-    __slots__ = ("hello", "verdict", "ack", "applied", "lane", "exported")
+    __slots__ = ("hello", "verdict", "ack", "applied", "lane", "exported", "offer")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     VERDICT_FIELD_NUMBER: _ClassVar[int]
     ACK_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     EXPORTED_FIELD_NUMBER: _ClassVar[int]
+    OFFER_FIELD_NUMBER: _ClassVar[int]
     hello: ReceiverHello
     verdict: ManifestVerdict
     ack: BucketAck
     applied: VersionApplied
     lane: LaneSwitch
     exported: BucketExported
-    def __init__(self, hello: _Optional[_Union[ReceiverHello, _Mapping]] = ..., verdict: _Optional[_Union[ManifestVerdict, _Mapping]] = ..., ack: _Optional[_Union[BucketAck, _Mapping]] = ..., applied: _Optional[_Union[VersionApplied, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ..., exported: _Optional[_Union[BucketExported, _Mapping]] = ...) -> None: ...
+    offer: WriteOffer
+    def __init__(self, hello: _Optional[_Union[ReceiverHello, _Mapping]] = ..., verdict: _Optional[_Union[ManifestVerdict, _Mapping]] = ..., ack: _Optional[_Union[BucketAck, _Mapping]] = ..., applied: _Optional[_Union[VersionApplied, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ..., exported: _Optional[_Union[BucketExported, _Mapping]] = ..., offer: _Optional[_Union[WriteOffer, _Mapping]] = ...) -> None: ...
 
 class BucketExported(_message.Message):
     __slots__ = ("version", "index", "ok", "error")
@@ -381,14 +395,16 @@ class BucketExported(_message.Message):
     def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReceiverWelcome(_message.Message):
-    __slots__ = ("receiver_id", "lane", "keeps_keys")
+    __slots__ = ("receiver_id", "lane", "keeps_keys", "takes_writes")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     KEEPS_KEYS_FIELD_NUMBER: _ClassVar[int]
+    TAKES_WRITES_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     lane: LaneOffer
     keeps_keys: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ..., keeps_keys: _Optional[bool] = ...) -> None: ...
+    takes_writes: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ..., keeps_keys: _Optional[bool] = ..., takes_writes: _Optional[bool] = ...) -> None: ...
 
 class VersionStart(_message.Message):
     __slots__ = ("manifest", "num_buckets", "manifest_key")
@@ -401,7 +417,7 @@ class VersionStart(_message.Message):
     def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., num_buckets: _Optional[int] = ..., manifest_key: _Optional[bytes] = ...) -> None: ...
 
 class BucketAnnouncement(_message.Message):
-    __slots__ = ("version", "layout", "buffer", "group_id", "sources", "ready_event", "layout_key", "delta")
+    __slots__ = ("version", "layout", "buffer", "group_id", "sources", "ready_event", "layout_key", "delta", "written")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
@@ -410,6 +426,7 @@ class BucketAnnouncement(_message.Message):
     READY_EVENT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_KEY_FIELD_NUMBER: _ClassVar[int]
     DELTA_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
     version: int
     layout: BucketLayout
     buffer: BufferHandle
@@ -418,7 +435,8 @@ class BucketAnnouncement(_message.Message):
     ready_event: bytes
     layout_key: bytes
     delta: BucketDelta
-    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., layout_key: _Optional[bytes] = ..., delta: _Optional[_Union[BucketDelta, _Mapping]] = ...) -> None: ...
+    written: bool
+    def __init__(self, version: _Optional[int] = ..., layout: _Optional[_Union[BucketLayout, _Mapping]] = ..., buffer: _Optional[_Union[BufferHandle, _Mapping]] = ..., group_id: _Optional[str] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., ready_event: _Optional[bytes] = ..., layout_key: _Optional[bytes] = ..., delta: _Optional[_Union[BucketDelta, _Mapping]] = ..., written: _Optional[bool] = ...) -> None: ...
 
 class BucketDelta(_message.Message):
     __slots__ = ("form", "base_version", "base_checksum", "checksum", "nbytes", "count", "element_bytes")

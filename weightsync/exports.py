@@ -1,4 +1,5 @@
-"""A publisher's offer: where its tensors live, for a sender on its host to map and read."""
+"""An offer: where tensors live, for a process on the same host to map and read or write (a
+publisher's to its sender; a receiver's weights, for the sender to write: receiver/writes.py)."""
 
 from __future__ import annotations
 
