@@ -236,7 +236,7 @@ class Version:
     def _send_end(self) -> None:
         """Every receiver still in the version gets the end; each owes ``applied`` back."""
         end = end_message(self)
-        for rid, error in self.writes.differ(self.checksums):
+        for rid, error in self.writes.differ(self):
             self.fail(rid, error)
         address(self, "applied", lambda _: end)
 

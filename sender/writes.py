@@ -119,10 +119,12 @@ class Writes:
             trace.mark("sender.wrote", index=bucket.index)
         return frozenset(wrote)
 
-    def differ(self, checksums: Sequence[int]) -> list[tuple[str, ChecksumError]]:
-        """The receivers whose written bytes differ from the packed ones (``checksums``: the
-        version's, by bucket index), each with its error; every write must be done."""
-        keys = list(self.sums)
+    def differ(self, version: Version) -> list[tuple[str, ChecksumError]]:
+        """The receivers still in ``version`` whose written bytes differ from the packed ones
+        (its ``checksums``, by bucket index), each with its error; every write must be done."""
+        checksums = version.checksums
+        pending = set(version.active())
+        keys = [k for k in self.sums if k[0] in pending]
         values = finish_all([self.sums[k][0] for k in keys], [self.sums[k][1].nbytes for k in keys])
         out = []
         for (rid, index), got in zip(keys, values, strict=True):
