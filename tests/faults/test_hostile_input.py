@@ -26,6 +26,7 @@ from tests.support.raw_streams import (
     status_within,
     stream_threads,
 )
+from tests.support.waiting import wait_until
 from weightsync import limits
 from weightsync.control.client import connect
 from weightsync.errors import ConfigError, PlanError, ReplacedError
@@ -334,7 +335,7 @@ def test_a_receiver_hello_past_a_bound_is_refused(sender, hello, details):
             pb.ReceiverMessage(),
             INVALID,
             "ConfigError: ReceiverMessage has no kind set; after hello send verdict, ack, "
-            "applied or exported",
+            "applied, exported or offer",
         ),
         (
             pb.ReceiverMessage(hello=pb.ReceiverHello(receiver_id="again")),
@@ -382,9 +383,13 @@ def test_a_receivers_long_error_text_is_shortened_in_status(sender):
     assert next(raw.replies).WhichOneof("kind") == "start"
     error = pb.ErrorDetail(code="X" * 5000, message="m" * 1_000_000, tensor="t" * 5000)
     raw.send(pb.ReceiverMessage(verdict=pb.ManifestVerdict(version=1, error=error)))
+
+    def failed() -> bool:  # the verdict is handled on the raw stream's own thread
+        return status_within(sender.address).versions[-1].receivers[0].state == "failed"
+
+    wait_until(failed, 10, "the refusing verdict to fail the raw receiver")
     reply = status_within(sender.address)
     (outcome,) = reply.versions[-1].receivers
-    assert outcome.state == "failed"
     for text in (outcome.error.code, outcome.error.message, outcome.error.tensor):
         assert len(text.encode()) <= limits.MAX_ERROR_BYTES
     assert outcome.error.message.endswith("... (1000000 bytes, shortened)")
