@@ -4,6 +4,9 @@ the target keeps of each manifest (declared to the sender in the verdict)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from weightsync.exports import Exports
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.connection import Keeps
@@ -53,15 +56,14 @@ class Accepted:
         """The boxes of ``manifest``'s tensors ``target`` keeps (after validating), declared
         in the verdict so the sender plans this receiver's bytes, keyed by the manifest and
         generation they are worked out from (the stream then sends the key alone)."""
-        cached = (key, target.generation)
-        if cached not in self._keeps:
-            if len(self._keeps) >= _KEPT_MANIFESTS:
-                self._keeps.clear()
+
+        def keeps() -> Keeps:
             kept = target.keeps()
             names = {spec.name for spec in manifest.tensors} if kept else set()
             boxes = boxes_to_pb({n: b for n, b in kept.items() if n in names})
-            self._keeps[cached] = Keeps(boxes, key + target.generation.to_bytes(8, "little"))
-        return self._keeps[cached]
+            return Keeps(boxes, _stream_key(key, target))
+
+        return _once(self._keeps, (key, target.generation), keeps)
 
     def writes(
         self, target: WeightTarget, manifest: VersionManifest, key: bytes
@@ -69,18 +71,31 @@ class Accepted:
         """Where the sender may write ``manifest``'s tensors into ``target``
         (:meth:`~.WeightTarget.write_regions`, after validating and :meth:`keeps`), keyed
         like the boxes; None where the target loads every bucket itself."""
-        cached = (key, target.generation)
-        if cached not in self._writes:
-            if len(self._writes) >= _KEPT_MANIFESTS:
-                self._writes.clear()
+
+        def offer() -> pb.WriteOffer | None:
             regions = target.write_regions(manifest)
-            offer = None
-            if regions is not None:
-                begin = self._exports.offer(regions)
-                offer = pb.WriteOffer(
-                    key=b"w" + key + target.generation.to_bytes(8, "little"),
-                    sources=begin.sources,
-                    pieces=begin.pieces,
-                )
-            self._writes[cached] = offer
-        return self._writes[cached]
+            if regions is None:
+                return None
+            begin = self._exports.offer(regions)
+            return pb.WriteOffer(
+                key=b"w" + _stream_key(key, target), sources=begin.sources, pieces=begin.pieces
+            )
+
+        return _once(self._writes, (key, target.generation), offer)
+
+
+V = TypeVar("V")
+
+
+def _once(cache: dict[tuple[bytes, int], V], cached: tuple[bytes, int], make: Callable[[], V]) -> V:
+    """``cache[cached]``, made on first use; the cache is emptied at :data:`_KEPT_MANIFESTS`."""
+    if cached not in cache:
+        if len(cache) >= _KEPT_MANIFESTS:
+            cache.clear()
+        cache[cached] = make()
+    return cache[cached]
+
+
+def _stream_key(key: bytes, target: WeightTarget) -> bytes:
+    """What the manifest ``key`` and the target's generation are sent as (protocol §2.1)."""
+    return key + target.generation.to_bytes(8, "little")

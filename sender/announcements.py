@@ -163,8 +163,12 @@ def packed_bucket(
     their reads wait for), those in ``wrote`` that it is written into their weights (§4.3);
     broadcast receivers get the group its bytes come by (and, when they come as a ``delta``,
     what it is made from: protocol §5.1)."""
-    written = pb.Announcement(
-        bucket=pb.BucketAnnouncement(version=version.version, layout=layout, written=True)
+    written = (
+        pb.Announcement(
+            bucket=pb.BucketAnnouncement(version=version.version, layout=layout, written=True)
+        )
+        if wrote
+        else None
     )
     mapped = pb.Announcement(
         bucket=pb.BucketAnnouncement(

@@ -25,7 +25,7 @@ import torch
 from weightsync import limits, summed_copies, trace
 from weightsync.buckets import Bucket
 from weightsync.checksum import finish_all
-from weightsync.errors import ChecksumError, ProtocolError, TransportError
+from weightsync.errors import ChecksumError, ProtocolError, TransportError, WeightSyncError
 from weightsync.regions import Region, region_copies
 from weightsync.sender.planner import MAP
 from weightsync.sender.slots import Slot
@@ -55,10 +55,8 @@ def map_offer(offer: pb.WriteOffer, rid: str) -> Offered | None:
     every bucket itself). Only CUDA IPC memory on one GPU is taken: never a path a client
     names, and each piece is checked to lie inside its storage."""
     try:
-        limits.check_count(offer.sources, "WriteOffer.sources", limits.MAX_SOURCES)
-        limits.check_count(offer.pieces, "WriteOffer.pieces", limits.MAX_PIECES)
+        limits.check_offer(offer)
         for i, handle in enumerate(offer.sources):
-            limits.check_buffer_handle(handle, f"WriteOffer.sources[{i}]")
             if not handle.HasField("cuda_ipc"):
                 raise ProtocolError(f"WriteOffer.sources[{i}] is not CUDA IPC memory")
         buffers = MappedBuffers()
@@ -67,7 +65,7 @@ def map_offer(offer: pb.WriteOffer, rid: str) -> Offered | None:
         if len(devices) != 1:
             raise ProtocolError(f"WriteOffer spans {len(devices)} devices, not one")
         return Offered(regions_from_pb(offer.pieces, sources), devices.pop(), buffers)
-    except (ProtocolError, TransportError, RuntimeError) as e:
+    except (WeightSyncError, RuntimeError) as e:
         log.warning("receiver %s: its write offer is not taken (%s); it reads every bucket", rid, e)
         return None
 

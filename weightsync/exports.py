@@ -1,5 +1,5 @@
 """An offer: where tensors live, for a process on the same host to map and read or write (a
-publisher's to its sender; a receiver's weights, for the sender to write: receiver/writes.py)."""
+publisher's to its sender; a receiver's weights, for the sender to write: protocol §4.3)."""
 
 from __future__ import annotations
 

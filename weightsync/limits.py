@@ -174,15 +174,17 @@ def check_receiver_hello(hello: pb.ReceiverHello) -> None:
         check_text(transport, f"ReceiverHello.transports[{i}]", MAX_ID_BYTES)
 
 
-def check_offer(begin: pb.BeginVersion) -> None:
-    """Bound what a ``BeginVersion`` offers: its storages and pieces (the coordinator runs it
-    once per offer, before mapping or planning from it)."""
-    check_count(begin.sources, "BeginVersion.sources", MAX_SOURCES)
-    for i, handle in enumerate(begin.sources):
-        check_buffer_handle(handle, f"BeginVersion.sources[{i}]")
-    check_count(begin.pieces, "BeginVersion.pieces", MAX_PIECES)
-    for i, piece in enumerate(begin.pieces):
-        check_piece(piece, i, len(begin.sources))
+def check_offer(offer: pb.BeginVersion | pb.WriteOffer) -> None:
+    """Bound what a ``BeginVersion`` (a publisher's tensors) or a ``WriteOffer`` (a receiver's
+    weights) offers: its storages and pieces (run once per offer, before mapping or planning
+    from it)."""
+    message = offer.DESCRIPTOR.name
+    check_count(offer.sources, f"{message}.sources", MAX_SOURCES)
+    for i, handle in enumerate(offer.sources):
+        check_buffer_handle(handle, f"{message}.sources[{i}]")
+    check_count(offer.pieces, f"{message}.pieces", MAX_PIECES)
+    for i, piece in enumerate(offer.pieces):
+        check_piece(piece, i, len(offer.sources), message)
 
 
 def check_buffer_handle(handle: pb.BufferHandle, field: str) -> None:
@@ -200,8 +202,10 @@ def check_buffer_handle(handle: pb.BufferHandle, field: str) -> None:
                 )
 
 
-def check_piece(piece: pb.SourcePiece, i: int, num_sources: int) -> None:
-    """Bound ``BeginVersion.pieces[i]``: its name, dtype, source, and a box whose ``size``,
+def check_piece(
+    piece: pb.SourcePiece, i: int, num_sources: int, message: str = "BeginVersion"
+) -> None:
+    """Bound ``<message>.pieces[i]``: its name, dtype, source, and a box whose ``size``,
     ``stride`` and ``dst_start`` agree in rank, are non-negative, and span at most
     :data:`MAX_TENSOR_BYTES` of its storage."""
     size, stride, start = piece.size, piece.stride, piece.dst_start
@@ -217,12 +221,12 @@ def check_piece(piece: pb.SourcePiece, i: int, num_sources: int) -> None:
         span = 0 if 0 in size else 1 + sum(map(_reach, size, stride))
         if max(span, math.prod(size)) * itemsize <= MAX_TENSOR_BYTES:
             return
-    field = f"BeginVersion.pieces[{i}]"
+    field = f"{message}.pieces[{i}]"
     check_text(piece.name, f"{field}.name", MAX_NAME_BYTES)
     what = f"{field} (of {quoted(piece.name)})"
     if piece.source >= num_sources:
         raise ConfigError(
-            f"{what}.source {piece.source} names no storage: BeginVersion.sources has {num_sources}"
+            f"{what}.source {piece.source} names no storage: {message}.sources has {num_sources}"
         )
     if not rank == len(stride) == len(start):
         raise ConfigError(

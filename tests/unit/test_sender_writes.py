@@ -57,3 +57,12 @@ def test_an_offer_passes_the_streams_bounds_and_an_oversized_key_is_refused():
     assert check_receiver_message(pb.ReceiverMessage(offer=pb.WriteOffer(key=b"k"))) == "offer"
     with pytest.raises(ConfigError, match="WriteOffer.key is 65 bytes"):
         check_receiver_message(pb.ReceiverMessage(offer=pb.WriteOffer(key=b"k" * 65)))
+
+
+def test_an_offer_whose_piece_disagrees_in_rank_is_refused_naming_the_piece(caplog):
+    piece = pb.SourcePiece(name="w", source=0, dtype="bfloat16", size=[2, 2], stride=[2])
+    handle = pb.BufferHandle(buffer_id="b", nbytes=64, cuda_ipc=pb.CudaIpcHandle())
+    offer = pb.WriteOffer(key=b"w1", sources=[handle], pieces=[piece])
+    with caplog.at_level(logging.WARNING, "weightsync.sender"):
+        assert map_offer(offer, "engine-0") is None
+    assert "WriteOffer.pieces[0] (of 'w'): size [2, 2], stride [2]" in caplog.text
