@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +24,7 @@ from weightsync.memo import Memo
 from weightsync.regions import Region, region_copies
 from weightsync.sender.offer import OfferKey
 from weightsync.sender.slots import PackCopies, Slot
+from weightsync.summed_copies import SummedCopies
 from weightsync.transports import MappedBuffers
 from weightsync.transports.shm import map_descriptor, map_offered, without_descriptor
 from weightsync.v1 import weightsync_pb2 as pb
@@ -123,9 +124,16 @@ def _map(begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers) -> Regio
     return regions
 
 
-def pack_bucket(run: Version, bucket: Bucket, slot: Slot) -> torch.Tensor | None:
+def pack_bucket(
+    run: Version,
+    bucket: Bucket,
+    slot: Slot,
+    also: Callable[[SummedCopies], SummedCopies | None] | None = None,
+) -> torch.Tensor | None:
     """Queue the copies that pack ``bucket`` into ``slot`` from ``run.regions`` (set); returns
     the bucket checksum's reduction when the copies took it (:mod:`.summed_copies`), else None.
+    ``also``: given fused pack copies, the same copies writing elsewhere too, run instead of
+    them (None: the pack alone).
 
     Raises:
         TransportError: a copy failed.
@@ -161,6 +169,8 @@ def pack_bucket(run: Version, bucket: Bucket, slot: Slot) -> torch.Tensor | None
             bucket.zero_gaps(buffer)
             # Each piece is compared with its source right after its copy, still in cache.
             return batch.run(check=what)
+        if also is not None and isinstance(batch, SummedCopies):
+            batch = also(batch) or batch
         sums = batch.run()
     except ChecksumError:
         raise

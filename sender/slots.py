@@ -50,9 +50,10 @@ class PackCopies:
     slices: tuple
     """The version's slice groups (``slices.py``), whose buckets follow the plan's."""
     by_bucket: dict[int, CopyBatch | SummedCopies] = field(default_factory=dict)
-    writes: dict[tuple[str, int], tuple[object, object]] = field(default_factory=dict)
+    writes: dict[tuple[str, int, bool], tuple[tuple, object]] = field(default_factory=dict)
     """The copies writing each bucket into a receiver's offered weights, by (receiver, bucket
-    index), with the offer they were worked out for (``writes.py``)."""
+    index, in the pack's launch), with the offer and pack they were worked out for
+    (``writes.py``)."""
 
 
 @dataclass

@@ -41,7 +41,6 @@ from weightsync.sender.announcements import (
 )
 from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.outcomes import Shared, declare_keeps
-from weightsync.sender.packing import pack_bucket
 from weightsync.sender.planner import BROADCAST, MAP, TensorPlan
 from weightsync.sender.publisher_packs import PublisherPacks
 from weightsync.sender.records import Outcome, RankConn, ReceiverConn, RunAborted
@@ -148,9 +147,7 @@ class Version:
                 wrote: frozenset[str] = frozenset()
                 if packs is None:
                     driver.before_reuse(slot, device, on_stream=device.type == "cuda")
-                    sums = pack_bucket(self, send.bucket, slot)
-                    if send.group is None:
-                        wrote = self.writes.write(self, send.bucket, slot)
+                    sums, wrote = self.writes.pack(self, send.bucket, slot, send.group is None)
                 elif packs.packed_or_slot_free(send.bucket, todo, slots):
                     sums = None
                 else:

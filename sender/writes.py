@@ -2,15 +2,18 @@
 
 A receiver on the GPU of the sender's staging offers its live tensors (``WriteOffer``: its
 weights' storages and where each tensor lies in them, as a publisher offers its own) and, in
-each verdict that names the offer, lets the sender write that version. The sender then copies
-each staged bucket it packed straight from the staging buffer into the receiver's weights,
-on its own stream behind the pack, and announces the bucket ``written``: the receiver reads
-nothing. Two processes' kernels on one GPU take turns (time slices, no MPS), so a receiver
-loading on the GPU where the sender packs cost a third more than both passes in one process
-(H200: two processes 19.7 ms, one 14.6 ms for 15.23 GB in 512 MiB buckets).
+each verdict that names the offer, lets the sender write that version. The sender then writes
+each staged bucket it packs into the receiver's weights and announces it ``written``: the
+receiver reads nothing. Two processes' kernels on one GPU take turns (time slices, no MPS), so
+a receiver loading on the GPU where the sender packs cost a third more than both passes in one
+process (H200: two processes 19.7 ms, one 14.6 ms for 15.23 GB in 512 MiB buckets).
 
-The writes take the bucket's checksum on the way where they can; each is compared with the
-pack's before the version's end goes out, and a receiver whose weights differ fails.
+Where each of the bucket's tensors is one contiguous run in the receiver's weights, as in the
+bucket, the pack's own launch writes them (``copy_sum_also``: the trainer's bytes read once,
+written to the slot and the weights, summed once). Otherwise the sender copies the bucket from
+the slot on its stream behind the pack, taking the checksum on the way where it can; each such
+sum is compared with the pack's before the version's end goes out, and a receiver whose
+weights differ fails.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,10 +29,12 @@ from weightsync import limits, summed_copies, trace
 from weightsync.buckets import Bucket
 from weightsync.checksum import finish_all
 from weightsync.errors import ChecksumError, ProtocolError, TransportError, WeightSyncError
-from weightsync.regions import Region, region_copies
+from weightsync.regions import Pair, Region, region_copies
+from weightsync.sender.packing import pack_bucket
 from weightsync.sender.planner import MAP
 from weightsync.sender.slots import Slot
 from weightsync.sender.states import OutcomeState
+from weightsync.summed_copies import Move, SummedCopies
 from weightsync.transports import MappedBuffers
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import regions_from_pb
@@ -88,34 +93,52 @@ class Writes:
         if offered is not None and conn.data_path == MAP and rid not in version.sliced:
             self.granted[rid] = offered
 
-    def write(self, version: Version, bucket: Bucket, slot: Slot) -> frozenset[str]:
-        """Queue the writes of ``bucket``, packed in ``slot``, into every receiver that let
-        the sender write it and still takes part; returns those receivers."""
+    def pack(
+        self, version: Version, bucket: Bucket, slot: Slot, staged: bool
+    ) -> tuple[torch.Tensor | None, frozenset[str]]:
+        """Pack ``bucket`` into ``slot`` (:func:`.packing.pack_bucket`) and, when it is a
+        ``staged`` one (not a slice group's), write it into every receiver on the slot's GPU
+        that lets the sender write it and still takes part: the first in the pack's own launch
+        where the copies allow (each byte read once from the trainer, written to the slot and
+        to the weights, summed once), the others from the slot behind it. Returns the pack's
+        checksum reduction (or None) and the receivers written."""
         with version.shared.cond:
             granted = [
                 (rid, offered)
                 for rid, offered in self.granted.items()
-                if version.outcomes[rid].state == OutcomeState.PENDING
+                if staged
+                and version.outcomes[rid].state == OutcomeState.PENDING
+                and str(offered.device) == slot.device
             ]
-        wrote = []
+        fused: list[str] = []
+
+        def also(pack: SummedCopies) -> SummedCopies | None:
+            for rid, offered in granted:
+                batch = _batch(slot, rid, offered, bucket, pack)
+                if batch is not None:
+                    fused.append(rid)
+                    return batch
+            return None
+
+        sums = pack_bucket(version, bucket, slot, also if granted else None)
+        wrote = list(fused)
         for rid, offered in granted:
-            if str(offered.device) != slot.device:
-                continue
-            batch = _batch(slot, rid, offered, bucket)
+            batch = None if rid in fused else _batch(slot, rid, offered, bucket)
             if batch is None:
                 continue
             try:
-                sums = batch.run()
+                written = batch.run()
             except RuntimeError as e:
                 raise TransportError(
                     f"version {version.version}: writing bucket {bucket.index} into receiver "
                     f"{rid}'s weights failed: {e}"
                 ) from e
-            if sums is not None:
-                self.sums[(rid, bucket.index)] = (sums, bucket)
+            if written is not None:
+                self.sums[(rid, bucket.index)] = (written, bucket)
             wrote.append(rid)
+        if wrote:
             trace.mark("sender.wrote", index=bucket.index)
-        return frozenset(wrote)
+        return sums, frozenset(wrote)
 
     def differ(self, version: Version) -> list[tuple[str, ChecksumError]]:
         """The receivers still in ``version`` whose written bytes differ from the packed ones
@@ -143,12 +166,17 @@ class Writes:
         return out
 
 
-def _batch(slot: Slot, rid: str, offered: Offered, bucket: Bucket) -> object | None:
-    """The copies that write ``bucket`` from ``slot`` into ``offered`` (None: some tensor of
-    it is not offered), worked out once per slot, bucket and offer."""
+def _batch(
+    slot: Slot, rid: str, offered: Offered, bucket: Bucket, pack: SummedCopies | None = None
+) -> Any:
+    """The copies that write ``bucket`` from ``slot`` into ``offered``, or with ``pack`` the
+    pack's copies writing into ``offered`` too (:meth:`.SummedCopies.also`); None where they
+    cannot be (some tensor of it is not offered; fused: a tensor not contiguous or cast, or
+    not every byte written once). Worked out once per slot, bucket, offer and pack."""
     assert slot.copies is not None  # the pack made them
-    kept = slot.copies.writes.get((rid, bucket.index))
-    if kept is not None and kept[0] is offered:
+    key, tag = (rid, bucket.index, pack is not None), (offered, pack)
+    kept = slot.copies.writes.get(key)
+    if kept is not None and all(a is b for a, b in zip(kept[0], tag, strict=True)):
         return kept[1]
     buffer = slot.buffer.tensor
     pairs = []
@@ -160,6 +188,25 @@ def _batch(slot: Slot, rid: str, offered: Offered, bucket: Bucket) -> object | N
                 break
             pairs += [(live, staged) for staged, live in region_copies(buffer, entry, regions)]
         else:
-            batch = summed_copies.copies(pairs, buffer, bucket.nbytes, destination=False)
-    slot.copies.writes[(rid, bucket.index)] = (offered, batch)
+            if pack is None:
+                batch = summed_copies.copies(pairs, buffer, bucket.nbytes, destination=False)
+            else:
+                moves = _moves(pairs, buffer)
+                batch = None if moves is None else pack.also(moves)
+    slot.copies.writes[key] = (tag, batch)
     return batch
+
+
+def _moves(pairs: Sequence[Pair], buffer: torch.Tensor) -> list[Move] | None:
+    """``pairs`` (weight, staged view) as moves of bucket bytes (:data:`.summed_copies.Move`),
+    or None where a pair is not the same bytes laid out alike on the buffer's device."""
+    base = buffer.data_ptr()
+    moves = []
+    for live, staged in pairs:
+        if not (live.is_contiguous() and staged.is_contiguous()):
+            return None
+        if live.dtype != staged.dtype or live.shape != staged.shape or live.device != buffer.device:
+            return None
+        if live.numel():
+            moves.append((staged.data_ptr() - base, staged.nbytes, live.data_ptr()))
+    return moves

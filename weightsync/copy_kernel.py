@@ -43,7 +43,12 @@ BOX_CHUNK_BYTES = 256 << 10
 fastest of 128 KiB to 512 KiB on H200."""
 THREADS = 1024
 """Threads per block: 1024 beat 256 and 512 on H200 for both kernels and every chunk size."""
-KERNELS = {"copy_chunks": THREADS, "copy_sum": THREADS, "quantize_fp8": 256}
+KERNELS = {
+    "copy_chunks": THREADS,
+    "copy_sum": THREADS,
+    "copy_sum_also": THREADS,
+    "quantize_fp8": 256,
+}
 """Each kernel by name, with its threads per block (its ``__launch_bounds__``)."""
 
 

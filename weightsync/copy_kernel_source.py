@@ -3,6 +3,8 @@
 ``copy_chunks``: a table row per block, each a contiguous chunk or a box of strided rows, copied
 in the widest aligned units. ``copy_sum``: the same copies taking the bucket checksum on the way
 (each 8-byte word weighted by its checksum row position, :mod:`.checksum`), or summing only.
+``copy_sum_also``: ``copy_sum`` whose rows name a second destination, written with the same
+values (the sender packing a bucket and writing it into a receiver's weights in one read).
 The tests compile this same source for the CPU (``tests/support/cuda_on_cpu.py``).
 """
 
@@ -134,69 +136,85 @@ __device__ __forceinline__ void reduce(
     }
 }
 
+// ``also`` (0: none) takes every byte written to ``dst``, at the same offsets and pitch.
 template <class T>
-__device__ __forceinline__ void sum_rows(const char* src, char* dst, unsigned long long width,
-        unsigned long long rows, unsigned long long sp, unsigned long long dp,
-        unsigned long long pitch_words, unsigned long long first, unsigned long long whole,
-        unsigned long long& a, unsigned long long& b) {
+__device__ __forceinline__ void sum_rows(const char* src, char* dst, char* also,
+        unsigned long long width, unsigned long long rows, unsigned long long sp,
+        unsigned long long dp, unsigned long long pitch_words, unsigned long long first,
+        unsigned long long whole, unsigned long long& a, unsigned long long& b) {
     const unsigned units = (unsigned)(width / sizeof(T)), total = units * (unsigned)rows;
     for (unsigned u = threadIdx.x; u < total; u += blockDim.x) {
         const unsigned r = u / units, c = u - r * units;
         const T v = ((const T*)(src + r * sp))[c];
         if (dst) ((T*)(dst + r * dp))[c] = v;
+        if (also) ((T*)(also + r * dp))[c] = v;
         take(v, first + r * pitch_words + c * (sizeof(T) / 8), whole, a, b);
     }
 }
 
-extern "C" __global__ void __launch_bounds__(1024) copy_sum(
+// ``copy_sum``'s row (COLUMNS 8) or ``copy_sum_also``'s (9: the ninth the second destination,
+// which must be aligned as the first is).
+template <int COLUMNS>
+__device__ __forceinline__ void copy_sum_row(
         const unsigned long long* table, unsigned long long whole, unsigned long long* out) {
-    const unsigned long long* row = table + 8ull * blockIdx.x;
+    const unsigned long long* row = table + (unsigned long long)COLUMNS * blockIdx.x;
     const char* src = (const char*)row[0];
     char* dst = (char*)row[1];
+    char* also = COLUMNS > 8 ? (char*)row[COLUMNS - 1] : nullptr;
     const unsigned long long n = row[2], rows = row[3], first = row[6], flags = row[7];
     const bool copy = dst != 0, sum = !(flags & 2ull);
     unsigned long long a = 0, b = 0;
     if (rows > 1) {
         const unsigned long long sp = row[4], dp = row[5];
         const unsigned long long pitch_words = (flags & 1ull ? dp : sp) >> 3;
-        if (!(((unsigned long long)src | (unsigned long long)dst | n | sp | dp) & 15ull))
-            sum_rows<uint4>(src, dst, n, rows, sp, dp, pitch_words, first, whole, a, b);
+        const unsigned long long all =
+            (unsigned long long)src | (unsigned long long)dst | (unsigned long long)also | n |
+            sp | dp;
+        if (!(all & 15ull))
+            sum_rows<uint4>(src, dst, also, n, rows, sp, dp, pitch_words, first, whole, a, b);
         else
             sum_rows<unsigned long long>(
-                src, dst, n, rows, sp, dp, pitch_words, first, whole, a, b);
+                src, dst, also, n, rows, sp, dp, pitch_words, first, whole, a, b);
         if (sum) reduce(a, b, out);
         return;
     }
     const unsigned long long n8 = n >> 3, step = blockDim.x;
     unsigned long long i = threadIdx.x;
-    if ((((unsigned long long)src | (unsigned long long)dst) & 15ull) == 0) {
+    if ((((unsigned long long)src | (unsigned long long)dst | (unsigned long long)also) & 15ull)
+            == 0) {
         const uint4* s = (const uint4*)src;
         uint4* d = (uint4*)dst;
+        uint4* d2 = (uint4*)also;
         const unsigned long long n16 = n8 >> 1;
         for (; i + 3 * step < n16; i += 4 * step) {  // four loads in flight per thread
             uint4 v[4];
             for (int k = 0; k < 4; ++k) v[k] = s[i + k * step];
             for (int k = 0; k < 4; ++k) {
                 if (copy) d[i + k * step] = v[k];
+                if (also) d2[i + k * step] = v[k];
                 take(v[k], first + 2ull * (i + k * step), whole, a, b);
             }
         }
         for (; i < n16; i += step) {
             const uint4 v = s[i];
             if (copy) d[i] = v;
+            if (also) d2[i] = v;
             take(v, first + 2ull * i, whole, a, b);
         }
         i = (n16 << 1) + threadIdx.x;
     }
     const unsigned long long* s8 = (const unsigned long long*)src;
     unsigned long long* d8 = (unsigned long long*)dst;
+    unsigned long long* a8 = (unsigned long long*)also;
     for (; i < n8; i += step) {
         const unsigned long long v = s8[i];
         if (copy) d8[i] = v;
+        if (also) a8[i] = v;
         take(v, first + i, whole, a, b);
     }
     const unsigned long long tail = n8 << 3;
     if (copy) for (unsigned long long j = tail + threadIdx.x; j < n; j += step) dst[j] = src[j];
+    if (also) for (unsigned long long j = tail + threadIdx.x; j < n; j += step) also[j] = src[j];
     if (!sum) return;
     if (n > tail) {
         __syncthreads();  // the tail's bytes written before the word holding them is read
@@ -207,5 +225,15 @@ extern "C" __global__ void __launch_bounds__(1024) copy_sum(
         }
     }
     reduce(a, b, out);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) copy_sum(
+        const unsigned long long* table, unsigned long long whole, unsigned long long* out) {
+    copy_sum_row<8>(table, whole, out);
+}
+
+extern "C" __global__ void __launch_bounds__(1024) copy_sum_also(
+        const unsigned long long* table, unsigned long long whole, unsigned long long* out) {
+    copy_sum_row<9>(table, whole, out);
 }
 """

@@ -176,26 +176,60 @@ def spans_of(pairs: Sequence[Pair]) -> list[Copy]:
 
 
 def table(rows: Sequence[Row]) -> torch.Tensor:
-    """The kernel's table of ``rows`` (flat int64, eight per row), on the CPU."""
+    """The kernel's table of ``rows`` (int64, a row of eight each), on the CPU."""
     flat = [
         v
         for r in rows
         for v in (r.src, r.dst, r.nbytes, r.rows, r.src_pitch, r.dst_pitch, r.word, r.flags)
     ]
-    return torch.tensor(flat, dtype=torch.int64)
+    return torch.tensor(flat, dtype=torch.int64).view(-1, 8)
+
+
+Move = tuple[int, int, int]
+"""(bucket byte, bytes, address): the bucket's bytes ``[at, at + bytes)`` also go to
+``address`` onwards, laid out as in the bucket (a receiver's tensor, contiguous as its bytes
+in the bucket are)."""
+
+
+def also_column(rows: torch.Tensor, base: int, moves: Sequence[Move]) -> torch.Tensor | None:
+    """Where each row of a pack's table (:func:`table` of :func:`plan_rows`, the bucket at
+    ``base`` their destination) also writes its bytes, so that every byte of ``moves`` is
+    written exactly once (0: nowhere); None where that cannot be: no moves, moves that overlap
+    (one bucket byte to two places), or a byte of a move that no row writes whole (a row across
+    a move's end). The pack's rows never write a bucket byte twice (:func:`plan_rows`), so
+    rows inside moves that write as many bytes as the moves hold write each of them once."""
+    if not moves or not len(rows):
+        return None
+    starts, lengths, addresses = torch.tensor(sorted(moves), dtype=torch.int64).unbind(1)
+    ends = starts + lengths
+    if bool((starts[1:] < ends[:-1]).any()):
+        return None
+    dst, n, count, dp = rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 5]
+    at = dst - base
+    i = (torch.searchsorted(starts, at, right=True) - 1).clamp(min=0)
+    inside = (dst != 0) & (at >= starts[i]) & (at + (count - 1) * dp + n <= ends[i])
+    if int((count * n)[inside].sum()) != int(lengths.sum()):
+        return None
+    return torch.where(inside, addresses[i] + at - starts[i], 0)
 
 
 class SummedCopies:
     """``pairs`` copied by one launch that also takes the checksum of ``buffer[:nbytes]``;
-    build once (:meth:`plan`) and :meth:`run` every version."""
+    build once (:meth:`plan`) and :meth:`run` every version. ``rows``: the kernel's table
+    (:func:`table`), with a ninth column of second destinations (:meth:`also`) or without."""
 
-    def __init__(self, pairs: Sequence[Pair], rows: list[Row], buffer: torch.Tensor, nbytes: int):
+    def __init__(
+        self, pairs: Sequence[Pair], rows: torch.Tensor, buffer: torch.Tensor, nbytes: int
+    ):
         self.pairs = tuple(pairs)  # the table holds their addresses: keep them alive
         self.buffer = buffer
+        self.nbytes = nbytes
         self.device = buffer.device
         self.blocks = len(rows)
         self.whole = whole_row_words(nbytes)
-        self._table = table(rows).to(self.device)
+        self.rows = rows
+        self._kernel = "copy_sum_also" if rows.shape[1] > 8 else "copy_sum"
+        self._table = rows.to(self.device)
 
     @classmethod
     def plan(
@@ -210,13 +244,23 @@ class SummedCopies:
             return None
         copies = spans_of(pairs)
         rows = plan_rows(copies, base=buffer.data_ptr(), nbytes=nbytes, destination=destination)
-        return None if rows is None else cls(pairs, rows, buffer, nbytes)
+        return None if rows is None else cls(pairs, table(rows), buffer, nbytes)
+
+    def also(self, moves: Sequence[Move]) -> SummedCopies | None:
+        """A pack's copies writing ``moves`` too, in the same launch: each byte read once,
+        written twice, summed once (None: :func:`also_column` says no). The caller keeps the
+        memory the moves write into while it runs these."""
+        column = also_column(self.rows, self.buffer.data_ptr(), moves)
+        if column is None or self.rows.shape[1] > 8:
+            return None
+        rows = torch.cat([self.rows, column[:, None]], dim=1)
+        return SummedCopies(self.pairs, rows, self.buffer, self.nbytes)
 
     def run(self) -> torch.Tensor:
         """Queue the copies; returns the checksum's reduction (as :func:`~.checksum.row_sums`)."""
         out = torch.zeros(2, dtype=torch.int64, device=self.device)
         copy_kernel.launch(
-            "copy_sum", self.device, self.blocks, self._table.data_ptr(), self.whole,
+            self._kernel, self.device, self.blocks, self._table.data_ptr(), self.whole,
             out.data_ptr(),
         )  # fmt: skip
         return out

@@ -1,6 +1,7 @@
 """The sender writing the weights of a receiver on its staging GPU (protocol §4.3), end to end:
 a real engine-side receiver in its own process offers its weights, the sender in this process
-packs each bucket and writes it into them, the receiver reads nothing.
+packs each bucket and writes it into them (in the pack's own launch, or from the slot behind
+it), the receiver reads nothing.
 """
 
 from __future__ import annotations
@@ -39,24 +40,42 @@ def _receiver(address: str, versions: int, writes: bool, out) -> None:
         out.put((v, all(torch.equal(live[n], expected[n]) for n in expected)))
 
 
-def _run(sock_dir, monkeypatch, writes: bool, corrupt_version: int = 0) -> tuple[list, dict]:
+def _run(
+    sock_dir, monkeypatch, writes: bool, corrupt_version: int = 0, fuse: bool = True
+) -> tuple[list, dict, dict]:
     """Publish 3 versions to a receiver on GPU 0; returns what it reported per version and,
-    per version, each bucket packed and whether the sender wrote it into the weights."""
+    per version, each bucket packed and whether the sender wrote it into the weights, and
+    whether it did so in the pack's own launch (``fuse``: let it)."""
     from weightsync.sender import Publisher
+    from weightsync.sender import writes as writes_module
     from weightsync.sender.daemon import Sender
     from weightsync.sender.writes import Writes
+    from weightsync.summed_copies import SummedCopies
 
     written: dict[int, dict[int, bool]] = {}
-    write = Writes.write
+    fused: dict[int, dict[int, bool]] = {}
+    pack, pack_bucket = Writes.pack, writes_module.pack_bucket
 
-    def spy(self, version, bucket, slot):
+    def spy(self, version, bucket, slot, staged):
+        sums, wrote = pack(self, version, bucket, slot, staged)
+        written.setdefault(version.version, {})[bucket.index] = bool(wrote)
+        return sums, wrote
+
+    def spy_pack(version, bucket, slot, also=None):
+        def recorded(copies):
+            batch = also(copies)
+            fused.setdefault(version.version, {})[bucket.index] = batch is not None
+            return batch
+
+        sums = pack_bucket(version, bucket, slot, recorded if also else None)
         if version.version == corrupt_version and bucket.index == 2:
             slot.buffer.tensor[0] ^= 1  # the staging overwritten between the pack and the write
-        wrote = write(self, version, bucket, slot)
-        written.setdefault(version.version, {})[bucket.index] = bool(wrote)
-        return wrote
+        return sums
 
-    monkeypatch.setattr(Writes, "write", spy)
+    monkeypatch.setattr(Writes, "pack", spy)
+    monkeypatch.setattr(writes_module, "pack_bucket", spy_pack)
+    if not fuse:
+        monkeypatch.setattr(SummedCopies, "also", lambda self, moves: None)
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=BUCKET) as sender:
         out = mp.get_context("spawn").Queue()
         proc = mp.get_context("spawn").Process(
@@ -73,26 +92,36 @@ def _run(sock_dir, monkeypatch, writes: bool, corrupt_version: int = 0) -> tuple
                         raise
         reports = [out.get(timeout=120) for _ in range(3)]
         proc.join(60)
-    return reports, written
+    return reports, written, fused
 
 
-@pytest.mark.parametrize("writes", [True, False], ids=["sender-writes", "receiver-reads"])
+@pytest.mark.parametrize(
+    ("writes", "fuse"),
+    [(True, True), (True, False), (False, True)],
+    ids=["sender-writes-in-the-pack", "sender-writes-from-the-slot", "receiver-reads"],
+)
 def test_a_receiver_on_the_staging_gpu_gets_exact_weights_written_by_the_sender(
-    sock_dir, monkeypatch, writes
+    sock_dir, monkeypatch, writes, fuse
 ):
-    reports, written = _run(sock_dir, monkeypatch, writes)
+    reports, written, fused = _run(sock_dir, monkeypatch, writes, fuse=fuse)
     assert reports == [(1, True), (2, True), (3, True)]
     for version, buckets in written.items():
         assert len(buckets) > 2, written  # the rest of this test needs a bucket past the slots
         # The first two buckets may be packed before the verdict that lets the sender write
         # comes (two staging slots); the third waits for the ack of the first, behind it.
-        assert all(w == writes for i, w in buckets.items() if i >= 2), (version, buckets)
+        later = [i for i in buckets if i >= 2]
+        assert all(buckets[i] == writes for i in later), (version, buckets)
+        # Every tensor is one contiguous run in the receiver's weights: the pack writes it.
+        assert all(fused.get(version, {}).get(i, False) == (writes and fuse) for i in later), (
+            version,
+            fused,
+        )
 
 
 def test_a_written_bucket_that_differs_from_the_packed_one_fails_the_receiver_dirty(
     sock_dir, monkeypatch
 ):
-    reports, written = _run(sock_dir, monkeypatch, True, corrupt_version=2)
+    reports, written, _ = _run(sock_dir, monkeypatch, True, corrupt_version=2, fuse=False)
     assert written[2][2], written
     assert reports[0] == (1, True)
     name, message, dirty = reports[1]

@@ -35,6 +35,24 @@ def test_copies_sum_the_whole_bucket_once_and_move_every_byte(make, destination)
         assert finish(copies.run(), case.nbytes) != got
 
 
+@pytest.mark.parametrize(
+    "make", [kernel_cases.packing, kernel_cases.columns], ids=["whole", "columns"]
+)
+def test_a_pack_writes_a_receivers_weights_in_the_same_launch(make):
+    pytest.importorskip("cupy")
+    case = make("cuda")
+    moves, weights = kernel_cases.weights_of(case)
+    pack = SummedCopies.plan(case.pairs, case.bucket, case.nbytes, destination=True)
+    assert pack is not None
+    fused = pack.also(moves)
+    assert fused is not None
+    got = finish(fused.run(), case.nbytes)
+    assert got == finish(row_sums(case.bucket, case.nbytes), case.nbytes)
+    torch.cuda.synchronize()
+    assert kernel_cases.moved(case)
+    assert kernel_cases.written(case, moves, weights)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(_BITS[t.element_size()])
 

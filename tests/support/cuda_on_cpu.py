@@ -96,6 +96,12 @@ extern "C" void launch_copy_sum(unsigned blocks, unsigned threads,
     grid(blocks, threads, [=] { copy_sum(table, whole, out); });
 }
 
+extern "C" void launch_copy_sum_also(unsigned blocks, unsigned threads,
+                                     const unsigned long long* table, unsigned long long whole,
+                                     unsigned long long* out) {
+    grid(blocks, threads, [=] { copy_sum_also(table, whole, out); });
+}
+
 extern "C" void launch_quantize_fp8(unsigned blocks, unsigned threads,
                                     const unsigned long long* table, unsigned long long tensors,
                                     unsigned long long ue8m0) {
@@ -130,6 +136,7 @@ def kernels() -> ctypes.CDLL:
     u64, u32 = ctypes.c_uint64, ctypes.c_uint32
     lib.launch_copy_chunks.argtypes = [u32, u32, u64]
     lib.launch_copy_sum.argtypes = [u32, u32, u64, u64, u64]
+    lib.launch_copy_sum_also.argtypes = [u32, u32, u64, u64, u64]
     lib.launch_quantize_fp8.argtypes = [u32, u32, u64, u64, u64]
     return lib
 

@@ -126,6 +126,41 @@ def moved(case: Case) -> bool:
     return all(torch.equal(d.view(torch.uint8), s.view(torch.uint8)) for d, s in case.pairs)
 
 
+def weights_of(case: Case, skew: int = 8) -> tuple[list[tuple[int, int, int]], torch.Tensor]:
+    """A receiver's weights for a packing ``case``: one contiguous tensor per tensor of the
+    bucket (the union of the bytes its pairs write there), each ``skew`` bytes past a 16-byte
+    boundary in one zeroed buffer. Returns the moves (bucket byte, bytes, address) that write
+    them (``summed_copies.Move``) and the buffer."""
+    base = case.bucket.data_ptr()
+    extents = []
+    for d, _ in case.pairs:
+        last = sum((n - 1) * st for n, st in zip(d.shape, d.stride(), strict=True))
+        start = d.data_ptr() - base
+        extents.append((start, start + (last + 1) * d.element_size()))
+    merged: list[list[int]] = []
+    for start, end in sorted(extents):  # a TP shard's columns beside the other's: one tensor
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    sizes = [-(-(end - start + skew) // 16) * 16 for start, end in merged]
+    weights = torch.zeros(sum(sizes), dtype=torch.uint8, device=case.bucket.device)
+    moves, at = [], 0
+    for (start, end), size in zip(merged, sizes, strict=True):
+        moves.append((start, end - start, weights.data_ptr() + at + skew))
+        at += size
+    return moves, weights
+
+
+def written(case: Case, moves: list[tuple[int, int, int]], weights: torch.Tensor) -> bool:
+    """Every move's bytes in ``weights`` equal the bucket's, and no other byte was written."""
+    expected = torch.zeros_like(weights)
+    for start, n, address in moves:
+        at = address - weights.data_ptr()
+        expected[at : at + n] = case.bucket[start : start + n]
+    return torch.equal(weights, expected)
+
+
 STRIDED_BYTES = (3_000_000, 3_100_000)
 """The sizes of the byte buffers ``a`` and ``b`` that :func:`strided` takes."""
 

@@ -14,7 +14,7 @@ from tests.support import cuda_on_cpu, kernel_cases
 from weightsync import copy_kernel
 from weightsync.checksum import finish, row_sums, whole_row_words
 from weightsync.regions import _BITS
-from weightsync.summed_copies import Row, landed_rows, plan_rows, spans_of, table
+from weightsync.summed_copies import Row, also_column, landed_rows, plan_rows, spans_of, table
 
 
 @pytest.fixture(autouse=True)
@@ -62,6 +62,52 @@ def test_the_kernel_sums_the_whole_bucket_once_and_moves_every_byte(make, destin
     flipped, _ = _run(case, destination)
     assert flipped != got
     assert flipped == finish(row_sums(case.bucket, case.nbytes), case.nbytes)
+
+
+@pytest.mark.parametrize(
+    "make", [kernel_cases.packing, kernel_cases.columns], ids=["whole", "columns"]
+)
+@pytest.mark.parametrize("skew", [0, 8], ids=["16-aligned", "8-aligned"])
+def test_a_pack_writes_a_receivers_weights_in_the_same_launch(make, skew):
+    """``copy_sum_also``: the sender's pack also writes each tensor into a receiver's weights
+    (a contiguous tensor each, TP shards' columns into theirs): the bucket packed and summed as
+    by ``copy_sum``, the weights equal to the bucket's bytes, nothing else written."""
+    case = make("cpu")
+    moves, weights = kernel_cases.weights_of(case, skew)
+    rows = table(_plan(case, destination=True))
+    column = also_column(rows, case.bucket.data_ptr(), moves)
+    assert column is not None
+    assert int((column != 0).sum()) < len(rows)  # the padding's sum-only rows write nothing
+    out = torch.zeros(2, dtype=torch.int64)
+    fused = torch.cat([rows, column[:, None]], dim=1)
+    cuda_on_cpu.launch(
+        "copy_sum_also", len(fused), fused.data_ptr(), whole_row_words(case.nbytes),
+        out.data_ptr(),
+    )  # fmt: skip
+    assert kernel_cases.moved(case)
+    assert finish(out, case.nbytes) == finish(row_sums(case.bucket, case.nbytes), case.nbytes)
+    assert kernel_cases.written(case, moves, weights)
+
+
+def test_a_second_destination_is_refused_unless_every_byte_is_written_once():
+    case = kernel_cases.columns("cpu")
+    moves, _ = kernel_cases.weights_of(case)
+    rows = table(_plan(case, destination=True))
+    base = case.bucket.data_ptr()
+    assert also_column(rows, base, moves) is not None
+    assert also_column(rows, base, []) is None
+    start, n, address = moves[0]
+    # One tensor's bytes to two places (a receiver tying two parameters to one tensor).
+    assert also_column(rows, base, [*moves, (start, n, address + (1 << 30))]) is None
+    # A move from the middle of a tensor's rows: a table row crosses its start.
+    assert also_column(rows, base, [(start + 8, n - 8, address), *moves[1:]]) is None
+    # A move over bytes no row writes (the padding after a tensor).
+    assert also_column(rows, base, [(start, n + 64, address), *moves[1:]]) is None
+    # Fewer tensors than the bucket holds: the others' rows write nothing more.
+    column = also_column(rows, base, moves[1:])
+    assert column is not None and int((column != 0).sum()) < int(
+        (also_column(rows, base, moves) != 0).sum()
+    )
 
 
 def _columns_read(device: str) -> kernel_cases.Case:
