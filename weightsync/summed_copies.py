@@ -200,7 +200,7 @@ def also_column(rows: torch.Tensor, base: int, moves: Sequence[Move]) -> torch.T
     rows inside moves that write as many bytes as the moves hold write each of them once."""
     if not moves or not len(rows):
         return None
-    starts, lengths, addresses = torch.tensor(sorted(moves), dtype=torch.int64).unbind(1)
+    starts, lengths, addresses = torch.tensor(sorted(moves), dtype=torch.int64).T.contiguous()
     ends = starts + lengths
     if bool((starts[1:] < ends[:-1]).any()):
         return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 
 import pytest
 import torch
@@ -129,3 +130,52 @@ def test_a_written_bucket_that_differs_from_the_packed_one_fails_the_receiver_di
     assert "bucket 2" in message and "as the sender wrote it" in message, message
     assert dirty
     assert reports[2] == (3, True)  # the next version heals it
+
+
+def test_a_receiver_killed_while_the_sender_writes_its_weights_leaves_the_sender_working(
+    sock_dir, monkeypatch
+):
+    """The sender writes into memory another process owns. Killed before the sender queues
+    its writes of bucket 3, the receiver fails version 2 alone; the writes into its dead
+    memory do not fault the sender's GPU context (that would fail every later version), and
+    a receiver started next gets version 3 exactly."""
+    from weightsync.errors import ReceiverFailedError
+    from weightsync.sender import Publisher
+    from weightsync.sender.daemon import Sender
+    from weightsync.sender.writes import Writes
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    killed: list[int] = []
+    pack = Writes.pack
+
+    def killing(self, version, bucket, slot, staged):
+        if version.version == 2 and bucket.index == 3 and self.granted and not killed:
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(30)  # its CUDA context is gone before the writes are queued
+            killed.append(bucket.index)
+        return pack(self, version, bucket, slot, staged)
+
+    monkeypatch.setattr(Writes, "pack", killing)
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=BUCKET) as sender:
+        victim = ctx.Process(target=_receiver, args=(sender.address, 3, True, out))
+        victim.start()
+        victim_id = out.get(timeout=120)
+        with Publisher(sender.address) as publisher:
+            publisher.publish(make_tensors(1, "cuda:0"), 1, wait=True, timeout_s=120)
+            assert out.get(timeout=120) == (1, True)
+            with pytest.raises(ReceiverFailedError, match=victim_id):
+                publisher.publish(make_tensors(2, "cuda:0"), 2, wait=True, timeout_s=120)
+            assert killed == [3]
+            survivor = ctx.Process(target=_receiver, args=(sender.address, 2, True, out))
+            survivor.start()
+            out.get(timeout=120)  # registered
+            publisher.publish(make_tensors(3, "cuda:0"), 3, wait=True, timeout_s=120)
+            got = out.get(timeout=120)
+            if got[0] == 2:  # a catch-up to the version it missed came first
+                assert got == (2, True)
+                got = out.get(timeout=120)
+            assert got == (3, True)
+            survivor.kill()
+            survivor.join(30)
+    torch.cuda.synchronize()  # no fault is pending on this process's GPU
