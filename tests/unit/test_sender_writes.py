@@ -1,6 +1,8 @@
 """The sender's side of writing a receiver's weights (protocol §4.3), without a GPU: which
-offers it takes, and how a written bucket that differs from the packed one is reported. The
-writes themselves run on a GPU: tests/gpu/test_sender_writes.py."""
+offers it takes, how a written bucket that differs from the packed one is reported, and the
+pack's table that writes the weights too, run by the kernel's source on the CPU
+(``tests/support/cuda_on_cpu.py``). The writes end to end run on a GPU:
+tests/gpu/test_sender_writes.py."""
 
 from __future__ import annotations
 
@@ -10,11 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.support import cuda_on_cpu
 from weightsync.buckets import TensorSpec, plan_buckets
-from weightsync.checksum import finish_all, row_sums
+from weightsync.checksum import finish, finish_all, row_sums
 from weightsync.errors import ConfigError
 from weightsync.limits import check_receiver_message
-from weightsync.sender.writes import Writes, map_offer
+from weightsync.regions import Region, region_copies
+from weightsync.sender.writes import Offered, Writes, _batch, map_offer
+from weightsync.summed_copies import SummedCopies, plan_rows, spans_of, table
 from weightsync.v1 import weightsync_pb2 as pb
 
 
@@ -66,3 +71,61 @@ def test_an_offer_whose_piece_disagrees_in_rank_is_refused_naming_the_piece(capl
     with caplog.at_level(logging.WARNING, "weightsync.sender"):
         assert map_offer(offer, "engine-0") is None
     assert "WriteOffer.pieces[0] (of 'w'): size [2, 2], stride [2]" in caplog.text
+
+
+def _fused_case(kept: dict[str, tuple[tuple[int, ...], torch.Tensor]]):
+    """A bucket of two tensors packed by the sender from the trainer's, and a receiver
+    offering ``kept`` (by name: where its box starts, and its weights there)."""
+    trainer = {
+        "a": torch.randn(64, 32, generator=torch.Generator().manual_seed(1)),
+        "b": torch.arange(48, dtype=torch.bfloat16),
+    }
+    (bucket,) = plan_buckets(
+        tuple(TensorSpec.of(n, t) for n, t in trainer.items()), 1 << 20
+    ).buckets
+    buffer = torch.zeros(bucket.nbytes, dtype=torch.uint8)
+    pairs = [
+        pair
+        for entry in bucket.entries
+        for pair in region_copies(
+            buffer, entry, [Region((0,) * trainer[entry.name].dim(), trainer[entry.name])]
+        )
+    ]
+    rows = plan_rows(
+        spans_of(pairs), base=buffer.data_ptr(), nbytes=bucket.nbytes, destination=True
+    )
+    pack = SummedCopies(pairs, table(rows), buffer, bucket.nbytes)
+    offered = Offered(
+        {n: [Region(at, t)] for n, (at, t) in kept.items()}, torch.device("cpu"), None
+    )
+    slot = SimpleNamespace(buffer=SimpleNamespace(tensor=buffer), copies=SimpleNamespace(writes={}))
+    return trainer, bucket, buffer, pack, offered, slot
+
+
+def test_the_pack_writes_a_receivers_whole_tensors_in_its_own_launch():
+    """``copy_sum_also`` run on the CPU over the table the sender builds: the bucket packed and
+    the receiver's weights written from the trainer's bytes, summed once; worked out once per
+    offer and pack."""
+    live = {"a": torch.zeros(64, 32), "b": torch.zeros(48, dtype=torch.bfloat16)}
+    trainer, bucket, buffer, pack, offered, slot = _fused_case(
+        {n: ((0,) * t.dim(), t) for n, t in live.items()}
+    )
+    fused = _batch(slot, "r", offered, bucket, pack)
+    assert isinstance(fused, SummedCopies) and fused.rows.shape[1] == 9
+    assert _batch(slot, "r", offered, bucket, pack) is fused
+    out = torch.zeros(2, dtype=torch.int64)
+    cuda_on_cpu.launch(
+        "copy_sum_also", fused.blocks, fused.rows.data_ptr(), fused.whole, out.data_ptr()
+    )
+    assert all(torch.equal(live[n], trainer[n]) for n in trainer)
+    assert finish(out, bucket.nbytes) == finish(row_sums(buffer, bucket.nbytes), bucket.nbytes)
+
+
+def test_a_receiver_keeping_a_shard_of_columns_is_written_from_the_slot_instead():
+    # Its half of a's columns is strided in the bucket: not one run the pack can also write.
+    shard = torch.zeros(64, 16)
+    *_, bucket, _, pack, offered, slot = _fused_case(
+        {"a": ((0, 16), shard), "b": ((0,), torch.zeros(48, dtype=torch.bfloat16))}
+    )
+    assert _batch(slot, "r", offered, bucket, pack) is None
+    assert _batch(slot, "r", offered, bucket) is not None  # the copies from the slot
