@@ -104,6 +104,17 @@ def test_one_flat_copy_target_is_2x_for_moe_models_and_1_3x_for_dense(model, met
     assert flat["limit"] == limit and flat["value"] == 1.5 and flat["met"] == (limit == 2.0)
 
 
+def test_one_gpu_targets_of_issue_32_hold_direct_to_one_flat_copy_and_staged_to_two():
+    report = _report(model="qwen3-30b-a3b")
+    report.rows.append(Row(FLOOR, FLAT, "-", "one buffer", SAME, GBYTES, (0.008,)))
+    report.rows.append(Row(WEIGHTSYNC, "staged", "cuda_ipc", "TP=1", SAME, GBYTES, (0.020,)))
+    targets = {t["target"]: t for t in report.targets()}
+    direct = targets["direct cuda_ipc TP=1 (same GPU): x one flat copy (issue 32)"]
+    assert direct["limit"] == 1.25 and direct["value"] == 1.5 and not direct["met"]
+    staged = targets["staged cuda_ipc TP=1 (same GPU): x two flat copies (issue 32)"]
+    assert staged["limit"] == 1.3 and staged["value"] == 1.25 and staged["met"]
+
+
 def test_json_and_plot(tmp_path):
     report = _report()
     path = report.write_json(tmp_path)
