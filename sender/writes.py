@@ -100,8 +100,9 @@ class Writes:
         ``staged`` one (not a slice group's), write it into every receiver on the slot's GPU
         that lets the sender write it and still takes part: the first in the pack's own launch
         where the copies allow (each byte read once from the trainer, written to the slot and
-        to the weights, summed once), the others from the slot behind it. Returns the pack's
-        checksum reduction (or None) and the receivers written."""
+        to the weights, summed once), the others from the slot behind it. A write from the
+        slot that fails fails its receiver (``TransportError``), not the version. Returns the
+        pack's checksum reduction (or None) and the receivers written."""
         with version.shared.cond:
             granted = [
                 (rid, offered)
@@ -129,10 +130,19 @@ class Writes:
             try:
                 written = batch.run()
             except RuntimeError as e:
-                raise TransportError(
-                    f"version {version.version}: writing bucket {bucket.index} into receiver "
-                    f"{rid}'s weights failed: {e}"
-                ) from e
+                # That receiver's weights are half written; the others go on (a fault that
+                # breaks the GPU fails the next pack, and with it the version).
+                with version.shared.cond:
+                    if version.outcomes[rid].state == OutcomeState.PENDING:
+                        version.outcomes[rid].wrote = True
+                        version.fail(
+                            rid,
+                            TransportError(
+                                f"version {version.version}: writing bucket {bucket.index} "
+                                f"into receiver {rid}'s weights failed: {e}"
+                            ),
+                        )
+                continue
             if written is not None:
                 self.sums[(rid, bucket.index)] = (written, bucket)
             wrote.append(rid)

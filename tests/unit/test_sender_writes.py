@@ -7,6 +7,7 @@ tests/gpu/test_sender_writes.py."""
 from __future__ import annotations
 
 import logging
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -129,3 +130,42 @@ def test_a_receiver_keeping_a_shard_of_columns_is_written_from_the_slot_instead(
     )
     assert _batch(slot, "r", offered, bucket, pack) is None
     assert _batch(slot, "r", offered, bucket) is not None  # the copies from the slot
+
+
+def test_a_write_that_fails_fails_only_its_receiver_naming_bucket_and_receiver(monkeypatch):
+    """A write kernel that raises for one receiver (from the slot) fails that receiver, its
+    weights counted as written; the other receiver is written, and the version goes on."""
+    from weightsync.sender import writes as writes_module
+    from weightsync.sender.states import OutcomeState
+
+    class Copies:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        def run(self):
+            if self.fails:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return None
+
+    failed = {}
+    outcomes = {rid: SimpleNamespace(state=OutcomeState.PENDING, wrote=False) for rid in "ab"}
+
+    def fail(rid, error):
+        outcomes[rid].state = OutcomeState.FAILED
+        failed[rid] = error
+
+    version = SimpleNamespace(
+        version=7, shared=SimpleNamespace(cond=threading.Condition()), outcomes=outcomes, fail=fail
+    )
+    cpu = torch.device("cpu")
+    writes = Writes(granted={rid: Offered({}, cpu, None) for rid in "ab"})
+    monkeypatch.setattr(writes_module, "pack_bucket", lambda *args: None)
+    monkeypatch.setattr(
+        writes_module, "_batch", lambda slot, rid, offered, bucket, pack=None: Copies(rid == "a")
+    )
+    bucket = SimpleNamespace(index=3)
+    sums, wrote = writes.pack(version, bucket, SimpleNamespace(device="cpu"), True)
+    assert sums is None and wrote == {"b"}
+    assert list(failed) == ["a"] and outcomes["a"].wrote
+    assert "version 7: writing bucket 3 into receiver a's weights failed" in str(failed["a"])
+    assert "illegal memory access" in str(failed["a"])
