@@ -4,11 +4,9 @@ the target keeps of each manifest (declared to the sender in the verdict)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TypeVar
-
 from weightsync.exports import Exports
 from weightsync.manifest import VersionManifest
+from weightsync.memo import Memo
 from weightsync.receiver.connection import Keeps
 from weightsync.receiver.links import Link
 from weightsync.receiver.target import WeightTarget
@@ -27,8 +25,8 @@ class Accepted:
         self._validated: tuple[bytes, int] | None = None
         """(manifest key, target generation) the target last accepted: the same tensor list
         for the same model need not be checked again."""
-        self._keeps: dict[tuple[bytes, int], Keeps] = {}
-        self._writes: dict[tuple[bytes, int], pb.WriteOffer | None] = {}
+        self._keeps: Memo[tuple[bytes, int], Keeps] = Memo(_KEPT_MANIFESTS)
+        self._writes: Memo[tuple[bytes, int], pb.WriteOffer | None] = Memo(_KEPT_MANIFESTS)
         self._exports = Exports()
         """The weights' storages offered to the sender (kept exported while offered)."""
 
@@ -63,7 +61,7 @@ class Accepted:
             boxes = boxes_to_pb({n: b for n, b in kept.items() if n in names})
             return Keeps(boxes, _stream_key(key, target))
 
-        return _once(self._keeps, (key, target.generation), keeps)
+        return self._keeps.get((key, target.generation), keeps)
 
     def writes(
         self, target: WeightTarget, manifest: VersionManifest, key: bytes
@@ -81,19 +79,7 @@ class Accepted:
                 key=b"w" + _stream_key(key, target), sources=begin.sources, pieces=begin.pieces
             )
 
-        return _once(self._writes, (key, target.generation), offer)
-
-
-V = TypeVar("V")
-
-
-def _once(cache: dict[tuple[bytes, int], V], cached: tuple[bytes, int], make: Callable[[], V]) -> V:
-    """``cache[cached]``, made on first use; the cache is emptied at :data:`_KEPT_MANIFESTS`."""
-    if cached not in cache:
-        if len(cache) >= _KEPT_MANIFESTS:
-            cache.clear()
-        cache[cached] = make()
-    return cache[cached]
+        return self._writes.get((key, target.generation), offer)
 
 
 def _stream_key(key: bytes, target: WeightTarget) -> bytes:

@@ -1,8 +1,9 @@
 """A bounded memo: the last few results by key, the least recently used dropped first.
 
 The sender's planning memos (tensor plans, direct reads, slice plans, mapped offers) each keep
-the last few layouts a trainer alternates between. Not locked: every user calls it under its
-owner's lock (the coordinator's).
+the last few layouts a trainer alternates between, a receiver's (``receiver/accepted.py``) the
+boxes and write offers of its last manifests. Not locked: every user calls it under its
+owner's lock (the coordinator's) or on its one thread (the receiver's).
 """
 
 from __future__ import annotations

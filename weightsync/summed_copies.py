@@ -250,8 +250,10 @@ class SummedCopies:
         """A pack's copies writing ``moves`` too, in the same launch: each byte read once,
         written twice, summed once (None: :func:`also_column` says no). The caller keeps the
         memory the moves write into while it runs these."""
+        if self.rows.shape[1] > 8:
+            return None  # these copies write a second destination already
         column = also_column(self.rows, self.buffer.data_ptr(), moves)
-        if column is None or self.rows.shape[1] > 8:
+        if column is None:
             return None
         rows = torch.cat([self.rows, column[:, None]], dim=1)
         return SummedCopies(self.pairs, rows, self.buffer, self.nbytes)
