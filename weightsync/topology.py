@@ -11,9 +11,10 @@ so the senders, ``weightsync plan`` and the tests all run the same code.
   held whole by a fixed set of sources. Each cell is read from its nearest copy: same GPU
   (``local``) > same host (``peer``) > another host (``remote``). Among equally near copies,
   bytes are balanced over the source GPUs' links: largest cells first, each to the candidate
-  whose links would finish earliest (ties by GPU uuid, then rank). A cell of at least
-  ``split_min_bytes`` with several equally near copies is cut into dim-0 row ranges first, so one
-  large tensor can come from several GPUs at once.
+  whose links would finish earliest (ties by GPU uuid, then rank); peer reads per receiver and
+  set of copies, so GPUs pair up (copy engines are fastest between pairs). A remote cell of at
+  least ``split_min_bytes`` with several equally near copies is cut into dim-0 row ranges first,
+  so one large tensor can come from several hosts' NICs at once.
 - **Hosts and broadcast.** Cross-host bytes go over the GPUs' NICs. Point-to-point, every
   receiver's read loads its source's NIC; with ``broadcast``, the receivers (on other hosts than
   every copy) that need the same cell form one chain: the chosen source sends it once to the
@@ -305,8 +306,9 @@ def plan_topology(
                     nk = (r.gpu, r.host, holders)
                     near = near_of.get(nk) or near_of.setdefault(nk, nearest(*nk))
                     demand[(near.route, (r.gpu, r.host), near.where)] += nbytes
-                    parts = len(near.candidates) if nbytes >= split_min_bytes else 1
-                    for box in split_rows(cell, parts):
+                    # Peer reads are not split: a receiver reads a set of copies from one.
+                    split = nbytes >= split_min_bytes and near.route != "peer"
+                    for box in split_rows(cell, len(near.candidates) if split else 1):
                         n = box.numel * spec.itemsize
                         items.append(
                             Item(n, (r,), spec.order, need.tensor, box, spec.itemsize, near)

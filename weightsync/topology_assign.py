@@ -1,7 +1,12 @@
 """Assignment, for the topology planner: which copy sends each cell, and a broadcast's relays.
 
 Greedy balance over the links of :mod:`weightsync.topology_model`: largest items first, each to
-the equally near candidate whose links would finish earliest (ties by GPU uuid, then rank). A
+the equally near candidate whose links would finish earliest (ties by GPU uuid, then rank).
+Peer reads are balanced per receiver and set of copies instead (:func:`_peer_sources`): a
+receiver takes everything it reads from one set of equally near copies on another GPU of its
+host from one of them, so GPUs pair up. Copy engines move a GPU's peer bytes fastest between
+pairs and slow down when one GPU reads from (or serves) several peers at once: on 4 x H200,
+386 GB/s into each GPU for pairs, 229 GB/s when each read from three (docs/benchmarks.md). A
 broadcast item (one cell for several receivers on other hosts) becomes a relay chain, host by
 host, entering each host at its receiver whose inbound link is least loaded.
 
@@ -95,10 +100,11 @@ def assign(
 
     chosen: list[Chosen] = []
     items.sort(key=lambda it: (-it.nbytes, it.receivers[0].id, it.order, it.box))
+    paired = _peer_sources(items)
     for it in items:
         route, cands, n = it.near.route, it.near.candidates, it.nbytes
-        best = cands[0]
-        if len(cands) > 1:
+        best = paired.get((it.receivers[0].id, cands), cands[0])
+        if len(cands) > 1 and route != "peer":
             finish = []
             for h in cands:
                 if (route, h) not in src_links:
@@ -127,6 +133,30 @@ def assign(
             load[i] += n
         chosen.append((it, best, hops))
     return chosen, {link: load[i] for link, i in index.items()}
+
+
+def _peer_sources(items: Sequence[Item]) -> dict[tuple[str, tuple[Holder, ...]], Holder]:
+    """The one source each receiver reads each set of equally near peer copies from: the
+    receivers' sets, largest first, each to the copy whose GPU would then send the fewest peer
+    bytes (one NVLink rate for all: the earliest to finish), counting the reads that have one
+    copy to choose from first; ties by GPU uuid, then rank."""
+    out_load: dict[str, int] = {}
+    groups: dict[tuple[str, tuple[Holder, ...]], int] = {}
+    for it in items:
+        if it.near.route != "peer":
+            continue
+        cands = it.near.candidates
+        if len(cands) == 1:
+            out_load[cands[0].gpu] = out_load.get(cands[0].gpu, 0) + it.nbytes
+        else:
+            key = (it.receivers[0].id, cands)
+            groups[key] = groups.get(key, 0) + it.nbytes
+    chosen: dict[tuple[str, tuple[Holder, ...]], Holder] = {}
+    for key, n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1])):
+        best = min(key[1], key=lambda h: (out_load.get(h.gpu, 0), h.gpu, h))
+        out_load[best.gpu] = out_load.get(best.gpu, 0) + n
+        chosen[key] = best
+    return chosen
 
 
 def _fixed_chain(receivers: tuple[Receiver, ...]) -> tuple[Receiver, ...]:

@@ -186,23 +186,39 @@ def test_trainer_column_shards_into_engine_row_shards_read_a_quarter_local_a_qua
     }
 
 
-def test_equally_near_replicas_share_the_bytes():
+def test_equally_near_replicas_share_the_receivers_each_reading_from_one():
     sources = [full_copy(0, "g0"), full_copy(1, "g1")]
     plan = plan_and_check(MODEL, sources, [Receiver("r", "g2", "h0")])
-    assert plan.source_bytes == {0: TOTAL // 2, 1: TOTAL // 2}
-    assert plan.link_bytes[Link("nvlink_out", "g0")] == TOTAL // 2
+    assert plan.source_bytes == {0: TOTAL, 1: 0}
     # Four receivers elsewhere: each replica serves two, twice as fast as one source alone.
     receivers = [Receiver(f"e{i}", f"g{i}", "h0") for i in range(2, 6)]
     plan = plan_and_check(MODEL, sources, receivers)
     assert plan.source_bytes == {0: 2 * TOTAL, 1: 2 * TOTAL}
+    assert {len({t.source for t in plan.transfers if t.receiver == r.id}) for r in receivers} == {1}
     assert plan.predicted_s == pytest.approx(2 * TOTAL / RATES.nvlink_out)
     assert plan.floor_s == pytest.approx(plan.predicted_s)
 
 
-def test_one_large_tensor_is_split_in_rows_over_equally_near_replicas():
+def test_trainer_tp2_dp2_into_four_engines_pairs_the_gpus():
+    # Ranks 0, 1 are one TP=2 replica on g0, g1; ranks 2, 3 the other on g2, g3. Each engine
+    # keeps its own GPU's half and reads the other half from one peer, and each GPU serves one
+    # peer: pairs, the copy engines' fastest pattern, not each GPU reading from two peers.
+    sources = [shard(r, f"g{r}", 0, r % 2, 2) for r in range(4)]
+    receivers = [Receiver(f"e{i}", f"g{i}", "h0") for i in range(4)]
+    plan = plan_and_check(MODEL, sources, receivers)
+    peers = {
+        r.id: {t.source for t in plan.transfers if t.receiver == r.id and t.route == "peer"}
+        for r in receivers
+    }
+    assert peers == {"e0": {1}, "e1": {0}, "e2": {3}, "e3": {2}}
+    assert plan.route_bytes == {"local": 2 * TOTAL, "peer": 2 * TOTAL, "remote": 0}
+    assert plan.predicted_s == pytest.approx(TOTAL / 2 / RATES.nvlink_in)
+
+
+def test_one_large_tensor_is_split_in_rows_over_equally_near_remote_replicas():
     big = [TensorSpec("embed", "bfloat16", (1001, 64))]
-    sources = [full_copy(0, "g0", model=big), full_copy(1, "g1", model=big)]
-    receivers = [Receiver("r", "g2", "h0")]
+    sources = [full_copy(0, "a0", "A", model=big), full_copy(1, "a1", "A", model=big)]
+    receivers = [Receiver("r", "b0", "B")]
     whole = plan_and_check(big, sources, receivers)  # below the default split size
     assert [(t.box, t.source) for t in whole.transfers] == [(whole_box((1001, 64)), 0)]
     split = plan_and_check(big, sources, receivers, split_min_bytes=1)
@@ -210,7 +226,11 @@ def test_one_large_tensor_is_split_in_rows_over_equally_near_replicas():
         (Box((0, 0), (500, 64)), 1),
         (Box((500, 0), (501, 64)), 0),  # the larger part goes first, to the first GPU
     ]
-    assert split.link_bytes[Link("nvlink_out", "g0")] < whole.link_bytes[Link("nvlink_out", "g0")]
+    assert split.link_bytes[Link("nic_out", "a0")] < whole.link_bytes[Link("nic_out", "a0")]
+    # Within a host a receiver reads one set of copies from one of them: no split.
+    peer = [full_copy(0, "g0", model=big), full_copy(1, "g1", model=big)]
+    one = plan_and_check(big, peer, [Receiver("r", "g2", "h0")], split_min_bytes=1)
+    assert [(t.box, t.source) for t in one.transfers] == [(whole_box((1001, 64)), 0)]
 
 
 def test_a_receiver_on_another_host_reads_remotely_and_is_bound_by_the_nic():
