@@ -14,6 +14,12 @@ is strided, or that is small, crosses the link contiguous, into a landing window
 destination GPU, and a copy kernel there puts it in place: two windows per link, the next
 crossing while the last is put in place. Measured in docs/benchmarks.md. Needs CuPy for the
 runtime calls and the kernel; without it callers keep torch's copies.
+
+A destination reading from several peers reads them one after another, in rounds
+(:func:`rounds`): GPU ``d`` takes from GPU ``s`` in round ``d ^ s``. When every GPU of a node
+reads from every other (a trainer TP=4 into engines TP=1), each round pairs the GPUs up, and copy
+engines move bytes between pairs at 386 GB/s into each GPU against 229 GB/s when each reads from
+three at once (4 x H200).
 """
 
 from __future__ import annotations
@@ -156,6 +162,14 @@ def _landed(buffer: torch.Tensor, start: int, src: torch.Tensor) -> torch.Tensor
     return buffer[start : start + src.nbytes].view(src.dtype).view(src.shape)
 
 
+def rounds(sources: Sequence[torch.device], targets: Sequence[torch.device]) -> list[torch.device]:
+    """``sources`` in the order a reader on ``targets`` takes them: by ``s ^ d`` (``d`` the
+    lowest target index), so on 2^k GPUs that all read from each other every round is a
+    perfect matching, and nobody waits on a GPU that serves someone else."""
+    first = min(t.index for t in targets)
+    return sorted(sources, key=lambda s: (s.index ^ first, s.index))
+
+
 class PeerCopies:
     """Copies that :func:`fits` allows, queued per source GPU (build once, :meth:`start` and
     :meth:`finish` every version: they hold addresses, which the views keep alive)."""
@@ -178,16 +192,22 @@ class PeerCopies:
         # A stream of its own per source GPU: the current one there may be the legacy default
         # stream, whose handle (0) names the default stream of whichever GPU is current.
         self._streams = {device: torch.cuda.Stream(device) for device in self._targets}
+        everywhere = {t for targets in self._targets.values() for t in targets}
+        self._rounds = rounds(list(self._targets), list(everywhere))
+        self._done = {device: torch.cuda.Event() for device in self._rounds}
 
     def start(self) -> None:
         """Queue every copy, after what the sources' and the destinations' streams hold so
         far (a staged read waits for its bucket's packed event on the source GPU's stream)."""
         cupy = copy_kernel.cupy()
-        for device, targets in self._targets.items():
+        last = None
+        for device in self._rounds:
             stream = self._streams[device]
             stream.wait_stream(torch.cuda.current_stream(device))
-            for target in targets:
+            for target in self._targets[device]:
                 stream.wait_stream(torch.cuda.current_stream(target))
+            if last is not None:  # the next round crosses once the last one has
+                stream.wait_event(last)
             with cupy.cuda.Device(device.index):
                 for landing in self._landings:  # first: the puts overlap what crosses next
                     if landing.source == device:
@@ -196,6 +216,8 @@ class PeerCopies:
                     cupy.cuda.runtime.memcpyAsync(
                         dst, src, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream
                     )
+            last = self._done[device]
+            last.record(stream)
 
     def finish(self) -> None:
         """Order the destinations' streams after the copies."""
