@@ -103,8 +103,10 @@ def assign(
     paired = _peer_sources(items)
     for it in items:
         route, cands, n = it.near.route, it.near.candidates, it.nbytes
-        best = paired.get((it.receivers[0].id, cands), cands[0])
-        if len(cands) > 1 and route != "peer":
+        best = cands[0]
+        if len(cands) > 1 and route == "peer":
+            best = paired[(it.receivers[0].id, cands)]
+        elif len(cands) > 1:
             finish = []
             for h in cands:
                 if (route, h) not in src_links:
