@@ -62,7 +62,13 @@ def version_status(version: Version) -> pb.VersionStatus:
         complete_s=version.complete_s,
         receivers=[
             pb.ReceiverOutcome(
-                receiver_id=rid, state=o.state, error=o.error, applied_at_unix_s=o.applied_at
+                receiver_id=rid,
+                state=o.state,
+                error=o.error,
+                applied_at_unix_s=o.applied_at,
+                direct_route_bytes=read.route_bytes
+                if (read := version.direct_reads.get(rid))
+                else {},
             )
             for rid, o in sorted(version.outcomes.items())
         ],

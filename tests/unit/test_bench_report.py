@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -159,3 +160,29 @@ def test_node_rows_are_held_against_the_interconnect_floor_of_their_own_layout()
     assert report.ratios(rows[5])["x_floor"] == pytest.approx(1.5)
     met = {t["target"]: t["met"] for t in report.targets() if "interconnect" in t["target"]}
     assert list(met.values()) == [True, False]
+
+
+def test_the_interconnect_floor_is_the_busiest_gpus_peer_bytes_over_the_peer_bandwidth():
+    from weightsync.app.bench.node import NodeRun
+
+    # Trainer TP=4 into engines TP=2 x 2: GPUs 1 and 2 read 7.6 GB from peers, GPUs 0 and 3
+    # 3.8 GB; 22.8 GB in all. The average GPU's 5.7 GB would make the floor 14.5 ms.
+    run = NodeRun(
+        gpus=4,
+        engine_tp=2,
+        nbytes=GBYTES,
+        kept_nbytes=GBYTES // 2,
+        applied_s=(0.0227,),
+        floor_s=(0.0036,),
+        route_bytes={"local": 7_600_000_000, "peer": 22_800_000_000},
+        bit_exact=True,
+        trainer_tp=4,
+        peer_bytes_per_s=400e9,
+        busiest_peer_bytes=7_600_000_000,
+    )
+    assert run.link_floor_s == pytest.approx((0.019,))
+    link = [r for r in run.rows() if r.kind == FLOOR][1]
+    assert "7.60 GB into the busiest GPU" in link.note
+    # Without the receivers' own bytes (older senders), the peer bytes spread evenly.
+    even = dataclasses.replace(run, busiest_peer_bytes=None)
+    assert even.link_floor_s == pytest.approx((0.01425,))

@@ -63,6 +63,9 @@ class NodeRun:
     expert_parallel: int = 1
     """A megatron MoE trainer's EP size: its experts are split over the ranks, so its routes
     (and its interconnect floor) are not those of the synthetic trainer of the same TP."""
+    busiest_peer_bytes: int | None = None
+    """The most bytes one receiver reads from other GPUs (``ReceiverOutcome.direct_route_bytes``,
+    the last version); None: ``route_bytes``' peer bytes spread evenly over the GPUs."""
 
     @property
     def layout(self) -> str:
@@ -76,11 +79,18 @@ class NodeRun:
 
     @property
     def link_floor_s(self) -> tuple[float, ...]:
-        """Per repetition: the larger of the local floor and the peer bytes into one GPU over
-        the best peer bandwidth."""
-        peer = self.route_bytes.get("peer", 0) / self.gpus
+        """Per repetition: the larger of the local floor and the peer bytes into the busiest
+        GPU over the best peer bandwidth."""
+        peer = self.busiest_peer_bytes
+        if peer is None:
+            peer = self.route_bytes.get("peer", 0) / self.gpus
         link = peer / self.peer_bytes_per_s if self.peer_bytes_per_s else 0.0
         return tuple(max(s, link) for s in self.floor_s)
+
+    @property
+    def _busiest(self) -> str:
+        n = self.busiest_peer_bytes
+        return f", {n / 1e9:.2f} GB into the busiest GPU" if n else ""
 
     def rows(self) -> list[Row]:
         placement = node_placement(self.gpus, self.engine_tp, self.transport == "shm")
@@ -97,7 +107,7 @@ class NodeRun:
                 placement,
                 self.kept_nbytes,
                 self.link_floor_s,
-                note=f"peer {bw / 1e9:.0f} GB/s" if bw else "no peer route measured",
+                note=f"peer {bw / 1e9:.0f} GB/s{self._busiest}" if bw else "no peer route measured",
             ),
         ]
         return (floors if self.floor_s else []) + [
@@ -366,6 +376,7 @@ def measure_node(
         "cuda_ipc" if devices else "shm",
         trainer.note,
         trainer.ep,
+        max((o.direct_route_bytes.get("peer", 0) for o in measured[-1].receivers), default=0),
     )
 
 

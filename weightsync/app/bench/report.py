@@ -20,7 +20,7 @@ NODE_FLOOR = "every GPU its share"
 """The node case's floor: every GPU copying its share from its own memory at once."""
 NODE_LINK_FLOOR = "interconnect floor"
 """The node case's floor with the links (issue 32): the larger of every GPU its share and the
-peer bytes into one GPU over the best peer bandwidth measured in the same run."""
+peer bytes into the busiest GPU over the best peer bandwidth measured in the same run."""
 MEGATRON = "megatron"
 """The node case's row with a real megatron-core trainer (issue 32), beside the synthetic
 trainer's ``direct`` row of the same layout and held to the same floors."""
@@ -176,8 +176,8 @@ class Report:
             title=f"weightsync bench: {m['model']} ({m['model_note']}), {m['tensors']} tensors, "
             f"{m['gb']:.2f} GB, median of {m['versions']} versions after {m['warmup']} warm-up",
             caption="x floor = seconds / floor (D2D copy same device, broadcast across GPUs, "
-            "for the node the larger of every GPU copying its share at once and its peer bytes "
-            "over the best peer bandwidth); "
+            "for the node the larger of every GPU copying its share at once and the busiest "
+            "GPU's peer bytes over the best peer bandwidth); "
             "x per-tensor, x lockstep = baseline seconds / seconds (speed-up); extra memory = "
             "peak torch.cuda.max_memory_allocated delta, trainer+sender / receiver process",
         )
