@@ -376,7 +376,7 @@ def measure_node(
         "cuda_ipc" if devices else "shm",
         trainer.note,
         trainer.ep,
-        max((o.direct_route_bytes.get("peer", 0) for o in measured[-1].receivers), default=0),
+        max((o.direct_route_bytes.get("peer", 0) for o in measured[-1].receivers), default=None),
     )
 
 
