@@ -190,3 +190,40 @@ def test_peer_copies_wait_for_what_the_source_gpu_stream_writes_first():
     torch.cuda.synchronize(0)
     torch.cuda.synchronize(1)
     assert bool((big_dst == 7).all()) and bool((small_dst == 9).all())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs")
+def test_peer_copies_from_several_gpus_go_in_rounds_and_all_land():
+    """GPU 0 reading from GPUs 1 and 2 takes them one after another (round ``0 ^ s``: GPU 1,
+    then GPU 2), the second round queued behind the first on the GPUs; with GPU 1's bytes
+    written behind a long sleep on its stream, every byte of both still lands, twice."""
+    pytest.importorskip("cupy")
+    from weightsync import peer_copies
+
+    sources = {
+        d: torch.zeros(peer_copies.DIRECT_MIN_BYTES, dtype=torch.uint8, device=d) for d in (1, 2)
+    }
+    small = {d: torch.zeros(4096, dtype=torch.uint8, device=d) for d in (1, 2)}
+    dsts = {
+        d: (torch.zeros_like(sources[d], device=0), torch.zeros_like(small[d], device=0))
+        for d in (1, 2)
+    }
+    batch = CopyBatch.of(
+        [pair for d in (2, 1) for pair in zip(dsts[d], (sources[d], small[d]), strict=True)]
+    )
+    assert batch.peer is not None
+    assert batch.peer._rounds == [torch.device("cuda", 1), torch.device("cuda", 2)]
+    for value in (5, 6):
+        torch.cuda.synchronize(1)
+        torch.cuda.synchronize(2)
+        with torch.cuda.device(1):
+            torch.cuda._sleep(200_000_000)
+            sources[1].fill_(value)
+            small[1].fill_(value + 10)
+        with torch.cuda.device(2):
+            sources[2].fill_(value + 20)
+            small[2].fill_(value + 30)
+        batch.run()
+        torch.cuda.synchronize(0)
+        assert bool((dsts[1][0] == value).all()) and bool((dsts[1][1] == value + 10).all())
+        assert bool((dsts[2][0] == value + 20).all()) and bool((dsts[2][1] == value + 30).all())
