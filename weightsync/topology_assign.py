@@ -16,6 +16,7 @@ Pure code; :mod:`weightsync.topology` builds the items and turns the result into
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -142,21 +143,20 @@ def _peer_sources(items: Sequence[Item]) -> dict[tuple[str, tuple[Holder, ...]],
     receivers' sets, largest first, each to the copy whose GPU would then send the fewest peer
     bytes (one NVLink rate for all: the earliest to finish), counting the reads that have one
     copy to choose from first; ties by GPU uuid, then rank."""
-    out_load: dict[str, int] = {}
-    groups: dict[tuple[str, tuple[Holder, ...]], int] = {}
+    out_load: Counter[str] = Counter()
+    groups: Counter[tuple[str, tuple[Holder, ...]]] = Counter()
     for it in items:
         if it.near.route != "peer":
             continue
         cands = it.near.candidates
         if len(cands) == 1:
-            out_load[cands[0].gpu] = out_load.get(cands[0].gpu, 0) + it.nbytes
+            out_load[cands[0].gpu] += it.nbytes
         else:
-            key = (it.receivers[0].id, cands)
-            groups[key] = groups.get(key, 0) + it.nbytes
+            groups[(it.receivers[0].id, cands)] += it.nbytes
     chosen: dict[tuple[str, tuple[Holder, ...]], Holder] = {}
-    for key, n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1])):
-        best = min(key[1], key=lambda h: (out_load.get(h.gpu, 0), h.gpu, h))
-        out_load[best.gpu] = out_load.get(best.gpu, 0) + n
+    for key, n in sorted(groups.items(), key=lambda kv: (-kv[1], kv[0])):
+        best = min(key[1], key=lambda h: (out_load[h.gpu], h.gpu, h))
+        out_load[best.gpu] += n
         chosen[key] = best
     return chosen
 
