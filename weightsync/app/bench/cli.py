@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 from weightsync.app.bench.config import CASES, BenchConfig
 from weightsync.app.bench.engine import ENGINES, run_vllm
 from weightsync.app.bench.models import MODELS, model_shape
+from weightsync.app.bench.mps import private_mps
 from weightsync.app.bench.report import Report
 from weightsync.app.bench.runner import run
 from weightsync.buckets import ALIGNMENT_BYTES
@@ -137,6 +139,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         help="also one decoder layer's Adam steps at lr 1e-6 (--versions of them) broadcast to "
         "a receiver on another host, in full and as exact deltas: bytes and time (issue 36)",
     )
+    p.add_argument(
+        "--mps",
+        action="store_true",
+        help="run the bench's processes under a CUDA MPS daemon of its own (started before "
+        "CUDA is used, stopped at the end): kernels of processes sharing a GPU then run "
+        "together instead of taking turns (the hosts case: a sender and another sender's "
+        "receiver on one GPU)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
     p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
@@ -195,7 +205,8 @@ def run_bench(args: argparse.Namespace, console) -> int:
         return 0
     if args.engine:
         return _engine_bench(args, console)
-    report = run(config_from_args(args), console)
+    with private_mps() if args.mps else nullcontext():
+        report = run(config_from_args(args), console)
     console.print(report.table())
     for t in report.targets():
         mark = "[green]met[/green]" if t["met"] else "[red]not met[/red]"

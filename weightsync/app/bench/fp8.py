@@ -135,7 +135,7 @@ def _received_specs(specs, quantize: bool, device: torch.device) -> list[TensorS
 
 def _measure(
     specs, quantize: bool, device: torch.device, versions: int, warmup: int, timeout_s: float,
-    settings: dict,
+    settings: dict, receiver_device: torch.device,
 ) -> tuple[tuple[float, ...], int, list[str], tuple[float, ...]]:  # fmt: skip
     from weightsync.sender import Publisher, Sender
 
@@ -150,7 +150,10 @@ def _measure(
             Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s, **settings) as sender,
             children() as procs,
         ):
-            args = (specs, quantize, str(device), sender.address, warmup + versions, timeout_s, out)
+            args = (
+                specs, quantize, str(receiver_device), sender.address, warmup + versions,
+                timeout_s, out,
+            )  # fmt: skip
             procs.append(ctx.Process(target=_child, args=("receiver", _receiver, *args)))
             procs[-1].start()
             _expect(out, "ready", 1, timeout_s)
@@ -189,22 +192,25 @@ def measure_fp8(
     warmup: int,
     timeout_s: float,
     bucket_size_bytes: int | None = None,
+    receiver_device: torch.device | None = None,
 ) -> Fp8Run:
     """Publish ``warmup`` + ``versions`` versions of ``shape`` in bf16, then as many in block
-    FP8, to a receiver on ``device``; the measured ones' times and the bytes of each."""
+    FP8, from ``device`` to a receiver on ``receiver_device`` (default: the same device; on
+    another GPU the bytes cross a link, where fewer of them pay); the measured ones' times and
+    the bytes of each."""
     specs = hf_specs(shape)
     settings = {} if bucket_size_bytes is None else {"bucket_size_bytes": bucket_size_bytes}
+    to = device if receiver_device is None else receiver_device
     bf16_s, bf16_bytes, wrong, _ = _measure(
-        specs, False, device, versions, warmup, timeout_s, settings
+        specs, False, device, versions, warmup, timeout_s, settings, to
     )
     fp8_s, fp8_bytes, wrong8, quantize_s = _measure(
-        specs, True, device, versions, warmup, timeout_s, settings
+        specs, True, device, versions, warmup, timeout_s, settings, to
     )
     for line in wrong + wrong8:
         print(f"fp8 bench: NOT bit-exact: {line}", flush=True)
-    return Fp8Run(
-        str(device), bf16_bytes, fp8_bytes, bf16_s, fp8_s, not (wrong or wrong8), quantize_s
-    )
+    where = str(device) if to == device else f"{device} -> {to}"
+    return Fp8Run(where, bf16_bytes, fp8_bytes, bf16_s, fp8_s, not (wrong or wrong8), quantize_s)
 
 
 def summary(run: Fp8Run) -> str:
@@ -226,6 +232,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")
     p.add_argument("--versions", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument(
+        "--receiver-device",
+        default=None,
+        help="where the receiver runs (default: --device); another GPU puts a link in the way",
+    )
     p.add_argument("--bucket-size-mb", type=int, default=None)
     p.add_argument("--timeout-s", type=float, default=300.0)
     args = p.parse_args(argv)
@@ -237,6 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.warmup,
         args.timeout_s,
         bucket,
+        torch.device(args.receiver_device) if args.receiver_device else None,
     )
     print(summary(run), flush=True)
     print(json.dumps({**asdict(run), "byte_ratio": run.byte_ratio, "time_ratio": run.time_ratio}))

@@ -174,7 +174,8 @@ class Report:
         m = self.meta
         table = Table(
             title=f"weightsync bench: {m['model']} ({m['model_note']}), {m['tensors']} tensors, "
-            f"{m['gb']:.2f} GB, median of {m['versions']} versions after {m['warmup']} warm-up",
+            f"{m['gb']:.2f} GB, median of {m['versions']} versions after {m['warmup']} warm-up"
+            + (f", CUDA MPS {m['mps']}" if m.get("mps", "off") != "off" else ""),
             caption="x floor = seconds / floor (D2D copy same device, broadcast across GPUs, "
             "for the node the larger of every GPU copying its share at once and the busiest "
             "GPU's peer bytes over the best peer bandwidth); "

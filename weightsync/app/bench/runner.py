@@ -21,6 +21,7 @@ from weightsync.app.bench.config import BenchConfig
 from weightsync.app.bench.host import check_memory, machine
 from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import hf_specs, model_shape
+from weightsync.app.bench.mps import mps_state
 from weightsync.app.bench.report import (
     BASELINE,
     D2D,
@@ -115,6 +116,7 @@ def _run(cfg: BenchConfig, console) -> Report:
             "device": str(device),
             "gpus": gpus,
             "machine": machine(device),
+            "mps": mps_state(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "memory_measure": "torch.cuda.max_memory_allocated delta per process (IPC-mapped "
             "memory counts in the process that allocated it)",
