@@ -75,7 +75,9 @@ class KeptByStream:
     when it needs them (copying 4,719 layout entries into every version's announcement cost
     a millisecond on the path before the copies start)."""
 
-    def __init__(self, keeps_keys: bool = False, takes_writes: bool = False) -> None:
+    def __init__(
+        self, keeps_keys: bool = False, takes_writes: bool = False, acks_in_applied: bool = False
+    ) -> None:
         self._layouts: KeptByKey[pb.BucketAnnouncement] = KeptByKey("layout_key")
         self._manifests: KeptByKey[pb.Manifest] = KeptByKey("manifest_key")
         self._keeps_sent = SentKeys()
@@ -84,6 +86,8 @@ class KeptByStream:
         """The sender's welcome said ``takes_writes``: it may write our weights (§4.3)."""
         self._offers_sent = SentKeys()
         self._offers_sent.peer_keeps = takes_writes
+        self.acks_in_applied = acks_in_applied
+        """The sender's welcome said ``acks_in_applied``: the last acks may go with applied."""
 
     def declare(self, verdict: pb.ManifestVerdict, keeps: Keeps) -> None:
         """Put ``keeps`` into ``verdict`` under their key, or the key alone once the sender
@@ -273,7 +277,9 @@ class GrpcConnection:
         while True:
             # The sender's record of what it sent is per stream too.
             welcome = self._welcome
-            kept = self.kept = KeptByStream(welcome.keeps_keys, welcome.takes_writes)
+            kept = self.kept = KeptByStream(
+                welcome.keeps_keys, welcome.takes_writes, welcome.acks_in_applied
+            )
             try:
                 for msg in self._stream.replies:
                     for item in _items(msg):

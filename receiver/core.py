@@ -21,28 +21,27 @@ from collections.abc import Callable, Sequence
 
 from weightsync import gc_pause, trace
 from weightsync.config import ClientSettings
-from weightsync.errors import (
-    ConfigError,
-    ProtocolError,
-    ReceiverFailedError,
-    VersionError,
-    WeightSyncError,
-)
+from weightsync.errors import ConfigError, ProtocolError, ReceiverFailedError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver.accepted import Accepted
-from weightsync.receiver.connection import (
-    Connection,
-    WeightsState,
-    receiver_hello,
-)
+from weightsync.receiver.connection import Connection, WeightsState, receiver_hello
 from weightsync.receiver.exports import Exporter
-from weightsync.receiver.links import Link, as_weightsync_error, in_hand, leave, open_link
+from weightsync.receiver.links import (
+    Link,
+    abandoned,
+    ack_or_fold,
+    as_weightsync_error,
+    decline,
+    in_hand,
+    leave,
+    open_link,
+)
 from weightsync.receiver.parts import refuse_split
 from weightsync.receiver.reader import VersionReads
 from weightsync.receiver.several_senders import SeveralSenders
 from weightsync.receiver.target import WeightTarget
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import describe, error_to_pb
+from weightsync.wire import error_to_pb
 
 # Long enough for a loaded machine to deliver the last "applied" when a receiver is dropped
 # or its process exits unclosed: losing it makes the sender report a version this receiver
@@ -198,7 +197,7 @@ class ReceiverCore(SeveralSenders):
         msg = link.connection.next(deadline, "version", in_version=False)
         while msg.WhichOneof("kind") != "start" or msg.start.manifest.version < (version or 0):
             if msg.WhichOneof("kind") == "start":
-                self._decline(link, msg.start.manifest.version, version)
+                decline(link, self.receiver_id, msg.start.manifest.version, version)
             # Else leftovers of a version already left.
             msg = link.connection.next(deadline, "version", in_version=False)
         trace.mark("receiver.start")
@@ -213,15 +212,6 @@ class ReceiverCore(SeveralSenders):
             link.verdict(version, error)
         self.last_error = error
         return error
-
-    def _decline(self, link: Link, stale: int, wanted: int | None) -> None:
-        """Reject ``stale`` before any write: the sender ends it for us at once instead of
-        waiting out its ack timeout."""
-        error = VersionError(
-            f"receiver {self.receiver_id} skipped version {stale}: its engine asked for "
-            f"version {wanted} (version {stale} was given up on)"
-        )
-        link.verdict(stale, error)
 
     def _begin(self, manifest: VersionManifest, writes: bool = False) -> None:
         # writes: the sender writes from the verdict on (touched); the lock orders exports.
@@ -239,13 +229,15 @@ class ReceiverCore(SeveralSenders):
         load: bool,
         launched: Callable[[], None] | None = None,
         written: bool = False,
-    ) -> None:
+        send_ack: bool = True,
+    ) -> pb.BucketAck:
         """Read one bucket into the model (``load``) or only take part in its transfer (its
         version already failed here: the sender and its broadcast group go on in step).
         ``bucket`` has its layout (:meth:`.Link.bucket`: it may be an announcement of an
         earlier version); ``version``: the one it was announced for now. ``launched`` is called
         once its copies are under way. A bucket the sender wrote into the weights itself
-        (``written``: this version let it, protocol §4.3) is only acked."""
+        (``written``: this version let it, protocol §4.3) is only acked. Returns the ack, sent
+        unless ``send_ack`` is false (the caller sends it, or folds it into its applied)."""
         read_event, index = b"", bucket.layout.index
         if bucket.written and not written:
             what = f"bucket {index} of version {version} came as written"
@@ -270,7 +262,9 @@ class ReceiverCore(SeveralSenders):
             launched()
         trace.mark("receiver.queued", index=index)
         ack = pb.BucketAck(version=version, index=index, ok=True, read_event=read_event)
-        link.connection.send(pb.ReceiverMessage(ack=ack))
+        if send_ack:
+            link.connection.send(pb.ReceiverMessage(ack=ack))
+        return ack
 
     def _end(self, link: Link, reads: VersionReads, end: pb.VersionEnd) -> None:
         """Every read of the sender's buckets done, and their checksums its own; what the
@@ -284,19 +278,19 @@ class ReceiverCore(SeveralSenders):
         reads.check(end)
         link.broadcast.applied(end)
 
-    def _abandoned(self, version: int, abort: pb.VersionAbort) -> ReceiverFailedError:
-        return ReceiverFailedError(
-            f"the sender abandoned version {version} for receiver {self.receiver_id}: "
-            f"{describe(abort.reason)}"
-        )
-
-    def _commit(self, manifest: VersionManifest) -> int:
+    def _commit(
+        self, manifest: VersionManifest, folded: tuple[Link, pb.BucketAck] | None = None
+    ) -> int:
+        """Commit and tell every sender; ``folded``: a sender's last ack, held back to go with
+        its applied (``VersionApplied.acks``)."""
         version = manifest.version
         self.target.commit(manifest)
         trace.mark("receiver.committed", version=version)
         for link in self._links:
             holds = link.broadcast.holds == version
             applied = pb.VersionApplied(version=version, ok=True, holds_base=holds)
+            if folded is not None and folded[0] is link:
+                applied.acks.append(folded[1])
             link.connection.send(pb.ReceiverMessage(applied=applied))
         self._weights.applied_version, self._weights.dirty = version, False
         self.last_error = None
@@ -348,6 +342,7 @@ class ReceiverCore(SeveralSenders):
         pending: Callable[[], None] | None = accept
         reads = VersionReads(version, manifest.tensors)
         index = -1
+        folded: pb.BucketAck | None = None
         waiting_for = f"bucket of version {version}"
         try:
             msg = in_hand(link, waiting_for)
@@ -365,19 +360,23 @@ class ReceiverCore(SeveralSenders):
                 trace.mark(f"receiver.{kind}", index=msg.bucket.layout.index)
                 if kind == "bucket":
                     bucket = link.bucket(msg.bucket)
-                    index = bucket.layout.index
-                    written = writes is not None
-                    self._bucket(link, bucket, msg.bucket.version, reads, True, pending, written)
-                    pending = None
+                    index, written = bucket.layout.index, writes is not None
+                    at = msg.bucket.version  # announced now (``bucket`` may be kept)
+                    ack = self._bucket(link, bucket, at, reads, True, pending, written, False)
+                    pending, msg = None, in_hand(link, waiting_for)
+                    folded = ack_or_fold(link, ack, msg)
+                    continue
                 elif kind == "end":
                     self._end(link, reads, msg.end)
-                    return self._commit(manifest)
+                    return self._commit(manifest, None if folded is None else (link, folded))
                 elif kind == "abort":
-                    raise self._abandoned(version, msg.abort)
+                    raise abandoned(self.receiver_id, version, msg.abort)
                 else:
                     raise ProtocolError(f"unexpected {kind} inside version {version}")
                 msg = None
         except Exception as e:
+            if folded is not None and not link.connection.closed:
+                link.connection.send(pb.ReceiverMessage(ack=folded))  # before the failure
             where = f"version {version}" + (f", bucket {index}" if index >= 0 else "")
             error = as_weightsync_error(e, where)
             self._fail(manifest, error, [] if isinstance(error, ReceiverFailedError) else [link])

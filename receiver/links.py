@@ -6,14 +6,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from weightsync.errors import SyncTimeoutError, WeightSyncError
+from weightsync.errors import ReceiverFailedError, SyncTimeoutError, VersionError, WeightSyncError
 from weightsync.receiver.connection import Connection, GrpcConnection, Keeps, WeightsState
 from weightsync.receiver.exports import Exporter
 from weightsync.receiver.reader import BucketReader
 from weightsync.receiver.target import WeightTarget
 from weightsync.transports.broadcast import BroadcastReceiver
 from weightsync.v1 import weightsync_pb2 as pb
-from weightsync.wire import error_to_pb
+from weightsync.wire import describe, error_to_pb
 
 
 @dataclass(eq=False)
@@ -127,3 +127,34 @@ def in_hand(link: Link, waiting_for: str) -> pb.Announcement | None:
         return link.connection.next(time.monotonic(), waiting_for, in_version=True)
     except SyncTimeoutError:
         return None
+
+
+def ack_or_fold(link: Link, ack: pb.BucketAck, nxt: pb.Announcement | None) -> pb.BucketAck | None:
+    """Send ``ack`` now; or, where its sender takes acks in applied, the bucket's reads are
+    done (no ``read_event``: a slot read on the GPU frees sooner by its event) and the next
+    announcement, here already, is the version's end (the commit comes next, nothing read
+    before it), return it to go with the applied (``VersionApplied.acks``: one message, not
+    two)."""
+    ends = nxt is not None and nxt.WhichOneof("kind") == "end"
+    if ends and link.connection.kept.acks_in_applied and not ack.read_event:
+        return ack
+    link.connection.send(pb.ReceiverMessage(ack=ack))
+    return None
+
+
+def decline(link: Link, receiver_id: str, stale: int, wanted: int | None) -> None:
+    """Reject ``stale`` before any write: the sender ends it for us at once instead of waiting
+    out its ack timeout."""
+    error = VersionError(
+        f"receiver {receiver_id} skipped version {stale}: its engine asked for version "
+        f"{wanted} (version {stale} was given up on)"
+    )
+    link.verdict(stale, error)
+
+
+def abandoned(receiver_id: str, version: int, abort: pb.VersionAbort) -> ReceiverFailedError:
+    """The error of a version the sender gave up on for this receiver."""
+    return ReceiverFailedError(
+        f"the sender abandoned version {version} for receiver {receiver_id}: "
+        f"{describe(abort.reason)}"
+    )

@@ -28,7 +28,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.manifest import VersionManifest
-from weightsync.receiver.links import Link, as_weightsync_error
+from weightsync.receiver.links import Link, abandoned, as_weightsync_error
 from weightsync.receiver.parts import ArrivedPart, check_part, join_parts
 from weightsync.receiver.reader import VersionReads
 from weightsync.v1 import weightsync_pb2 as pb
@@ -143,7 +143,7 @@ class SeveralSenders:
                         self._end(link, reads, msg.end)
                     break
                 elif kind == "abort":
-                    raise self._abandoned(version, msg.abort)
+                    raise abandoned(self.receiver_id, version, msg.abort)
                 else:
                     raise ProtocolError(f"unexpected {kind} inside version {version}")
         except _Stopped:

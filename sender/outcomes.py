@@ -84,6 +84,8 @@ class Outcomes:
             elif kind == "ack":
                 version.on_ack(conn, body)
             elif kind == "applied":
+                for ack in body.acks:  # acks held back for this message (limits: checked)
+                    version.on_ack(conn, ack)
                 version.on_applied(conn, body)
 
     def receiver_left(self, conn: ReceiverConn, why: str) -> None:

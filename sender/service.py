@@ -311,7 +311,11 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             target=self._consume_receiver, args=(conn, requests, ahead), daemon=True
         ).start()
         welcome = pb.ReceiverWelcome(
-            receiver_id=conn.receiver_id, keeps_keys=True, takes_writes=True, lane=out.offer
+            receiver_id=conn.receiver_id,
+            keeps_keys=True,
+            takes_writes=True,
+            acks_in_applied=True,
+            lane=out.offer,
         )
         yield from out.deliver(
             self._announcements(conn, welcome, context), pb.Announcement(lane=pb.LaneSwitch())

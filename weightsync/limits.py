@@ -32,6 +32,9 @@ MAX_PATH_BYTES = 4096
 """A shm path (Linux's PATH_MAX)."""
 MAX_HANDLE_BYTES = 4096
 """Each opaque CUDA IPC handle (memory, ref counter, event): torch's are under 100."""
+MAX_FOLDED_ACKS = 64
+"""Acks one ``VersionApplied`` carries (``acks``): a receiver folds only the buckets it read
+after the version's end had arrived, one or two."""
 MAX_KEY_BYTES = 64
 """A key a peer picks (``begin_key``, ``keeps_key``; protocol §2.1): weightsync's are 16-24."""
 MAX_ERROR_BYTES = 1024
@@ -295,14 +298,39 @@ def check_receiver_message(msg: pb.ReceiverMessage) -> str:
     if kind == "offer":
         check_key(body.key, "WriteOffer.key")
         return kind  # its sources and pieces are checked where it is mapped
-    if kind == "ack" and len(body.read_event) > MAX_HANDLE_BYTES:
-        raise ConfigError(
-            f"BucketAck.read_event is {len(body.read_event)} bytes, over the limit of "
-            f"{MAX_HANDLE_BYTES}"
-        )
+    if kind == "ack":
+        _check_read_event(body, "BucketAck.read_event")
+    if kind == "applied":
+        _check_folded_acks(body)
     if body.HasField("error"):
         body.error.CopyFrom(shortened(body.error))
     return kind
+
+
+def _check_read_event(ack: pb.BucketAck, field: str) -> None:
+    if len(ack.read_event) > MAX_HANDLE_BYTES:
+        raise ConfigError(
+            f"{field} is {len(ack.read_event)} bytes, over the limit of {MAX_HANDLE_BYTES}"
+        )
+
+
+def _check_folded_acks(applied: pb.VersionApplied) -> None:
+    """``VersionApplied.acks``: each of the applied version, and only with a commit (a failed
+    version's acks, and a failed bucket's, go alone, before it)."""
+    if len(applied.acks) > MAX_FOLDED_ACKS:
+        raise ConfigError(
+            f"VersionApplied.acks has {len(applied.acks)} entries, over the limit of "
+            f"{MAX_FOLDED_ACKS}"
+        )
+    for i, ack in enumerate(applied.acks):
+        _check_read_event(ack, f"VersionApplied.acks[{i}].read_event")
+        if not (applied.ok and ack.ok) or ack.version != applied.version:
+            raise ProtocolError(
+                f"VersionApplied.acks[{i}] (bucket {ack.index} of version {ack.version}, ok "
+                f"{ack.ok}) came with applied ok {applied.ok} for version {applied.version}; "
+                "send with a commit only its own version's acks of buckets read whole, and "
+                "any other ack alone, before it"
+            )
 
 
 def shortened(detail: pb.ErrorDetail) -> pb.ErrorDetail:

@@ -1,4 +1,5 @@
 """Issue 35 item 7b: a receiver that acks buckets it never got was reported applied.
+(And the one way to ack late that is in turn: the last acks inside ``applied``.)
 
 The sender took any ack and any ``applied`` of a receiver still in a version. Now it refuses,
 ending that receiver's stream ``FAILED_PRECONDITION`` (``ProtocolError``; the version fails for
@@ -117,3 +118,35 @@ def test_a_reply_out_of_turn_ends_the_receivers_stream_and_fails_it_alone(sender
         str(error)
         == f"version 1 failed on 1 receiver(s): raw: ProtocolError: receiver refused: {why}"
     )
+
+
+def test_the_last_ack_may_come_inside_applied(sender):
+    """A sender's welcome says ``acks_in_applied``; a receiver that holds its last ack until
+    the end and sends it inside its applied (one message) has the version applied."""
+    raw = raw_receiver(sender.address)
+    welcome = next(raw.replies)
+    assert welcome.WhichOneof("kind") == "welcome" and welcome.welcome.acks_in_applied
+    tensors = {"w0": torch.ones(N), "w1": torch.full((N,), 2.0)}
+    held: list[pb.BucketAck] = []
+
+    def answer(reply: pb.Announcement) -> None:
+        kind = reply.WhichOneof("kind")
+        if kind == "start":
+            raw.send(pb.ReceiverMessage(verdict=pb.ManifestVerdict(version=1, accepted=True)))
+        elif kind == "bucket" and reply.bucket.layout.is_last:
+            held.append(pb.BucketAck(version=1, index=reply.bucket.layout.index, ok=True))
+        elif kind == "bucket":
+            raw.send(_ack(reply.bucket.layout.index))
+        elif kind == "end":
+            raw.send(pb.ReceiverMessage(applied=pb.VersionApplied(version=1, ok=True, acks=held)))
+
+    reading = threading.Thread(target=raw.outcome, args=(answer,))
+    reading.start()
+    try:
+        result = Publisher(sender.address).publish(tensors, 1, wait=True, timeout_s=30)
+    finally:
+        raw.close()
+        reading.join()
+    (outcome,) = result.status.receivers
+    assert (outcome.receiver_id, outcome.state) == ("raw", "applied")
+    assert [a.index for a in held] == [1]

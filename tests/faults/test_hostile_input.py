@@ -348,6 +348,24 @@ def test_a_receiver_hello_past_a_bound_is_refused(sender, hello, details):
             INVALID,
             "ConfigError: BucketAck.read_event is 5000 bytes, over the limit of 4096",
         ),
+        (
+            pb.ReceiverMessage(
+                applied=pb.VersionApplied(version=1, ok=True, acks=[pb.BucketAck(version=1)] * 65)
+            ),
+            INVALID,
+            "ConfigError: VersionApplied.acks has 65 entries, over the limit of 64",
+        ),
+        (
+            pb.ReceiverMessage(
+                applied=pb.VersionApplied(
+                    version=1, ok=True, acks=[pb.BucketAck(version=2, index=3, ok=True)]
+                )
+            ),
+            PRECONDITION,
+            "ProtocolError: VersionApplied.acks[0] (bucket 3 of version 2, ok True) came with "
+            "applied ok True for version 1; send with a commit only its own version's acks of "
+            "buckets read whole, and any other ack alone, before it",
+        ),
     ],
 )
 @pytest.mark.parametrize("lanes", [False, True], ids=["grpc", "lane"])

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.support.raw_streams import MemoryConnection
+from tests.support.waiting import wait_until
 from weightsync.buckets import (
     BucketPlan,
     TensorSpec,
@@ -34,6 +37,7 @@ from weightsync.receiver import target as target_module
 from weightsync.receiver.connection import KeptByStream
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.inbox import Inbox, SenderLost
+from weightsync.receiver.links import ack_or_fold
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import Arrival, InPlaceTarget, WeightTarget, assembled
 from weightsync.regions import Region
@@ -320,6 +324,76 @@ def test_a_version_is_validated_loaded_acked_committed_and_applied(stage):
     assert [m.ack.index for m in connection.sent[1:-1]] == list(range(n))
     assert (applied.version, applied.ok) == (4, True)
     assert (core.applied_version, core.dirty, core.last_error) == (4, False, None)
+
+
+def folding_core(target: Recorder) -> tuple[ReceiverCore, MemoryConnection]:
+    """A core on a connection whose sender's welcome said ``acks_in_applied``."""
+    core, connection = core_for(target)
+    connection.kept = KeptByStream(acks_in_applied=True)
+    return core, connection
+
+
+def test_the_last_ack_goes_with_applied_when_the_end_is_in_hand_and_the_sender_takes_it(stage):
+    staged = stage(weights(1), version=4)
+    target = Recorder(zeros_like(staged.tensors))
+    core, connection = folding_core(target)
+    connection.announce(*staged.announcements())
+    assert core.sync(timeout=5) == 4
+    assert same(target.live, staged.tensors)
+    n = len(staged.plan.buckets)
+    assert connection.kinds() == ["verdict"] + ["ack"] * (n - 1) + ["applied"]
+    assert [m.ack.index for m in connection.sent[1:-1]] == list(range(n - 1))
+    applied = connection.sent[-1].applied
+    assert (applied.version, applied.ok) == (4, True)
+    assert [(a.version, a.index, a.ok) for a in applied.acks] == [(4, n - 1, True)]
+
+
+def test_the_last_ack_goes_alone_when_the_end_has_not_arrived(stage):
+    staged = stage(weights(1), version=4)
+    target = Recorder(zeros_like(staged.tensors))
+    core, connection = folding_core(target)
+    *announcements, end = staged.announcements()
+    connection.announce(*announcements)
+    n = len(staged.plan.buckets)
+    with ThreadPoolExecutor(1) as pool:
+        synced = pool.submit(core.sync, 10)
+        try:  # the end comes only once the last ack went
+            wait_until(lambda: connection.kinds().count("ack") == n, 10, f"{n} acks sent")
+        finally:
+            connection.announce(end)
+        assert synced.result(timeout=10) == 4
+    assert connection.kinds() == ["verdict"] + ["ack"] * n + ["applied"]
+    assert list(connection.sent[-1].applied.acks) == []
+
+
+def test_an_ack_whose_reads_are_still_queued_goes_at_once():
+    """A CUDA slot's reads queued behind a ``read_event`` free it by that event: its ack is
+    not held for the commit (the sender may repack the slot for the next version sooner)."""
+    connection = MemoryConnection()
+    connection.kept = KeptByStream(acks_in_applied=True)
+    link = SimpleNamespace(connection=connection)
+    end = pb.Announcement(end=pb.VersionEnd(version=4))
+    queued = pb.BucketAck(version=4, index=2, ok=True, read_event=b"handle")
+    assert ack_or_fold(link, queued, end) is None
+    done = pb.BucketAck(version=4, index=2, ok=True)
+    assert ack_or_fold(link, done, end) is done
+    assert [m.ack for m in connection.sent] == [queued]
+
+
+def test_a_held_ack_goes_before_the_failure_when_the_version_fails_at_its_end(stage):
+    staged = stage(weights(1), version=4)
+    n = len(staged.plan.buckets)
+    staged.buffers[n - 1].tensor[staged.plan.buckets[n - 1].entries[0].offset] ^= 0x40
+    target = Recorder(zeros_like(staged.tensors))
+    core, connection = folding_core(target)
+    connection.announce(*staged.announcements())
+    with pytest.raises(ChecksumError, match=f"bucket {n - 1} of version 4"):
+        core.sync(timeout=5)
+    assert connection.kinds() == ["verdict"] + ["ack"] * n + ["applied"]
+    assert connection.sent[-2].ack.index == n - 1
+    applied = connection.sent[-1].applied
+    assert (applied.ok, list(applied.acks)) == (False, [])
+    assert core.dirty
 
 
 def test_an_unchanged_manifest_is_validated_again_only_for_a_new_target_generation(stage):

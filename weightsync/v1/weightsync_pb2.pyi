@@ -351,18 +351,20 @@ class BucketAck(_message.Message):
     def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., read_event: _Optional[bytes] = ...) -> None: ...
 
 class VersionApplied(_message.Message):
-    __slots__ = ("version", "ok", "error", "holds_base", "untouched")
+    __slots__ = ("version", "ok", "error", "holds_base", "untouched", "acks")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     OK_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     HOLDS_BASE_FIELD_NUMBER: _ClassVar[int]
     UNTOUCHED_FIELD_NUMBER: _ClassVar[int]
+    ACKS_FIELD_NUMBER: _ClassVar[int]
     version: int
     ok: bool
     error: ErrorDetail
     holds_base: bool
     untouched: bool
-    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., holds_base: _Optional[bool] = ..., untouched: _Optional[bool] = ...) -> None: ...
+    acks: _containers.RepeatedCompositeFieldContainer[BucketAck]
+    def __init__(self, version: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., holds_base: _Optional[bool] = ..., untouched: _Optional[bool] = ..., acks: _Optional[_Iterable[_Union[BucketAck, _Mapping]]] = ...) -> None: ...
 
 class ReceiverMessage(_message.Message):
     __slots__ = ("hello", "verdict", "ack", "applied", "lane", "exported", "offer")
@@ -395,16 +397,18 @@ class BucketExported(_message.Message):
     def __init__(self, version: _Optional[int] = ..., index: _Optional[int] = ..., ok: _Optional[bool] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ...) -> None: ...
 
 class ReceiverWelcome(_message.Message):
-    __slots__ = ("receiver_id", "lane", "keeps_keys", "takes_writes")
+    __slots__ = ("receiver_id", "lane", "keeps_keys", "takes_writes", "acks_in_applied")
     RECEIVER_ID_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     KEEPS_KEYS_FIELD_NUMBER: _ClassVar[int]
     TAKES_WRITES_FIELD_NUMBER: _ClassVar[int]
+    ACKS_IN_APPLIED_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     lane: LaneOffer
     keeps_keys: bool
     takes_writes: bool
-    def __init__(self, receiver_id: _Optional[str] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ..., keeps_keys: _Optional[bool] = ..., takes_writes: _Optional[bool] = ...) -> None: ...
+    acks_in_applied: bool
+    def __init__(self, receiver_id: _Optional[str] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ..., keeps_keys: _Optional[bool] = ..., takes_writes: _Optional[bool] = ..., acks_in_applied: _Optional[bool] = ...) -> None: ...
 
 class VersionStart(_message.Message):
     __slots__ = ("manifest", "num_buckets", "manifest_key")
