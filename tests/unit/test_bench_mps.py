@@ -81,6 +81,8 @@ def test_a_daemon_that_does_not_start_is_an_error_quoting_it(control, monkeypatc
             pytest.fail("the block must not run")
     assert os.environ == {**before, "STUB_FAIL": "no GPU"}
     assert set(Path(tempfile.gettempdir()).glob("ws-mps-*")) == made
+    # Asked to quit all the same: a daemon that forked but made no socket is not left behind.
+    assert control.read_text().splitlines()[-1].startswith("quit ")
 
 
 def test_without_the_binary_the_error_names_it(monkeypatch, tmp_path):

@@ -69,7 +69,8 @@ def private_mps() -> Iterator[PrivateMps]:
     dirs = {PIPE_ENV: root / "pipe", LOG_ENV: root / "log"}
     for d in dirs.values():
         d.mkdir()
-    env = {**os.environ, **{k: str(v) for k, v in dirs.items()}}
+    ours = {k: str(v) for k, v in dirs.items()}
+    env = {**os.environ, **ours}
     saved = {k: os.environ.get(k) for k in dirs}
     daemon = PrivateMps(dirs[PIPE_ENV])
     try:
@@ -82,9 +83,12 @@ def private_mps() -> Iterator[PrivateMps]:
                 f"{dirs[PIPE_ENV]}: {(started.stderr or started.stdout).strip()}{_log(dirs)}"
             )
     except BaseException:
+        # A daemon that forked but made no socket in time must not outlive its folder; with
+        # no client yet its quit returns at once.
+        _stop(control, env, root).wait(timeout=_TIMEOUT_S)
         shutil.rmtree(root, ignore_errors=True)
         raise
-    os.environ.update({k: str(v) for k, v in dirs.items()})
+    os.environ.update(ours)
     try:
         yield daemon
     finally:
@@ -93,11 +97,17 @@ def private_mps() -> Iterator[PrivateMps]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        daemon.stopper = subprocess.Popen(
-            ["sh", "-c", 'echo quit | "$1"; rm -rf "$2"', "stop-mps", control, str(root)],
-            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
+        daemon.stopper = _stop(control, env, root)
+
+
+def _stop(control: str, env: dict[str, str], root: Path) -> subprocess.Popen:
+    """Ask the daemon to quit and remove its folder once it has, detached from this process
+    (the daemon's quit waits for its clients, this process among them)."""
+    return subprocess.Popen(
+        ["sh", "-c", 'echo quit | "$1"; rm -rf "$2"', "stop-mps", control, str(root)],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
 
 
 def _socket_appears(path: Path) -> bool:
