@@ -18,7 +18,7 @@ import torch
 
 from tests.support import holder_module, next_outcomes, start_receivers, sync_in_thread
 from tests.support.models import digests
-from tests.support.processes import fault_model
+from tests.support.processes import fault_model, kill_receiver
 from tests.support.waiting import wait_until
 from weightsync.errors import ReceiverFailedError, WrongBaseError
 from weightsync.receiver import TorchReceiver
@@ -174,8 +174,7 @@ def test_missed_version_restart_and_late_joiner_on_other_hosts_get_full_bytes(so
         for version in (1, 2):
             publish(version)
             got += next_outcomes(out, 2, timeout=120)
-        procs[1].kill()  # "b" misses version 3
-        procs[1].join(30)
+        kill_receiver(procs[1], out)  # "b" misses version 3
         wait_until(
             lambda: (
                 not any(r.connected for r in publisher.status().receivers if r.receiver_id == "b")

@@ -24,6 +24,7 @@ from tests.support.models import digests, step
 from tests.support.processes import (
     SyncThread,
     fault_model,
+    kill_receiver,
     next_outcomes,
     sender_process,
     start_receivers,
@@ -74,9 +75,7 @@ class Job:
             raise AssertionError(f"{e}; the sender's receivers {seen}, catch-ups {ups}") from None
 
     def kill(self, rid: str) -> None:
-        proc = self.procs.pop(rid)
-        proc.kill()
-        proc.join(30)
+        kill_receiver(self.procs.pop(rid), self.out)
 
     def restarted(self, rid: str) -> None:
         """``rid``, the job's only engine, applies version 1, is killed and started again."""

@@ -166,6 +166,16 @@ def start_receivers(
     return procs, out
 
 
+def kill_receiver(proc, out) -> None:
+    """Crash ``proc``, a process of :func:`start_receivers` reporting to ``out``, with SIGKILL,
+    holding ``out``'s write lock meanwhile: killed just after a report, while its queue's
+    feeder thread still held that lock, it would block every other receiver's reports for
+    good (a CI run waited 120 s for one that had applied its version)."""
+    with out._wlock:
+        proc.kill()
+        proc.join(30)
+
+
 def next_outcomes(out, count: int, timeout: float = 60) -> list[Outcome]:
     """The next ``count`` outcomes from ``start_receivers``' queue, each awaited up to
     ``timeout`` seconds.
