@@ -250,6 +250,7 @@ class ReceiverCore(SeveralSenders):
                     link.reader.forget_landed()
                     link.landings = link.broadcast.landings
                 prepared = link.reader.prepare(bucket, reads, landed)
+                trace.gpu_mark("receiver.gpu_began", link.broadcast.device, index=index)
                 with self._load_lock:
                     self._touched = True
                     prepared.write(self.target)

@@ -51,9 +51,15 @@ class VersionHistory:
         """The version a new one must exceed: versions only increase, past every one that was
         applied, is in flight or wrote anything. One that failed leaving no trace (a wrong
         manifest, a hostile huge number) does not hold the next back, and its number may be
-        published again."""
-        counted = [v for v, run in self._runs.items() if not left_no_trace(run)]
-        return max([*counted, self._dropped])
+        published again.
+
+        The newest run that counts is the largest: each run exceeded every counted one when
+        it was added, and a run that left no trace never counts again. So the scan stops at
+        the first (usually the newest), not at every kept run a version."""
+        for number in reversed(self._runs):
+            if not left_no_trace(self._runs[number]):
+                return max(number, self._dropped)
+        return self._dropped
 
     def check_version(self, version: int) -> None:
         floor = self._floor()
