@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from weightsync.blocked_copies import CheckedPacks
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.tensor_keys import SameTensors
 from weightsync.v1 import weightsync_pb2 as pb
@@ -26,6 +27,9 @@ class Published:
     part: VersionPartSpec | None
     manifest: VersionManifest
     regions: dict
+    packs: CheckedPacks = field(default_factory=CheckedPacks)
+    """This publisher's own packs of CPU buckets from these tensors (planned once each, and
+    dropped with them)."""
 
     def __post_init__(self) -> None:
         self._same = SameTensors(self.mapping) if self.mapping is not None else None

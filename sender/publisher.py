@@ -13,7 +13,6 @@ import grpc
 import torch
 
 from weightsync import gc_pause, trace
-from weightsync.blocked_copies import pack_checked
 from weightsync.buckets import Bucket, TensorSpec, align_up, pack_entry
 from weightsync.checksum import verify_entry
 from weightsync.config import ALIGNMENT_BYTES, ClientSettings
@@ -143,7 +142,7 @@ class Publisher:
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             what = f"version {version}, bucket {bucket.index}"
-            if pack_checked(what, bucket, buffer, tensors):
+            if published.packs(what, bucket, buffer, tensors):
                 return  # copied and checked in one pass (CPU buffers)
             for entry in bucket.entries:
                 pack_entry(buffer, entry, tensors[entry.name])

@@ -31,6 +31,7 @@ import torch
 
 from weightsync.buckets import ALIGNMENT_BYTES, Bucket, byte_view
 from weightsync.checksum import ROW_WORDS, verify_copies, whole_row_words
+from weightsync.memo import Memo, Same
 from weightsync.regions import CopyBatch, Pair
 
 BLOCK_BYTES = 2 << 20
@@ -236,34 +237,52 @@ class BlockedCopies:
             step.others.run()
 
 
-def pack_checked(
-    what: str, bucket: Bucket, buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor]
-) -> bool:
-    """Pack ``bucket`` from whole ``tensors`` into CPU ``buffer`` as ``pack_entry`` does, each
-    block compared with its source right after its copy, still in cache (``verify_entry``'s
-    check without its second read). False, having written nothing, where it does not apply
-    (a CUDA buffer, a tensor not contiguous or not as the manifest says): pack and verify as
-    before.
+class CheckedPacks:
+    """A CPU publisher's packs: each bucket copied from whole tensors into its CPU buffer as
+    ``pack_entry`` does, each block compared with its source right after its copy, still in
+    cache (``verify_entry``'s check without its second read). The copies are planned once per
+    (bucket, buffer, tensors), by identity: a publisher passes the same mapping object while
+    its tensors stay where they were, and planning the blocks was most of a pack of hundreds
+    of small tensors, on every version's path."""
 
-    Raises:
-        ChecksumError: a block differs from its source (names ``what`` and the tensor).
-    """
+    def __init__(self, max_entries: int = 256) -> None:
+        self._plans: Memo[Same, BlockedCopies | None] = Memo(max_entries)
+
+    def __call__(
+        self, what: str, bucket: Bucket, buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor]
+    ) -> bool:
+        """Pack ``bucket``; False, having written nothing, where these copies do not apply (a
+        CUDA buffer, a tensor not contiguous or not as the manifest says): pack and verify as
+        before.
+
+        Raises:
+            ChecksumError: a block differs from its source (names ``what`` and the tensor).
+        """
+        key = Same(bucket, buffer, tensors)
+        copies = self._plans.get(key, lambda: checked_pack(bucket, buffer, tensors))
+        if copies is None:
+            return False
+        copies.run(check=what)
+        return True
+
+
+def checked_pack(
+    bucket: Bucket, buffer: torch.Tensor, tensors: Mapping[str, torch.Tensor]
+) -> BlockedCopies | None:
+    """The copies :class:`CheckedPacks` makes (they check against ``tensors`` when run), or
+    None where they do not apply."""
     pairs, names = [], []
     for entry in bucket.entries:
         spec, tensor = entry.spec, tensors[entry.name]
         if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.torch_dtype:
-            return False
+            return None
         if entry.nbytes == 0:
             continue
         if not tensor.is_contiguous():
-            return False
+            return None
         src = byte_view(tensor)[entry.tensor_offset : entry.tensor_offset + entry.nbytes]
         pairs.append((buffer[entry.offset : entry.offset + entry.nbytes], src))
         names.append(entry.name)
-    copies = BlockedCopies.plan(
+    return BlockedCopies.plan(
         pairs, buffer, bucket.nbytes, destination=True, names=names, sums=False
     )
-    if copies is None:
-        return False
-    copies.run(check=what)
-    return True

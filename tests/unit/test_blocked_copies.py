@@ -178,7 +178,9 @@ def test_a_planted_corruption_is_caught_naming_the_tensor(monkeypatch):
 
 
 def test_the_publishers_pack_copies_and_checks_in_one_pass(monkeypatch):
-    from weightsync.blocked_copies import pack_checked
+    from weightsync.blocked_copies import CheckedPacks
+
+    pack_checked = CheckedPacks()
 
     tensors = _tensors(4)
     plan = plan_buckets([TensorSpec.of(n, t) for n, t in tensors.items()], 1 << 16)
@@ -195,3 +197,27 @@ def test_the_publishers_pack_copies_and_checks_in_one_pass(monkeypatch):
     _break(monkeypatch, lambda p: True)
     with pytest.raises(ChecksumError, match="v2: tensor '.' was packed wrong"):
         pack_checked("v2", bucket, buffer, tensors)
+
+
+def test_a_publishers_packs_are_planned_once_per_bucket_buffer_and_tensors(monkeypatch):
+    from weightsync import blocked_copies
+
+    planned = []
+    real = blocked_copies.checked_pack
+    monkeypatch.setattr(
+        blocked_copies, "checked_pack", lambda *a: planned.append(a[0].index) or real(*a)
+    )
+    packs, tensors = blocked_copies.CheckedPacks(), _tensors(5)
+    plan = plan_buckets([TensorSpec.of(n, t) for n, t in tensors.items()], 1 << 16)
+    buffers = [torch.zeros(b.nbytes, dtype=torch.uint8) for b in plan.buckets]
+    for step in range(3):  # versions: the same tensors, new values written in place
+        for t in tensors.values():
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(step)))
+        for bucket, buffer in zip(plan.buckets, buffers, strict=True):
+            assert packs(f"v{step}", bucket, buffer, tensors)
+            assert torch.equal(buffer, _pack_reference(bucket, tensors))
+    assert planned == [b.index for b in plan.buckets]  # the first version's only
+    moved = {**tensors, "a": tensors["a"].clone()}  # a new mapping: planned again, its bytes
+    assert packs("v3", plan.buckets[0], buffers[0], moved)
+    assert torch.equal(buffers[0], _pack_reference(plan.buckets[0], moved))
+    assert planned[-1] == plan.buckets[0].index and len(planned) == len(plan.buckets) + 1
