@@ -53,8 +53,11 @@ class Piece:
 @dataclass(frozen=True)
 class Step:
     pieces: tuple[Piece, ...]
+    alike: tuple[Piece, ...]
+    """The pieces copied as bytes (contiguous, one dtype), in the order of :attr:`moves`."""
     moves: tuple[tuple[int, int, int], ...]
-    """(destination, source, bytes) of the pieces copied as bytes: contiguous, one dtype."""
+    """(destination, source, bytes) of each of :attr:`alike`."""
+    unlike: tuple[Piece, ...]
     others: CopyBatch | None
     """The other pieces (strided, cast)."""
     sums: tuple[tuple[np.ndarray, np.ndarray], ...]
@@ -70,13 +73,6 @@ _libc.memmove.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 
 def _bytes_alike(dst: torch.Tensor, src: torch.Tensor) -> bool:
     return dst.dtype == src.dtype and dst.is_contiguous() and src.is_contiguous()
-
-
-def _same_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    """Whether two contiguous CPU tensors of one dtype hold the same bytes (libc's memcmp: no
-    allocation, no threads); False for any other pair, which
-    :func:`~.checksum.verify_copies` then compares."""
-    return _bytes_alike(dst, src) and _libc.memcmp(dst.data_ptr(), src.data_ptr(), dst.nbytes) == 0
 
 
 def _extent(t: torch.Tensor) -> int:
@@ -164,9 +160,10 @@ class BlockedCopies:
         self.steps = [self._step(p, a, b, words) for p, a, b in steps]
 
     def _step(self, pieces: list[Piece], start: int, stop: int, words) -> Step:
-        alike = [p for p in pieces if _bytes_alike(p.dst, p.src)]
-        others = [(p.dst, p.src) for p in pieces if not _bytes_alike(p.dst, p.src)]
+        alike = tuple(p for p in pieces if _bytes_alike(p.dst, p.src))
+        unlike = tuple(p for p in pieces if not _bytes_alike(p.dst, p.src))
         moves = tuple((p.dst.data_ptr(), p.src.data_ptr(), p.dst.nbytes) for p in alike)
+        others = [(p.dst, p.src) for p in unlike]
         sums = []
         if self.sums and start < stop:
             whole, rows = self._whole, self._rows.numpy()
@@ -180,7 +177,8 @@ class BlockedCopies:
                 sums.append((words[begin // 8 : stop // 8].reshape(-1, tail),
                              rows[first + (begin - whole) // ALIGNMENT_BYTES :
                                   first + (stop - whole) // ALIGNMENT_BYTES]))  # fmt: skip
-        return Step(tuple(pieces), moves, CopyBatch.of(others) if others else None, tuple(sums))
+        batch = CopyBatch.of(others) if others else None
+        return Step(tuple(pieces), alike, moves, unlike, batch, tuple(sums))
 
     @classmethod
     def plan(
@@ -217,9 +215,13 @@ class BlockedCopies:
         for step in self.steps:
             self._copy(step)
             if check is not None:
-                for p in step.pieces:
-                    if not _same_bytes(p.dst, p.src):
+                # The addresses worked out once: a tensor's attributes cost more than the
+                # memcmp of a small piece, and a pack has a piece per tensor.
+                for (dst, src, n), p in zip(step.moves, step.alike, strict=True):
+                    if _libc.memcmp(dst, src, n):
                         verify_copies(check, self.names[p.owner], [(p.dst, p.src)])
+                for p in step.unlike:
+                    verify_copies(check, self.names[p.owner], [(p.dst, p.src)])
             for words, out in step.sums:
                 np.sum(words, axis=1, out=out)
         if not self.sums:
