@@ -23,7 +23,7 @@ from weightsync.checksum import row_sums
 from weightsync.errors import SyncTimeoutError, TransportError, WeightSyncError
 from weightsync.sender.announcements import Send, largest_bucket
 from weightsync.sender.outcomes import Shared
-from weightsync.sender.publisher_packs import PublisherPacks
+from weightsync.sender.publisher_packs import PublisherPacks, StampPlaces
 from weightsync.sender.records import RunAborted
 from weightsync.sender.slots import Slot
 from weightsync.sender.version import Version
@@ -60,6 +60,8 @@ class VersionDriver:
 
     def __init__(self, shared: Shared, broadcast: SenderBroadcast) -> None:
         self.broadcast = broadcast
+        self.stamp_places = StampPlaces()
+        """Where publishers' packs are stamped, by layout, for every version's packs."""
         self._cond, self._settings, self._slots = shared.cond, shared.settings, shared.slots
         self._queued: queue.Queue[_Queued | None] = queue.Queue()
         self._thread: threading.Thread | None = None

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from weightsync.buckets import Bucket
-from weightsync.config import SenderSettings
 from weightsync.errors import ProtocolError, SyncTimeoutError
+from weightsync.memo import Memo, Same
 from weightsync.sender.records import RunAborted
 from weightsync.sender.slots import Slot, SlotPool
 from weightsync.v1 import weightsync_pb2 as pb
@@ -36,13 +36,14 @@ class PublisherPacks:
     ``stall_timeout_s`` since they last packed a bucket or were asked for one, and at most
     ``pack_timeout_s`` in all."""
 
-    def __init__(self, run: Version, cond: threading.Condition, settings: SenderSettings):
+    def __init__(self, run: Version, cond: threading.Condition, places: StampPlaces):
         self._run, self._cond = run, cond
+        settings = run.shared.settings
         self._stall_s, self._total_s = settings.stall_timeout_s, settings.pack_timeout_s
         self._since = time.monotonic()
         self._waited = 0.0
         self._packed = 0
-        self._stamps = Stamps()
+        self._stamps = Stamps(places)
 
     def asked(self) -> None:
         """New buckets are being asked for: the stall clock restarts."""
@@ -148,16 +149,16 @@ class Stamps:
     that answers ``packed`` without writing would have receivers apply the slot's leftovers
     (another version's bytes) under a checksum the sender takes of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, places: StampPlaces) -> None:
         self._nonce = torch.tensor(list(secrets.token_bytes(_STAMP_BYTES)), dtype=torch.uint8)
         self._stamped: dict[int, tuple[Slot, list[int], torch.Tensor]] = {}
         """By bucket index: its slot, where the stamps are, and their byte indices."""
+        self._places = places
 
     def stamp(self, layout: pb.BucketLayout, slot: Slot) -> None:
         """Stamp ``slot`` for bucket ``layout`` (its readers are done with it)."""
-        offsets = stamp_offsets((e.offset, e.nbytes) for e in layout.entries)
         buffer = slot.buffer.tensor
-        at = _bytes_at(offsets, buffer.device)
+        offsets, at = self._places(layout, buffer.device)
         buffer[at] = self._nonce.to(buffer.device)
         if buffer.is_cuda:  # the publisher writes from another process, after this
             torch.cuda.current_stream(buffer.device).synchronize()
@@ -201,7 +202,26 @@ def stamp_offsets(entries: Iterable[tuple[int, int]]) -> list[int]:
     return out
 
 
-def _bytes_at(offsets: list[int], device: torch.device) -> torch.Tensor:
-    """The byte indices of stamps at ``offsets``: one row of 8 per stamp."""
-    starts = torch.tensor(offsets, dtype=torch.int64, device=device)
-    return starts[:, None] + torch.arange(_STAMP_BYTES, device=device)
+class StampPlaces:
+    """Where each bucket layout is stamped, kept across versions (the plans' memo gives the
+    same layout objects every version, and working the places out again cost more than the
+    stamping). Bounded: each entry holds 64 bytes of indices on the slot's device per 64 KiB
+    of its bucket."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        self._where: Memo[tuple[Same, torch.device], tuple[list[int], torch.Tensor]] = Memo(
+            max_entries
+        )
+
+    def __call__(
+        self, layout: pb.BucketLayout, device: torch.device
+    ) -> tuple[list[int], torch.Tensor]:
+        """The stamps' offsets in ``layout``'s bucket, and their bytes' indices on
+        ``device`` (a row of 8 per stamp)."""
+
+        def where() -> tuple[list[int], torch.Tensor]:
+            offsets = stamp_offsets((e.offset, e.nbytes) for e in layout.entries)
+            starts = torch.tensor(offsets, dtype=torch.int64, device=device)
+            return offsets, starts[:, None] + torch.arange(_STAMP_BYTES, device=device)
+
+        return self._where.get((Same(layout), device), where)

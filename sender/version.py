@@ -134,7 +134,7 @@ class Version:
         addresses it to the receivers, or returns what an earlier :meth:`start` made). The
         version ends here when it is abandoned or fails: its publishers hear at once."""
         cond, slots = self.shared.cond, self.shared.slots
-        packs = PublisherPacks(self, cond, self.shared.settings) if self.regions is None else None
+        packs = PublisherPacks(self, cond, driver.stamp_places) if self.regions is None else None
         issued: deque[tuple[Send, Slot]] = deque()
         try:
             todo = deque(start())
