@@ -17,7 +17,8 @@ from weightsync.errors import WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher
-from weightsync.sender.publisher_packs import stamp_offsets
+from weightsync.sender.publisher_packs import StampPlaces, stamp_offsets
+from weightsync.v1 import weightsync_pb2 as pb
 
 ROWS = 3 * 64 * 1024 // 4 + 100
 """float32 elements of ``w``: four 64 KiB rows of a bucket, the last one partly."""
@@ -41,6 +42,20 @@ def test_a_stamp_lies_in_each_row_inside_an_entry():
         327680,
     ]
     assert stamp_offsets([(0, 4), (256, 7)]) == []
+
+
+def test_the_places_of_a_layout_are_worked_out_once_and_index_their_bytes():
+    places = StampPlaces()
+    layout = pb.BucketLayout(
+        entries=[pb.BucketEntry(offset=0, nbytes=10), pb.BucketEntry(offset=256, nbytes=70000)]
+    )
+    offsets, at = places(layout, torch.device("cpu"))
+    assert offsets == [0, 65536]
+    assert at.tolist() == [list(range(0, 8)), list(range(65536, 65544))]
+    assert places(layout, torch.device("cpu"))[1] is at  # the same layout: kept
+    again = pb.BucketLayout()
+    again.CopyFrom(layout)
+    assert places(again, torch.device("cpu"))[1] is not at  # another object: worked out
 
 
 @pytest.mark.parametrize("skipped_row", [0, 3, None])
