@@ -162,33 +162,35 @@ def packed_bucket(
     """A packed bucket: receivers that map it get the slot's buffer (and, on CUDA, the event
     their reads wait for), those in ``wrote`` that it is written into their weights (§4.3);
     broadcast receivers get the group its bytes come by (and, when they come as a ``delta``,
-    what it is made from: protocol §5.1)."""
-    written = (
-        pb.Announcement(
-            bucket=pb.BucketAnnouncement(version=version.version, layout=layout, written=True)
-        )
-        if wrote
-        else None
-    )
-    mapped = pb.Announcement(
-        bucket=pb.BucketAnnouncement(
-            version=version.version,
-            layout=layout,
-            buffer=slot.buffer.handle,
-            ready_event=slot.packed_event[1] if slot.packed_event else b"",
-        )
-    )
-    sent = pb.Announcement(
-        bucket=pb.BucketAnnouncement(
-            version=version.version,
-            layout=layout,
-            group_id=group_id,
-            delta=delta.msg if delta is not None else None,
-        )
-    )
-    return lambda conn: (
-        sent if conn.data_path == BROADCAST else written if conn.receiver_id in wrote else mapped
-    )
+    what it is made from: protocol §5.1). Each form is built once, when a receiver needs it:
+    each copies the layout, an entry per tensor (hundreds a bucket for MoE)."""
+    made: dict[str, pb.Announcement] = {}
+
+    def form(conn: ReceiverConn) -> str:
+        if conn.data_path == BROADCAST:
+            return "sent"
+        return "written" if conn.receiver_id in wrote else "mapped"
+
+    def build(kind: str) -> pb.Announcement:
+        bucket = pb.BucketAnnouncement(version=version.version, layout=layout)
+        if kind == "written":
+            bucket.written = True
+        elif kind == "mapped":
+            bucket.buffer.CopyFrom(slot.buffer.handle)
+            bucket.ready_event = slot.packed_event[1] if slot.packed_event else b""
+        else:
+            bucket.group_id = group_id
+            if delta is not None:
+                bucket.delta.CopyFrom(delta.msg)
+        return pb.Announcement(bucket=bucket)
+
+    def message(conn: ReceiverConn) -> pb.Announcement:
+        kind = form(conn)
+        if kind not in made:
+            made[kind] = build(kind)
+        return made[kind]
+
+    return message
 
 
 def end_message(version: Version) -> pb.Announcement:
