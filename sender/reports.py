@@ -69,6 +69,7 @@ def version_status(version: Version) -> pb.VersionStatus:
                 direct_route_bytes=read.route_bytes
                 if (read := version.direct_reads.get(rid))
                 else {},
+                written_buckets=version.writes.counts[rid],
             )
             for rid, o in sorted(version.outcomes.items())
         ],

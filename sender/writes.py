@@ -19,6 +19,7 @@ weights differ fails.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -82,6 +83,8 @@ class Writes:
 
     granted: dict[str, Offered] = field(default_factory=dict)
     sums: dict[tuple[str, int], tuple[torch.Tensor, Bucket]] = field(default_factory=dict)
+    counts: Counter[str] = field(default_factory=Counter)
+    """Buckets written into each receiver's weights (``ReceiverOutcome.written_buckets``)."""
 
     def grant(self, version: Version, conn: ReceiverConn, verdict: pb.ManifestVerdict) -> None:
         """An accepting verdict: the receiver's offer named by ``writes_key`` is written into
@@ -147,6 +150,7 @@ class Writes:
                 self.sums[(rid, bucket.index)] = (written, bucket)
             wrote.append(rid)
         if wrote:
+            self.counts.update(wrote)
             trace.mark("sender.wrote", index=bucket.index)
         return sums, frozenset(wrote)
 

@@ -45,8 +45,9 @@ def _run(
     sock_dir, monkeypatch, writes: bool, corrupt_version: int = 0, fuse: bool = True
 ) -> tuple[list, dict, dict]:
     """Publish 3 versions to a receiver on GPU 0; returns what it reported per version and,
-    per version, each bucket packed and whether the sender wrote it into the weights, and
-    whether it did so in the pack's own launch (``fuse``: let it)."""
+    per version, each bucket packed and whether the sender wrote it into the weights (as
+    many as its status counts), and whether it did so in the pack's own launch (``fuse``:
+    let it)."""
     from weightsync.sender import Publisher
     from weightsync.sender import writes as writes_module
     from weightsync.sender.daemon import Sender
@@ -91,8 +92,13 @@ def _run(
                 except Exception:
                     if v != corrupt_version:
                         raise
+            counted = {
+                s.version: sum(o.written_buckets for o in s.receivers)
+                for s in publisher.status().versions
+            }
         reports = [out.get(timeout=120) for _ in range(3)]
         proc.join(60)
+    assert counted == {v: sum(b.values()) for v, b in written.items()}, (counted, written)
     return reports, written, fused
 
 

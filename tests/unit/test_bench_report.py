@@ -134,8 +134,11 @@ def test_json_and_plot(tmp_path):
 
 
 def test_a_saved_report_reads_back_to_the_same_table_and_targets(tmp_path):
-    """``--replot`` rebuilds the report from its JSON (derived columns computed again)."""
+    """``--replot`` rebuilds the report from its JSON (derived columns computed again), the
+    buckets the sender wrote of each version too."""
     report = _report()
+    written = Row(WEIGHTSYNC, "staged", "cuda_ipc", "TP=1", SAME, GBYTES, (0.02, 0.03))
+    report.rows.append(dataclasses.replace(written, written_buckets=(30, 31)))
     back = Report.from_json(json.loads(report.write_json(tmp_path).read_text()))
     assert back.rows == report.rows
     assert back.targets() == report.targets()

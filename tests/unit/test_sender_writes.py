@@ -134,7 +134,8 @@ def test_a_receiver_keeping_a_shard_of_columns_is_written_from_the_slot_instead(
 
 def test_a_write_that_fails_fails_only_its_receiver_naming_bucket_and_receiver(monkeypatch):
     """A write kernel that raises for one receiver (from the slot) fails that receiver, its
-    weights counted as written; the other receiver is written, and the version goes on."""
+    weights counted as written; the other receiver is written (and counted), and the version
+    goes on."""
     from weightsync.sender import writes as writes_module
     from weightsync.sender.states import OutcomeState
 
@@ -166,6 +167,7 @@ def test_a_write_that_fails_fails_only_its_receiver_naming_bucket_and_receiver(m
     bucket = SimpleNamespace(index=3)
     sums, wrote = writes.pack(version, bucket, SimpleNamespace(device="cpu"), True)
     assert sums is None and wrote == {"b"}
+    assert writes.counts == {"b": 1}  # reported as its ReceiverOutcome.written_buckets
     assert list(failed) == ["a"] and outcomes["a"].wrote
     assert "version 7: writing bucket 3 into receiver a's weights failed" in str(failed["a"])
     assert "illegal memory access" in str(failed["a"])

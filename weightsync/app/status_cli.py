@@ -129,14 +129,18 @@ def catch_ups_table(catch_ups) -> Table:
 def versions_table(versions) -> Table:
     """One row per ``VersionStatus``: its state, sizes, timings and receivers applied."""
     numbers = (
-        "version", "MB", "MB direct", "tensors", "buckets", "plan s", "staged s", "complete s"
+        "version", "MB", "MB direct", "tensors", "buckets", "written", "plan s", "staged s",
+        "complete s",
     )  # fmt: skip
     table = output.table(
-        "version", "state", "MB", "MB direct", "packed by", "tensors", "buckets", "plan s",
-        "staged s", "complete s", "applied", "MB by route", title="versions", right=numbers,
+        "version", "state", "MB", "MB direct", "packed by", "tensors", "buckets", "written",
+        "plan s", "staged s", "complete s", "applied", "MB by route", title="versions",
+        right=numbers,
     )  # fmt: skip
     for v in versions:
         applied = sum(o.state == "applied" for o in v.receivers)
+        # Buckets the sender wrote into receivers' weights itself, all receivers together.
+        written = sum(o.written_buckets for o in v.receivers)
         # All receivers together; routes that carried nothing are left out.
         routes = ", ".join(f"{k} {n / 1e6:.1f}" for k, n in sorted(v.route_bytes.items()) if n)
         output.add_row(
@@ -148,6 +152,7 @@ def versions_table(versions) -> Table:
             "sender" if v.sender_packed else "publisher",
             str(v.num_tensors),
             str(v.num_buckets),
+            str(written) if written else "-",
             f"{v.plan_s:.3f}",
             f"{v.staged_s:.3f}",
             f"{v.complete_s:.3f}",

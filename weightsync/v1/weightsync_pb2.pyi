@@ -571,7 +571,7 @@ class ReceiverStatus(_message.Message):
     def __init__(self, receiver_id: _Optional[str] = ..., engine: _Optional[str] = ..., rank: _Optional[int] = ..., device: _Optional[str] = ..., connected: _Optional[bool] = ..., applied_version: _Optional[int] = ..., state: _Optional[str] = ..., last_error: _Optional[str] = ..., data_path: _Optional[str] = ..., kept_bytes: _Optional[int] = ..., lane: _Optional[bool] = ..., catch_up: _Optional[str] = ...) -> None: ...
 
 class ReceiverOutcome(_message.Message):
-    __slots__ = ("receiver_id", "state", "error", "applied_at_unix_s", "direct_route_bytes")
+    __slots__ = ("receiver_id", "state", "error", "applied_at_unix_s", "direct_route_bytes", "written_buckets")
     class DirectRouteBytesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -584,12 +584,14 @@ class ReceiverOutcome(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     APPLIED_AT_UNIX_S_FIELD_NUMBER: _ClassVar[int]
     DIRECT_ROUTE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WRITTEN_BUCKETS_FIELD_NUMBER: _ClassVar[int]
     receiver_id: str
     state: str
     error: ErrorDetail
     applied_at_unix_s: float
     direct_route_bytes: _containers.ScalarMap[str, int]
-    def __init__(self, receiver_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., applied_at_unix_s: _Optional[float] = ..., direct_route_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    written_buckets: int
+    def __init__(self, receiver_id: _Optional[str] = ..., state: _Optional[str] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., applied_at_unix_s: _Optional[float] = ..., direct_route_bytes: _Optional[_Mapping[str, int]] = ..., written_buckets: _Optional[int] = ...) -> None: ...
 
 class VersionStatus(_message.Message):
     __slots__ = ("version", "state", "total_bytes", "num_tensors", "num_buckets", "started_at_unix_s", "staged_s", "complete_s", "receivers", "direct_bytes", "staged_bytes", "sender_packed", "route_bytes", "abandoned", "plan_s", "broadcast_bytes", "delta_buckets")

@@ -32,6 +32,7 @@ from weightsync.app.bench.worker import (
 )
 from weightsync.errors import SyncTimeoutError, TransportError
 from weightsync.manifest import VersionManifest
+from weightsync.v1 import weightsync_pb2 as pb
 
 
 def mismatch_note(reply: CaseReply) -> str:
@@ -76,6 +77,7 @@ def measure_case(
     versions = cfg.warmup + cfg.versions
     start = memory_start(device)
     samples: list[float] = []
+    written: tuple[int, ...] = ()
     error = ""
     reply: CaseReply | None = None
     try:
@@ -98,6 +100,7 @@ def measure_case(
                         t0 = time.perf_counter()
                         publish(version)
                         samples.append(time.perf_counter() - t0)
+                    written = _written(publisher.status(), range(cfg.warmup + 1, versions + 1))
             finally:
                 # The receiver leaves before its sender stops: else it sees the stream end,
                 # says it lost the sender and registers again.
@@ -120,7 +123,19 @@ def measure_case(
         bit_exact=reply.bit_exact,
         note=mismatch_note(reply),
         failed=not reply.bit_exact,
+        written_buckets=written,
     )
+
+
+def _written(status: pb.StatusReply, measured: range) -> tuple[int, ...]:
+    """Of each ``measured`` version the status still holds, the buckets the sender wrote into
+    receivers' weights; () when it wrote none."""
+    counts = {
+        v.version: sum(o.written_buckets for o in v.receivers)
+        for v in status.versions
+        if v.version in measured
+    }
+    return tuple(counts[v] for v in sorted(counts)) if any(counts.values()) else ()
 
 
 @contextmanager

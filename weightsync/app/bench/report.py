@@ -53,6 +53,10 @@ class Row:
     """Receiver's packed params equal the trainer's tensors after the last version."""
     note: str = ""
     failed: bool = False
+    written_buckets: tuple[int, ...] = ()
+    """Of every measured version, the staged buckets the sender wrote into the receiver's
+    weights itself (its status' ``ReceiverOutcome.written_buckets``); the receiver loaded the
+    rest. Empty where nothing was written."""
 
     @property
     def seconds(self) -> float | None:
@@ -239,7 +243,10 @@ class Report:
         """The report a :meth:`to_json` wrote (derived columns are computed again)."""
         names = {f.name for f in fields(Row)}
         rows = [
-            Row(**{k: v for k, v in r.items() if k in names} | {"samples_s": tuple(r["samples_s"])})
+            Row(
+                **{k: v for k, v in r.items() if k in names}
+                | {k: tuple(r.get(k, ())) for k in ("samples_s", "written_buckets")}
+            )
             for r in data["rows"]
         ]
         return cls(data["meta"], rows)
