@@ -2,8 +2,9 @@
 code NCCL runs for CUDA staging), in full and as exact deltas (``--delta-mb``), bytes and time.
 
 The versions are one decoder layer of the model's shape taking Adam steps at lr 1e-6 on float32
-master weights cast to bf16 (as ``weightsync.app.bench.deltas``), published one after another
-by a publisher beside the sender; the receiver is a process of its own with another host id
+master weights cast to bf16 (as ``weightsync.app.bench.deltas``), each copied in turn (untimed)
+into the same trainer tensors, as a trainer updates its weights in place, and published by a
+publisher beside the sender; the receiver is a process of its own with another host id
 (``WEIGHTSYNC_HOST_ID``), so every bucket crosses by broadcast. Per version: the bytes the
 sender broadcast (``VersionStatus.broadcast_bytes``) and the time from publish to applied
 (``publish(wait=True)``), the receiver's tensors checked bit for bit against the trainer's
@@ -122,9 +123,14 @@ def run_mode(
             proc.start()
             ready.get(timeout=120)
             publisher = Publisher(address)
+            # A trainer updates its weights in place: each version is copied (untimed) into
+            # the same tensors, so the sender sees the memory of the last version again.
+            live = {n: t.clone() for n, t in chain[0].items()}
             for version, tensors in enumerate(chain, start=1):
+                for name, t in tensors.items():
+                    live[name].copy_(t)
                 start = time.perf_counter()
-                publisher.publish(tensors, version, wait=True, timeout_s=600)
+                publisher.publish(live, version, wait=True, timeout_s=600)
                 seconds = time.perf_counter() - start
                 applied, got = out.get(timeout=600)
                 status = [s for s in publisher.status().versions if s.version == version][-1]

@@ -4,14 +4,16 @@
 The trainer (this process) holds every version of the model's shape on GPU 0, each a flat
 buffer whose views are the HF tensors: the Adam chain of ``broadcast_deltas`` made on GPU 0
 (float32 masters at lr 1e-6, cast to bf16), or a synthetic chain (a fraction of the bf16 values
-moved by one step per version, at random places). It publishes them one after another to a
-``Sender(transport="nccl")`` embedded here (staging on GPU 0, ``delta_bytes`` for the deltas
-mode); a ``TorchReceiver`` process on each other GPU holds a module whose parameters are views
-of one flat buffer, deltas on through ``WEIGHTSYNC_RECEIVER_DELTA_BYTES``. Per version: the
-bytes the sender broadcast (``VersionStatus.broadcast_bytes``, each group once) and the
-trainer's wall time of ``publish(wait=True)`` (publish to every receiver applied). After each
-version, untimed, every receiver compares its flat buffer with the trainer's (mapped from GPU 0
-by CUDA IPC) bit for bit.
+moved by one step per version, at random places). It copies each in turn (untimed) into the
+trainer's own flat buffer, as a trainer updates its weights in place, and publishes that
+buffer's views to a ``Sender(transport="nccl")`` embedded here (staging on GPU 0,
+``delta_bytes`` for the deltas mode); a ``TorchReceiver`` process on each other GPU holds a
+module whose parameters are views of one flat buffer, deltas on through
+``WEIGHTSYNC_RECEIVER_DELTA_BYTES``. Per version: the bytes the sender broadcast
+(``VersionStatus.broadcast_bytes``, each group once) and the trainer's wall time of
+``publish(wait=True)`` (publish to every receiver applied). After each version, untimed, every
+receiver compares its flat buffer with that version's (mapped from GPU 0 by CUDA IPC) bit for
+bit.
 """
 
 from __future__ import annotations
@@ -149,8 +151,10 @@ def run_mode_gpu(
                 procs.append(ctx.Process(target=_receiver, args=args, daemon=True))
                 procs[-1].start()
             _expect(out, "ready", gpus - 1, 300)
+            live, tensors = _trainer(chain, views)
             with Publisher(sender.address) as publisher:
-                for version, tensors in enumerate(views, start=1):
+                for version, flat in enumerate(chain, start=1):
+                    live.copy_(flat)
                     torch.cuda.synchronize()
                     start = time.perf_counter()
                     result = publisher.publish(tensors, version, wait=True, timeout_s=300)
@@ -160,6 +164,19 @@ def run_mode_gpu(
                     rows.append(WireRow.of(mode, status, seconds, not wrong))
                     print(summary(rows[-1]), *wrong, flush=True)
     return rows
+
+
+def _trainer(chain: list[torch.Tensor], views: list[dict]) -> tuple[torch.Tensor, dict]:
+    """The trainer's weights: one more flat buffer, its views laid out as each version's. A
+    trainer updates its weights in place, so each version is copied into it (untimed) and the
+    sender sees the memory of the last version again (its plans and mappings kept)."""
+    live = torch.empty_like(chain[0])
+    base = chain[0].data_ptr()
+    tensors = {
+        name: live[t.data_ptr() - base :][: t.nbytes].view(t.dtype).view(t.shape)
+        for name, t in views[0].items()
+    }
+    return live, tensors
 
 
 def both_modes_gpu(
@@ -188,10 +205,11 @@ def both_modes_gpu(
 
 def fitting_steps(model: str, layers: int | None, steps: int, delta_mb: int) -> int:
     """The most versions after the first, up to ``steps``, whose chain fits GPU 0 beside the
-    sender's kept bytes (``delta_mb``) and 8 GiB for staging and the Adam state."""
+    trainer's weights, the sender's kept bytes (``delta_mb``) and 8 GiB for staging and the
+    Adam state."""
     nbytes = _offsets(hf_specs(model_shape(model, layers)))[1]
     free = torch.cuda.mem_get_info(0)[0] - min(delta_mb << 20, nbytes) - (8 << 30)
-    return max(1, min(steps, free // nbytes - 1))
+    return max(1, min(steps, free // nbytes - 2))
 
 
 def describe(model: str, layers: int | None, changed: float | None, gpus: int) -> str:
