@@ -20,14 +20,17 @@ class Accepted:
     """Shared by the single-sender path (:mod:`.core`) and the several-senders one
     (:mod:`.several_senders`); the target is passed in, as the core's may be replaced."""
 
-    def __init__(self) -> None:
+    def __init__(self, receiver_id: str) -> None:
         self._manifests = ManifestCache()
         self._validated: tuple[bytes, int] | None = None
         """(manifest key, target generation) the target last accepted: the same tensor list
         for the same model need not be checked again."""
         self._keeps: Memo[tuple[bytes, int], Keeps] = Memo(_KEPT_MANIFESTS)
         self._writes: Memo[tuple[bytes, int], pb.WriteOffer | None] = Memo(_KEPT_MANIFESTS)
-        self._exports = Exports()
+        self._exports = Exports(
+            f"receiver {receiver_id}",
+            "the sender does not write its weights: it loads every bucket",
+        )
         """The weights' storages offered to the sender (kept exported while offered)."""
 
     def manifest(self, link: Link, start: pb.VersionStart) -> tuple[VersionManifest, bytes]:
@@ -75,6 +78,8 @@ class Accepted:
             if regions is None:
                 return None
             begin = self._exports.offer(regions)
+            if begin is None:
+                return None
             return pb.WriteOffer(
                 key=b"w" + _stream_key(key, target), sources=begin.sources, pieces=begin.pieces
             )

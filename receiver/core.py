@@ -117,7 +117,6 @@ class ReceiverCore(SeveralSenders):
         """Shared with the connections, which tell their sender in every hello (not ``self``:
         a connection must not keep this object alive, see ``_leave_finalizer``)."""
         self.last_error: WeightSyncError | None = None
-        self._accepted = Accepted()
         self._load_lock = threading.Lock()
         """Parts load from a thread each; the target takes one bucket at a time."""
         self._touched = False
@@ -133,6 +132,7 @@ class ReceiverCore(SeveralSenders):
             transports=transports,
             exports=exports,
         )
+        self._accepted = Accepted(hello.receiver_id)
         settings = ClientSettings()
         delta_bytes = settings.receiver_delta_bytes if delta_bytes is None else delta_bytes
         self._sender_writes = settings.receiver_sender_writes

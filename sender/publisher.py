@@ -89,7 +89,10 @@ class Publisher:
         # Caches; each says its key and what invalidates it.
         self._buffers = MappedBuffers()
         """The sender's staging buffers mapped here, by buffer id; kept while this lives."""
-        self._exports = Exports()
+        self._exports = Exports(
+            f"publisher {self.publisher_id} rank {rank}",
+            "it packs every bucket itself and receivers read none of its tensors in place",
+        )
         """The last offer's storages exported, and its wire form (see :class:`Exports`)."""
         self._layouts = ParseCache(bucket_from_pb)
         """Bucket layouts by their bytes; cleared when 512 are held."""

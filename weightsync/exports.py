@@ -3,32 +3,40 @@ publisher's to its sender; a receiver's weights, for the sender to write: protoc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from weightsync import limits
 from weightsync.regions import Region
 from weightsync.transports.base import own_handle, register_own
 from weightsync.transports.cuda_ipc import export_handle
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import regions_to_pb
 
+log = logging.getLogger("weightsync.exports")
+
 
 class Exports:
-    """The storages of a publisher's last offer, exported, and that offer's wire form."""
+    """The storages of a publisher's last offer, exported, and that offer's wire form.
+    ``who`` offers and ``instead`` happens where it cannot (both for the warning)."""
 
-    def __init__(self) -> None:
+    def __init__(self, who: str, instead: str) -> None:
+        self._who, self._instead = who, instead
         self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
         """IPC exports by storage (address, size, device); only the last offer's are kept."""
-        self._last: tuple[Mapping, pb.BeginVersion] | None = None
+        self._last: tuple[Mapping, pb.BeginVersion | None] | None = None
         """The last offer's wire form, by the identity of the regions mapping described."""
 
-    def offer(self, regions: Mapping[str, Sequence[Region]]) -> pb.BeginVersion:
+    def offer(self, regions: Mapping[str, Sequence[Region]]) -> pb.BeginVersion | None:
         """A begin's ``sources`` and ``pieces`` describing ``regions``: worked out once per
         mapping (by identity, so callers pass the same one while their tensors stay put); each
         storage is exported once (Megatron keeps parameters in a few large buffers). Only
         tensors other processes can map are offered: CUDA memory, or a staging buffer this
-        process allocated (shm)."""
+        process allocated (shm). None, with a warning, where they lie in more storages than
+        one offer may name (``limits.MAX_SOURCES``: a module with a storage per parameter,
+        such as an MoE model in HF layout, has one per expert weight)."""
         if self._last is None or self._last[0] is not regions:
             offered = regions
             regions = {
@@ -36,6 +44,23 @@ class Exports:
                 for n, rs in regions.items()
                 if all(r.source.is_cuda or own_handle(r.source) for r in rs)
             }
+            storages = {
+                (r.source.untyped_storage().data_ptr(), str(r.source.device))
+                for rs in regions.values()
+                for r in rs
+            }
+            if len(storages) > limits.MAX_SOURCES:
+                log.warning(
+                    "%s: its tensors lie in %d storages, over the %d one offer may name; %s. "
+                    "Tensors kept in a few large buffers (as Megatron's DDP keeps its "
+                    "parameters) can be offered",
+                    self._who,
+                    len(storages),
+                    limits.MAX_SOURCES,
+                    self._instead,
+                )
+                self._exported, self._last = {}, (offered, None)
+                return None
             offer = pb.BeginVersion()
             index: dict[str, int] = {}
             # Only the storages of this offer stay exported (and so referenced).

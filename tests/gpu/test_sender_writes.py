@@ -22,9 +22,13 @@ pytestmark = [
 ]
 
 
-def _receiver(address: str, versions: int, writes: bool, out) -> None:
+def _receiver(address: str, versions: int, writes: bool, out, max_sources: int = 0) -> None:
     os.environ["WEIGHTSYNC_RECEIVER_SENDER_WRITES"] = str(writes).lower()
+    from weightsync import limits
     from weightsync.receiver.core import ReceiverCore
+
+    if max_sources:
+        limits.MAX_SOURCES = max_sources  # its weights lie in more storages than this
     from weightsync.receiver.torch_receiver import TorchModuleTarget
 
     holder = holder_module(make_tensors(0, "cuda:0"))
@@ -42,7 +46,12 @@ def _receiver(address: str, versions: int, writes: bool, out) -> None:
 
 
 def _run(
-    sock_dir, monkeypatch, writes: bool, corrupt_version: int = 0, fuse: bool = True
+    sock_dir,
+    monkeypatch,
+    writes: bool,
+    corrupt_version: int = 0,
+    fuse: bool = True,
+    max_sources: int = 0,
 ) -> tuple[list, dict, dict]:
     """Publish 3 versions to a receiver on GPU 0; returns what it reported per version and,
     per version, each bucket packed and whether the sender wrote it into the weights (as
@@ -81,7 +90,7 @@ def _run(
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=BUCKET) as sender:
         out = mp.get_context("spawn").Queue()
         proc = mp.get_context("spawn").Process(
-            target=_receiver, args=(sender.address, 3, writes, out)
+            target=_receiver, args=(sender.address, 3, writes, out, max_sources)
         )
         proc.start()
         out.get(timeout=120)  # registered
@@ -103,14 +112,22 @@ def _run(
 
 
 @pytest.mark.parametrize(
-    ("writes", "fuse"),
-    [(True, True), (True, False), (False, True)],
-    ids=["sender-writes-in-the-pack", "sender-writes-from-the-slot", "receiver-reads"],
+    ("writes", "fuse", "max_sources"),
+    [(True, True, 0), (True, False, 0), (False, True, 0), (True, True, 1)],
+    ids=[
+        "sender-writes-in-the-pack",
+        "sender-writes-from-the-slot",
+        "receiver-reads",
+        "receiver-reads-weights-in-more-storages-than-an-offer-names",
+    ],
 )
 def test_a_receiver_on_the_staging_gpu_gets_exact_weights_written_by_the_sender(
-    sock_dir, monkeypatch, writes, fuse
+    sock_dir, monkeypatch, writes, fuse, max_sources
 ):
-    reports, written, fused = _run(sock_dir, monkeypatch, writes, fuse=fuse)
+    reports, written, fused = _run(
+        sock_dir, monkeypatch, writes, fuse=fuse, max_sources=max_sources
+    )
+    writes = writes and not max_sources  # over the limit it offers nothing: it reads
     assert reports == [(1, True), (2, True), (3, True)]
     for version, buckets in written.items():
         assert len(buckets) > 2, written  # the rest of this test needs a bucket past the slots

@@ -1,7 +1,8 @@
-"""A publisher offering its own memory with a tensor whose dim-0 row is wider than a bucket
-(issue 35): the sender packs offered regions by whole rows, so such a version falls back to the
-publisher packing each bucket (``pack``, protocol §3.1) and arrives bit-exact, instead of being
-abandoned with its number used up."""
+"""A publisher offering its own memory the sender cannot pack from falls back to packing each
+bucket itself (``pack``, protocol §3.1) and the version arrives bit-exact, instead of being
+abandoned with its number used up: a tensor whose dim-0 row is wider than a bucket (issue 35;
+the sender packs offered regions by whole rows), or tensors in more storages than an offer may
+name (an HF-layout MoE trainer: a storage per expert weight)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from tests.support import sync_in_thread
 from tests.support.publishers import offered_copy
+from weightsync import limits
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher
 from weightsync.sender.daemon import Sender
@@ -45,3 +47,44 @@ def test_rows_wider_than_a_bucket_are_packed_by_the_publisher_instead(tmp_path):
     assert not result.status.sender_packed
     for name, value in trainer.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_tensors_in_more_storages_than_an_offer_may_name_are_packed_by_the_publisher(
+    tmp_path, monkeypatch, caplog
+):
+    """Each tensor in a storage of its own, one more than ``limits.MAX_SOURCES`` (lowered
+    here): the publisher does not offer them, says why once, and every version arrives."""
+    from weightsync.transports import get_transport
+
+    monkeypatch.setattr(limits, "MAX_SOURCES", 3)
+    model = torch.nn.Module()
+    model.experts = torch.nn.ModuleList(torch.nn.Linear(4, 8, bias=False) for _ in range(4))
+    trainer = {f"experts.{i}.weight": torch.full((8, 4), float(i)) for i in range(4)}
+    stores, offered = [], {}
+    for name, value in trainer.items():
+        store, copies = offered_copy({name: value})
+        stores.append(store)
+        offered.update(copies)
+    caplog.set_level("WARNING", "weightsync.exports")
+    try:
+        with (
+            Sender(f"unix:{tmp_path}/s.sock", bucket_size_bytes=BUCKET) as sender,
+            Publisher(sender.address) as publisher,
+        ):
+            receiver = TorchReceiver(model, sender.address, receiver_id="r")
+            thread, results = sync_in_thread(receiver, n=2)
+            try:
+                for version in (1, 2):
+                    result = publisher.publish(offered, version, wait=True, timeout_s=60)
+                    assert not result.status.sender_packed
+                thread.finish(60)
+            finally:
+                receiver.close()
+    finally:
+        for store in stores:
+            get_transport("shm").release(store)
+    assert results == [1, 2]
+    for name, value in trainer.items():
+        assert torch.equal(model.state_dict()[name], value), name
+    (warning,) = [r.getMessage() for r in caplog.records if r.name == "weightsync.exports"]
+    assert "4 storages, over the 3 one offer may name" in warning, warning
