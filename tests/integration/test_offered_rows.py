@@ -26,25 +26,34 @@ class Wide(torch.nn.Module):
         self.small = torch.nn.Parameter(torch.randn(4, generator=g))
 
 
-def test_rows_wider_than_a_bucket_are_packed_by_the_publisher_instead(tmp_path):
-    from weightsync.transports import get_transport
-
-    trainer, model = Wide(seed=1), Wide(seed=2)
-    store, offered = offered_copy(trainer.state_dict())
+def _publish(tmp_path, model: torch.nn.Module, offered: dict, versions: int) -> list[int]:
+    """Publish ``offered`` ``versions`` times into ``model``; each version must have been
+    packed by the publisher. Returns the versions the receiver applied."""
     with (
         Sender(f"unix:{tmp_path}/s.sock", bucket_size_bytes=BUCKET) as sender,
         Publisher(sender.address) as publisher,
     ):
         receiver = TorchReceiver(model, sender.address, receiver_id="r")
-        thread, results = sync_in_thread(receiver, n=1)
+        thread, results = sync_in_thread(receiver, n=versions)
         try:
-            result = publisher.publish(offered, 1, wait=True, timeout_s=60)
+            for version in range(1, versions + 1):
+                result = publisher.publish(offered, version, wait=True, timeout_s=60)
+                assert not result.status.sender_packed
             thread.finish(60)
         finally:
             receiver.close()
-            get_transport("shm").release(store)
-    assert results == [1]
-    assert not result.status.sender_packed
+    return results
+
+
+def test_rows_wider_than_a_bucket_are_packed_by_the_publisher_instead(tmp_path):
+    from weightsync.transports import get_transport
+
+    trainer, model = Wide(seed=1), Wide(seed=2)
+    store, offered = offered_copy(trainer.state_dict())
+    try:
+        assert _publish(tmp_path, model, offered, 1) == [1]
+    finally:
+        get_transport("shm").release(store)
     for name, value in trainer.state_dict().items():
         assert torch.equal(model.state_dict()[name], value), name
 
@@ -67,23 +76,10 @@ def test_tensors_in_more_storages_than_an_offer_may_name_are_packed_by_the_publi
         offered.update(copies)
     caplog.set_level("WARNING", "weightsync.exports")
     try:
-        with (
-            Sender(f"unix:{tmp_path}/s.sock", bucket_size_bytes=BUCKET) as sender,
-            Publisher(sender.address) as publisher,
-        ):
-            receiver = TorchReceiver(model, sender.address, receiver_id="r")
-            thread, results = sync_in_thread(receiver, n=2)
-            try:
-                for version in (1, 2):
-                    result = publisher.publish(offered, version, wait=True, timeout_s=60)
-                    assert not result.status.sender_packed
-                thread.finish(60)
-            finally:
-                receiver.close()
+        assert _publish(tmp_path, model, offered, 2) == [1, 2]
     finally:
         for store in stores:
             get_transport("shm").release(store)
-    assert results == [1, 2]
     for name, value in trainer.items():
         assert torch.equal(model.state_dict()[name], value), name
     (warning,) = [r.getMessage() for r in caplog.records if r.name == "weightsync.exports"]
