@@ -44,11 +44,7 @@ class Exports:
                 for n, rs in regions.items()
                 if all(r.source.is_cuda or own_handle(r.source) for r in rs)
             }
-            storages = {
-                (r.source.untyped_storage().data_ptr(), str(r.source.device))
-                for rs in regions.values()
-                for r in rs
-            }
+            storages = {_storage_key(r.source) for rs in regions.values() for r in rs}
             if len(storages) > limits.MAX_SOURCES:
                 log.warning(
                     "%s: its tensors lie in %d storages, over the %d one offer may name; %s. "
@@ -67,8 +63,7 @@ class Exports:
             previous, self._exported = self._exported, {}
 
             def locate(tensor: torch.Tensor) -> tuple[int, int]:
-                storage = tensor.untyped_storage()
-                skey = (storage.data_ptr(), storage.nbytes(), str(tensor.device))
+                storage, skey = tensor.untyped_storage(), _storage_key(tensor)
                 if skey not in self._exported:
                     hit = previous.get(skey)
                     if hit is None and not tensor.is_cuda:
@@ -88,3 +83,9 @@ class Exports:
             offer.pieces.extend(regions_to_pb(regions, locate))
             self._last = (offered, offer)
         return self._last[1]
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[int, int, str]:
+    """The storage ``tensor`` lies in: (address, size, device)."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.nbytes(), str(tensor.device)
