@@ -14,7 +14,7 @@ def test_every_version_is_published_from_the_same_trainer_memory_and_equals_its_
     move, and after each copy they hold that version's tensors bit for bit."""
     specs = hf_specs(model_shape("tiny", 1))
     chain, views = gpu_chain(specs, 2, None, torch.device("cpu"))
-    live, tensors = _trainer(chain, views)
+    live, tensors = _trainer(chain, specs)
     addresses = {n: t.data_ptr() for n, t in tensors.items()}
     assert list(tensors) == list(views[0]) and live.data_ptr() not in {c.data_ptr() for c in chain}
     for flat, version in zip(chain, views, strict=True):

@@ -121,7 +121,7 @@ def run_mode_gpu(
     model: str,
     layers: int | None,
     chain: list[torch.Tensor],
-    views: list[dict],
+    specs,
     gpus: int,
     bucket_mb: int,
     delta_mb: int,
@@ -151,7 +151,7 @@ def run_mode_gpu(
                 procs.append(ctx.Process(target=_receiver, args=args, daemon=True))
                 procs[-1].start()
             _expect(out, "ready", gpus - 1, 300)
-            live, tensors = _trainer(chain, views)
+            live, tensors = _trainer(chain, specs)
             with Publisher(sender.address) as publisher:
                 for version, flat in enumerate(chain, start=1):
                     live.copy_(flat)
@@ -166,17 +166,12 @@ def run_mode_gpu(
     return rows
 
 
-def _trainer(chain: list[torch.Tensor], views: list[dict]) -> tuple[torch.Tensor, dict]:
-    """The trainer's weights: one more flat buffer, its views laid out as each version's. A
-    trainer updates its weights in place, so each version is copied into it (untimed) and the
-    sender sees the memory of the last version again (its plans and mappings kept)."""
+def _trainer(chain: list[torch.Tensor], specs) -> tuple[torch.Tensor, dict]:
+    """The trainer's weights: one more flat buffer, laid out as each version's. A trainer
+    updates its weights in place, so each version is copied into it (untimed) and the sender
+    sees the memory of the last version again (its plans and mappings kept)."""
     live = torch.empty_like(chain[0])
-    base = chain[0].data_ptr()
-    tensors = {
-        name: live[t.data_ptr() - base :][: t.nbytes].view(t.dtype).view(t.shape)
-        for name, t in views[0].items()
-    }
-    return live, tensors
+    return live, _views(live, specs, _offsets(specs)[0])
 
 
 def both_modes_gpu(
@@ -198,9 +193,9 @@ def both_modes_gpu(
             f"--gpus {gpus}: needs 2 or more GPUs, this machine has {torch.cuda.device_count()}"
         )
     specs = hf_specs(model_shape(model, layers))
-    chain, views = gpu_chain(specs, steps, changed, torch.device("cuda", 0))
-    rows = run_mode_gpu("full", model, layers, chain, views, gpus, bucket_mb, 0)
-    return rows + run_mode_gpu("deltas", model, layers, chain, views, gpus, bucket_mb, delta_mb)
+    chain, _ = gpu_chain(specs, steps, changed, torch.device("cuda", 0))
+    rows = run_mode_gpu("full", model, layers, chain, specs, gpus, bucket_mb, 0)
+    return rows + run_mode_gpu("deltas", model, layers, chain, specs, gpus, bucket_mb, delta_mb)
 
 
 def fitting_steps(model: str, layers: int | None, steps: int, delta_mb: int) -> int:
