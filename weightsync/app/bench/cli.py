@@ -7,6 +7,7 @@ import json
 from contextlib import nullcontext
 from pathlib import Path
 
+from weightsync.app.bench.awake import awake_cpus
 from weightsync.app.bench.config import CASES, BenchConfig
 from weightsync.app.bench.engine import ENGINES, run_vllm
 from weightsync.app.bench.models import MODELS, model_shape
@@ -147,6 +148,14 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
         "together instead of taking turns (the hosts case: a sender and another sender's "
         "receiver on one GPU)",
     )
+    p.add_argument(
+        "--awake-cpus",
+        action="store_true",
+        help="keep every CPU from halting while the bench runs (a spinning process per CPU at "
+        "the lowest priority, SCHED_IDLE, taking no time from the bench): on a virtual machine "
+        "each wait of a version otherwise wakes a halted CPU through the hypervisor. Shows "
+        "what a host tuned not to halt (cpuidle_haltpoll, idle=poll) would measure",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0, help="per hand-shake deadline")
     p.add_argument("--out", default="bench-out", help="directory for the JSON (and PNG)")
@@ -205,7 +214,10 @@ def run_bench(args: argparse.Namespace, console) -> int:
         return 0
     if args.engine:
         return _engine_bench(args, console)
-    with private_mps() if args.mps else nullcontext():
+    with (
+        private_mps() if args.mps else nullcontext(),
+        awake_cpus() if args.awake_cpus else nullcontext(),
+    ):
         report = run(config_from_args(args), console)
     console.print(report.table())
     for t in report.targets():

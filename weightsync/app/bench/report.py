@@ -179,7 +179,8 @@ class Report:
         table = Table(
             title=f"weightsync bench: {m['model']} ({m['model_note']}), {m['tensors']} tensors, "
             f"{m['gb']:.2f} GB, median of {m['versions']} versions after {m['warmup']} warm-up"
-            + (f", CUDA MPS {m['mps']}" if m.get("mps", "off") != "off" else ""),
+            + (f", CUDA MPS {m['mps']}" if m.get("mps", "off") != "off" else "")
+            + (f", {m['awake_cpus']} CPUs kept awake" if m.get("awake_cpus") else ""),
             caption="x floor = seconds / floor (D2D copy same device, broadcast across GPUs, "
             "for the node the larger of every GPU copying its share at once and the busiest "
             "GPU's peer bytes over the best peer bandwidth); "

@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from weightsync.app.bench import baselines, broadcast_deltas, fanout, floors, fp8, hosts, node
+from weightsync.app.bench.awake import awake_state
 from weightsync.app.bench.cases import measure_case, mismatch_note
 from weightsync.app.bench.children import scratch_dir
 from weightsync.app.bench.config import BenchConfig
@@ -117,6 +118,7 @@ def _run(cfg: BenchConfig, console) -> Report:
             "gpus": gpus,
             "machine": machine(device),
             "mps": mps_state(),
+            "awake_cpus": awake_state(),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "memory_measure": "torch.cuda.max_memory_allocated delta per process (IPC-mapped "
             "memory counts in the process that allocated it)",

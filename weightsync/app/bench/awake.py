@@ -1,0 +1,83 @@
+"""CPUs kept from halting during a bench run (``weightsync bench --awake-cpus``).
+
+On a virtual machine a CPU with nothing to run halts and the hypervisor takes it away; a
+message for a thread that slept there wakes it through the hypervisor, tens to hundreds of
+microseconds, and the thread runs slower for a while after. A version crosses five such waits
+(the publisher's begin, the receiver's batch and hand-over, ``applied``, ``done``). On a KVM
+guest with one H200 (2026-11-29) a direct 7B version took 9.3-9.6 ms, 8.8 ms with every CPU
+kept busy; a tiny model's version, the control path alone, 1.3 ms and 0.9 ms
+(docs/benchmarks.md). Kernels do the same without spending user time: the guest's
+``cpuidle_haltpoll`` driver (boot parameter ``cpuidle_haltpoll.force=1``) or ``idle=poll``.
+
+Here one spinning process per CPU at ``SCHED_IDLE``, the lowest priority: it runs only where
+nothing else wants the CPU, so it takes no time from the bench's processes, but no CPU halts.
+It shows what a host tuned that way would measure; it is no setting for production (every CPU
+stays at 100 %).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from weightsync.errors import ConfigError
+
+_SPIN = """
+import os, sys
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+print("spinning", flush=True)
+parent = int(sys.argv[1])
+while os.getppid() == parent:  # ends with the bench, even a killed one
+    for _ in range(1_000_000):  # no system call in the loop: on some guests each one exits
+        pass
+"""
+
+_spinners = 0
+
+
+def awake_state() -> int:
+    """How many CPUs :func:`awake_cpus` keeps busy now (0: none)."""
+    return _spinners
+
+
+@contextmanager
+def awake_cpus() -> Iterator[list[subprocess.Popen]]:
+    """A ``SCHED_IDLE`` spinner per CPU while the block runs (each has set its priority
+    before the block starts); they are killed when it ends.
+
+    Raises:
+        ConfigError: this platform has no ``SCHED_IDLE``, or a spinner did not start.
+    """
+    global _spinners
+    if not hasattr(os, "SCHED_IDLE"):
+        raise ConfigError("--awake-cpus needs Linux's SCHED_IDLE scheduling class")
+    spinners: list[subprocess.Popen] = []
+    try:
+        for _ in range(os.cpu_count() or 1):
+            spinners.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _SPIN, str(os.getpid())],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
+            )
+        for spinner in spinners:
+            if spinner.stdout.readline().strip() != "spinning":
+                raise ConfigError(
+                    f"--awake-cpus: a spinner did not start: {spinner.stderr.read().strip()}"
+                )
+        _spinners = len(spinners)
+        yield spinners
+    finally:
+        _spinners = 0
+        for spinner in spinners:
+            spinner.kill()
+        for spinner in spinners:
+            spinner.wait()
+            spinner.stdout.close()
+            spinner.stderr.close()
