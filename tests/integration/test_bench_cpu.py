@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 
 import pytest
 
 from tests.support.bench import bench
+from weightsync.app.bench.awake import awake_state
 from weightsync.app.bench.engine_like import engine_shard
 from weightsync.app.bench.hosts import stage_of
 from weightsync.app.bench.models import hf_specs, model_shape
@@ -137,6 +139,38 @@ def test_cpu_bench_with_the_sender_in_its_own_process_as_deployed(tmp_path):
     assert code == 0
     rows = json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]
     assert [(r["name"], r["bit_exact"], len(r["samples_s"])) for r in rows] == [("staged", True, 2)]
+
+
+def test_cpu_bench_with_every_cpu_kept_awake_says_so_and_leaves_no_spinner(tmp_path):
+    """``--awake-cpus``: the run's rows are as without it (bit-exact), its JSON says how many
+    CPUs were kept busy, and the spinners are gone once it returns."""
+    code = bench(
+        ["--model", "tiny", "--device", "cpu", "--bucket-size-mb", "0.25", "--versions", "2"]
+        + ["--cases", "staged", "--tp", "1", "--no-baselines", "--no-floors", "--awake-cpus"]
+        + ["--out", str(tmp_path)]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "bench-tiny.json").read_text())
+    assert data["meta"]["awake_cpus"] == len(os.sched_getaffinity(0))
+    assert [(r["name"], r["bit_exact"]) for r in data["rows"]] == [("staged", True)]
+    assert awake_state() == 0
+    assert _spinners_of(os.getpid()) == []
+
+
+def _spinners_of(parent: int) -> list[int]:
+    """Live child processes of ``parent`` running awake.py's spinner."""
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
+            continue
+        if int(ppid) == parent and state not in "ZX" and b"SCHED_IDLE" in cmdline:
+            found.append(int(entry))
+    return found
 
 
 def test_a_sender_process_that_exits_at_start_fails_its_row_at_once_with_its_log(

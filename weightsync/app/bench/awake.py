@@ -45,8 +45,8 @@ def awake_state() -> int:
 
 @contextmanager
 def awake_cpus() -> Iterator[list[subprocess.Popen]]:
-    """A ``SCHED_IDLE`` spinner per CPU while the block runs (each has set its priority
-    before the block starts); they are killed when it ends.
+    """A ``SCHED_IDLE`` spinner per CPU this process may run on while the block runs (each
+    has set its priority before the block starts); they are killed when it ends.
 
     Raises:
         ConfigError: this platform has no ``SCHED_IDLE``, or a spinner did not start.
@@ -56,7 +56,7 @@ def awake_cpus() -> Iterator[list[subprocess.Popen]]:
         raise ConfigError("--awake-cpus needs Linux's SCHED_IDLE scheduling class")
     spinners: list[subprocess.Popen] = []
     try:
-        for _ in range(os.cpu_count() or 1):
+        for _ in os.sched_getaffinity(0):  # the CPUs this process (and the bench's) may use
             spinners.append(
                 subprocess.Popen(
                     [sys.executable, "-c", _SPIN, str(os.getpid())],
