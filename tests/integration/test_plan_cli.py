@@ -122,7 +122,9 @@ def test_help_explains_every_field():
 
 def test_a_delta_ratio_scales_the_times_of_the_same_plan(tmp_path):
     """Every time the plan prints is bytes over a link's rate: deltas of R times the bytes
-    take R times each; an FP8 engine's bytes are planned by ``engines.dtype``."""
+    take R times each on the wire, while each sender still encodes every byte of its part (the
+    busiest bounds the version where it is slower than the wire); an FP8 engine's bytes are
+    planned by ``engines.dtype``."""
     path = str(write(tmp_path, {**GOOD, "engines": {**GOOD["engines"], "dtype": "fp8"}}))
     full, deltas = plan("--topology", path), plan("--topology", path, "--delta-ratio", "0.25")
     assert full.returncode == deltas.returncode == 0, deltas.stderr
@@ -133,10 +135,23 @@ def test_a_delta_ratio_scales_the_times_of_the_same_plan(tmp_path):
     }
     seconds["as built"] = float(re.search(r"as built: .*: ([\d.]+) s", full.stdout)[1])
     line = deltas.stdout[len(full.stdout) :].strip()
-    assert line == (
-        f"with deltas of 0.25x the bytes: predicted {seconds['predicted'] * 0.25:.3f} s, floor "
-        f"{seconds['floor'] * 0.25:.3f} s, as built {seconds['as built'] * 0.25:.3f} s (a "
-        "receiver that missed a version, or joined late, takes the full bytes)"
+    wire = seconds["as built"] * 0.25
+    assert line.startswith(
+        f"with deltas of 0.25x the bytes: on the wire predicted {seconds['predicted'] * 0.25:.3f}"
+        f" s, floor {seconds['floor'] * 0.25:.3f} s, as built {wire:.3f} s; encoding them, "
+    )
+    assert line.endswith("(a receiver that missed a version, or joined late, takes the full bytes)")
+    # Encoding at 48 GB/s is nothing beside this test's 1 kB/s links: the wire bounds it.
+    assert re.search(r"at 48 GB/s on trainer-\d: 0\.000 s", line)
+    assert f"a version as built about {wire:.3f} s, bound by the wire" in line
+    # Encoding at the NIC's rate takes what the busiest sender's full bytes take on its NIC
+    # (that sender bounds the full version as built): the version is no faster than in full.
+    same = plan("--topology", path, "--delta-ratio", "0.25", "--delta-encode-gb-s", "1e-6")
+    assert "bound by trainer host" in full.stdout
+    assert f"a version as built about {seconds['as built']:.3f} s, bound by the senders' " in (
+        same.stdout
     )
     wrong = plan("--topology", path, "--delta-ratio", "1.5")
     assert wrong.returncode == 2 and "--delta-ratio 1.5: a delta is 0 < R <= 1" in wrong.stderr
+    zero = plan("--topology", path, "--delta-ratio", "0.5", "--delta-encode-gb-s", "0")
+    assert zero.returncode == 2 and "--delta-encode-gb-s 0: a rate is > 0" in zero.stderr

@@ -159,16 +159,21 @@ def test_buckets_that_do_not_fit_are_refused_naming_them():
 
 def test_the_bench_rows_are_exact_and_pick_the_form_the_changes_call_for(capsys):
     """``python -m weightsync.app.bench.deltas`` on a tiny shape: the Adam steps at lr 1e-6
-    change a few of the bf16 values, scattered (index form); whole rows changed go as XOR."""
+    change a few of the bf16 values, scattered (index form), and fewer of the e4m3 values of
+    the same steps in FP8 form; whole rows changed go as XOR."""
     import json
 
     from weightsync.app.bench import deltas as bench
 
-    argv = ["--model", "tiny", "--warmup-steps", "2", "--synthetic-mb", "1"]
+    argv = ["--model", "tiny", "--warmup-steps", "2", "--synthetic-mb", "1", "--fp8"]
     assert bench.main([*argv, "--bucket-size-mb", "1", "--sparsities", "0.01"]) == 0
     rows = {r["case"]: r for r in json.loads(capsys.readouterr().out.splitlines()[-1])}
     first = rows["tiny layer, Adam step 1 at lr 1e-06"]
     assert 0 < first["changed"] < 0.25 and first["ratio"] < 0.25
+    # e4m3 keeps 3 bits of mantissa to bf16's 7: the same step changes fewer of its values.
+    fp8 = rows["FP8 tiny layer, Adam step 1 at lr 1e-06"]
+    assert 0 < fp8["changed"] < first["changed"] and fp8["full_bytes"] < first["full_bytes"]
+    assert fp8["kinds"] == {"indices": 1}
     assert rows["synthetic 0.01 scattered"]["kinds"] == {"indices": 1}
     assert rows["synthetic 0.01 whole rows"]["kinds"] == {"xor": 1}
     assert all(r["bit_exact"] for r in rows.values())

@@ -47,6 +47,11 @@ it. Exit 0, or 2 with one line naming the field of a bad file.
 """
 
 
+DELTA_ENCODE_GB_S = 48.0
+"""A sender's delta encoding rate on an H200: a 7B layer's 466 MB of bf16 buckets in 9.6 ms
+(``python -m weightsync.app.bench.deltas --device cuda``, docs/benchmarks.md, 2026-11-27)."""
+
+
 def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = EPILOG.format(presets=" | ".join(PRESETS), types=", ".join(MODEL_TYPES))
@@ -56,7 +61,16 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
         type=float,
         metavar="R",
         help="also print the times of a version sent as exact deltas of R times its bytes "
-        "(0 < R <= 1; python -m weightsync.app.bench.deltas measures R)",
+        "(0 < R <= 1; python -m weightsync.app.bench.deltas measures R, --fp8 for FP8 engines)",
+    )
+    p.add_argument(
+        "--delta-encode-gb-s",
+        type=float,
+        default=DELTA_ENCODE_GB_S,
+        metavar="E",
+        help="with --delta-ratio: how fast a sender encodes its buckets as deltas, GB of "
+        f"bucket per second (default {DELTA_ENCODE_GB_S:g}: measured on an H200, "
+        "docs/benchmarks.md); each sender encodes every byte it would send",
     )
 
 
@@ -136,20 +150,33 @@ def run_plan(args: argparse.Namespace) -> int:
     ratio = args.delta_ratio
     if ratio is not None and not 0 < ratio <= 1:
         raise ConfigError(f"--delta-ratio {ratio:g}: a delta is 0 < R <= 1 of the bytes")
+    if not args.delta_encode_gb_s > 0:
+        raise ConfigError(f"--delta-encode-gb-s {args.delta_encode_gb_s:g}: a rate is > 0")
     built = cluster(topo, config)  # once: for a 1T model it is most of the run
     plan, run = plan_built(topo, built), runtime_estimate(topo, built)
     print_plan(path, topo, config, plan, run)
     if ratio is not None:
-        print(_with_deltas(ratio, plan, run), flush=True)
+        print(_with_deltas(ratio, plan, run, args.delta_encode_gb_s * GB), flush=True)
     return 0
 
 
-def _with_deltas(ratio: float, plan: TopologyPlan, run: RuntimeEstimate) -> str:
-    """The same plan with every slice ``ratio`` of its bytes: every time here is bytes over a
-    link's rate, so each scales by ``ratio``."""
+def _with_deltas(
+    ratio: float, plan: TopologyPlan, run: RuntimeEstimate, encode_bytes_per_s: float
+) -> str:
+    """The same plan with every slice ``ratio`` of its bytes (every time here is bytes over a
+    link's rate, so each scales by ``ratio``), and what the wire then no longer hides: each
+    sender encodes every byte of its part's buckets (both versions read), at
+    ``encode_bytes_per_s``, while earlier buckets cross; the busiest sender's encoding bounds
+    the version where it takes longer than the wire."""
+    host, sent = run.busiest_part
+    encode_s = sent / encode_bytes_per_s
+    wire_s = run.predicted_s * ratio
+    bound = "the senders' encoding" if encode_s > wire_s else "the wire"
     return (
-        f"with deltas of {ratio:g}x the bytes: predicted {plan.predicted_s * ratio:.3f} s, floor "
-        f"{plan.floor_s * ratio:.3f} s, as built {run.predicted_s * ratio:.3f} s (a receiver "
+        f"with deltas of {ratio:g}x the bytes: on the wire predicted {plan.predicted_s * ratio:.3f}"
+        f" s, floor {plan.floor_s * ratio:.3f} s, as built {wire_s:.3f} s; encoding them, "
+        f"{_gb(sent)} GB at {encode_bytes_per_s / GB:g} GB/s on {host}: {encode_s:.3f} s; a "
+        f"version as built about {max(wire_s, encode_s):.3f} s, bound by {bound} (a receiver "
         "that missed a version, or joined late, takes the full bytes)"
     )
 

@@ -5,8 +5,9 @@ message for a thread that slept there wakes it through the hypervisor, tens to h
 microseconds, and the thread runs slower for a while after. A version crosses five such waits
 (the publisher's begin, the receiver's batch and hand-over, ``applied``, ``done``). On two KVM
 guests with one H200 (2026-11-29) a direct 7B version took 9.3-9.6 ms, 8.8-9.0 ms with every
-CPU kept busy; on a third the same either way (docs/benchmarks.md). Kernels do the same without spending user time: the guest's
-``cpuidle_haltpoll`` driver (boot parameter ``cpuidle_haltpoll.force=1``) or ``idle=poll``.
+CPU kept busy; on a third the same either way (docs/benchmarks.md). Kernels do the same
+without spending user time: the guest's ``cpuidle_haltpoll`` driver (boot parameter
+``cpuidle_haltpoll.force=1``) or ``idle=poll``.
 
 Here one spinning process per CPU at ``SCHED_IDLE``, the lowest priority: it runs only where
 nothing else wants the CPU, so it takes no time from the bench's processes, but no CPU halts.

@@ -11,6 +11,12 @@ after ``--warmup-steps`` steps (noise gradients leave ``m / sqrt(v)`` below 1, s
 less). Synthetic: one bf16 bucket with a fraction of its values moved by one bf16 step at
 random places, and with whole rows moved (clustered, where the XOR form wins).
 
+With ``--fp8`` the same Adam versions are also measured in an FP8 engine's checkpoint form
+(each projection quantized to e4m3 with its 128 x 128 float32 scales as a trainer's publisher
+does, :class:`weightsync.fp8.BlockFp8`, bit for bit the engines' reference quantizer; norms and
+biases stay bf16): how sparse
+an FP8 version's change is, which ``weightsync plan --delta-ratio`` takes for FP8 engines.
+
 Every delta is decoded onto the previous bytes and checked bit for bit. Times are this
 machine's, for encoding and decoding on ``--device`` (``cuda``: the GPU scan); the wire is not
 involved (``broadcast_deltas`` measures it).
@@ -32,7 +38,9 @@ import torch
 
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
 from weightsync.buckets import TensorSpec, pack_entry, plan_buckets
+from weightsync.delta_wire import element_bytes
 from weightsync.deltas import decode, encode
+from weightsync.fp8 import BlockFp8
 
 LR, BETAS, EPS, GRAD_STD, WEIGHT_STD = 1e-6, (0.9, 0.999), 1e-8, 1e-3, 0.02
 
@@ -45,7 +53,8 @@ class DeltaRow:
     full_bytes: int
     delta_bytes: int
     changed: float
-    """Fraction of the bf16 values that differ from the previous version."""
+    """Fraction of the elements that differ from the previous version (elements of the size
+    the codec compares in each bucket: bf16 values, or e4m3 ones in an FP8 bucket)."""
     kinds: dict[str, int]
     """Buckets per chosen form."""
     encode_s: float
@@ -100,7 +109,7 @@ def measure(
     device = next(iter(new.values())).device
     old_buf = torch.zeros(bucket_bytes, dtype=torch.uint8, device=device)
     new_buf = torch.zeros_like(old_buf)
-    full = delta = changed = 0
+    full = delta = changed = elements = 0
     kinds: Counter[str] = Counter()
     encode_s = decode_s = 0.0
     exact = True
@@ -110,9 +119,13 @@ def measure(
                 pack_entry(buffer, entry, tensors[entry.name])
             bucket.zero_gaps(buffer)  # as the sender packs: the bytes are the tensors' alone
         n, name = bucket.nbytes, f"bucket {bucket.index}"
+        units: Counter[int] = Counter()
+        for entry in bucket.entries:
+            units[entry.spec.torch_dtype.itemsize] += entry.nbytes
+        unit = element_bytes(units)  # as the sender's bases choose it
         _settle(device)
         start = time.perf_counter()
-        d = encode(old_buf[:n], new_buf[:n], base_version=1, bucket=name, element_bytes=2)
+        d = encode(old_buf[:n], new_buf[:n], base_version=1, bucket=name, element_bytes=unit)
         _settle(device)
         encode_s += time.perf_counter() - start
         held = old_buf[:n].clone()
@@ -123,10 +136,20 @@ def measure(
         decode_s += time.perf_counter() - start
         exact &= torch.equal(held, new_buf[:n])
         full, delta, kinds[d.kind] = full + n, delta + d.payload_bytes, kinds[d.kind] + 1
-        changed += int((old_buf[:n].view(torch.int16) != new_buf[:n].view(torch.int16)).sum())
-    return DeltaRow(
-        case, full, delta, changed / (full // 2), dict(kinds), encode_s, decode_s, exact
-    )
+        word = _INTS[unit]
+        changed += int((old_buf[:n].view(word) != new_buf[:n].view(word)).sum())
+        elements += n // unit
+    return DeltaRow(case, full, delta, changed / elements, dict(kinds), encode_s, decode_s, exact)
+
+
+_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+
+
+def fp8_form(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` as an FP8 engine's checkpoint holds them, quantized as a trainer's
+    publisher does (:class:`~weightsync.fp8.BlockFp8`, a new one per call: its results are
+    views it reuses)."""
+    return BlockFp8()(tensors)
 
 
 def _settle(device: torch.device) -> None:
@@ -157,14 +180,21 @@ def run(args: argparse.Namespace) -> list[DeltaRow]:
     specs = layer_specs(shape)
     bucket = args.bucket_size_mb << 20
     versions = adam_versions(specs, args.warmup_steps, device)
+    forms = [("", specs, lambda tensors: tensors)]
+    if args.fp8:
+        meta = {s.name: torch.empty(s.shape, dtype=s.torch_dtype, device="meta") for s in specs}
+        fp8_specs = [TensorSpec.of(n, t) for n, t in fp8_form(meta).items()]
+        forms.append(("FP8 ", fp8_specs, fp8_form))
     rows = [
         measure(
-            f"{shape.name} layer, Adam step {1 if i == 0 else args.warmup_steps + 1} at lr {LR:g}",
-            specs,
-            {n: v[i] for n, v in versions.items()},
-            {n: v[i + 1] for n, v in versions.items()},
+            f"{form}{shape.name} layer, Adam step {1 if i == 0 else args.warmup_steps + 1} at "
+            f"lr {LR:g}",
+            form_specs,
+            convert({n: v[i] for n, v in versions.items()}),
+            convert({n: v[i + 1] for n, v in versions.items()}),
             bucket,
         )
+        for form, form_specs, convert in forms
         for i in (0, 2)
     ]
     del versions
@@ -197,6 +227,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--bucket-size-mb", type=int, default=128)
     p.add_argument("--synthetic-mb", type=int, default=64)
     p.add_argument("--sparsities", type=float, nargs="*", default=[0.001, 0.01, 0.03, 0.1, 0.3])
+    p.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also the Adam steps in an FP8 engine's checkpoint form (e4m3, 128 x 128 scales)",
+    )
     args = p.parse_args(argv)
     torch.manual_seed(0)
     rows = run(args)
