@@ -64,7 +64,7 @@ def awake_cpus() -> Iterator[list[subprocess.Popen]]:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,
-                )  # fmt: skip
+                )
             )
         for spinner in spinners:
             if spinner.stdout.readline().strip() != "spinning":

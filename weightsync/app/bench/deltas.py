@@ -14,8 +14,8 @@ random places, and with whole rows moved (clustered, where the XOR form wins).
 With ``--fp8`` the same Adam versions are also measured in an FP8 engine's checkpoint form
 (each projection quantized to e4m3 with its 128 x 128 float32 scales as a trainer's publisher
 does, :class:`weightsync.fp8.BlockFp8`, bit for bit the engines' reference quantizer; norms and
-biases stay bf16): how sparse
-an FP8 version's change is, which ``weightsync plan --delta-ratio`` takes for FP8 engines.
+biases stay bf16): how sparse an FP8 version's change is, which ``weightsync plan
+--delta-ratio`` takes for FP8 engines.
 
 Every delta is decoded onto the previous bytes and checked bit for bit. Times are this
 machine's, for encoding and decoding on ``--device`` (``cuda``: the GPU scan); the wire is not
@@ -39,7 +39,7 @@ import torch
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
 from weightsync.buckets import TensorSpec, pack_entry, plan_buckets
 from weightsync.delta_wire import element_bytes
-from weightsync.deltas import decode, encode
+from weightsync.deltas import UNITS, decode, encode
 from weightsync.fp8 import BlockFp8
 
 LR, BETAS, EPS, GRAD_STD, WEIGHT_STD = 1e-6, (0.9, 0.999), 1e-8, 1e-3, 0.02
@@ -136,13 +136,10 @@ def measure(
         decode_s += time.perf_counter() - start
         exact &= torch.equal(held, new_buf[:n])
         full, delta, kinds[d.kind] = full + n, delta + d.payload_bytes, kinds[d.kind] + 1
-        word = _INTS[unit]
+        word = UNITS[unit]
         changed += int((old_buf[:n].view(word) != new_buf[:n].view(word)).sum())
         elements += n // unit
     return DeltaRow(case, full, delta, changed / elements, dict(kinds), encode_s, decode_s, exact)
-
-
-_INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32}
 
 
 def fp8_form(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
