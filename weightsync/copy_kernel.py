@@ -9,7 +9,8 @@ MoE experts, each its own launch in torch) and large contiguous copies go in the
 one launch has no tail between copies. Measured against a flat copy: docs/benchmarks.md.
 
 The kernels' CUDA source is :mod:`.copy_kernel_source`; this module compiles and launches them
-(with the block FP8 kernel of :mod:`.fp8_kernel_source`, one module for both) and builds the
+(with the block FP8 kernel of :mod:`.fp8_kernel_source` and the delta scan of
+:mod:`.delta_kernel_source`, one module for all) and builds the
 copy kernel's table. The same launch path serves the copy that also takes the
 bucket checksum (``copy_sum``, planned by :mod:`.summed_copies`): each 8-byte word is summed as
 it passes through registers, so a bucket is read once, not once by its copies and again by
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from weightsync import copy_kernel_source, fp8_kernel_source
+from weightsync import copy_kernel_source, delta_kernel_source, fp8_kernel_source
 
 log = logging.getLogger("weightsync")
 
@@ -48,8 +49,11 @@ KERNELS = {
     "copy_sum": THREADS,
     "copy_sum_also": THREADS,
     "quantize_fp8": 256,
+    "delta_scan": THREADS,
 }
 """Each kernel by name, with its threads per block (its ``__launch_bounds__``)."""
+SOURCE = copy_kernel_source.SOURCE + fp8_kernel_source.SOURCE + delta_kernel_source.SOURCE
+"""Every kernel's source, one module (the FP8 and delta kernels use the copy kernels' helpers)."""
 
 
 @functools.cache
@@ -63,7 +67,7 @@ def _kernels():
     except ImportError:
         return None
     try:
-        module = cupy.RawModule(code=copy_kernel_source.SOURCE + fp8_kernel_source.SOURCE)
+        module = cupy.RawModule(code=SOURCE)
         kernels = {name: module.get_function(name) for name in KERNELS}
     except Exception as e:  # a CuPy that does not match this machine's CUDA
         log.warning(

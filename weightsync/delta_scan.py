@@ -6,9 +6,11 @@ no Python per element or run. Two ways to the same parts, bit for bit:
   pass over the bucket costs; here there are two (the comparison and the ``nonzero`` of its
   mask), the rest touches only the changed words (under a tenth of them for an Adam step at
   lr 1e-6). Twice the speed of comparing elements and words apart.
-- :func:`dense` (CUDA): the sizes from masks of the whole bucket (cheap passes on a GPU), the
-  checksums beside them, and one copy to the host for all of them: the only sync, the one that
-  sizes the payload. The parts then come from ``nonzero_static`` of the known sizes (no sync).
+- :func:`dense` (CUDA): the sizes and both checksums from one read of the two versions (the
+  delta scan kernel, :mod:`.delta_kernel_source`, where CuPy is; else masks of the whole
+  bucket), and one copy to the host for all of them: the only sync, the one that sizes the
+  payload. The parts then come from ``nonzero_static`` of the known sizes (no sync); the masks
+  they need are made only for the form chosen.
 
 The XOR form's runs follow from the positions of the changed 32-bit words: consecutive changed
 words ``d`` apart share a run when ``d <= GAP_WORDS + 1`` (the ``d - 1`` zero words between
@@ -17,12 +19,15 @@ them travel inside it).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from weightsync.checksum import finish, row_sums
+from weightsync import copy_kernel
+from weightsync.checksum import finish, row_sums, whole_row_words
+from weightsync.delta_kernel_source import SCAN_VALUES
 
 GAP_WORDS = 2
 """Zero words kept inside an XOR run rather than starting a new one (a run costs 8 bytes)."""
@@ -80,11 +85,65 @@ def sparse(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
 
 
 def dense(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
-    """The scan of two flat uint8 tensors through masks of the whole of them, with one copy to
-    the host (the sizes and both checksums together)."""
+    """The scan of two flat uint8 tensors through one read of both (:func:`_scanned`, the
+    delta scan kernel) or masks of the whole of them (torch), with one copy to the host (the
+    sizes and both checksums together)."""
     wo, wc = old.view(torch.int32), cur.view(torch.int32)
-    words = wo != wc
-    element = words if unit == 4 else old.view(UNITS[unit]) != cur.view(UNITS[unit])
+
+    @functools.cache
+    def words() -> torch.Tensor:
+        return wo != wc
+
+    @functools.cache
+    def element() -> torch.Tensor:
+        return words() if unit == 4 else old.view(UNITS[unit]) != cur.view(UNITS[unit])
+
+    nbytes = old.numel()
+    kernel = copy_kernel.available(old.device) and not (old.data_ptr() | cur.data_ptr()) % 8
+    got = _scanned(old, cur, unit) if kernel else _counted(old, cur, words(), element())
+    changed, nonzero, near = got[0], got[1], got[2 : 3 + GAP_WORDS]
+    runs = nonzero - sum(near)  # each pair of consecutive changed words <= GAP+1 apart joins
+    covered = nonzero + sum((d - 1) * k for d, k in enumerate(near, 1))  # and the d - 1 between
+    base, checksum = (
+        finish(torch.tensor(got[i : i + 2]), nbytes) for i in (3 + GAP_WORDS, 5 + GAP_WORDS)
+    )
+
+    def indices() -> tuple[torch.Tensor, torch.Tensor]:
+        picked = torch.nonzero_static(element(), size=changed).flatten()
+        return picked.to(torch.int32), cur.view(UNITS[unit])[picked]
+
+    def xor() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        positions = torch.nonzero_static(words(), size=nonzero).flatten()
+        values = wo[positions] ^ wc[positions]
+        return _xor_parts(positions, values, runs, covered)
+
+    return Scan(changed, runs, covered, base, checksum, indices, xor)
+
+
+def _scanned(old: torch.Tensor, cur: torch.Tensor, unit: int) -> list[int]:
+    """:func:`dense`'s numbers from one launch of the delta scan kernel: [changed elements,
+    changed words, the consecutive changed words 1 .. GAP_WORDS + 1 apart, both versions'
+    checksum sums]. The copy to the host is the one sync."""
+    out = torch.zeros(SCAN_VALUES, dtype=torch.int64, device=old.device)
+    n8 = old.numel() // 8
+    blocks = max(1, min(-(-n8 // (copy_kernel.THREADS * _WORDS_PER_THREAD)), _MAX_BLOCKS))
+    copy_kernel.launch(
+        "delta_scan", old.device, blocks, old.data_ptr(), cur.data_ptr(), n8,
+        whole_row_words(old.numel()), unit, out.data_ptr(),
+    )  # fmt: skip
+    return out.tolist()
+
+
+_WORDS_PER_THREAD = 8
+"""8-byte words each thread of the scan reads per launch, where the grid is not capped."""
+_MAX_BLOCKS = 4096
+"""Blocks of the scan at most (threads then walk the bucket in strides)."""
+
+
+def _counted(
+    old: torch.Tensor, cur: torch.Tensor, words: torch.Tensor, element: torch.Tensor
+) -> list[int]:
+    """:func:`_scanned`'s numbers from torch's whole-bucket masks."""
     counts = [torch.count_nonzero(element), torch.count_nonzero(words)]
     n = words.numel()
     # ``alone[i]``: word i changed and the d - 1 words after it did not; with word i + d
@@ -94,25 +153,7 @@ def dense(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
         counts.append(torch.count_nonzero(alone[: n - d] & words[d:]))
         alone = alone[: n - d - 1] & ~words[d : n - 1]
     nbytes = old.numel()
-    sums = torch.cat([torch.stack(counts), row_sums(old, nbytes), row_sums(cur, nbytes)])
-    got = sums.tolist()  # the one sync
-    changed, nonzero, near = got[0], got[1], got[2 : 3 + GAP_WORDS]
-    runs = nonzero - sum(near)  # each pair of consecutive changed words <= GAP+1 apart joins
-    covered = nonzero + sum((d - 1) * k for d, k in enumerate(near, 1))  # and the d - 1 between
-    base, checksum = (
-        finish(torch.tensor(got[i : i + 2]), nbytes) for i in (3 + GAP_WORDS, 5 + GAP_WORDS)
-    )
-
-    def indices() -> tuple[torch.Tensor, torch.Tensor]:
-        picked = torch.nonzero_static(element, size=changed).flatten()
-        return picked.to(torch.int32), cur.view(UNITS[unit])[picked]
-
-    def xor() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        positions = torch.nonzero_static(words, size=nonzero).flatten()
-        values = wo[positions] ^ wc[positions]
-        return _xor_parts(positions, values, runs, covered)
-
-    return Scan(changed, runs, covered, base, checksum, indices, xor)
+    return torch.cat([torch.stack(counts), row_sums(old, nbytes), row_sums(cur, nbytes)]).tolist()
 
 
 def covered_words(starts: torch.Tensor, lengths: torch.Tensor, covered: int) -> torch.Tensor:

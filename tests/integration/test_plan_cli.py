@@ -141,8 +141,8 @@ def test_a_delta_ratio_scales_the_times_of_the_same_plan(tmp_path):
         f" s, floor {seconds['floor'] * 0.25:.3f} s, as built {wire:.3f} s; encoding them, "
     )
     assert line.endswith("(a receiver that missed a version, or joined late, takes the full bytes)")
-    # Encoding at 48 GB/s is nothing beside this test's 1 kB/s links: the wire bounds it.
-    assert re.search(r"at 48 GB/s on trainer-\d: 0\.000 s", line)
+    # Encoding at 130 GB/s is nothing beside this test's 1 kB/s links: the wire bounds it.
+    assert re.search(r"at 130 GB/s on trainer-\d: 0\.000 s", line)
     assert f"a version as built about {wire:.3f} s, bound by the wire" in line
     # Encoding at the NIC's rate takes what the busiest sender's full bytes take on its NIC
     # (that sender bounds the full version as built): the version is no faster than in full.

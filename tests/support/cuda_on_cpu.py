@@ -1,11 +1,13 @@
 """Our CUDA kernels' own source, compiled for the CPU with g++ and run there, block by block.
 
-The kernels (``weightsync/copy_kernel_source.py``, ``weightsync/fp8_kernel_source.py``) only
-launch on a GPU, which CI does not have. A few lines of C++ stand in for what they use of CUDA:
-each block's threads are real threads (``threadIdx``), ``__syncthreads`` a barrier among them,
-``__shared__`` memory shared by them, ``__shfl_down_sync`` an exchange between two barriers,
-``atomicAdd`` an atomic add, the float intrinsics the CPU's float arithmetic (both round to
-nearest even), and a misaligned load or store stops the process (as it would fault on a GPU).
+The kernels (``weightsync/copy_kernel_source.py``, ``weightsync/fp8_kernel_source.py``,
+``weightsync/delta_kernel_source.py``) only launch on a GPU, which CI does not have. A few
+lines of C++ stand in for what they use of CUDA: each block's threads are real threads
+(``threadIdx``), ``__syncthreads`` a barrier among them, ``__shared__`` memory shared by them,
+``__shfl_down_sync`` an exchange between two barriers, ``atomicAdd`` an atomic add,
+``__popcll`` the compiler's bit count, the float intrinsics the CPU's float arithmetic (both
+round to nearest even), and a misaligned load or store stops the process (as it would fault on
+a GPU).
 Blocks run one after another. The kernels then read and write CPU memory at the addresses in
 their tables, so a test can compare what they did with torch's answer, bit for bit.
 """
@@ -20,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from weightsync import copy_kernel, copy_kernel_source, fp8_kernel_source
+from weightsync import copy_kernel
 
 _SHIM = r"""
 #include <barrier>
@@ -30,7 +32,7 @@ _SHIM = r"""
 
 struct dim3_ { unsigned x, y, z; };
 static thread_local dim3_ threadIdx, blockIdx;
-static dim3_ blockDim;
+static dim3_ blockDim, gridDim;
 static std::barrier<>* block_barrier;
 // Aligned like CUDA's (the sanitizer checks its loads against 16 bytes), copied a field at a
 // time so that a misaligned one is reported rather than faulting here.
@@ -66,6 +68,8 @@ static float __fadd_rn(float a, float b) { return a + b; }
 static float __fmul_rn(float a, float b) { return a * b; }
 static float __fdiv_rn(float a, float b) { return a / b; }
 
+static int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+
 static unsigned long long atomicAdd(unsigned long long* at, unsigned long long v) {
     return __atomic_fetch_add(at, v, __ATOMIC_SEQ_CST);
 }
@@ -75,6 +79,7 @@ _LAUNCHERS = r"""
 template <class F>
 static void grid(unsigned blocks, unsigned threads, F body) {
     blockDim = {threads, 1, 1};
+    gridDim = {blocks, 1, 1};
     for (unsigned b = 0; b < blocks; ++b) {
         std::barrier<> barrier(threads);
         block_barrier = &barrier;
@@ -102,6 +107,13 @@ extern "C" void launch_copy_sum_also(unsigned blocks, unsigned threads,
     grid(blocks, threads, [=] { copy_sum_also(table, whole, out); });
 }
 
+extern "C" void launch_delta_scan(unsigned blocks, unsigned threads,
+                                  const unsigned long long* old, const unsigned long long* cur,
+                                  unsigned long long n8, unsigned long long whole,
+                                  unsigned long long unit, unsigned long long* out) {
+    grid(blocks, threads, [=] { delta_scan(old, cur, n8, whole, unit, out); });
+}
+
 extern "C" void launch_quantize_fp8(unsigned blocks, unsigned threads,
                                     const unsigned long long* table, unsigned long long tensors,
                                     unsigned long long ue8m0) {
@@ -121,11 +133,10 @@ def compiler() -> str | None:
 
 @functools.cache
 def kernels() -> ctypes.CDLL:
-    """The kernels of ``copy_kernel_source.SOURCE`` built for this CPU: ``launch_<kernel>`` takes
+    """The kernels of ``copy_kernel.SOURCE`` built for this CPU: ``launch_<kernel>`` takes
     the block count, the threads per block, then the kernel's arguments."""
     build = Path(tempfile.mkdtemp(prefix="ws-kernels-"))
-    sources = copy_kernel_source.SOURCE + fp8_kernel_source.SOURCE
-    (build / "kernels.cpp").write_text(_SHIM + sources + _LAUNCHERS)
+    (build / "kernels.cpp").write_text(_SHIM + copy_kernel.SOURCE + _LAUNCHERS)
     # A load or store at an address its type does not align to is reported (a GPU would
     # fault; x86 does not care): see launch().
     cmd = [compiler(), "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread"]
@@ -138,6 +149,7 @@ def kernels() -> ctypes.CDLL:
     lib.launch_copy_sum.argtypes = [u32, u32, u64, u64, u64]
     lib.launch_copy_sum_also.argtypes = [u32, u32, u64, u64, u64]
     lib.launch_quantize_fp8.argtypes = [u32, u32, u64, u64, u64]
+    lib.launch_delta_scan.argtypes = [u32, u32, u64, u64, u64, u64, u64, u64]
     return lib
 
 

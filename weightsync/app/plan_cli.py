@@ -47,9 +47,10 @@ it. Exit 0, or 2 with one line naming the field of a bad file.
 """
 
 
-DELTA_ENCODE_GB_S = 48.0
-"""A sender's delta encoding rate on an H200: a 7B layer's 466 MB of bf16 buckets in 9.6 ms
-(``python -m weightsync.app.bench.deltas --device cuda``, docs/benchmarks.md, 2026-11-27)."""
+DELTA_ENCODE_GB_S = 130.0
+"""A sender's delta encoding rate on an H200, with the delta scan kernel: a 7B layer's 466 MB
+of bf16 buckets in 3.2-3.5 ms, its 233 MB in FP8 form in 1.7-1.8 ms (``python -m
+weightsync.app.bench.deltas --device cuda --fp8``, docs/benchmarks.md, 2026-11-29)."""
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
