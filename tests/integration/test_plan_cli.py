@@ -155,3 +155,5 @@ def test_a_delta_ratio_scales_the_times_of_the_same_plan(tmp_path):
     assert wrong.returncode == 2 and "--delta-ratio 1.5: a delta is 0 < R <= 1" in wrong.stderr
     zero = plan("--topology", path, "--delta-ratio", "0.5", "--delta-encode-gb-s", "0")
     assert zero.returncode == 2 and "--delta-encode-gb-s 0: a rate is > 0" in zero.stderr
+    alone = plan("--topology", path, "--delta-encode-gb-s", "10")
+    assert alone.returncode == 2 and "give --delta-ratio" in alone.stderr

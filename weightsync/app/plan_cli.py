@@ -67,7 +67,6 @@ def add_plan_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--delta-encode-gb-s",
         type=float,
-        default=DELTA_ENCODE_GB_S,
         metavar="E",
         help="with --delta-ratio: how fast a sender encodes its buckets as deltas, GB of "
         f"bucket per second (default {DELTA_ENCODE_GB_S:g}: measured on an H200, "
@@ -151,13 +150,17 @@ def run_plan(args: argparse.Namespace) -> int:
     ratio = args.delta_ratio
     if ratio is not None and not 0 < ratio <= 1:
         raise ConfigError(f"--delta-ratio {ratio:g}: a delta is 0 < R <= 1 of the bytes")
-    if not args.delta_encode_gb_s > 0:
-        raise ConfigError(f"--delta-encode-gb-s {args.delta_encode_gb_s:g}: a rate is > 0")
+    encode = args.delta_encode_gb_s
+    if encode is not None and ratio is None:
+        raise ConfigError("--delta-encode-gb-s times the encoding of deltas: give --delta-ratio")
+    encode = DELTA_ENCODE_GB_S if encode is None else encode
+    if not encode > 0:
+        raise ConfigError(f"--delta-encode-gb-s {encode:g}: a rate is > 0")
     built = cluster(topo, config)  # once: for a 1T model it is most of the run
     plan, run = plan_built(topo, built), runtime_estimate(topo, built)
     print_plan(path, topo, config, plan, run)
     if ratio is not None:
-        print(_with_deltas(ratio, plan, run, args.delta_encode_gb_s * GB), flush=True)
+        print(_with_deltas(ratio, plan, run, encode * GB), flush=True)
     return 0
 
 
