@@ -10,6 +10,7 @@ import re
 import pytest
 
 from tests.support.bench import bench
+from tests.support.processes import parent_of
 from weightsync.app.bench.awake import awake_state
 from weightsync.app.bench.engine_like import engine_shard
 from weightsync.app.bench.hosts import stage_of
@@ -160,16 +161,15 @@ def test_cpu_bench_with_every_cpu_kept_awake_says_so_and_leaves_no_spinner(tmp_p
 def _spinners_of(parent: int) -> list[int]:
     """Live child processes of ``parent`` running awake.py's spinner."""
     found = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        if parent_of(pid) != parent:
+            continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"SCHED_IDLE" in f.read():
+                    found.append(pid)
         except (FileNotFoundError, ProcessLookupError):  # it exited meanwhile
             continue
-        if int(ppid) == parent and state not in "ZX" and b"SCHED_IDLE" in cmdline:
-            found.append(int(entry))
     return found
 
 

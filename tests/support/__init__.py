@@ -6,7 +6,8 @@
   ``random_weights``.
 - ``processes``: a sender on a short unix socket path (``unix_sender``, ``socket_dir``),
   receivers in their own processes (``start_receivers``, ``publish_versions``, then
-  ``next_outcomes`` and ``assert_applied``) or in a thread (``sync_in_thread``).
+  ``next_outcomes`` and ``assert_applied``) or in a thread (``sync_in_thread``); whether a
+  process still runs, and under which parent (``parent_of``).
 - ``waiting``: ``wait_until(condition, timeout, message)`` instead of polling loops and sleeps.
 - ``bench``: ``weightsync bench`` in the test's process.
 - ``vllm``, ``megatron``, ``sglang``: per-engine helpers, imported only by that engine's tests.

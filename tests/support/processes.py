@@ -486,3 +486,14 @@ def spawn_ranks(target, args: tuple, world_size: int, timeout_s: float) -> dict[
             if p.is_alive():
                 p.kill()
     return got
+
+
+def parent_of(pid: int) -> int | None:
+    """The parent of process ``pid`` while it runs; None once it exited (a zombie no parent
+    reaped yet included: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state, ppid = f.read().rsplit(")", 1)[1].split()[:2]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return None if state in ("Z", "X") else int(ppid)

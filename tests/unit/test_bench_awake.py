@@ -13,6 +13,7 @@ import textwrap
 
 import pytest
 
+from tests.support.processes import parent_of
 from tests.support.waiting import wait_until
 from weightsync.app.bench import awake
 from weightsync.app.bench.report import Report
@@ -20,12 +21,7 @@ from weightsync.errors import ConfigError
 
 
 def _gone(pid: int) -> bool:
-    """Exited (a zombie no parent reaped yet counts: it runs nothing)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
+    return parent_of(pid) is None
 
 
 def test_a_spinner_per_cpu_at_the_lowest_priority_while_the_block_runs():
