@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from weightsync.app.bench.children import report
 from weightsync.app.bench.deltas import BETAS, EPS, GRAD_STD, LR, WEIGHT_STD, layer_specs
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.models import model_shape
@@ -92,10 +93,10 @@ def _receiver(address: str, model: str, names, syncs: int, env: dict, ready, out
 
     target = EngineLikeTarget(EngineLikeModel(model_shape(model, 1), torch.device("cpu")))
     receiver = ReceiverCore(target, address, receiver_id="remote", engine="bench")
-    ready.put(True)
+    ready.put(("ready",))
     for _ in range(syncs):
         version = receiver.sync(timeout=600)
-        out.put((version, digest({n: target.resolve(n) for n in names})))
+        out.put(("applied", version, digest({n: target.resolve(n) for n in names})))
     receiver.close()
 
 
@@ -121,7 +122,7 @@ def run_mode(
                 daemon=True,
             )
             proc.start()
-            ready.get(timeout=120)
+            report(ready, [proc], 120, "deltas bench")
             publisher = Publisher(address)
             # A trainer updates its weights in place: each version is copied (untimed) into
             # the same tensors, so the sender sees the memory of the last version again.
@@ -132,7 +133,7 @@ def run_mode(
                 start = time.perf_counter()
                 publisher.publish(live, version, wait=True, timeout_s=600)
                 seconds = time.perf_counter() - start
-                applied, got = out.get(timeout=600)
+                _, applied, got = report(out, [proc], 600, "deltas bench")
                 status = [s for s in publisher.status().versions if s.version == version][-1]
                 exact = applied == version and got == digest(tensors)
                 rows.append(WireRow.of(mode, status, seconds, exact))

@@ -19,19 +19,19 @@ bit.
 from __future__ import annotations
 
 import os
-import queue
 import time
 from collections.abc import Sequence
 
 import torch
 
 from weightsync.app.bench.broadcast_deltas import WireRow, medians, summary
-from weightsync.app.bench.children import children, scratch_dir
+from weightsync.app.bench.children import children, expect, scratch_dir
 from weightsync.app.bench.deltas import BETAS, EPS, GRAD_STD, LR, WEIGHT_STD
 from weightsync.app.bench.fanout import _offsets, _views
 from weightsync.app.bench.models import hf_specs, model_shape
-from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
+from weightsync.errors import ConfigError
 
+WHAT = "deltas bench"
 COMPARE_BYTES = 1 << 28
 """The chunk a receiver copies from GPU 0 to compare (bounds its extra memory)."""
 
@@ -97,23 +97,10 @@ def _receiver(model: str, layers, rank: int, address: str, chain, delta_bytes: i
             )
             out.put(("applied", rank, "" if same else f"version {version} differs on GPU {rank}"))
     except BaseException as e:
-        out.put(("failed", rank, f"{type(e).__name__}: {e}"))
+        out.put(("failed", f"receiver on GPU {rank}", f"{type(e).__name__}: {e}"))
         raise
     finally:
         receiver.close()
-
-
-def _expect(out, kind: str, n: int, timeout_s: float) -> list[str]:
-    got = []
-    while len(got) < n:
-        try:
-            item = out.get(timeout=timeout_s)
-        except queue.Empty:
-            raise SyncTimeoutError(f"deltas bench: {len(got)} of {n} '{kind}'") from None
-        if item[0] == "failed":
-            raise WeightSyncError(f"deltas bench: the receiver on GPU {item[1]} failed: {item[2]}")
-        got.append(item[2])
-    return got
 
 
 def run_mode_gpu(
@@ -150,7 +137,7 @@ def run_mode_gpu(
                 args = (model, layers, r, sender.address, chain, delta_bytes, out)
                 procs.append(ctx.Process(target=_receiver, args=args, daemon=True))
                 procs[-1].start()
-            _expect(out, "ready", gpus - 1, 300)
+            expect(out, procs, "ready", gpus - 1, 300, WHAT)
             live, tensors = _trainer(chain, specs)
             with Publisher(sender.address) as publisher:
                 for version, flat in enumerate(chain, start=1):
@@ -159,7 +146,9 @@ def run_mode_gpu(
                     start = time.perf_counter()
                     result = publisher.publish(tensors, version, wait=True, timeout_s=300)
                     seconds = time.perf_counter() - start
-                    wrong = [w for w in _expect(out, "applied", gpus - 1, 300) if w]
+                    wrong = [
+                        w for _, _, w in expect(out, procs, "applied", gpus - 1, 300, WHAT) if w
+                    ]
                     status = result.status
                     rows.append(WireRow.of(mode, status, seconds, not wrong))
                     print(summary(rows[-1]), *wrong, flush=True)

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import queue
 import statistics
 import sys
 import time
@@ -34,11 +33,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from weightsync.app.bench.children import children, scratch_dir
+from weightsync.app.bench.children import children, expect, reporting, scratch_dir
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
-from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
+from weightsync.errors import ConfigError
 
 ALIGN = 256
+WHAT = "fan-out bench"
 
 
 @dataclass(frozen=True)
@@ -189,31 +189,6 @@ def _receiver(shape: ModelShape, rank: int, address: str, versions: int, timeout
         receiver.close()
 
 
-def _child(what: str, body, *args) -> None:
-    try:
-        body(*args)
-    except BaseException as e:
-        args[-1].put(("failed", what, f"{type(e).__name__}: {e}"))
-        raise
-
-
-def _expect(out, kind: str, n: int, timeout_s: float) -> list[tuple]:
-    got = []
-    while len(got) < n:
-        try:
-            item = out.get(timeout=timeout_s)
-        except queue.Empty:
-            raise SyncTimeoutError(
-                f"fan-out bench: {len(got)} of {n} '{kind}' reports within {timeout_s:g} s"
-            ) from None
-        if item[0] == "failed":
-            raise WeightSyncError(f"fan-out bench: the {item[1]} failed: {item[2]}")
-        if item[0] != kind:
-            raise RuntimeError(f"fan-out bench: unexpected report {item[:2]!r}")
-        got.append(item)
-    return got
-
-
 def measure_fanout(
     shape: ModelShape,
     gpus: int,
@@ -270,10 +245,10 @@ def measure_fanout(
             for r in ranks:
                 args = (shape, r, sender.address, warmup + versions, timeout_s, out)
                 procs.append(
-                    ctx.Process(target=_child, args=(f"receiver on GPU {r}", _receiver, *args))
+                    ctx.Process(target=reporting, args=(f"receiver on GPU {r}", _receiver, *args))
                 )
                 procs[-1].start()
-            _expect(out, "ready", len(ranks), timeout_s)
+            expect(out, procs, "ready", len(ranks), timeout_s, WHAT)
             with Publisher(sender.address) as publisher:
                 for version in range(1, warmup + versions + 1):
                     _fill(buffer, version)
@@ -285,9 +260,8 @@ def measure_fanout(
                     result = publisher.publish(views, version, wait=True, timeout_s=timeout_s)
                     samples.append(time.perf_counter() - start)
                     statuses.append(result.status)
-                    wrong += [
-                        why for _, _, why in _expect(out, "applied", len(ranks), timeout_s) if why
-                    ]
+                    got = expect(out, procs, "applied", len(ranks), timeout_s, WHAT)
+                    wrong += [why for _, _, why in got if why]
     for line in wrong:
         print(f"fan-out bench: NOT bit-exact: {line}", flush=True)
     last = statuses[-1]

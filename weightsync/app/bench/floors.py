@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import statistics
 import tempfile
 import time
@@ -22,7 +21,7 @@ from datetime import timedelta
 
 import torch
 
-from weightsync.errors import SyncTimeoutError
+from weightsync.app.bench.children import report
 
 
 def d2d_copy(src: list[torch.Tensor], dst: list[torch.Tensor], reps: int) -> list[float]:
@@ -107,13 +106,10 @@ def broadcast(
         try:
             results = {}
             for _ in procs:
-                rank, times, kind = out.get(timeout=timeout_s)
+                rank, times, kind = report(
+                    out, procs, timeout_s, f"broadcast floor ({ranks} ranks)"
+                )
                 results[rank] = times
-        except queue.Empty as e:
-            raise SyncTimeoutError(
-                f"broadcast floor: the {ranks} processes reported nothing within {timeout_s:.0f} s "
-                f"(exit codes {[p.exitcode for p in procs]})"
-            ) from e
         finally:
             for p in procs:
                 p.join(30)

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from weightsync.app.bench.children import children, scratch_dir
-from weightsync.app.bench.fanout import _child, _expect, _module, _offsets, _views
+from weightsync.app.bench.children import children, expect, reporting, scratch_dir
+from weightsync.app.bench.fanout import _module, _offsets, _views
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
 from weightsync.buckets import TensorSpec
 from weightsync.fp8 import BlockFp8
@@ -154,9 +154,9 @@ def _measure(
                 specs, quantize, str(receiver_device), sender.address, warmup + versions,
                 timeout_s, out,
             )  # fmt: skip
-            procs.append(ctx.Process(target=_child, args=("receiver", _receiver, *args)))
+            procs.append(ctx.Process(target=reporting, args=("receiver", _receiver, *args)))
             procs[-1].start()
-            _expect(out, "ready", 1, timeout_s)
+            expect(out, procs, "ready", 1, timeout_s, "fp8 bench")
             with Publisher(sender.address) as publisher:
                 for version in range(1, warmup + versions + 1):
                     _fill(views, version)
@@ -167,7 +167,8 @@ def _measure(
                     result = publisher.publish(tensors, version, wait=True, timeout_s=timeout_s)
                     samples.append(time.perf_counter() - start)
                     nbytes = result.status.total_bytes
-                    wrong += [why for _, _, why in _expect(out, "applied", 1, timeout_s) if why]
+                    got = expect(out, procs, "applied", 1, timeout_s, "fp8 bench")
+                    wrong += [why for _, _, why in got if why]
     quantize_s = tuple(_quantize_alone(fp8, views, versions)) if quantize else ()
     return tuple(samples[warmup:]), nbytes, wrong, quantize_s
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.app.bench import floors
-from weightsync.app.bench.children import children, scratch_dir
+from weightsync.app.bench.children import children, expect, report, scratch_dir
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import FLOOR, HOSTS_FLOOR, WEIGHTSYNC, Row
@@ -42,6 +42,7 @@ from weightsync.buckets import TensorSpec
 from weightsync.errors import ConfigError
 
 HOSTS = ("bench-host-a", "bench-host-b")
+WHAT = "hosts bench"
 
 
 @dataclass(frozen=True)
@@ -235,14 +236,6 @@ def _receiver_main(
     receiver.close()
 
 
-def _collect(out, kind: str, count: int, timeout_s: float) -> list[tuple]:
-    got = [out.get(timeout=timeout_s) for _ in range(count)]
-    stray = [g[:2] for g in got if g[0] != kind]
-    if stray:
-        raise RuntimeError(f"hosts bench: expected {count} {kind!r} reports, got {stray}")
-    return got
-
-
 def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, socks, engine_tp):
     """One case: ``publishers`` = (device, host, address, names, part) each; returns each
     version's time, whether every receiver was bit-exact every time, the bytes broadcast and
@@ -264,7 +257,7 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
                 )  # fmt: skip
                 procs.append(ctx.Process(target=_receiver_main, args=args, daemon=True))
                 procs[-1].start()
-            _collect(out, "ready", len(devices), timeout_s)
+            expect(out, procs, "ready", len(devices), timeout_s, WHAT)
             commands = []
             for device, host, address, names, part in publishers:
                 q = ctx.Queue()
@@ -277,7 +270,10 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
                 for q in commands:
                     q.put(version)
                 # Receivers may report before the publishers' waits return: any order.
-                got = [out.get(timeout=timeout_s) for _ in range(len(publishers) + len(devices))]
+                got = [
+                    report(out, procs, timeout_s, WHAT)
+                    for _ in range(len(publishers) + len(devices))
+                ]
                 parts = [g for g in got if g[0] == "published"]
                 if len(parts) != len(publishers):
                     raise RuntimeError(f"hosts bench: version {version}: reports {got}")
@@ -289,7 +285,9 @@ def _measure(shape, devices, publishers, receiver_addresses, total, timeout_s, s
                 exact = exact and not wrong
             for q in commands:
                 q.put(None)
-            paths = {g[1]: g[2] for g in _collect(out, "paths", len(publishers), timeout_s)}
+            paths = {
+                g[1]: g[2] for g in expect(out, procs, "paths", len(publishers), timeout_s, WHAT)
+            }
     finally:
         for proc, stop in senders:
             stop.put(None)

@@ -18,7 +18,6 @@ applied), median over the measured versions; the floor per repetition is its slo
 from __future__ import annotations
 
 import multiprocessing as mp
-import queue
 import statistics
 import time
 from dataclasses import dataclass, replace
@@ -26,13 +25,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from weightsync.app.bench import floors
-from weightsync.app.bench.children import children, scratch_dir
+from weightsync.app.bench.children import children, report, reporting, scratch_dir
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
 from weightsync.app.bench.layout import TrainerShards, plan_layout
 from weightsync.app.bench.models import ModelShape, hf_specs
 from weightsync.app.bench.report import FLOOR, NODE_FLOOR, NODE_LINK_FLOOR, WEIGHTSYNC, Row
 from weightsync.app.bench.worker import sync
-from weightsync.errors import ConfigError, SyncTimeoutError, WeightSyncError
+from weightsync.errors import ConfigError
 from weightsync.manifest import VersionManifest
 
 
@@ -242,37 +241,18 @@ def _receiver(
     receiver.close()
 
 
-def _child(what: str, body, *args) -> None:
-    """A process of the bench running ``body(*args)`` (``out`` last): its failure is reported
-    at once, then raised; else the bench would wait out its timeout for reports never sent."""
-    try:
-        body(*args)
-    except BaseException as e:
-        args[-1].put(("failed", what, f"{type(e).__name__}: {e}"))
-        raise
-
-
-def _collect(out, counts: dict[str, int], timeout_s: float) -> dict[str, list[tuple]]:
-    """The next reports of the processes: ``counts[kind]`` of each kind, in any order.
+def _collect(out, procs, counts: dict[str, int], timeout_s: float) -> dict[str, list[tuple]]:
+    """The next reports of the processes ``procs``: ``counts[kind]`` of each kind, in any order.
 
     Raises:
-        WeightSyncError: a process failed (naming it and its error).
+        WeightSyncError: a process failed or died (naming it).
         SyncTimeoutError: no report came for ``timeout_s`` (naming the missing ones).
     """
     got: dict[str, list[tuple]] = {kind: [] for kind in counts}
     while any(len(got[k]) < n for k, n in counts.items()):
-        try:
-            item = out.get(timeout=timeout_s)
-        except queue.Empty:
-            missing = {
-                k: sorted(r[1] for r in got[k]) for k, n in counts.items() if len(got[k]) < n
-            }
-            raise SyncTimeoutError(
-                f"node bench: no report for {timeout_s:g} s; waiting for {counts}, "
-                f"have only (kind: ranks) {missing} (--timeout-s)"
-            ) from None
-        if item[0] == "failed":
-            raise WeightSyncError(f"node bench: the {item[1]} failed: {item[2]}")
+        have = {k: sorted(r[1] for r in got[k]) for k, n in counts.items() if len(got[k]) < n}
+        what = f"node bench, waiting for {counts}, have only (kind: ranks) {have}"
+        item = report(out, procs, timeout_s, what)
         if len(got.get(item[0], ())) >= counts.get(item[0], 0):
             raise RuntimeError(f"node bench: unexpected report {item[:2]!r}")
         got[item[0]].append(item)
@@ -326,7 +306,7 @@ def measure_node(
     def start(what: str, body, *args) -> None:
         where = f"GPU {args[2] % devices}" if devices else "the CPU"
         what = f"{what} {args[2]} on {where}"
-        procs.append(ctx.Process(target=_child, args=(what, body, *args), daemon=True))
+        procs.append(ctx.Process(target=reporting, args=(what, body, *args), daemon=True))
         procs[-1].start()
 
     with scratch_dir("ws-node-") as sock_dir:
@@ -339,7 +319,7 @@ def measure_node(
                     "receiver", _receiver, trainer, shape, r, devices, engine_tp, sender.address,
                     total, reps, timeout_s, barrier, out,
                 )  # fmt: skip
-            _collect(out, {"ready": gpus}, timeout_s)
+            _collect(out, procs, {"ready": gpus}, timeout_s)
             for r in range(gpus):
                 start(
                     "publisher rank", _publisher, trainer, shape, r, gpus, devices,
@@ -351,7 +331,7 @@ def measure_node(
                     q.put(version)
                 # After the last version, receivers report their floors (at once without reps).
                 kinds = {"published": gpus, "applied": gpus, "floor": gpus * (version == total)}
-                got = _collect(out, kinds, timeout_s)
+                got = _collect(out, procs, kinds, timeout_s)
                 statuses.append(pb.VersionStatus.FromString(got["published"][0][2]))
                 wrong = [f"gpu{rank} {why}" for _, rank, why in got["applied"] if why]
                 exact = exact and not wrong
