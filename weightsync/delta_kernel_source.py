@@ -6,8 +6,9 @@ must know before it sizes the payload, the numbers torch's masks gave in a dozen
 the changed elements of the element size the ``indices`` form compares, the changed 32-bit
 words, for each ``d`` of 1 to ``GAP_WORDS + 1`` the pairs of consecutive changed words ``d``
 apart (which XOR runs join), and both versions' bucket checksums (each 8-byte word weighted by
-its checksum row position, as ``copy_sum`` takes them: ``take``). Threads walk the 8-byte
-words; a word's next two are read again for its neighbours (from cache). Each block adds its
+its checksum row position, as ``copy_sum`` takes them: ``take``). Threads walk 16-byte pairs
+of words, four loads in flight each; a changed word's next two are read again for its
+neighbours (from cache). Each block adds its
 sums to ``out`` once: ``[changed, words, near_1 .. near_{G+1}, a_old, b_old, a_new, b_new]``.
 The tests compile this same source for the CPU (``tests/support/cuda_on_cpu.py``).
 """
@@ -39,50 +40,98 @@ __device__ __forceinline__ unsigned changed_units(unsigned long long x, unsigned
     return (unsigned)__popcll(x & 0x0101010101010101ull);
 }}
 
-// Bit k: the k-th 32-bit word from the first of 8-byte word ``i`` changed (k < 2 * left).
-__device__ __forceinline__ unsigned changed_words(const unsigned long long* o,
-        const unsigned long long* c, unsigned long long i, unsigned long long n8) {{
-    unsigned bits = 0;
-    for (unsigned j = 0; j < 3 && i + j < n8; ++j) {{
-        const unsigned long long x = o[i + j] ^ c[i + j];
-        bits |= ((unsigned)((x & 0xffffffffull) != 0) | ((unsigned)((x >> 32) != 0) << 1))
+// Bit k: the k-th 32-bit word from the first of 8-byte word ``i`` (whose XOR is ``x``) changed.
+__device__ __forceinline__ unsigned changed_words(unsigned long long x,
+        const unsigned long long* o, const unsigned long long* c, unsigned long long i,
+        unsigned long long n8) {{
+    unsigned bits = (unsigned)((x & 0xffffffffull) != 0) | ((unsigned)((x >> 32) != 0) << 1);
+#pragma unroll
+    for (unsigned j = 1; j < 3; ++j) {{
+        if (i + j >= n8) break;
+        const unsigned long long y = o[i + j] ^ c[i + j];
+        bits |= ((unsigned)((y & 0xffffffffull) != 0) | ((unsigned)((y >> 32) != 0) << 1))
                 << (2 * j);
     }}
     return bits;
 }}
 
+// What one thread adds up. Named fields and fully unrolled loops keep them in registers: an
+// array indexed by a loop the compiler cannot unroll lives in local memory, which made the
+// scan four times slower than a copy of the same bytes.
+struct ScanSums {{
+    unsigned long long changed, words, near[DELTA_NEAR], a_old, b_old, a_new, b_new;
+}};
+
+// One 8-byte word ``i`` of both versions (``a`` old, ``b`` new) added to ``s``.
+__device__ __forceinline__ void scan_word(const unsigned long long* o,
+        const unsigned long long* c, unsigned long long a, unsigned long long b,
+        unsigned long long i, unsigned long long n8, unsigned long long whole,
+        unsigned long long unit, ScanSums& s) {{
+    take(a, i, whole, s.a_old, s.b_old);
+    take(b, i, whole, s.a_new, s.b_new);
+    const unsigned long long x = a ^ b;
+    if (!x) return;
+    s.changed += changed_units(x, unit);
+    const unsigned bits = changed_words(x, o, c, i, n8);
+#pragma unroll
+    for (unsigned k = 0; k < 2; ++k) {{
+        if (!((bits >> k) & 1u)) continue;
+        s.words += 1;
+        // How far on the next changed word is (0: farther than DELTA_NEAR words).
+        unsigned d = 0;
+#pragma unroll
+        for (unsigned e = DELTA_NEAR; e >= 1; --e)
+            if ((bits >> (k + e)) & 1u) d = e;
+#pragma unroll
+        for (unsigned e = 1; e <= DELTA_NEAR; ++e) s.near[e - 1] += d == e;
+    }}
+}}
+
+__device__ __forceinline__ unsigned long long low(const uint4& q) {{
+    return ((unsigned long long)q.y << 32) | q.x;
+}}
+
+__device__ __forceinline__ unsigned long long high(const uint4& q) {{
+    return ((unsigned long long)q.w << 32) | q.z;
+}}
+
+// Threads walk 16-byte pairs of words (``n8`` is even: buckets are 256-byte multiples), two
+// pairs of each version loaded before any is used, so that four loads are in flight.
 extern "C" __global__ void __launch_bounds__(1024) delta_scan(const unsigned long long* o,
         const unsigned long long* c, unsigned long long n8, unsigned long long whole,
         unsigned long long unit, unsigned long long* out) {{
-    unsigned long long v[DELTA_VALUES];
-    for (int k = 0; k < DELTA_VALUES; ++k) v[k] = 0;
+    ScanSums s = {{}};
+    const uint4* o4 = (const uint4*)o;
+    const uint4* c4 = (const uint4*)c;
+    const unsigned long long n16 = n8 >> 1;
     const unsigned long long step = (unsigned long long)blockDim.x * gridDim.x;
     for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-            i < n8; i += step) {{
-        const unsigned long long a = o[i], b = c[i];
-        take(a, i, whole, v[2 + DELTA_NEAR], v[3 + DELTA_NEAR]);
-        take(b, i, whole, v[4 + DELTA_NEAR], v[5 + DELTA_NEAR]);
-        const unsigned long long x = a ^ b;
-        if (!x) continue;
-        v[0] += changed_units(x, unit);
-        const unsigned bits = changed_words(o, c, i, n8);
-        for (unsigned k = 0; k < 2; ++k) {{
-            if (!((bits >> k) & 1u)) continue;
-            v[1] += 1;
-            // The next changed word, if it is at most DELTA_NEAR words on.
-            for (unsigned d = 1; d <= DELTA_NEAR; ++d) {{
-                if ((bits >> (k + d)) & 1u) {{
-                    v[1 + d] += 1;
-                    break;
-                }}
-            }}
+            i < n16; i += 2 * step) {{
+        const unsigned long long j = i + step;
+        const uint4 a0 = o4[i], b0 = c4[i];
+        const uint4 a1 = j < n16 ? o4[j] : a0, b1 = j < n16 ? c4[j] : b0;
+        scan_word(o, c, low(a0), low(b0), 2 * i, n8, whole, unit, s);
+        scan_word(o, c, high(a0), high(b0), 2 * i + 1, n8, whole, unit, s);
+        if (j < n16) {{
+            scan_word(o, c, low(a1), low(b1), 2 * j, n8, whole, unit, s);
+            scan_word(o, c, high(a1), high(b1), 2 * j + 1, n8, whole, unit, s);
         }}
     }}
+    unsigned long long v[DELTA_VALUES] = {{s.changed, s.words}};
+#pragma unroll
+    for (int k = 0; k < DELTA_NEAR; ++k) v[2 + k] = s.near[k];
+    v[2 + DELTA_NEAR] = s.a_old;
+    v[3 + DELTA_NEAR] = s.b_old;
+    v[4 + DELTA_NEAR] = s.a_new;
+    v[5 + DELTA_NEAR] = s.b_new;
+#pragma unroll
     for (int k = 0; k < DELTA_VALUES; ++k)
-        for (int s = 16; s > 0; s >>= 1) v[k] += __shfl_down_sync(0xffffffffu, v[k], s);
+#pragma unroll
+        for (int t = 16; t > 0; t >>= 1) v[k] += __shfl_down_sync(0xffffffffu, v[k], t);
     __shared__ unsigned long long part[DELTA_VALUES][32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0)
+#pragma unroll
         for (int k = 0; k < DELTA_VALUES; ++k) part[k][warp] = v[k];
     __syncthreads();
     if (threadIdx.x < DELTA_VALUES) {{

@@ -99,7 +99,7 @@ def dense(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
         return words() if unit == 4 else old.view(UNITS[unit]) != cur.view(UNITS[unit])
 
     nbytes = old.numel()
-    kernel = copy_kernel.available(old.device) and not (old.data_ptr() | cur.data_ptr()) % 8
+    kernel = copy_kernel.available(old.device) and not (old.data_ptr() | cur.data_ptr()) % 16
     got = _scanned(old, cur, unit) if kernel else _counted(old, cur, words(), element())
     changed, nonzero, near = got[0], got[1], got[2 : 3 + GAP_WORDS]
     runs = nonzero - sum(near)  # each pair of consecutive changed words <= GAP+1 apart joins
@@ -126,7 +126,8 @@ def _scanned(old: torch.Tensor, cur: torch.Tensor, unit: int) -> list[int]:
     checksum sums]. The copy to the host is the one sync."""
     out = torch.zeros(SCAN_VALUES, dtype=torch.int64, device=old.device)
     n8 = old.numel() // 8
-    blocks = max(1, min(-(-n8 // (copy_kernel.THREADS * _WORDS_PER_THREAD)), _MAX_BLOCKS))
+    most = _BLOCKS_PER_SM * _multiprocessors(old.device.index)
+    blocks = max(1, min(-(-n8 // (copy_kernel.THREADS * _WORDS_PER_THREAD)), most))
     copy_kernel.launch(
         "delta_scan", old.device, blocks, old.data_ptr(), cur.data_ptr(), n8,
         whole_row_words(old.numel()), unit, out.data_ptr(),
@@ -136,8 +137,15 @@ def _scanned(old: torch.Tensor, cur: torch.Tensor, unit: int) -> list[int]:
 
 _WORDS_PER_THREAD = 8
 """8-byte words each thread of the scan reads per launch, where the grid is not capped."""
-_MAX_BLOCKS = 4096
-"""Blocks of the scan at most (threads then walk the bucket in strides)."""
+_BLOCKS_PER_SM = 2
+"""Blocks of the scan per multiprocessor at most (threads then walk the bucket in strides).
+Each block adds its nine sums once; on an H200 1-2 blocks per SM scanned a 256 MiB bucket at
+2.2 TB/s, 4096 blocks at 1.7 TB/s, 32 MiB at 1.7 against 0.6 TB/s (2026-11-29)."""
+
+
+@functools.cache
+def _multiprocessors(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _counted(
