@@ -50,6 +50,7 @@ KERNELS = {
     "copy_sum_also": THREADS,
     "quantize_fp8": 256,
     "delta_scan": THREADS,
+    "delta_indices": THREADS,
 }
 """Each kernel by name, with its threads per block (its ``__launch_bounds__``)."""
 SOURCE = copy_kernel_source.SOURCE + fp8_kernel_source.SOURCE + delta_kernel_source.SOURCE

@@ -6,10 +6,17 @@ must know before it sizes the payload, the numbers torch's masks gave in a dozen
 the changed elements of the element size the ``indices`` form compares, the changed 32-bit
 words, for each ``d`` of 1 to ``GAP_WORDS + 1`` the pairs of consecutive changed words ``d``
 apart (which XOR runs join), and both versions' bucket checksums (each 8-byte word weighted by
-its checksum row position, as ``copy_sum`` takes them: ``take``). Threads walk 16-byte pairs
-of words, four loads in flight each; a changed word's next two are read again for its
-neighbours (from cache). Each block adds its
-sums to ``out`` once: ``[changed, words, near_1 .. near_{G+1}, a_old, b_old, a_new, b_new]``.
+its checksum row position, as ``copy_sum`` takes them: ``take``). Each block covers one
+contiguous chunk of 16-byte pairs of words, four loads in flight per thread; a changed word's
+next two are read again for its neighbours (from cache). Each block adds its sums to ``out``
+once, ``[changed, words, near_1 .. near_{G+1}, a_old, b_old, a_new, b_new]``, and writes its
+own count of changed elements to ``counts``.
+
+``delta_indices``: the ``indices`` form's parts (int32 flat indices, new values) in one more
+read of both versions, each block's chunk written from the sum of the counts of the blocks
+before it, in ascending order (torch's mask, ``nonzero_static`` and gather took three passes
+and as many launches).
+
 The tests compile this same source for the CPU (``tests/support/cuda_on_cpu.py``).
 """
 
@@ -95,24 +102,33 @@ __device__ __forceinline__ unsigned long long high(const uint4& q) {{
     return ((unsigned long long)q.w << 32) | q.z;
 }}
 
-// Threads walk 16-byte pairs of words (``n8`` is even: buckets are 256-byte multiples), two
-// pairs of each version loaded before any is used, so that four loads are in flight.
+// The 16-byte pairs of words block ``blockIdx.x`` covers: [first, end).
+__device__ __forceinline__ void chunk_of(unsigned long long n16, unsigned long long chunk,
+        unsigned long long& first, unsigned long long& end) {{
+    first = (unsigned long long)blockIdx.x * chunk;
+    end = first + chunk < n16 ? first + chunk : n16;
+}}
+
+// Each block covers ``chunk`` 16-byte pairs of words (``n8`` is even: buckets are 256-byte
+// multiples), its threads two pairs of each version apart by the block's width, both loaded
+// before either is used (four loads in flight). ``counts[b]``: block b's changed elements,
+// the offsets at which ``delta_indices`` writes its chunk's.
 extern "C" __global__ void __launch_bounds__(1024) delta_scan(const unsigned long long* o,
         const unsigned long long* c, unsigned long long n8, unsigned long long whole,
-        unsigned long long unit, unsigned long long* out) {{
+        unsigned long long unit, unsigned long long* out, unsigned long long chunk,
+        unsigned long long* counts) {{
     ScanSums s = {{}};
     const uint4* o4 = (const uint4*)o;
     const uint4* c4 = (const uint4*)c;
-    const unsigned long long n16 = n8 >> 1;
-    const unsigned long long step = (unsigned long long)blockDim.x * gridDim.x;
-    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-            i < n16; i += 2 * step) {{
-        const unsigned long long j = i + step;
+    unsigned long long first, end;
+    chunk_of(n8 >> 1, chunk, first, end);
+    for (unsigned long long i = first + threadIdx.x; i < end; i += 2ull * blockDim.x) {{
+        const unsigned long long j = i + blockDim.x;
         const uint4 a0 = o4[i], b0 = c4[i];
-        const uint4 a1 = j < n16 ? o4[j] : a0, b1 = j < n16 ? c4[j] : b0;
+        const uint4 a1 = j < end ? o4[j] : a0, b1 = j < end ? c4[j] : b0;
         scan_word(o, c, low(a0), low(b0), 2 * i, n8, whole, unit, s);
         scan_word(o, c, high(a0), high(b0), 2 * i + 1, n8, whole, unit, s);
-        if (j < n16) {{
+        if (j < end) {{
             scan_word(o, c, low(a1), low(b1), 2 * j, n8, whole, unit, s);
             scan_word(o, c, high(a1), high(b1), 2 * j + 1, n8, whole, unit, s);
         }}
@@ -138,6 +154,86 @@ extern "C" __global__ void __launch_bounds__(1024) delta_scan(const unsigned lon
         unsigned long long sum = 0;
         for (int w = 0; w < (int)(blockDim.x >> 5); ++w) sum += part[threadIdx.x][w];
         atomicAdd(out + threadIdx.x, sum);
+        if (threadIdx.x == 0) counts[blockIdx.x] = sum;
+    }}
+}}
+
+// The changed elements of ``T`` (``unit`` bytes) among a pair's two words: their flat indices
+// and new values, written from ``at`` on.
+template <class T>
+__device__ __forceinline__ void put_changed(unsigned long long x, unsigned long long b,
+        unsigned long long first, unsigned* idx, T* vals, unsigned long long& at) {{
+    constexpr unsigned per = 8 / sizeof(T), bits = 8 * sizeof(T);
+    constexpr unsigned long long mask = (1ull << bits) - 1ull;
+#pragma unroll
+    for (unsigned k = 0; k < per; ++k) {{
+        if ((x >> (k * bits)) & mask) {{
+            idx[at] = (unsigned)(first + k);
+            vals[at] = (T)((b >> (k * bits)) & mask);
+            ++at;
+        }}
+    }}
+}}
+
+// The ``indices`` form's parts in one read of both versions: block b walks the chunk
+// ``delta_scan`` gave it, a tile of one pair per thread at a time; each thread's changed
+// elements go after those of the block's earlier tiles and lower threads (a scan of the
+// threads' counts by warp, then of the warps' sums), from ``offsets[b]`` (the blocks'
+// exclusive sums of ``counts``) on. Indices in ascending order, as ``nonzero`` gives them.
+extern "C" __global__ void __launch_bounds__(1024) delta_indices(const unsigned long long* o,
+        const unsigned long long* c, unsigned long long n8, unsigned long long unit,
+        unsigned long long chunk, const unsigned long long* offsets, unsigned* idx, void* vals) {{
+    __shared__ unsigned long long warp_sums[32];
+    const uint4* o4 = (const uint4*)o;
+    const uint4* c4 = (const uint4*)c;
+    const unsigned lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    const unsigned long long per_word = 8 / unit;
+    unsigned long long first, end, base = offsets[blockIdx.x];
+    chunk_of(n8 >> 1, chunk, first, end);
+    for (unsigned long long tile = first; tile < end; tile += blockDim.x) {{
+        const unsigned long long i = tile + threadIdx.x;
+        unsigned long long lo = 0, hi = 0, blo = 0, bhi = 0;
+        if (i < end) {{
+            const uint4 a = o4[i], b = c4[i];
+            blo = low(b);
+            bhi = high(b);
+            lo = low(a) ^ blo;
+            hi = high(a) ^ bhi;
+        }}
+        const unsigned long long count = changed_units(lo, unit) + changed_units(hi, unit);
+        unsigned long long incl = count;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {{
+            const unsigned long long y = __shfl_up_sync(0xffffffffu, incl, d);
+            if ((int)lane >= d) incl += y;
+        }}
+        if (lane == 31) warp_sums[warp] = incl;
+        __syncthreads();
+        const unsigned long long mine = lane < warps ? warp_sums[lane] : 0;
+        unsigned long long sums = mine;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {{
+            const unsigned long long y = __shfl_up_sync(0xffffffffu, sums, d);
+            if ((int)lane >= d) sums += y;
+        }}
+        const unsigned long long before = __shfl_sync(0xffffffffu, sums - mine, warp);
+        const unsigned long long tile_total = __shfl_sync(0xffffffffu, sums, 31);
+        unsigned long long at = base + before + incl - count;
+        if (count) {{
+            const unsigned long long w = 2 * i * per_word;
+            if (unit == 2) {{
+                put_changed(lo, blo, w, idx, (unsigned short*)vals, at);
+                put_changed(hi, bhi, w + per_word, idx, (unsigned short*)vals, at);
+            }} else if (unit == 4) {{
+                put_changed(lo, blo, w, idx, (unsigned*)vals, at);
+                put_changed(hi, bhi, w + per_word, idx, (unsigned*)vals, at);
+            }} else {{
+                put_changed(lo, blo, w, idx, (unsigned char*)vals, at);
+                put_changed(hi, bhi, w + per_word, idx, (unsigned char*)vals, at);
+            }}
+        }}
+        base += tile_total;
+        __syncthreads();
     }}
 }}
 """

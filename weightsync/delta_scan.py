@@ -9,8 +9,10 @@ no Python per element or run. Two ways to the same parts, bit for bit:
 - :func:`dense` (CUDA): the sizes and both checksums from one read of the two versions (the
   delta scan kernel, :mod:`.delta_kernel_source`, where CuPy is; else masks of the whole
   bucket), and one copy to the host for all of them: the only sync, the one that sizes the
-  payload. The parts then come from ``nonzero_static`` of the known sizes (no sync); the masks
-  they need are made only for the form chosen.
+  payload. The ``indices`` form's parts then come from a second kernel (one more read, each
+  block writing from the counts of the blocks before it); the ``xor`` form's, and both where
+  there is no kernel, from masks and ``nonzero_static`` of the known sizes (no sync), made only
+  for the form chosen.
 
 The XOR form's runs follow from the positions of the changed 32-bit words: consecutive changed
 words ``d`` apart share a run when ``d <= GAP_WORDS + 1`` (the ``d - 1`` zero words between
@@ -85,7 +87,7 @@ def sparse(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
 
 
 def dense(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
-    """The scan of two flat uint8 tensors through one read of both (:func:`_scanned`, the
+    """The scan of two flat uint8 tensors through one read of both (:meth:`_Grid.scan`, the
     delta scan kernel) or masks of the whole of them (torch), with one copy to the host (the
     sizes and both checksums together)."""
     wo, wc = old.view(torch.int32), cur.view(torch.int32)
@@ -100,7 +102,8 @@ def dense(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
 
     nbytes = old.numel()
     kernel = copy_kernel.available(old.device) and not (old.data_ptr() | cur.data_ptr()) % 16
-    got = _scanned(old, cur, unit) if kernel else _counted(old, cur, words(), element())
+    grid = _Grid.of(old) if kernel else None
+    got = grid.scan(old, cur, unit) if grid else _counted(old, cur, words(), element())
     changed, nonzero, near = got[0], got[1], got[2 : 3 + GAP_WORDS]
     runs = nonzero - sum(near)  # each pair of consecutive changed words <= GAP+1 apart joins
     covered = nonzero + sum((d - 1) * k for d, k in enumerate(near, 1))  # and the d - 1 between
@@ -109,6 +112,8 @@ def dense(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
     )
 
     def indices() -> tuple[torch.Tensor, torch.Tensor]:
+        if grid:
+            return grid.indices(old, cur, unit, changed)
         picked = torch.nonzero_static(element(), size=changed).flatten()
         return picked.to(torch.int32), cur.view(UNITS[unit])[picked]
 
@@ -120,27 +125,65 @@ def dense(old: torch.Tensor, cur: torch.Tensor, unit: int) -> Scan:
     return Scan(changed, runs, covered, base, checksum, indices, xor)
 
 
-def _scanned(old: torch.Tensor, cur: torch.Tensor, unit: int) -> list[int]:
-    """:func:`dense`'s numbers from one launch of the delta scan kernel: [changed elements,
-    changed words, the consecutive changed words 1 .. GAP_WORDS + 1 apart, both versions'
-    checksum sums]. The copy to the host is the one sync."""
-    out = torch.zeros(SCAN_VALUES, dtype=torch.int64, device=old.device)
-    n8 = old.numel() // 8
-    most = _BLOCKS_PER_SM * _multiprocessors(old.device.index)
-    blocks = max(1, min(-(-n8 // (copy_kernel.THREADS * _WORDS_PER_THREAD)), most))
-    copy_kernel.launch(
-        "delta_scan", old.device, blocks, old.data_ptr(), cur.data_ptr(), n8,
-        whole_row_words(old.numel()), unit, out.data_ptr(),
-    )  # fmt: skip
-    return out.tolist()
+@dataclass
+class _Grid:
+    """The delta kernels' blocks over one bucket, each a contiguous chunk of ``chunk`` 16-byte
+    pairs of words, the same for the scan and the writes of the ``indices`` form's parts."""
+
+    blocks: int
+    chunk: int
+    counts: torch.Tensor | None = None
+    """Each block's changed elements, from :meth:`scan`."""
+
+    @classmethod
+    def of(cls, old: torch.Tensor) -> _Grid:
+        n16 = old.numel() // 16
+        most = _BLOCKS_PER_SM * _multiprocessors(old.device.index)
+        blocks = max(1, min(-(-n16 // (copy_kernel.THREADS * _PAIRS_PER_THREAD)), most))
+        chunk = max(1, -(-n16 // blocks))
+        return cls(max(1, -(-n16 // chunk)), chunk)
+
+    def scan(self, old: torch.Tensor, cur: torch.Tensor, unit: int) -> list[int]:
+        """:func:`dense`'s numbers from one launch of the delta scan kernel: [changed elements,
+        changed words, the consecutive changed words 1 .. GAP_WORDS + 1 apart, both versions'
+        checksum sums]. The copy to the host is the one sync."""
+        out = torch.zeros(SCAN_VALUES, dtype=torch.int64, device=old.device)
+        self.counts = torch.empty(self.blocks, dtype=torch.int64, device=old.device)
+        copy_kernel.launch(
+            "delta_scan", old.device, self.blocks, old.data_ptr(), cur.data_ptr(),
+            old.numel() // 8, whole_row_words(old.numel()), unit, out.data_ptr(), self.chunk,
+            self.counts.data_ptr(),
+        )  # fmt: skip
+        return out.tolist()
+
+    def indices(
+        self, old: torch.Tensor, cur: torch.Tensor, unit: int, changed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``indices`` form's parts (``changed`` of them, as :meth:`scan` counted): one
+        more read of both versions, no sync. Both are views of one allocation of the bucket's
+        size (the form travels only when smaller), end to end as the payload lays them: the
+        allocator hands the same block back every version, and the payload needs no copy."""
+        size = max(old.numel(), changed * (4 + unit))
+        held = torch.empty(size, dtype=torch.uint8, device=old.device)
+        idx = held[: changed * 4].view(torch.int32)
+        values = held[changed * 4 : changed * (4 + unit)].view(UNITS[unit])
+        if changed:
+            offsets = torch.cumsum(self.counts, 0) - self.counts
+            copy_kernel.launch(
+                "delta_indices", old.device, self.blocks, old.data_ptr(), cur.data_ptr(),
+                old.numel() // 8, unit, self.chunk, offsets.data_ptr(), idx.data_ptr(),
+                values.data_ptr(),
+            )  # fmt: skip
+        return idx, values
 
 
-_WORDS_PER_THREAD = 8
-"""8-byte words each thread of the scan reads per launch, where the grid is not capped."""
+_PAIRS_PER_THREAD = 4
+"""16-byte pairs of words each thread of the scan reads per launch, where the grid is not
+capped."""
 _BLOCKS_PER_SM = 2
-"""Blocks of the scan per multiprocessor at most (threads then walk the bucket in strides).
-Each block adds its nine sums once; on an H200 1-2 blocks per SM scanned a 256 MiB bucket at
-2.2 TB/s, 4096 blocks at 1.7 TB/s, 32 MiB at 1.7 against 0.6 TB/s (2026-11-29)."""
+"""Blocks of the delta kernels per multiprocessor at most (threads then walk the chunk in
+strides). Each block adds its nine sums once; on an H200 1-2 blocks per SM scanned a 256 MiB
+bucket at 2.2 TB/s, 4096 blocks at 1.7 TB/s, 32 MiB at 1.7 against 0.6 TB/s (2026-11-29)."""
 
 
 @functools.cache

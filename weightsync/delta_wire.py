@@ -24,7 +24,7 @@ def element_bytes(bucket_dtypes: dict[int, int]) -> int:
 
 def to_wire(delta: Delta) -> tuple[pb.BucketDelta, torch.Tensor]:
     """The announcement's delta fields and the payload to broadcast (its parts in order)."""
-    payload = torch.cat([p.reshape(-1).view(torch.uint8) for p in delta.parts])
+    payload = _end_to_end([p.reshape(-1).view(torch.uint8) for p in delta.parts])
     count = delta.parts[0].numel()
     return (
         pb.BucketDelta(
@@ -101,3 +101,17 @@ def _bad(bucket: str, what: str) -> ProtocolError:
         f"{bucket}: its delta announcement and payload disagree ({what}); the sender and "
         "this receiver speak different delta forms (protocol §5.1)"
     )
+
+
+def _end_to_end(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The byte views ``parts`` as one tensor: a view where each starts where the one before
+    ends in one allocation (the CUDA encoder lays them so), else a copy."""
+    first = parts[0]
+    at = first.data_ptr()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or (
+            p.numel() and p.data_ptr() != at
+        ):
+            return torch.cat(parts)
+        at += p.numel()
+    return first.as_strided((at - first.data_ptr(),), (1,))

@@ -4,10 +4,10 @@ The kernels (``weightsync/copy_kernel_source.py``, ``weightsync/fp8_kernel_sourc
 ``weightsync/delta_kernel_source.py``) only launch on a GPU, which CI does not have. A few
 lines of C++ stand in for what they use of CUDA: each block's threads are real threads
 (``threadIdx``), ``__syncthreads`` a barrier among them, ``__shared__`` memory shared by them,
-``__shfl_down_sync`` an exchange between two barriers, ``atomicAdd`` an atomic add,
-``__popcll`` the compiler's bit count, the float intrinsics the CPU's float arithmetic (both
-round to nearest even), and a misaligned load or store stops the process (as it would fault on
-a GPU).
+the warp shuffles (``__shfl_down_sync``, ``__shfl_up_sync``, ``__shfl_sync``) an exchange
+between two barriers, ``atomicAdd`` an atomic add, ``__popcll`` the compiler's bit count, the
+float intrinsics the CPU's float arithmetic (both round to nearest even), and a misaligned load
+or store stops the process (as it would fault on a GPU).
 Blocks run one after another. The kernels then read and write CPU memory at the addresses in
 their tables, so a test can compare what they did with torch's answer, bit for bit.
 """
@@ -50,15 +50,28 @@ struct alignas(16) uint4 {
 
 static void __syncthreads() { block_barrier->arrive_and_wait(); }
 
+// A warp's exchanges: each thread's value from lane ``from(lane)`` of its warp (its own where
+// that is outside the warp or the block), between two barriers (every thread takes part).
 static unsigned long long shuffled[1024];
-static unsigned long long __shfl_down_sync(unsigned, unsigned long long v, int offset) {
-    const unsigned t = threadIdx.x;
+template <class F>
+static unsigned long long exchange(unsigned long long v, F from) {
+    const unsigned t = threadIdx.x, lane = t & 31u, warp = t - lane;
     shuffled[t] = v;
     __syncthreads();
-    const bool inside = (t & 31u) + offset < 32u && t + offset < blockDim.x;
-    const unsigned long long got = inside ? shuffled[t + offset] : v;
+    const int src = from((int)lane);
+    const bool inside = src >= 0 && src < 32 && warp + (unsigned)src < blockDim.x;
+    const unsigned long long got = inside ? shuffled[warp + src] : v;
     __syncthreads();
     return got;
+}
+static unsigned long long __shfl_down_sync(unsigned, unsigned long long v, int offset) {
+    return exchange(v, [=](int lane) { return lane + offset; });
+}
+static unsigned long long __shfl_up_sync(unsigned, unsigned long long v, int offset) {
+    return exchange(v, [=](int lane) { return lane - offset; });
+}
+static unsigned long long __shfl_sync(unsigned, unsigned long long v, int lane) {
+    return exchange(v, [=](int) { return lane; });
 }
 
 static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
@@ -110,8 +123,17 @@ extern "C" void launch_copy_sum_also(unsigned blocks, unsigned threads,
 extern "C" void launch_delta_scan(unsigned blocks, unsigned threads,
                                   const unsigned long long* old, const unsigned long long* cur,
                                   unsigned long long n8, unsigned long long whole,
-                                  unsigned long long unit, unsigned long long* out) {
-    grid(blocks, threads, [=] { delta_scan(old, cur, n8, whole, unit, out); });
+                                  unsigned long long unit, unsigned long long* out,
+                                  unsigned long long chunk, unsigned long long* counts) {
+    grid(blocks, threads, [=] { delta_scan(old, cur, n8, whole, unit, out, chunk, counts); });
+}
+
+extern "C" void launch_delta_indices(unsigned blocks, unsigned threads,
+                                     const unsigned long long* old, const unsigned long long* cur,
+                                     unsigned long long n8, unsigned long long unit,
+                                     unsigned long long chunk, const unsigned long long* offsets,
+                                     unsigned* idx, void* vals) {
+    grid(blocks, threads, [=] { delta_indices(old, cur, n8, unit, chunk, offsets, idx, vals); });
 }
 
 extern "C" void launch_quantize_fp8(unsigned blocks, unsigned threads,
@@ -149,7 +171,8 @@ def kernels() -> ctypes.CDLL:
     lib.launch_copy_sum.argtypes = [u32, u32, u64, u64, u64]
     lib.launch_copy_sum_also.argtypes = [u32, u32, u64, u64, u64]
     lib.launch_quantize_fp8.argtypes = [u32, u32, u64, u64, u64]
-    lib.launch_delta_scan.argtypes = [u32, u32, u64, u64, u64, u64, u64, u64]
+    lib.launch_delta_scan.argtypes = [u32, u32, u64, u64, u64, u64, u64, u64, u64, u64]
+    lib.launch_delta_indices.argtypes = [u32, u32, u64, u64, u64, u64, u64, u64, u64, u64]
     return lib
 
 

@@ -3,6 +3,8 @@ write, and the two ends' kept bytes (``weightsync/transports/broadcast/bases.py`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -37,6 +39,25 @@ def test_a_delta_crosses_as_one_payload_and_decodes_exactly(clustered):
     held = old.clone()
     decode(back, held, base_version=3)
     assert torch.equal(held, new)
+
+
+def test_parts_laid_end_to_end_in_one_allocation_travel_without_a_copy():
+    # The CUDA encoder carves the indices form's parts from one bucket-sized block; anything
+    # else (the CPU's parts, the XOR form's) is copied into one payload.
+    old, new = versions()
+    delta = encode(old, new, base_version=3, bucket="b", element_bytes=2)
+    idx, values = delta.parts
+    held = torch.empty(new.numel(), dtype=torch.uint8)
+    carved = (
+        held[: idx.numel() * 4].view(torch.int32),
+        held[idx.numel() * 4 : idx.numel() * 6].view(torch.int16),
+    )
+    carved[0].copy_(idx)
+    carved[1].copy_(values)
+    apart = to_wire(delta)[1]
+    together = to_wire(replace(delta, parts=carved))[1]
+    assert together.data_ptr() == held.data_ptr() and apart.data_ptr() != idx.data_ptr()
+    assert torch.equal(together, apart)
 
 
 @pytest.mark.parametrize(
