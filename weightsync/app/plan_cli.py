@@ -47,10 +47,11 @@ it. Exit 0, or 2 with one line naming the field of a bad file.
 """
 
 
-DELTA_ENCODE_GB_S = 130.0
-"""A sender's delta encoding rate on an H200, with the delta scan kernel: a 7B layer's 466 MB
-of bf16 buckets in 3.2-3.5 ms, its 233 MB in FP8 form in 1.7-1.8 ms (``python -m
-weightsync.app.bench.deltas --device cuda --fp8``, docs/benchmarks.md, 2026-11-29)."""
+DELTA_ENCODE_GB_S = 370.0
+"""A sender's delta encoding rate on an H200 with the delta kernels: 14 layers of the 7B shape
+(8.71 GB) in 256 MiB buckets, an Adam step at lr 1e-6, encoded in 22.6-23.4 ms, 372-385 GB/s,
+its copy into the kept bases included (docs/benchmarks.md, 2026-11-29). Smaller buckets encode
+slower (a 32 MiB bucket at about 140 GB/s: a sync and launches per bucket)."""
 
 
 def add_plan_args(p: argparse.ArgumentParser) -> None:
