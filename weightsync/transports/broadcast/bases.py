@@ -28,8 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.buckets import Bucket
+from weightsync.checksum import finish_all, row_sums
 from weightsync.delta_wire import element_bytes, from_wire, to_wire
-from weightsync.deltas import checksum_of, decode, encode
+from weightsync.deltas import decode, encode
 from weightsync.errors import WeightSyncError, WrongBaseError
 from weightsync.v1 import weightsync_pb2 as pb
 
@@ -142,8 +143,11 @@ class AppliedBases:
         if version == self.version:
             return
         self.version, self._landed, self._complete, self.error = version, set(), True, None
-        for index, kept in sorted(self._kept.items()):
-            got = checksum_of(kept.data) if kept.version else kept.checksum
+        held = [(index, kept) for index, kept in sorted(self._kept.items()) if kept.version]
+        sizes = [kept.data.numel() for _, kept in held]
+        # Every kept bucket's checksum with one wait for the device, not one per bucket.
+        sums = finish_all([row_sums(kept.data, kept.data.numel()) for _, kept in held], sizes)
+        for (index, kept), got in zip(held, sums, strict=True):
             if got != kept.checksum:
                 self.error = WrongBaseError(
                     f"bucket {index}: the bytes this receiver kept of it as applied in version "
