@@ -194,7 +194,7 @@ def _multiprocessors(device: int) -> int:
 def _counted(
     old: torch.Tensor, cur: torch.Tensor, words: torch.Tensor, element: torch.Tensor
 ) -> list[int]:
-    """:func:`_scanned`'s numbers from torch's whole-bucket masks."""
+    """:meth:`_Grid.scan`'s numbers from torch's whole-bucket masks."""
     counts = [torch.count_nonzero(element), torch.count_nonzero(words)]
     n = words.numel()
     # ``alone[i]``: word i changed and the d - 1 words after it did not; with word i + d
