@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from weightsync.app.bench.broadcast_deltas import WireRow, medians, summary
-from weightsync.app.bench.children import children, expect, scratch_dir
+from weightsync.app.bench.children import children, expect, reporting, scratch_dir
 from weightsync.app.bench.deltas import BETAS, EPS, GRAD_STD, LR, WEIGHT_STD
 from weightsync.app.bench.fanout import _offsets, _views
 from weightsync.app.bench.models import hf_specs, model_shape
@@ -96,9 +96,6 @@ def _receiver(model: str, layers, rank: int, address: str, chain, delta_bytes: i
                 for i in range(0, total, COMPARE_BYTES)
             )
             out.put(("applied", rank, "" if same else f"version {version} differs on GPU {rank}"))
-    except BaseException as e:
-        out.put(("failed", f"receiver on GPU {rank}", f"{type(e).__name__}: {e}"))
-        raise
     finally:
         receiver.close()
 
@@ -135,7 +132,10 @@ def run_mode_gpu(
         ):
             for r in range(1, gpus):
                 args = (model, layers, r, sender.address, chain, delta_bytes, out)
-                procs.append(ctx.Process(target=_receiver, args=args, daemon=True))
+                what = f"receiver on GPU {r}"
+                procs.append(
+                    ctx.Process(target=reporting, args=(what, _receiver, *args), daemon=True)
+                )
                 procs[-1].start()
             expect(out, procs, "ready", gpus - 1, 300, WHAT)
             live, tensors = _trainer(chain, specs)
