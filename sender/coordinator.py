@@ -34,6 +34,7 @@ from weightsync.errors import ConfigError, ReplacedError, WeightSyncError
 from weightsync.manifest import VersionManifest
 from weightsync.memo import Memo
 from weightsync.metrics import SenderMetrics
+from weightsync.sender.armed import ArmedStarts
 from weightsync.sender.catch_ups import CatchUps
 from weightsync.sender.direct_reads import DirectReads
 from weightsync.sender.driver import VersionDriver
@@ -74,6 +75,7 @@ class Coordinator:
         self._shared = Shared(self._cond, settings, metrics, slots, self.registry, deque())
         self._catch_ups = CatchUps(self._shared, self.history)
         self._outcomes = Outcomes(self._shared, self.history, self._catch_ups)
+        self._armed = ArmedStarts(self._shared, self.history, self._catch_ups)
         self._broadcast = SenderBroadcast(
             settings.broadcast_host,
             settings.ack_timeout_s,
@@ -180,8 +182,9 @@ class Coordinator:
             hold = gc_pause.Hold()  # released when the version ends
             joined_at, joined_mono = time.time(), time.monotonic()
             try:
-                device = staging_device(ranks[min(ranks)])
-                run = self._plan_run(manifest, manifest_key, hello.publisher_id, device, ranks)
+                with self._armed.ahead(ranks, hello.publisher_id, manifest_key, manifest.version):
+                    device = staging_device(ranks[min(ranks)])
+                    run = self._plan_run(manifest, manifest_key, hello.publisher_id, device, ranks)
             except BaseException as e:
                 hold.release()
                 self._abandon_joining(key, conn, e)
@@ -196,19 +199,15 @@ class Coordinator:
         self._driver.launch(run, device)
         return run, conn
 
-    def _abandon_joining(self, key: tuple[str, int], failed: RankConn, error: BaseException):
+    def _abandon_joining(self, key: tuple[str, int], failed: RankConn, e: BaseException):
         """Lock held: planning a version whose ranks had all joined failed. Nothing of it is
         kept; every other rank's stream ends with the error (the failing rank's caller
         answers its own)."""
         _, _, ranks = self._joining.pop(key)
+        why = f"version {key[1]} abandoned: it could not be planned: {type(e).__name__}: {e}"
         for rank in ranks.values():
             if rank is not failed:
-                rank.outbox.put(
-                    WeightSyncError(
-                        f"version {key[1]} abandoned: it could not be planned: "
-                        f"{type(error).__name__}: {error}"
-                    )
-                )
+                rank.outbox.put(WeightSyncError(why))
 
     def rank_left(self, hello: pb.PublisherHello, version: int, conn: RankConn | None) -> None:
         """A rank's stream ended: it packs nothing more, and if it was still waiting for the

@@ -64,7 +64,7 @@ class Outcomes:
 
     def on_receiver_message(self, conn: ReceiverConn, msg: pb.ReceiverMessage) -> None:
         """A reply to the version it names; one for a version no longer kept changes
-        nothing."""
+        nothing. A reply to a version sent ahead of its plan waits for its start."""
         kind = msg.WhichOneof("kind")
         body = getattr(msg, kind)
         trace.mark(f"sender.{kind}", receiver=conn.receiver_id, index=getattr(body, "index", -1))
@@ -75,6 +75,9 @@ class Outcomes:
             if kind == "exported":
                 self._catch_ups.exported(conn, body)
                 return
+            if conn.presented:  # sent ahead of its plan (``armed.py``): wait till it expects this
+                timeout_s = self._shared.settings.ack_timeout_s
+                self._shared.cond.wait_for(lambda: not conn.presented, timeout_s)
             version = self._catch_ups.run_for(conn.receiver_id, body.version)
             version = version or self._history.run_of(body.version)
             if version is None:

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from weightsync.buckets import TensorSpec
-from weightsync.errors import TransportError
+from weightsync.errors import ProtocolError, TransportError
 from weightsync.sender.outbox import Outbox, batched
 from weightsync.sender.states import OutcomeState, ReceiverState
 from weightsync.stream_keys import KeptByKey, SentKeys
@@ -88,15 +89,21 @@ class ReceiverConn:
     registered_mono: float = field(default_factory=time.monotonic)
     held: list[pb.Announcement] | None = None
     """Announcements held to go out as one batch (:meth:`Registry.together`)."""
+    presented: deque[pb.Announcement] = field(default_factory=deque)
+    """A version's messages sent ahead of its plan (``armed.py``), in order: its own start
+    then sends each again, and each goes no second time. Its replies wait until they are
+    all sent (the version then expects them)."""
     counted: object = field(default=None, repr=False)
     """The tensor list ``keeps`` were checked against and ``kept_bytes`` counts (manifests
     of one layout share it)."""
+    keeps_mono: float = 0.0
+    """When ``keeps`` was last replaced (``time.monotonic``)."""
 
     def declare(self, keeps: Mapping[str, Box], specs: Sequence[TensorSpec]) -> None:
         """Take the boxes of an accepted verdict for the version of ``specs``."""
         if (keeps is self.keeps or keeps == self.keeps) and specs is self.counted:
             return
-        self.keeps, self.counted = keeps, specs
+        self.keeps, self.counted, self.keeps_mono = keeps, specs, time.monotonic()
         self.kept_bytes = sum(
             spec.nbytes
             if spec.name not in keeps
@@ -134,10 +141,47 @@ class ReceiverConn:
         self.broadcast_failed = self.broadcast_failed or detail.code == TransportError.__name__
 
     def send(self, msg: pb.Announcement | None) -> None:
+        if self.presented and msg is not None and self._was_presented(msg):
+            return
         if self.held is not None and msg is not None:
             self.held.append(msg)
         elif self.connected or msg is None:
             self.outbox.put(msg)
+
+    def _was_presented(self, msg: pb.Announcement) -> bool:
+        """Whether ``msg`` is the next message sent ahead of its version's plan; messages of
+        other kinds go as usual (an abort of that version drops the rest).
+
+        Raises:
+            ProtocolError: the plan made another message than the one sent ahead (the
+                version is abandoned; ``armed.py`` presents only what planning repeats).
+        """
+        kind = msg.WhichOneof("kind")
+        if kind == "abort":
+            if msg.abort.version == announced_version(self.presented[0]):
+                self.presented.clear()
+            return False
+        if kind not in _PRESENTED:
+            return False
+        sent = self.presented.popleft()
+        if msg == sent:
+            return True
+        self.presented.clear()
+        raise ProtocolError(
+            f"receiver {self.receiver_id}: the {kind} of version {announced_version(msg)} as "
+            f"planned differs from the {sent.WhichOneof('kind')} sent ahead of its plan (armed "
+            "start); the version is abandoned and the next one is planned first"
+        )
+
+
+_PRESENTED = ("start", "bucket", "end")
+"""The kinds of message a version may send ahead of its plan."""
+
+
+def announced_version(msg: pb.Announcement) -> int:
+    """The version a start, bucket, end or abort is of."""
+    kind = msg.WhichOneof("kind")
+    return msg.start.manifest.version if kind == "start" else getattr(msg, kind).version
 
 
 @dataclass

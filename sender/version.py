@@ -199,6 +199,7 @@ class Version:
                 todo = sends(self)
                 if not todo:
                     self._send_end()
+                self.shared.cond.notify_all()  # replies that waited for it (``armed.py``)
             self.shared.metrics.version_started(self.version)
             return todo
 

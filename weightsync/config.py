@@ -159,6 +159,7 @@ class SenderSettings(_Settings):
         "insecure": "true or false (default false)",
         "socket_group": "a group name or id of this machine (default: none, the socket is 0600)",
         "lanes": "true or false (default true)",
+        "armed_starts": "true or false (default true)",
     }
 
     listen: str = Field(DEFAULT_ADDRESS, description="unix:/path or host:port (port 0: any)")
@@ -244,6 +245,11 @@ class SenderSettings(_Settings):
         True,
         description="offer clients on this machine a Unix-socket lane for their streams' "
         "messages (same messages, without gRPC's per-message thread handoffs)",
+    )
+    armed_starts: bool = Field(
+        True,
+        description="send a direct version whose plan repeats the last one's to its receivers "
+        "before planning it, so their copies start while it is planned (false: plan first)",
     )
 
     @field_validator("bucket_size_bytes")

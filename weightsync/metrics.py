@@ -33,6 +33,11 @@ class SenderMetrics:
         self.applied = Gauge(
             "weightsync_receiver_applied_version", "version applied", ["receiver"], registry=r
         )
+        self.presented = Counter(
+            "weightsync_versions_presented",
+            "versions whose start went to the receivers ahead of their plan (armed start)",
+            registry=r,
+        )
         self.last_version = Gauge("weightsync_last_version", "last published version", registry=r)
         self.receivers_connected = Gauge(
             "weightsync_receivers_connected", "receivers with an open stream", registry=r
@@ -71,6 +76,9 @@ class SenderMetrics:
 
     def version_started(self, version: int) -> None:
         self.last_version.set(version)
+
+    def version_presented(self) -> None:
+        self.presented.inc()
 
     def bucket_announced(self, nbytes: int) -> None:
         self.bytes.inc(nbytes)

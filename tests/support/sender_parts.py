@@ -66,3 +66,30 @@ def published(parts: SenderParts, version: int, wait_applied: bool = False) -> V
         start = pb.Announcement(start=pb.VersionStart())
         open_version(run, lambda _: start)
     return run
+
+
+DIRECT_SPECS = (TensorSpec("a", "float32", (64,)), TensorSpec("b", "float32", (64,)))
+"""The tensors of :func:`direct_run`'s versions: one list for all (a manifest key's versions
+share theirs)."""
+
+
+def direct_run(parts: SenderParts, version: int, **fields) -> Version:
+    """Version ``version`` of two tensors its publisher offers whole: nothing is staged, the
+    receivers read both in place. ``fields``: more of the version's fields."""
+    manifest = VersionManifest(version, DIRECT_SPECS)
+    piece = dict(source=0, dtype="float32", size=[64], stride=[1], dst_start=[0])
+    begin = pb.BeginVersion(
+        wait_applied=True,
+        allow_direct=True,
+        sources=[pb.BufferHandle(buffer_id="storage", nbytes=4096)],
+        pieces=[
+            pb.SourcePiece(name="a", offset=0, **piece),
+            pb.SourcePiece(name="b", offset=256, **piece),
+        ],
+    )
+    tensors = plan_tensors(manifest, {0: begin}, True, SETTINGS.bucket_size_bytes)
+    assert tensors.direct is not None and not tensors.staged.buckets
+    ranks = {0: RankConn(0, "cpu", begin, outbox=queue.Queue(), offer=b"offer")}
+    return Version(
+        manifest, tensors, "p", "shm", ranks, shared=parts.shared, notify_done=True, **fields
+    )

@@ -4,43 +4,16 @@ its last read ends."""
 
 from __future__ import annotations
 
-import queue
 import time
 
 import pytest
 import torch
 
-from tests.support.sender_parts import SETTINGS, SenderParts, sender_parts
-from weightsync.buckets import TensorSpec
+from tests.support.sender_parts import direct_run, sender_parts
 from weightsync.errors import ProtocolError
-from weightsync.manifest import VersionManifest
 from weightsync.sender.driver import VersionDriver
-from weightsync.sender.planner import plan_tensors
-from weightsync.sender.records import RankConn
-from weightsync.sender.version import Version
 from weightsync.transports.broadcast import SenderBroadcast
 from weightsync.v1 import weightsync_pb2 as pb
-
-
-def _direct_run(parts: SenderParts, version: int) -> Version:
-    """Two tensors the publisher offers whole: nothing is staged."""
-    manifest = VersionManifest(
-        version, (TensorSpec("a", "float32", (64,)), TensorSpec("b", "float32", (64,)))
-    )
-    piece = dict(source=0, dtype="float32", size=[64], stride=[1], dst_start=[0])
-    begin = pb.BeginVersion(
-        wait_applied=True,
-        allow_direct=True,
-        sources=[pb.BufferHandle(buffer_id="storage", nbytes=4096)],
-        pieces=[
-            pb.SourcePiece(name="a", offset=0, **piece),
-            pb.SourcePiece(name="b", offset=256, **piece),
-        ],
-    )
-    tensors = plan_tensors(manifest, {0: begin}, True, SETTINGS.bucket_size_bytes)
-    assert tensors.direct is not None and not tensors.staged.buckets
-    ranks = {0: RankConn(0, "cpu", begin, outbox=queue.Queue())}
-    return Version(manifest, tensors, "p", "shm", ranks, shared=parts.shared, notify_done=True)
 
 
 def _until(check, what: str) -> None:
@@ -77,7 +50,7 @@ def test_a_direct_version_is_staged_once_its_reader_is_done_and_done_once(messag
         "127.0.0.1", 5, parts.cond, parts.registry.broadcast_members, parts.registry.receiver
     )
     driver = VersionDriver(parts.shared, broadcast)
-    run = _direct_run(parts, 1)
+    run = direct_run(parts, 1)
     assert run.tensors.direct.index == 0
     with parts.cond:
         parts.history.check_version(1)

@@ -144,6 +144,15 @@ def add_sender_args(p: argparse.ArgumentParser) -> None:
         "stream's messages to a Unix-socket lane, which skips gRPC's thread handoffs "
         "(about 0.2-0.8 ms a message; WEIGHTSYNC_LANES=0)",
     )
+    p.add_argument(
+        "--no-armed-starts",
+        dest="armed_starts",
+        action="store_false",
+        default=None,
+        help="plan every version before announcing it; by default a direct version whose plan "
+        "repeats the last one's goes to its receivers first, and is planned while they copy "
+        "(about 0.3-0.6 ms a version; WEIGHTSYNC_ARMED_STARTS=0)",
+    )
     arguments.add_log_args(p)
 
 
@@ -168,6 +177,7 @@ def _sender_settings(args: argparse.Namespace) -> dict:
         "insecure": args.insecure,
         "socket_group": args.socket_group,
         "lanes": args.lanes,
+        "armed_starts": args.armed_starts,
     }
     return {k: v for k, v in given.items() if v is not None}
 
