@@ -43,6 +43,16 @@ def test_the_spinners_end_when_the_block_raises():
     assert awake.awake_state() == 0
 
 
+def test_a_spinner_that_never_starts_fails_the_block_at_the_start_up_bound(monkeypatch):
+    """A spinner stuck before it could start fails at the start-up bound, not never."""
+    monkeypatch.setattr(awake, "_SPIN", "import time; time.sleep(3600)")
+    monkeypatch.setattr(awake, "_START_S", 0.5)
+    with pytest.raises(ConfigError, match=r"did not start within 0.5 s"):
+        with awake.awake_cpus():
+            pass
+    assert awake.awake_state() == 0
+
+
 def test_without_sched_idle_the_error_says_what_is_missing(monkeypatch):
     monkeypatch.delattr(os, "SCHED_IDLE")
     with pytest.raises(ConfigError, match="SCHED_IDLE"), awake.awake_cpus():

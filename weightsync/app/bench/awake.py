@@ -18,8 +18,10 @@ stays at 100 %).
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -35,6 +37,9 @@ while os.getppid() == parent:  # ends with the bench, even a killed one
         pass
 """
 
+_START_S = 30.0
+"""How long the spinners may take to start, all together (an interpreter each)."""
+
 _spinners = 0
 
 
@@ -49,7 +54,8 @@ def awake_cpus() -> Iterator[list[subprocess.Popen]]:
     has set its priority before the block starts); they are killed when it ends.
 
     Raises:
-        ConfigError: this platform has no ``SCHED_IDLE``, or a spinner did not start.
+        ConfigError: this platform has no ``SCHED_IDLE``, or a spinner did not start (within
+            :data:`_START_S`).
     """
     global _spinners
     if not hasattr(os, "SCHED_IDLE"):
@@ -66,7 +72,14 @@ def awake_cpus() -> Iterator[list[subprocess.Popen]]:
                     text=True,
                 )
             )
+        deadline = time.monotonic() + _START_S
         for spinner in spinners:
+            left = max(0.0, deadline - time.monotonic())
+            if not select.select([spinner.stdout], [], [], left)[0]:
+                raise ConfigError(
+                    f"--awake-cpus: a spinner (pid {spinner.pid}) did not start within "
+                    f"{_START_S:g} s; run without --awake-cpus"
+                )
             if spinner.stdout.readline().strip() != "spinning":
                 raise ConfigError(
                     f"--awake-cpus: a spinner did not start: {spinner.stderr.read().strip()}"
