@@ -196,7 +196,8 @@ class Coordinator:
             self.history.add_run(run)
             self._catch_ups.planned(run, device)
             trace.mark("sender.planned", version=run.version)
-        self._driver.launch(run, device)
+            # Queued under the lock: no catch-up slips between a version sent ahead and its start.
+            self._driver.launch(run, device)
         return run, conn
 
     def _abandon_joining(self, key: tuple[str, int], failed: RankConn, e: BaseException):

@@ -77,7 +77,15 @@ class Outcomes:
                 return
             if conn.presented:  # sent ahead of its plan (``armed.py``): wait till it expects this
                 timeout_s = self._shared.settings.ack_timeout_s
-                self._shared.cond.wait_for(lambda: not conn.presented, timeout_s)
+                if not self._shared.cond.wait_for(lambda: not conn.presented, timeout_s):
+                    log.warning(
+                        "receiver %s: its %s of version %d came before the version's start, "
+                        "which did not come within %.0f s; it is dropped",
+                        conn.receiver_id,
+                        kind,
+                        body.version,
+                        timeout_s,
+                    )
             version = self._catch_ups.run_for(conn.receiver_id, body.version)
             version = version or self._history.run_of(body.version)
             if version is None:

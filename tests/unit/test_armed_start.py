@@ -20,8 +20,10 @@ from tests.support.sender_parts import (
 from tests.support.waiting import wait_until
 from weightsync.errors import WeightSyncError
 from weightsync.sender.armed import ArmedStarts
+from weightsync.sender.catch_ups import CatchUps
 from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.driver import VersionDriver
+from weightsync.sender.outcomes import Outcomes
 from weightsync.sender.records import ReceiverConn
 from weightsync.sender.version import Version
 from weightsync.transports.broadcast import SenderBroadcast
@@ -267,3 +269,17 @@ def test_switched_off_every_version_is_planned_first(sender):
     with sender.parts.cond, off.ahead(third.ranks, "p", KEY, 3) as conns:
         assert conns == []
     assert _sent(sender.conn) == []
+
+
+def test_a_reply_whose_version_never_starts_is_dropped_at_the_ack_timeout(sender, caplog):
+    """Bounded: were the start never to come (a bug), the reply waits ``ack_timeout_s``, is
+    dropped with a warning, and the receiver's stream goes on."""
+    _two_applied(sender)
+    sender.ahead(_direct_run(sender.parts, 3))
+    quick = sender.parts.shared._replace(
+        settings=SETTINGS.model_copy(update={"ack_timeout_s": 0.2})
+    )
+    outcomes = Outcomes(quick, sender.parts.history, CatchUps(quick, sender.parts.history))
+    verdict = pb.ReceiverMessage(verdict=pb.ManifestVerdict(version=3, accepted=True))
+    outcomes.on_receiver_message(sender.conn, verdict)
+    assert "its verdict of version 3 came before the version's start" in caplog.text
