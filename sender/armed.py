@@ -5,14 +5,16 @@ its direct bucket and its end, a few bytes each once the receiver holds the mani
 layout by key. When the next version comes from the same publisher with the same manifest and
 offer, while the same receivers wait, its plan makes the same messages but for the version
 number: the sender sends them at once, made from the last version's, and plans the version
-while the receivers' copies run. The sender's planning and addressing (0.5-0.9 ms a version
-on the lent hosts) leave the path between ``publish`` and the copies.
+while the receivers' copies run. The sender's planning and addressing leave the path between
+``publish`` and the copies: 0.2-0.5 ms a version on the lent H200 hosts (docs/benchmarks.md).
 
 The version's start then sends each message again as planned: one equal to the one sent
 ahead goes no second time (``ReceiverConn.send``); one that differs abandons the version
 (receivers are told; they copied only the version's own bytes out of the publisher's
 memory). A presented receiver's replies wait until the version expects them
-(``Outcomes.on_receiver_message``). All this runs with the sender's lock held.
+(``Outcomes.on_receiver_message``); the coordinator queues the version to its driver before
+it lets the lock go, so no other version (a catch-up) comes between. All this runs with the
+sender's lock held.
 """
 
 from __future__ import annotations

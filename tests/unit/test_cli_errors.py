@@ -63,6 +63,11 @@ SIZE = "expected a positive multiple of 256 bytes (default 536870912, 512 MiB)"
             "WEIGHTSYNC_LANES='maybe' is invalid; expected true or false (default true)",
         ),
         (
+            "WEIGHTSYNC_ARMED_STARTS",
+            "maybe",
+            "WEIGHTSYNC_ARMED_STARTS='maybe' is invalid; expected true or false (default true)",
+        ),
+        (
             "WEIGHTSYNC_LOG_FORMAT",
             "xml",
             "WEIGHTSYNC_LOG_FORMAT='xml' is invalid; expected text (one line per record; rich on "
