@@ -149,19 +149,18 @@ class ReceiverConn:
             self.outbox.put(msg)
 
     def _was_presented(self, msg: pb.Announcement) -> bool:
-        """Whether ``msg`` is the next message sent ahead of its version's plan; messages of
-        other kinds go as usual (an abort of that version drops the rest).
+        """Whether ``msg`` is the next message sent ahead of its version's plan; anything else
+        goes as usual (an abort of that version drops the rest).
 
         Raises:
             ProtocolError: the plan made another message than the one sent ahead (the
                 version is abandoned; ``armed.py`` presents only what planning repeats).
         """
-        kind = msg.WhichOneof("kind")
-        if kind == "abort":
-            if msg.abort.version == announced_version(self.presented[0]):
-                self.presented.clear()
+        kind, ahead = msg.WhichOneof("kind"), announced_version(self.presented[0])
+        if kind not in _OF_A_VERSION or announced_version(msg) != ahead:
             return False
-        if kind not in _PRESENTED:
+        if kind == "abort":
+            self.presented.clear()
             return False
         sent = self.presented.popleft()
         if msg == sent:
@@ -174,8 +173,8 @@ class ReceiverConn:
         )
 
 
-_PRESENTED = ("start", "bucket", "end")
-"""The kinds of message a version may send ahead of its plan."""
+_OF_A_VERSION = ("start", "bucket", "end", "abort")
+"""The kinds of message that belong to one version (the first three may go ahead of its plan)."""
 
 
 def announced_version(msg: pb.Announcement) -> int:

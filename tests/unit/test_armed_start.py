@@ -24,7 +24,7 @@ from weightsync.sender.catch_ups import CatchUps
 from weightsync.sender.direct_reads import DirectRead
 from weightsync.sender.driver import VersionDriver
 from weightsync.sender.outcomes import Outcomes
-from weightsync.sender.records import ReceiverConn
+from weightsync.sender.records import ReceiverConn, announced_version
 from weightsync.sender.version import Version
 from weightsync.transports.broadcast import SenderBroadcast
 from weightsync.v1 import weightsync_pb2 as pb
@@ -116,11 +116,7 @@ def _sent(conn: ReceiverConn) -> list[pb.Announcement]:
 
 
 def _kinds(messages: list[pb.Announcement]) -> list[tuple[str, int]]:
-    def version(m: pb.Announcement) -> int:
-        kind = m.WhichOneof("kind")
-        return m.start.manifest.version if kind == "start" else getattr(m, kind).version
-
-    return [(m.WhichOneof("kind"), version(m)) for m in messages]
+    return [(m.WhichOneof("kind"), announced_version(m)) for m in messages]
 
 
 @pytest.fixture
@@ -283,3 +279,20 @@ def test_a_reply_whose_version_never_starts_is_dropped_at_the_ack_timeout(sender
     verdict = pb.ReceiverMessage(verdict=pb.ManifestVerdict(version=3, accepted=True))
     outcomes.on_receiver_message(sender.conn, verdict)
     assert "its verdict of version 3 came before the version's start" in caplog.text
+
+
+def test_messages_of_other_versions_and_kinds_pass_a_version_sent_ahead(sender):
+    """While version 3 waits for its start, another version's or kind's message goes as
+    usual and leaves what went ahead alone; an abort of version 3 drops it."""
+    _two_applied(sender)
+    sender.ahead(_direct_run(sender.parts, 3))
+    _sent(sender.conn)
+    other = pb.Announcement(start=pb.VersionStart(manifest=pb.Manifest(version=9)))
+    export = pb.Announcement(export=pb.PackBucket(version=2))
+    with sender.parts.cond:
+        sender.conn.send(other)
+        sender.conn.send(export)
+        assert [m.WhichOneof("kind") for m in _sent(sender.conn)] == ["start", "export"]
+        assert len(sender.conn.presented) == 3
+        sender.conn.send(pb.Announcement(abort=pb.VersionAbort(version=3)))
+    assert not sender.conn.presented
