@@ -53,9 +53,10 @@ class ArmedStarts:
         last version's, when planning it repeats them (:func:`repeats`), then plan it inside
         (lock held); yields the receivers they went to (none: it is announced once planned,
         as any other). A plan that fails tells them to abort it."""
-        runs, registry = self._history.runs(), self._shared.registry
-        last = runs[-1] if runs else None
-        busy = any(not run.done for run in (*runs, *self._catch_ups.runs()))
+        last, registry = self._history.newest(), self._shared.registry
+        # Once the newest version completed the older ones are over too: one driver runs
+        # versions in turn and every receiver applies them in order. Catch-ups run apart.
+        busy = any(not run.done for run in self._catch_ups.runs())
         on = self._shared.settings.armed_starts and not busy
         conns = repeats(last, ranks, publisher_id, manifest_key, registry) if on else []
         if conns:

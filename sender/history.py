@@ -43,6 +43,10 @@ class VersionHistory:
         """The kept versions, oldest first (lock held)."""
         return list(self._runs.values())
 
+    def newest(self) -> Version | None:
+        """The version added last, if any (lock held)."""
+        return next(reversed(self._runs.values()), None)
+
     def run_of(self, version: int) -> Version | None:
         with self._cond:
             return self._runs.get(version)
