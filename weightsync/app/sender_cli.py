@@ -151,7 +151,7 @@ def add_sender_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="plan every version before announcing it; by default a direct version whose plan "
         "repeats the last one's goes to its receivers first, and is planned while they copy "
-        "(about 0.3-0.6 ms a version; WEIGHTSYNC_ARMED_STARTS=0)",
+        "(0.2-0.5 ms a version on the H200 hosts measured; WEIGHTSYNC_ARMED_STARTS=0)",
     )
     arguments.add_log_args(p)
 
