@@ -112,17 +112,18 @@ def test_cpu_bench_hosts_case_two_senders_and_one_bit_exact(tmp_path):
 
 def test_cpu_bench_fp8_and_delta_rows_beside_full_ones(tmp_path):
     """``--fp8`` and ``--deltas`` (issue 36) in the report: bf16 and FP8 versions of the model
-    (and the quantization alone), full and delta versions of a layer's Adam steps broadcast to
-    another host; every one bit-exact, FP8 and deltas fewer bytes than the rows beside them."""
+    (the quantization alone; quantized in the pack), full and delta versions of a layer's Adam
+    steps broadcast to another host; every one bit-exact, FP8 and deltas fewer bytes than the
+    rows beside them."""
     code = bench(
         ["--model", "tiny", "--device", "cpu", "--tp", "", "--no-baselines", "--no-floors"]
         + ["--fp8", "--deltas", "--versions", "2", "--warmup", "0", "--out", str(tmp_path)]
     )
     assert code == 0
     rows = {r["name"]: r for r in json.loads((tmp_path / "bench-tiny.json").read_text())["rows"]}
-    assert set(rows) == {"bf16", "fp8", "fp8 quantize alone", "full", "deltas"}
+    assert set(rows) == {"bf16", "fp8", "fp8 quantize alone", "fp8 packed", "full", "deltas"}
     assert all(r["bit_exact"] is True and not r["failed"] for r in rows.values()), rows
-    assert rows["fp8"]["nbytes"] < rows["bf16"]["nbytes"]
+    assert rows["fp8"]["nbytes"] == rows["fp8 packed"]["nbytes"] < rows["bf16"]["nbytes"]
     assert len(rows["fp8 quantize alone"]["samples_s"]) == 2  # one per measured version
     assert rows["deltas"]["nbytes"] < rows["full"]["nbytes"] / 4
     assert len(rows["deltas"]["samples_s"]) == 2  # versions 2 and 3: the first goes full

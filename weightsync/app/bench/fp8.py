@@ -6,7 +6,9 @@ The trainer (this process) holds the model's bf16 HF tensors on the device, fill
 normal values from each version's seed; a ``TorchReceiver`` process on the same device holds a
 plain module of the version's tensors (bf16, or the FP8 checkpoint form). Each version is one
 ``publish(wait=True)`` (start -> applied); the FP8 row's time includes quantizing every
-version on the trainer's device. Every version is checked bit for bit on the receiver, which
+version on the trainer's device. A third row, ``fp8 packed``, publishes the same FP8 versions
+through ``Fp8Packs``: no quantization first, each bucket's weights quantized into it as the
+sender asks the trainer to pack it. Every version is checked bit for bit on the receiver, which
 makes the expected tensors itself from the seed (and quantizes them with the same code), before
 the next is published, so the check is not timed.
 
@@ -50,6 +52,8 @@ class Fp8Run:
     bit_exact: bool
     quantize_s: tuple[float, ...] = ()
     """The trainer's quantization alone, every tensor once per sample (part of ``fp8_s``)."""
+    packed_s: tuple[float, ...] = ()
+    """The FP8 versions quantized bucket by bucket in the publisher's pack (``Fp8Packs``)."""
 
     @property
     def byte_ratio(self) -> float:
@@ -58,7 +62,15 @@ class Fp8Run:
     @property
     def time_ratio(self) -> float:
         """FP8 time over the bf16 time scaled by the byte ratio (target <= 1.15)."""
-        return statistics.median(self.fp8_s) / (statistics.median(self.bf16_s) * self.byte_ratio)
+        return self._ratio(self.fp8_s)
+
+    @property
+    def packed_ratio(self) -> float:
+        """The same ratio for the FP8 versions quantized in the pack."""
+        return self._ratio(self.packed_s)
+
+    def _ratio(self, samples: tuple[float, ...]) -> float:
+        return statistics.median(samples) / (statistics.median(self.bf16_s) * self.byte_ratio)
 
     def rows(self) -> list:
         from weightsync.app.bench.report import WEIGHTSYNC, Row
@@ -79,6 +91,9 @@ class Fp8Run:
         ]
         if self.quantize_s:
             rows.append(row("fp8 quantize alone", self.bf16_bytes, self.quantize_s))
+        if self.packed_s:
+            note = f"time {self.packed_ratio:.2f}x bf16 scaled by bytes (target <= {TIME_TARGET})"
+            rows.append(row("fp8 packed", self.fp8_bytes, self.packed_s, note))
         return rows
 
 
@@ -134,14 +149,18 @@ def _received_specs(specs, quantize: bool, device: torch.device) -> list[TensorS
 
 
 def _measure(
-    specs, quantize: bool, device: torch.device, versions: int, warmup: int, timeout_s: float,
+    specs, form: str, device: torch.device, versions: int, warmup: int, timeout_s: float,
     settings: dict, receiver_device: torch.device,
 ) -> tuple[tuple[float, ...], int, list[str], tuple[float, ...]]:  # fmt: skip
+    """``form``: ``bf16``, ``fp8`` (quantized, then published) or ``fp8 packed``."""
     from weightsync.sender import Publisher, Sender
+    from weightsync.sender.fp8_packs import Fp8Packs
 
     offsets, total = _offsets(specs)
     views = _views(torch.empty(total, dtype=torch.uint8, device=device), specs, offsets)
+    quantize = form != "bf16"
     fp8 = BlockFp8()
+    packs = Fp8Packs(fp8) if form == "fp8 packed" else None
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     samples, wrong, nbytes = [], [], 0
@@ -163,13 +182,18 @@ def _measure(
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     start = time.perf_counter()
-                    tensors = fp8(views) if quantize else views
-                    result = publisher.publish(tensors, version, wait=True, timeout_s=timeout_s)
+                    if packs is not None:
+                        result = packs.publish(
+                            publisher, views, version, wait=True, timeout_s=timeout_s
+                        )
+                    else:
+                        tensors = fp8(views) if quantize else views
+                        result = publisher.publish(tensors, version, wait=True, timeout_s=timeout_s)
                     samples.append(time.perf_counter() - start)
                     nbytes = result.status.total_bytes
                     got = expect(out, procs, "applied", 1, timeout_s, "fp8 bench")
                     wrong += [why for _, _, why in got if why]
-    quantize_s = tuple(_quantize_alone(fp8, views, versions)) if quantize else ()
+    quantize_s = tuple(_quantize_alone(fp8, views, versions)) if form == "fp8" else ()
     return tuple(samples[warmup:]), nbytes, wrong, quantize_s
 
 
@@ -196,22 +220,24 @@ def measure_fp8(
     receiver_device: torch.device | None = None,
 ) -> Fp8Run:
     """Publish ``warmup`` + ``versions`` versions of ``shape`` in bf16, then as many in block
-    FP8, from ``device`` to a receiver on ``receiver_device`` (default: the same device; on
-    another GPU the bytes cross a link, where fewer of them pay); the measured ones' times and
-    the bytes of each."""
+    FP8 quantized first, then as many quantized in the pack, from ``device`` to a receiver on
+    ``receiver_device`` (default: the same device; on another GPU the bytes cross a link, where
+    fewer of them pay); the measured ones' times and the bytes of each."""
     specs = hf_specs(shape)
     settings = {} if bucket_size_bytes is None else {"bucket_size_bytes": bucket_size_bytes}
     to = device if receiver_device is None else receiver_device
-    bf16_s, bf16_bytes, wrong, _ = _measure(
-        specs, False, device, versions, warmup, timeout_s, settings, to
-    )
-    fp8_s, fp8_bytes, wrong8, quantize_s = _measure(
-        specs, True, device, versions, warmup, timeout_s, settings, to
-    )
-    for line in wrong + wrong8:
+    runs = {
+        form: _measure(specs, form, device, versions, warmup, timeout_s, settings, to)
+        for form in ("bf16", "fp8", "fp8 packed")
+    }
+    wrong = [line for _, _, lines, _ in runs.values() for line in lines]
+    for line in wrong:
         print(f"fp8 bench: NOT bit-exact: {line}", flush=True)
+    (bf16_s, bf16_bytes, _, _), (fp8_s, fp8_bytes, _, quantize_s) = runs["bf16"], runs["fp8"]
     where = str(device) if to == device else f"{device} -> {to}"
-    return Fp8Run(where, bf16_bytes, fp8_bytes, bf16_s, fp8_s, not (wrong or wrong8), quantize_s)
+    return Fp8Run(
+        where, bf16_bytes, fp8_bytes, bf16_s, fp8_s, not wrong, quantize_s, runs["fp8 packed"][0]
+    )
 
 
 def summary(run: Fp8Run) -> str:
@@ -222,7 +248,8 @@ def summary(run: Fp8Run) -> str:
         f"GB in {fp8 * 1e3:.1f} ms (quantizing included; alone "
         f"{statistics.median(run.quantize_s) * 1e3:.1f} ms): bytes {run.byte_ratio:.3f}x (target "
         f"<= {BYTES_TARGET}), time {run.time_ratio:.2f}x the bf16 time scaled by bytes (target "
-        f"<= {TIME_TARGET}); bit-exact {run.bit_exact}"
+        f"<= {TIME_TARGET}); quantized in the pack {statistics.median(run.packed_s) * 1e3:.1f} "
+        f"ms, {run.packed_ratio:.2f}x; bit-exact {run.bit_exact}"
     )
 
 
@@ -252,7 +279,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.device(args.receiver_device) if args.receiver_device else None,
     )
     print(summary(run), flush=True)
-    print(json.dumps({**asdict(run), "byte_ratio": run.byte_ratio, "time_ratio": run.time_ratio}))
+    ratios = {"byte_ratio": run.byte_ratio, "time_ratio": run.time_ratio}
+    print(json.dumps({**asdict(run), **ratios, "packed_ratio": run.packed_ratio}))
     return 0 if run.bit_exact else 1
 
 

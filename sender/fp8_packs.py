@@ -1,0 +1,167 @@
+"""A trainer's weights published as block FP8, each weight quantized straight into the staging
+bucket the sender asks this publisher to pack (issue 36).
+
+``publisher.publish(BlockFp8()(tensors), v)`` quantizes every weight before the version
+begins and offers the results: the sender packs them, or receivers read them in place. The
+quantization's own pass then comes before the first byte moves (4.8 ms for the 7B shape on an
+H200, the whole of what FP8 across a link lost against its byte ratio). Here the version
+begins at once, without offering the trainer's memory, and the sender asks this publisher for
+each bucket in turn: its weights are quantized into it while the bucket before crosses the
+link, every bf16 byte read once and every e4m3 byte written once, into the bucket.
+
+The bytes are ``BlockFp8``'s. Where a bucket holds a weight's values but not its scales (or
+the reverse), or a chunk of a weight, that weight is quantized whole once per version and the
+entries copied from the result.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from weightsync import fp8_kernel
+from weightsync.buckets import Bucket, BucketEntry, TensorSpec, entry_view, pack_entry
+from weightsync.fp8 import FP8, BlockFp8, quantize_block_fp8, scale_name, scale_shape
+from weightsync.manifest import VersionManifest
+from weightsync.sender.publisher import Publisher, PublishResult
+from weightsync.tensor_keys import SameTensors, layout_key
+
+
+@dataclass(frozen=True)
+class _Form:
+    """What a layout of the trainer's tensors is published as."""
+
+    key: tuple
+    """:func:`layout_key` of the tensors it was made for."""
+    manifest: VersionManifest
+    weights: Mapping[str, str]
+    """Each quantized weight's values and scales, by name: the weight's name."""
+
+
+class Fp8Packs:
+    """Publishes a trainer's tensors in an FP8 engine's checkpoint form (``fp8``'s: e4m3
+    values and ``weight_scale_inv`` for each weight it picks, every other tensor as it is),
+    quantizing each weight into the bucket that carries it as the sender asks for it.
+
+    Use it where the bytes cross a link (receivers on other GPUs or hosts): the quantization
+    then overlaps the transfer. On the trainer's own GPU, where the receiver's copy is the
+    cost, quantizing first (``publisher.publish(fp8(tensors), v)``) lets the sender write the
+    receiver's weights in its pack and is the faster of the two.
+    """
+
+    def __init__(self, fp8: BlockFp8 | None = None) -> None:
+        self.fp8 = fp8 or BlockFp8()
+        self._form: _Form | None = None
+        self._same: SameTensors | None = None
+        self._launches: dict[int, tuple[tuple[int, ...], fp8_kernel.Quantize]] = {}
+        """Each bucket's kernel launch, by bucket index, with the addresses it reads and
+        writes (a slot, a bucket size or the trainer's memory changed: a new launch)."""
+
+    def publish(
+        self,
+        publisher: Publisher,
+        tensors: Mapping[str, torch.Tensor],
+        version: int,
+        *,
+        wait: bool = False,
+        timeout_s: float = 600.0,
+    ) -> PublishResult:
+        """Publish ``tensors`` (on one device) as ``version`` through ``publisher``, as
+        ``publisher.publish(self.fp8(tensors), version, ...)`` would, with the weights
+        quantized bucket by bucket. Returns and raises as ``Publisher.publish``.
+
+        Raises:
+            ValueError: ``fp8.quantized`` picked a tensor that is not a 2-D float weight.
+        """
+        form = self._form_of(tensors)
+        device = next(iter(tensors.values())).device
+        whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        """This version's weights quantized whole (those split between buckets)."""
+
+        def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
+            self._pack(bucket, buffer, tensors, form, whole)
+
+        return publisher.publish_packed(
+            form.manifest.at(version), pack, device=device, wait=wait, timeout_s=timeout_s
+        )
+
+    def _form_of(self, tensors: Mapping[str, torch.Tensor]) -> _Form:
+        """The last form while ``tensors`` hold what they held, else a new one."""
+        form = self._form
+        if form is not None and self._same is not None and self._same.holds(tensors):
+            return form
+        key = layout_key(tensors)
+        if form is None or form.key != key:
+            meta = {
+                n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()
+            }
+            fp8 = BlockFp8(self.fp8.quantized, self.fp8.block, ue8m0=self.fp8.ue8m0)
+            specs = tuple(TensorSpec.of(n, t) for n, t in fp8(meta).items())
+            picked = [n for n, t in meta.items() if self.fp8.quantized(n, t)]
+            weights = {**{n: n for n in picked}, **{scale_name(n): n for n in picked}}
+            form = self._form = _Form(key, VersionManifest(1, specs), weights)
+            self._launches.clear()
+        self._same = SameTensors(tensors)
+        return form
+
+    def _pack(
+        self,
+        bucket: Bucket,
+        buffer: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+        form: _Form,
+        whole: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        here = {e.name: e for e in bucket.entries if _whole(e)}
+        jobs: list[fp8_kernel.Job] = []
+        for entry in bucket.entries:
+            weight = form.weights.get(entry.name)
+            if weight is None:
+                pack_entry(buffer, entry, tensors[entry.name])
+                continue
+            values, scales = here.get(weight), here.get(scale_name(weight))
+            if values is not None and scales is not None:
+                if entry is values:  # both in this bucket, whole: quantized into it
+                    jobs.append(
+                        (tensors[weight], entry_view(buffer, values), entry_view(buffer, scales))
+                    )
+                continue
+            if weight not in whole:
+                t = tensors[weight]
+                out = (
+                    torch.empty(t.shape, dtype=FP8, device=t.device),
+                    torch.empty(scale_shape(t.shape, self.fp8.block), device=t.device),
+                )
+                self._quantize([(t, *out)])
+                whole[weight] = out
+            pack_entry(buffer, entry, whole[weight][0 if entry.name == weight else 1])
+        if jobs:
+            self._quantize(jobs, bucket.index)
+
+    @torch.no_grad()
+    def _quantize(self, jobs: list[fp8_kernel.Job], key: int | None = None) -> None:
+        """Each (weight, values, scales) of ``jobs`` quantized into its values and scales:
+        in one launch of the kernel where every job fits it (kept under ``key``), else with
+        torch's ops."""
+        fp8 = self.fp8
+        if fp8.block == (fp8_kernel.TILE, fp8_kernel.TILE) and all(
+            fp8_kernel.fits(*job) for job in jobs
+        ):
+            addresses = tuple(t.data_ptr() for job in jobs for t in job)
+            kept = self._launches.get(key) if key is not None else None
+            if kept is None or kept[0] != addresses:
+                kept = (addresses, fp8_kernel.Quantize(jobs, ue8m0=fp8.ue8m0))
+                if key is not None:
+                    self._launches[key] = kept
+            kept[1].run()
+            return
+        for weight, values, scales in jobs:
+            v, s = quantize_block_fp8(weight, fp8.block, ue8m0=fp8.ue8m0)
+            values.copy_(v)
+            scales.copy_(s)
+
+
+def _whole(entry: BucketEntry) -> bool:
+    return not entry.is_chunked and not entry.box_start
