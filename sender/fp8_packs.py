@@ -23,6 +23,7 @@ import torch
 
 from weightsync import fp8_kernel
 from weightsync.buckets import Bucket, BucketEntry, TensorSpec, entry_view, pack_entry
+from weightsync.errors import ConfigError
 from weightsync.fp8 import FP8, BlockFp8, quantize_block_fp8, scale_name, scale_shape
 from weightsync.manifest import VersionManifest
 from weightsync.sender.publisher import Publisher, PublishResult
@@ -73,6 +74,7 @@ class Fp8Packs:
         quantized bucket by bucket. Returns and raises as ``Publisher.publish``.
 
         Raises:
+            ConfigError: no tensors, or tensors on more than one device (names one on each).
             ValueError: ``fp8.quantized`` picked a tensor that is not a 2-D float weight.
         """
         form = self._form_of(tensors)
@@ -94,17 +96,27 @@ class Fp8Packs:
             return form
         key = layout_key(tensors)
         if form is None or form.key != key:
-            meta = {
-                n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()
-            }
-            fp8 = BlockFp8(self.fp8.quantized, self.fp8.block, ue8m0=self.fp8.ue8m0)
-            specs = tuple(TensorSpec.of(n, t) for n, t in fp8(meta).items())
-            picked = [n for n, t in meta.items() if self.fp8.quantized(n, t)]
-            weights = {**{n: n for n in picked}, **{scale_name(n): n for n in picked}}
-            form = self._form = _Form(key, VersionManifest(1, specs), weights)
+            form = self._form = self._new_form(tensors, key)
             self._launches.clear()
         self._same = SameTensors(tensors)
         return form
+
+    def _new_form(self, tensors: Mapping[str, torch.Tensor], key: tuple) -> _Form:
+        first_on: dict[torch.device, str] = {}
+        for name, t in tensors.items():
+            first_on.setdefault(t.device, name)
+        if len(first_on) != 1:
+            where = ", ".join(f"{n!r} on {d}" for d, n in first_on.items()) or "no tensors"
+            raise ConfigError(
+                f"Fp8Packs.publish: {where}; it publishes the tensors of one device (the "
+                "trainer's), at least one"
+            )
+        meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
+        fp8 = BlockFp8(self.fp8.quantized, self.fp8.block, ue8m0=self.fp8.ue8m0)
+        specs = tuple(TensorSpec.of(n, t) for n, t in fp8(meta).items())
+        picked = [n for n, t in meta.items() if self.fp8.quantized(n, t)]
+        weights = {**{n: n for n in picked}, **{scale_name(n): n for n in picked}}
+        return _Form(key, VersionManifest(1, specs), weights)
 
     def _pack(
         self,

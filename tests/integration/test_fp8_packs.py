@@ -14,6 +14,7 @@ import torch
 
 from tests.support import holder_module, sync_in_thread
 from weightsync.buckets import TensorSpec, plan_buckets
+from weightsync.errors import ConfigError
 from weightsync.fp8 import BlockFp8, scale_name
 from weightsync.receiver import TorchReceiver
 from weightsync.sender import Publisher
@@ -112,3 +113,22 @@ def test_a_picked_tensor_that_is_no_weight_is_named_before_anything_is_sent(tmp_
         with pytest.raises(ValueError, match=r"'norm.weight' is \(64,\) torch.float32"):
             packs.publish(publisher, _trainer(1), 1, timeout_s=60)
         assert not publisher.status().versions  # nothing began
+
+
+@pytest.mark.parametrize(
+    ("tensors", "error"),
+    [
+        ({}, "no tensors"),
+        (
+            {"a.weight": torch.zeros(2, 2), "b.weight": torch.zeros(2, 2, device="meta")},
+            "'a.weight' on cpu, 'b.weight' on meta",
+        ),
+    ],
+)
+def test_tensors_of_no_device_or_of_two_are_refused_naming_them(tmp_path, tensors, error):
+    with (
+        Sender(f"unix:{tmp_path}/s.sock", bucket_size_bytes=BUCKET) as sender,
+        Publisher(sender.address) as publisher,
+    ):
+        with pytest.raises(ConfigError, match=error):
+            Fp8Packs().publish(publisher, tensors, 1, timeout_s=60)
