@@ -74,9 +74,16 @@ class Fp8Packs:
         quantized bucket by bucket. Returns and raises as ``Publisher.publish``.
 
         Raises:
-            ConfigError: no tensors, or tensors on more than one device (names one on each).
+            ConfigError: ``publisher`` is one rank of several; no tensors, or tensors on more
+                than one device (names one on each).
             ValueError: ``fp8.quantized`` picked a tensor that is not a 2-D float weight.
         """
+        if publisher.world_size != 1:
+            raise ConfigError(
+                f"Fp8Packs.publish: publisher rank {publisher.rank} of {publisher.world_size}; "
+                "it publishes one process's whole model (Megatron ranks: "
+                "MegatronPublisher(..., fp8=BlockFp8()) quantizes each rank's shards)"
+            )
         form = self._form_of(tensors)
         device = next(iter(tensors.values())).device
         whole: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

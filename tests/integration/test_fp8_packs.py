@@ -132,3 +132,12 @@ def test_tensors_of_no_device_or_of_two_are_refused_naming_them(tmp_path, tensor
     ):
         with pytest.raises(ConfigError, match=error):
             Fp8Packs().publish(publisher, tensors, 1, timeout_s=60)
+
+
+def test_one_rank_of_several_is_pointed_to_the_megatron_publisher(tmp_path):
+    with (
+        Sender(f"unix:{tmp_path}/s.sock", bucket_size_bytes=BUCKET) as sender,
+        Publisher(sender.address, rank=1, world_size=2) as publisher,
+    ):
+        with pytest.raises(ConfigError, match=r"rank 1 of 2.*MegatronPublisher"):
+            Fp8Packs().publish(publisher, _trainer(1), 1, timeout_s=60)
