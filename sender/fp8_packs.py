@@ -56,7 +56,7 @@ class Fp8Packs:
         self.fp8 = fp8 or BlockFp8()
         self._form: _Form | None = None
         self._same: SameTensors | None = None
-        self._launches: dict[int, tuple[tuple[int, ...], fp8_kernel.Quantize]] = {}
+        self._launches: dict[int, _Launch] = {}
         """Each bucket's kernel launch, by bucket index, with the addresses it reads and
         writes (a slot, a bucket size or the trainer's memory changed: a new launch)."""
 
@@ -162,24 +162,39 @@ class Fp8Packs:
     @torch.no_grad()
     def _quantize(self, jobs: list[fp8_kernel.Job], key: int | None = None) -> None:
         """Each (weight, values, scales) of ``jobs`` quantized into its values and scales:
-        in one launch of the kernel where every job fits it (kept under ``key``), else with
-        torch's ops."""
-        fp8 = self.fp8
-        if fp8.block == (fp8_kernel.TILE, fp8_kernel.TILE) and all(
-            fp8_kernel.fits(*job) for job in jobs
-        ):
-            addresses = tuple(t.data_ptr() for job in jobs for t in job)
-            kept = self._launches.get(key) if key is not None else None
-            if kept is None or kept[0] != addresses:
-                kept = (addresses, fp8_kernel.Quantize(jobs, ue8m0=fp8.ue8m0))
-                if key is not None:
-                    self._launches[key] = kept
-            kept[1].run()
-            return
-        for weight, values, scales in jobs:
-            v, s = quantize_block_fp8(weight, fp8.block, ue8m0=fp8.ue8m0)
+        those the kernel fits in one launch, the rest with torch's ops; which is which is kept
+        under ``key`` with the launch while the jobs' addresses stay."""
+        addresses = tuple(t.data_ptr() for job in jobs for t in job)
+        launch = self._launches.get(key) if key is not None else None
+        if launch is None or launch.addresses != addresses:
+            kernel = self.fp8.block == (fp8_kernel.TILE, fp8_kernel.TILE)
+            fits = [kernel and fp8_kernel.fits(*job) for job in jobs]
+            fit = [job for job, ok in zip(jobs, fits, strict=True) if ok]
+            launch = _Launch(
+                addresses,
+                fp8_kernel.Quantize(fit, ue8m0=self.fp8.ue8m0) if fit else None,
+                tuple(i for i, ok in enumerate(fits) if not ok),
+            )
+            if key is not None:
+                self._launches[key] = launch
+        if launch.kernel is not None:
+            launch.kernel.run()
+        for i in launch.rest:
+            weight, values, scales = jobs[i]
+            v, s = quantize_block_fp8(weight, self.fp8.block, ue8m0=self.fp8.ue8m0)
             values.copy_(v)
             scales.copy_(s)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    """One bucket's quantization, for jobs at ``addresses``."""
+
+    addresses: tuple[int, ...]
+    kernel: fp8_kernel.Quantize | None
+    """The jobs the kernel fits, in one launch."""
+    rest: tuple[int, ...]
+    """The others (their indices), quantized with torch's ops."""
 
 
 def _whole(entry: BucketEntry) -> bool:
