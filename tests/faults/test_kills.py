@@ -281,7 +281,10 @@ def test_a_process_stopped_mid_report_holds_back_no_other_report(sock_dir):
         inbox.wait(lambda seen: inbox.find("other", "ready", 0), 30, "the other's report")
     finally:
         for proc in (victim, other):
-            if proc.pid is not None:
+            # is_alive() reads an exit first: a forkserver child's pid is free for reuse once
+            # it exited, and multiprocessing's kill() sends the signal without looking.
+            if proc.pid is not None and proc.is_alive():
                 proc.kill()
+            if proc.pid is not None:
                 proc.join(10)
         reports.close()
