@@ -26,6 +26,7 @@ from weightsync.buckets import Bucket, BucketEntry, TensorSpec, entry_view, pack
 from weightsync.errors import ConfigError
 from weightsync.fp8 import FP8, BlockFp8, quantize_block_fp8, scale_name, scale_shape
 from weightsync.manifest import VersionManifest
+from weightsync.memo import Memo, Same
 from weightsync.sender.publisher import Publisher, PublishResult
 from weightsync.tensor_keys import SameTensors, layout_key
 
@@ -56,9 +57,9 @@ class Fp8Packs:
         self.fp8 = fp8 or BlockFp8()
         self._form: _Form | None = None
         self._same: SameTensors | None = None
-        self._launches: dict[int, _Launch] = {}
-        """Each bucket's kernel launch, by bucket index, with the addresses it reads and
-        writes (a slot, a bucket size or the trainer's memory changed: a new launch)."""
+        self._plans: Memo[tuple[Same, int], _BucketPlan] = Memo(MAX_PLANS)
+        """Each bucket's plan by (form and layout, slot address): one per slot it is packed
+        into."""
 
     def publish(
         self,
@@ -104,7 +105,7 @@ class Fp8Packs:
         key = layout_key(tensors)
         if form is None or form.key != key:
             form = self._form = self._new_form(tensors, key)
-            self._launches.clear()
+            self._plans.clear()
         self._same = SameTensors(tensors)
         return form
 
@@ -133,69 +134,97 @@ class Fp8Packs:
         form: _Form,
         whole: dict[str, tuple[torch.Tensor, torch.Tensor]],
     ) -> None:
-        here = {e.name: e for e in bucket.entries if _whole(e)}
-        jobs: list[fp8_kernel.Job] = []
-        for entry in bucket.entries:
-            weight = form.weights.get(entry.name)
-            if weight is None:
-                pack_entry(buffer, entry, tensors[entry.name])
-                continue
-            values, scales = here.get(weight), here.get(scale_name(weight))
-            if values is not None and scales is not None:
-                if entry is values:  # both in this bucket, whole: quantized into it
-                    jobs.append(
-                        (tensors[weight], entry_view(buffer, values), entry_view(buffer, scales))
-                    )
-                continue
+        plan = self._plans.get(
+            (Same(form, bucket), buffer.data_ptr()),
+            lambda: _BucketPlan.of(self.fp8, bucket, buffer, tensors, form),
+        )
+        if plan.kernel is not None:
+            plan.kernel.run()
+        for name, values, scales in plan.by_torch:
+            _by_torch(self.fp8, tensors[name], values, scales)
+        for entry in plan.copies:
+            pack_entry(buffer, entry, tensors[entry.name])
+        for entry in plan.split:
+            weight = form.weights[entry.name]
             if weight not in whole:
                 t = tensors[weight]
-                out = (
+                whole[weight] = out = (
                     torch.empty(t.shape, dtype=FP8, device=t.device),
                     torch.empty(scale_shape(t.shape, self.fp8.block), device=t.device),
                 )
-                self._quantize([(t, *out)])
-                whole[weight] = out
+                if _kernel_fits(self.fp8, (t, *out)):
+                    fp8_kernel.Quantize([(t, *out)], ue8m0=self.fp8.ue8m0).run()
+                else:
+                    _by_torch(self.fp8, t, *out)
             pack_entry(buffer, entry, whole[weight][0 if entry.name == weight else 1])
-        if jobs:
-            self._quantize(jobs, bucket.index)
 
-    @torch.no_grad()
-    def _quantize(self, jobs: list[fp8_kernel.Job], key: int | None = None) -> None:
-        """Each (weight, values, scales) of ``jobs`` quantized into its values and scales:
-        those the kernel fits in one launch, the rest with torch's ops; which is which is kept
-        under ``key`` with the launch while the jobs' addresses stay."""
-        addresses = tuple(t.data_ptr() for job in jobs for t in job)
-        launch = self._launches.get(key) if key is not None else None
-        if launch is None or launch.addresses != addresses:
-            kernel = self.fp8.block == (fp8_kernel.TILE, fp8_kernel.TILE)
-            fits = [kernel and fp8_kernel.fits(*job) for job in jobs]
-            fit = [job for job, ok in zip(jobs, fits, strict=True) if ok]
-            launch = _Launch(
-                addresses,
-                fp8_kernel.Quantize(fit, ue8m0=self.fp8.ue8m0) if fit else None,
-                tuple(i for i, ok in enumerate(fits) if not ok),
-            )
-            if key is not None:
-                self._launches[key] = launch
-        if launch.kernel is not None:
-            launch.kernel.run()
-        for i in launch.rest:
-            weight, values, scales = jobs[i]
-            v, s = quantize_block_fp8(weight, self.fp8.block, ue8m0=self.fp8.ue8m0)
-            values.copy_(v)
-            scales.copy_(s)
+
+MAX_PLANS = 1024
+"""Bucket plans kept (a bucket's per slot it was packed into): more than a model's buckets
+times the sender's slots, for any bucket size but the smallest."""
 
 
 @dataclass(frozen=True)
-class _Launch:
-    """One bucket's quantization, for jobs at ``addresses``."""
+class _BucketPlan:
+    """How one bucket is packed into one slot, worked out once per form and layout: with
+    thousands of experts, finding each entry's place every version cost more than packing."""
 
-    addresses: tuple[int, ...]
     kernel: fp8_kernel.Quantize | None
-    """The jobs the kernel fits, in one launch."""
-    rest: tuple[int, ...]
-    """The others (their indices), quantized with torch's ops."""
+    """The weights whose values and scales both lie whole in the bucket and the kernel
+    fits, quantized into it in one launch."""
+    by_torch: tuple[tuple[str, torch.Tensor, torch.Tensor], ...]
+    """The other such weights (name, its values and scales in the bucket): torch's ops."""
+    copies: tuple[BucketEntry, ...]
+    """Tensors not quantized, copied as they are."""
+    split: tuple[BucketEntry, ...]
+    """Values or scales of a weight whose other half or other chunks lie elsewhere: the
+    weight quantized whole (once per version), the entry copied from that."""
+
+    @classmethod
+    def of(
+        cls,
+        fp8: BlockFp8,
+        bucket: Bucket,
+        buffer: torch.Tensor,
+        tensors: Mapping[str, torch.Tensor],
+        form: _Form,
+    ) -> _BucketPlan:
+        here = {e.name: e for e in bucket.entries if _whole(e)}
+        fit: list[fp8_kernel.Job] = []
+        by_torch, copies, split = [], [], []
+        for entry in bucket.entries:
+            weight = form.weights.get(entry.name)
+            if weight is None:
+                copies.append(entry)
+                continue
+            values, scales = here.get(weight), here.get(scale_name(weight))
+            if values is None or scales is None:
+                split.append(entry)
+            elif entry is values:
+                job = (tensors[weight], entry_view(buffer, values), entry_view(buffer, scales))
+                if _kernel_fits(fp8, job):
+                    fit.append(job)
+                else:
+                    by_torch.append((weight, *job[1:]))
+        kernel = fp8_kernel.Quantize(fit, ue8m0=fp8.ue8m0) if fit else None
+        return cls(kernel, tuple(by_torch), tuple(copies), tuple(split))
 
 
 def _whole(entry: BucketEntry) -> bool:
     return not entry.is_chunked and not entry.box_start
+
+
+def _kernel_fits(fp8: BlockFp8, job: fp8_kernel.Job) -> bool:
+    """Whether the block FP8 kernel quantizes ``job`` as ``fp8`` would (its block is the
+    kernel's tile)."""
+    return fp8.block == (fp8_kernel.TILE, fp8_kernel.TILE) and fp8_kernel.fits(*job)
+
+
+@torch.no_grad()
+def _by_torch(
+    fp8: BlockFp8, weight: torch.Tensor, values: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """``weight`` quantized as ``fp8`` does, with torch's ops, into ``values`` and ``scales``."""
+    v, s = quantize_block_fp8(weight, fp8.block, ue8m0=fp8.ue8m0)
+    values.copy_(v)
+    scales.copy_(s)
