@@ -107,7 +107,7 @@ def _start_head(env: pytest.MonkeyPatch) -> tuple[Cluster, str]:
             head = {**CLUSTER_NODE, "include_dashboard": False}
             return Cluster(initialize_head=True, head_node_args=head), temp
         except RuntimeError as e:
-            failures.append(f"{e}\n{_ray_logs(temp)}\n{_ray_processes(temp, kill=True)}")
+            failures.append(f"{e}\n{_ray_logs(temp)}\n{_kill_ray_processes(temp)}")
             shutil.rmtree(temp, ignore_errors=True)
             if len(failures) < START_ATTEMPTS:
                 message = f"Ray's head node did not start; once more:\n{failures[-1]}"
@@ -126,16 +126,15 @@ def _ray_logs(temp: str, lines: int = 20) -> str:
     return "\n".join(out) or f"(no Ray logs under {temp})"
 
 
-def _ray_processes(temp: str, kill: bool) -> str:
-    """Ray's processes started for ``temp`` (their command lines name it), each with its
-    state; killed where ``kill``, so that a failed start leaves nothing running."""
+def _kill_ray_processes(temp: str) -> str:
+    """Kill Ray's processes started for ``temp`` (their command lines name it), so that a
+    failed start leaves nothing running; returns each one's state as it was."""
     found = []
     for proc in psutil.process_iter(["pid", "name", "status", "cmdline"]):
         if any(temp in arg for arg in proc.info["cmdline"] or ()):
             found.append(f"{proc.info['name']} (pid {proc.info['pid']}): {proc.info['status']}")
-            if kill:
-                with contextlib.suppress(psutil.Error):
-                    proc.kill()
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
     return "Ray's processes: " + ("; ".join(found) or f"none names {temp}")
 
 
