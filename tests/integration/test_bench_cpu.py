@@ -124,6 +124,7 @@ def test_cpu_bench_fp8_and_delta_rows_beside_full_ones(tmp_path):
     assert set(rows) == {"bf16", "fp8", "fp8 quantize alone", "fp8 packed", "full", "deltas"}
     assert all(r["bit_exact"] is True and not r["failed"] for r in rows.values()), rows
     assert rows["fp8"]["nbytes"] == rows["fp8 packed"]["nbytes"] < rows["bf16"]["nbytes"]
+    assert "the quantized weights 0.50" in rows["fp8"]["note"]  # 1 byte of 2, and the scales
     assert len(rows["fp8 quantize alone"]["samples_s"]) == 2  # one per measured version
     assert rows["deltas"]["nbytes"] < rows["full"]["nbytes"] / 4
     assert len(rows["deltas"]["samples_s"]) == 2  # versions 2 and 3: the first goes full
