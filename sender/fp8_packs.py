@@ -119,10 +119,8 @@ class Fp8Packs:
                 f"Fp8Packs.publish: {where}; it publishes the tensors of one device (the "
                 "trainer's), at least one"
             )
-        meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in tensors.items()}
-        fp8 = BlockFp8(self.fp8.quantized, self.fp8.block, ue8m0=self.fp8.ue8m0)
-        specs = tuple(TensorSpec.of(n, t) for n, t in fp8(meta).items())
-        picked = [n for n, t in meta.items() if self.fp8.quantized(n, t)]
+        specs = self.fp8.specs(TensorSpec.of(n, t) for n, t in tensors.items())
+        picked = [n for n, t in tensors.items() if self.fp8.quantized(n, t)]
         weights = {**{n: n for n in picked}, **{scale_name(n): n for n in picked}}
         return _Form(key, VersionManifest(1, specs), weights)
 

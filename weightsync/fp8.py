@@ -13,11 +13,12 @@ reciprocal of its scale before the cast, as they do.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
 from weightsync import fp8_kernel
+from weightsync.buckets import TensorSpec
 from weightsync.tensor_keys import SameTensors, layout_key
 
 FP8 = torch.float8_e4m3fn
@@ -116,6 +117,17 @@ class BlockFp8:
         self._launched: frozenset[str] = frozenset()
         self._last: tuple[SameTensors, dict[str, torch.Tensor], list] | None = None
         """(the mapping last given, what it gave, its groups for torch's ops)."""
+
+    def specs(self, specs: Iterable[TensorSpec]) -> tuple[TensorSpec, ...]:
+        """What this makes of tensors of ``specs`` (names, dtypes, shapes, in its order),
+        worked out on meta tensors by one of the same settings: no memory, no change here.
+
+        Raises:
+            ValueError: ``quantized`` picks a spec that is not a 2-D float weight.
+        """
+        meta = {s.name: torch.empty(s.shape, dtype=s.torch_dtype, device="meta") for s in specs}
+        form = BlockFp8(self.quantized, self.block, ue8m0=self.ue8m0)(meta)
+        return tuple(TensorSpec.of(name, t) for name, t in form.items())
 
     @torch.no_grad()
     def __call__(self, tensors) -> dict[str, torch.Tensor]:

@@ -179,9 +179,7 @@ def run(args: argparse.Namespace) -> list[DeltaRow]:
     versions = adam_versions(specs, args.warmup_steps, device)
     forms = [("", specs, lambda tensors: tensors)]
     if args.fp8:
-        meta = {s.name: torch.empty(s.shape, dtype=s.torch_dtype, device="meta") for s in specs}
-        fp8_specs = [TensorSpec.of(n, t) for n, t in fp8_form(meta).items()]
-        forms.append(("FP8 ", fp8_specs, fp8_form))
+        forms.append(("FP8 ", list(BlockFp8().specs(specs)), fp8_form))
     if device.type == "cuda":  # untimed: the process's first kernels and allocations
         first = {n: v[0] for n, v in versions.items()}
         measure("warm-up", specs, first, {n: v[1] for n, v in versions.items()}, bucket)

@@ -114,7 +114,7 @@ def _receiver(specs, quantize: bool, device: str, address: str, versions, timeou
     dev = torch.device(device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
-    received = _received_specs(specs, quantize, dev)
+    received = _received_specs(specs, quantize)
     model = _module(received, dev)
     live = dict(model.state_dict())
     offsets, total = _offsets(specs)
@@ -144,12 +144,9 @@ def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
-def _received_specs(specs, quantize: bool, device: torch.device) -> list[TensorSpec]:
+def _received_specs(specs, quantize: bool) -> list[TensorSpec]:
     """What the receiver holds: the HF tensors, or their FP8 checkpoint form."""
-    if not quantize:
-        return list(specs)
-    meta = {s.name: torch.empty(s.shape, dtype=s.torch_dtype, device="meta") for s in specs}
-    return [TensorSpec.of(n, t) for n, t in BlockFp8()(meta).items()]
+    return list(BlockFp8().specs(specs) if quantize else specs)
 
 
 def _measure(
@@ -247,7 +244,7 @@ def measure_fp8(
 
 def _weights_ratio(specs) -> float:
     """:attr:`Fp8Run.weights_ratio` of the model of ``specs``."""
-    fp8 = {s.name: s for s in _received_specs(specs, True, torch.device("meta"))}
+    fp8 = {s.name: s for s in BlockFp8().specs(specs)}
     picked = [s for s in specs if fp8[s.name].torch_dtype == FP8]
     quantized = sum(fp8[s.name].nbytes + fp8[scale_name(s.name)].nbytes for s in picked)
     return quantized / max(1, sum(s.nbytes for s in picked))
