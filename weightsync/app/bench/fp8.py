@@ -127,13 +127,7 @@ def _receiver(specs, quantize: bool, device: str, address: str, versions, timeou
             version = receiver.sync(timeout=timeout_s)
             _fill(expected, version)
             want = fp8(expected) if quantize else expected
-            wrong = [
-                n
-                for n, t in want.items()
-                if not torch.equal(
-                    live[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
-                )
-            ]
+            wrong = [n for n, t in want.items() if not _same_bytes(live[n], t)]
             why = f"version {version}: {len(wrong)} differ, first {wrong[:3]}" if wrong else ""
             out.put(("applied", 0, why))
     finally:
