@@ -86,6 +86,7 @@ class Outcomes:
                         body.version,
                         timeout_s,
                     )
+                    return
             version = self._catch_ups.run_for(conn.receiver_id, body.version)
             version = version or self._history.run_of(body.version)
             if version is None:
