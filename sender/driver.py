@@ -172,13 +172,15 @@ class VersionDriver:
         if packs is not None and fresh:
             packs.asked()
             for send, slot in fresh:
-                self.before_reuse(slot, torch.device(slot.device), on_stream=False)
+                # On CUDA the stamps queue behind the readers, and asking syncs once for both.
+                device = torch.device(slot.device)
+                self.before_reuse(slot, device, on_stream=device.type == "cuda")
                 packs.ask(send.layout, slot)
 
     def before_reuse(self, slot: Slot, device: torch.device, on_stream: bool) -> None:
-        """Order packing into ``slot`` after its last readers: by a stream wait when this
-        process packs on the GPU (``on_stream``), else by waiting here (a publisher packs in
-        its own process)."""
+        """Order packing into ``slot`` after its last readers: by a stream wait on the GPU
+        (``on_stream``: this process packs, or stamps the slot and syncs before publishers
+        pack), else by waiting here."""
         broadcast = self.broadcast.finish(slot)
         events, slot.read_events = slot.read_events, []
         for read in events:

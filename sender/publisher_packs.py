@@ -150,16 +150,17 @@ class Stamps:
     (another version's bytes) under a checksum the sender takes of them."""
 
     def __init__(self, places: StampPlaces) -> None:
-        self._nonce = torch.tensor(list(secrets.token_bytes(_STAMP_BYTES)), dtype=torch.uint8)
+        # One int64 word: filled and compared as a scalar, no host-to-device copy per bucket.
+        self._nonce = int.from_bytes(secrets.token_bytes(_STAMP_BYTES), "little", signed=True)
         self._stamped: dict[int, tuple[Slot, list[int], torch.Tensor]] = {}
-        """By bucket index: its slot, where the stamps are, and their byte indices."""
+        """By bucket index: its slot, where the stamps are, and their word indices."""
         self._places = places
 
     def stamp(self, layout: pb.BucketLayout, slot: Slot) -> None:
         """Stamp ``slot`` for bucket ``layout`` (its readers are done with it)."""
         buffer = slot.buffer.tensor
         offsets, at = self._places(layout, buffer.device)
-        buffer[at] = self._nonce.to(buffer.device)
+        _words(buffer).index_fill_(0, at, self._nonce)
         if buffer.is_cuda:  # the publisher writes from another process, after this
             torch.cuda.current_stream(buffer.device).synchronize()
         self._stamped[layout.index] = (slot, offsets, at)
@@ -171,8 +172,7 @@ class Stamps:
             ProtocolError: naming the first stamp left, its tensor and the ranks.
         """
         slot, offsets, at = self._stamped.pop(bucket.index)
-        buffer = slot.buffer.tensor
-        left = (buffer[at] == self._nonce.to(buffer.device)).all(dim=1)
+        left = _words(slot.buffer.tensor).index_select(0, at) == self._nonce
         if not bool(left.any()):
             return
         offset = offsets[int(left.nonzero()[0])]
@@ -205,7 +205,7 @@ def stamp_offsets(entries: Iterable[tuple[int, int]]) -> list[int]:
 class StampPlaces:
     """Where each bucket layout is stamped, kept across versions (the plans' memo gives the
     same layout objects every version, and working the places out again cost more than the
-    stamping). Bounded: each entry holds 64 bytes of indices on the slot's device per 64 KiB
+    stamping). Bounded: each entry holds 8 bytes of indices on the slot's device per 64 KiB
     of its bucket."""
 
     def __init__(self, max_entries: int = 64) -> None:
@@ -216,12 +216,18 @@ class StampPlaces:
     def __call__(
         self, layout: pb.BucketLayout, device: torch.device
     ) -> tuple[list[int], torch.Tensor]:
-        """The stamps' offsets in ``layout``'s bucket, and their bytes' indices on
-        ``device`` (a row of 8 per stamp)."""
+        """The stamps' offsets in ``layout``'s bucket, and the indices of their 8-byte words
+        on ``device`` (entries start at multiples of 256 bytes, rows of 64 KiB: every stamp
+        is a whole word)."""
 
         def where() -> tuple[list[int], torch.Tensor]:
             offsets = stamp_offsets((e.offset, e.nbytes) for e in layout.entries)
-            starts = torch.tensor(offsets, dtype=torch.int64, device=device)
-            return offsets, starts[:, None] + torch.arange(_STAMP_BYTES, device=device)
+            words = [offset // _STAMP_BYTES for offset in offsets]
+            return offsets, torch.tensor(words, dtype=torch.int64, device=device)
 
         return self._where.get((Same(layout), device), where)
+
+
+def _words(buffer: torch.Tensor) -> torch.Tensor:
+    """A slot's bytes as 8-byte words (its tail past the last whole word holds no stamp)."""
+    return buffer[: buffer.numel() // _STAMP_BYTES * _STAMP_BYTES].view(torch.int64)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.support import sync_in_thread
+from tests.support.devices import DEVICES
 from weightsync.buckets import TensorSpec, pack_entry
 from weightsync.errors import WeightSyncError
 from weightsync.manifest import VersionManifest
@@ -44,28 +45,31 @@ def test_a_stamp_lies_in_each_row_inside_an_entry():
     assert stamp_offsets([(0, 4), (256, 7)]) == []
 
 
-def test_the_places_of_a_layout_are_worked_out_once_and_index_their_bytes():
+def test_the_places_of_a_layout_are_worked_out_once_and_index_their_words():
     places = StampPlaces()
     layout = pb.BucketLayout(
         entries=[pb.BucketEntry(offset=0, nbytes=10), pb.BucketEntry(offset=256, nbytes=70000)]
     )
     offsets, at = places(layout, torch.device("cpu"))
     assert offsets == [0, 65536]
-    assert at.tolist() == [list(range(0, 8)), list(range(65536, 65544))]
+    assert at.tolist() == [0, 8192]  # their 8-byte words
     assert places(layout, torch.device("cpu"))[1] is at  # the same layout: kept
     again = pb.BucketLayout()
     again.CopyFrom(layout)
     assert places(again, torch.device("cpu"))[1] is not at  # another object: worked out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("skipped_row", [0, 3, None])
 def test_packed_without_writing_fails_the_version_naming_rank_bucket_and_tensor(
-    sock_dir, skipped_row
+    sock_dir, skipped_row, device
 ):
+    # On CUDA the stamps queue behind the slot's last readers on the sender's stream.
     from weightsync.sender.daemon import Sender
 
+    where = torch.device(device)
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=1 << 20) as sender:
-        model = One()
+        model = One().to(where)
         receiver = TorchReceiver(model, sender.address, receiver_id="r")
         t, results = sync_in_thread(receiver, n=2)
         manifest = VersionManifest(1, (TensorSpec("w", "float32", (ROWS,)),))
@@ -83,19 +87,17 @@ def test_packed_without_writing_fails_the_version_naming_rank_bucket_and_tensor(
 
             stamped = None
             publisher.publish_packed(
-                manifest, pack(torch.ones(ROWS), None), device=torch.device("cpu"), wait=True
+                manifest, pack(torch.ones(ROWS, device=where), None), device=where, wait=True
             )
 
             def lie(bucket, buffer):  # keeps one row's stamp (writes the rest), or all
                 nonlocal stamped
                 stamped = buffer.clone()
                 if skipped_row is not None:
-                    pack(torch.full((ROWS,), 2.0), skipped_row)(bucket, buffer)
+                    pack(torch.full((ROWS,), 2.0, device=where), skipped_row)(bucket, buffer)
 
             with pytest.raises(WeightSyncError) as e:
-                publisher.publish_packed(
-                    manifest.at(2), lie, device=torch.device("cpu"), wait=True, timeout_s=30
-                )
+                publisher.publish_packed(manifest.at(2), lie, device=where, wait=True, timeout_s=30)
         t.join()
         receiver.close()
     offset = (skipped_row or 0) * 64 * 1024
@@ -105,4 +107,4 @@ def test_packed_without_writing_fails_the_version_naming_rank_bucket_and_tensor(
         f"left byte {offset} of it unwritten (tensor 'w', its byte {offset}); a publisher "
         "writes every byte of its entries before `packed`"
     )
-    assert torch.equal(model.w.detach(), torch.ones(ROWS))  # version 1 stays
+    assert torch.equal(model.w.detach().cpu(), torch.ones(ROWS))  # version 1 stays

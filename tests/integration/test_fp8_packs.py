@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support import holder_module, sync_in_thread
+from tests.support.devices import DEVICES
 from weightsync.buckets import TensorSpec, plan_buckets
 from weightsync.errors import ConfigError
 from weightsync.fp8 import BlockFp8, scale_name
@@ -32,18 +33,6 @@ SHAPES = {
     "layers.0.down_proj.weight": ((128, 384), torch.float32),  # float32 weights quantize too
     "norm.weight": ((64,), torch.float32),
 }
-
-
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-        ],
-    ),
-]
 
 
 def _trainer(version: int, device: str = "cpu") -> dict[str, torch.Tensor]:

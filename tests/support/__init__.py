@@ -10,6 +10,7 @@
   process still runs, and under which parent (``parent_of``).
 - ``waiting``: ``wait_until(condition, timeout, message)`` instead of polling loops and sleeps.
 - ``bench``: ``weightsync bench`` in the test's process.
+- ``devices``: ``DEVICES``, a test's CPU case and its CUDA case (marked ``gpu``).
 - ``vllm``, ``megatron``, ``sglang``: per-engine helpers, imported only by that engine's tests.
   ``sglang`` runs in the SGLang venv (its own torch, no vLLM, no megatron) and imports neither
   of the other two.
