@@ -194,7 +194,7 @@ def measure(model: str, steps: int, bucket_size_bytes: int, delta_mb: int = 1024
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--steps", type=int, default=4, help="versions after the first")
     p.add_argument("--bucket-size-mb", type=int, default=64)

@@ -218,7 +218,7 @@ def summary(row: DeltaRow) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--device", default="cpu")
     p.add_argument("--warmup-steps", type=int, default=10)

@@ -259,7 +259,7 @@ def summary(run: Fp8Run) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")

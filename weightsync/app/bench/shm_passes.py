@@ -185,7 +185,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen3-dense-cpu")
     parser.add_argument("--versions", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1)
