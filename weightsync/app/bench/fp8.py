@@ -3,15 +3,14 @@ as block FP8 (``weightsync.fp8.BlockFp8``: e4m3 projections and their 128 x 128 
 ``weight_scale_inv``, everything else bf16), bytes on the wire and time, in one run.
 
 The trainer (this process) holds the model's bf16 HF tensors on the device, filled with
-normal values from each version's seed; each form has its own sender and a ``TorchReceiver``
-process (on the trainer's device, or ``--receiver-device``) holding a plain module of the
-version's tensors (bf16, or the FP8 checkpoint form). Each version is one
-``publish(wait=True)`` per form (start -> applied), the forms in turn; the FP8 row's time
-includes quantizing every version on the trainer's device. A third row, ``fp8 packed``,
-publishes the same FP8 versions through ``Fp8Packs``: no quantization first, each bucket's
-weights quantized into it as the sender asks the trainer to pack it. Every version is checked
-bit for bit on each receiver, which makes the expected tensors itself from the seed (and
-quantizes them with the same code), before the next is published, so the check is not timed.
+normal values from each version's seed; a ``TorchReceiver`` process on the same device holds a
+plain module of the version's tensors (bf16, or the FP8 checkpoint form). Each version is one
+``publish(wait=True)`` (start -> applied); the FP8 row's time includes quantizing every
+version on the trainer's device. A third row, ``fp8 packed``, publishes the same FP8 versions
+through ``Fp8Packs``: no quantization first, each bucket's weights quantized into it as the
+sender asks the trainer to pack it. Every version is checked bit for bit on the receiver, which
+makes the expected tensors itself from the seed (and quantizes them with the same code), before
+the next is published, so the check is not timed.
 
 Target (issue 36): FP8 bytes at most 0.51x bf16; time at most 1.15x the bf16 time scaled by the
 byte ratio.
@@ -28,7 +27,6 @@ import statistics
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 
 import torch
@@ -145,52 +143,53 @@ def _received_specs(specs, quantize: bool) -> list[TensorSpec]:
     return list(BlockFp8().specs(specs) if quantize else specs)
 
 
-class _Form:
-    """One form's sender, receiver process and publisher, alive while the versions of every
-    form are published in turn (:func:`measure_fp8`)."""
+def _measure(
+    specs, form: str, device: torch.device, versions: int, warmup: int, timeout_s: float,
+    settings: dict, receiver_device: torch.device,
+) -> tuple[tuple[float, ...], int, list[str], tuple[float, ...]]:  # fmt: skip
+    """``form``: ``bf16``, ``fp8`` (quantized, then published) or ``fp8 packed``."""
+    from weightsync.sender import Publisher, Sender
+    from weightsync.sender.fp8_packs import Fp8Packs
 
-    def __init__(self, stack: ExitStack, form: str, specs, to: torch.device, versions: int,
-                 timeout_s: float, settings: dict) -> None:  # fmt: skip
-        from weightsync.sender import Publisher, Sender
-        from weightsync.sender.fp8_packs import Fp8Packs
-
-        self.form, self.timeout_s = form, timeout_s
-        self.fp8 = BlockFp8()
-        self.packs = Fp8Packs(self.fp8) if form == "fp8 packed" else None
-        self.samples: list[float] = []
-        self.wrong: list[str] = []
-        self.nbytes = 0
-        sock_dir = stack.enter_context(scratch_dir("ws-fp8-"))
-        sender = stack.enter_context(
-            Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s, **settings)
-        )
-        self.procs = stack.enter_context(children())
-        ctx = mp.get_context("spawn")
-        self.out = ctx.Queue()
-        args = (specs, form != "bf16", str(to), sender.address, versions, timeout_s, self.out)
-        self.procs.append(ctx.Process(target=reporting, args=("receiver", _receiver, *args)))
-        self.procs[-1].start()
-        expect(self.out, self.procs, "ready", 1, timeout_s, f"fp8 bench ({form})")
-        self.publisher = stack.enter_context(Publisher(sender.address))
-
-    def publish(self, views: Mapping[str, torch.Tensor], version: int) -> None:
-        """Publish ``version`` of ``views`` in this form and wait for the receiver's check."""
-        device = next(iter(views.values())).device
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        if self.packs is not None:
-            result = self.packs.publish(
-                self.publisher, views, version, wait=True, timeout_s=self.timeout_s
-            )
-        else:
-            tensors = self.fp8(views) if self.form != "bf16" else views
-            result = self.publisher.publish(tensors, version, wait=True, timeout_s=self.timeout_s)
-        self.samples.append(time.perf_counter() - start)
-        self.nbytes = result.status.total_bytes
-        what = f"fp8 bench ({self.form})"
-        got = expect(self.out, self.procs, "applied", 1, self.timeout_s, what)
-        self.wrong += [f"{self.form}: {why}" for _, _, why in got if why]
+    offsets, total = _offsets(specs)
+    views = _views(torch.empty(total, dtype=torch.uint8, device=device), specs, offsets)
+    quantize = form != "bf16"
+    fp8 = BlockFp8()
+    packs = Fp8Packs(fp8) if form == "fp8 packed" else None
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    samples, wrong, nbytes = [], [], 0
+    with scratch_dir("ws-fp8-") as sock_dir:
+        with (
+            Sender(f"unix:{sock_dir}/s.sock", ack_timeout_s=timeout_s, **settings) as sender,
+            children() as procs,
+        ):
+            args = (
+                specs, quantize, str(receiver_device), sender.address, warmup + versions,
+                timeout_s, out,
+            )  # fmt: skip
+            procs.append(ctx.Process(target=reporting, args=("receiver", _receiver, *args)))
+            procs[-1].start()
+            expect(out, procs, "ready", 1, timeout_s, "fp8 bench")
+            with Publisher(sender.address) as publisher:
+                for version in range(1, warmup + versions + 1):
+                    _fill(views, version)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    start = time.perf_counter()
+                    if packs is not None:
+                        result = packs.publish(
+                            publisher, views, version, wait=True, timeout_s=timeout_s
+                        )
+                    else:
+                        tensors = fp8(views) if quantize else views
+                        result = publisher.publish(tensors, version, wait=True, timeout_s=timeout_s)
+                    samples.append(time.perf_counter() - start)
+                    nbytes = result.status.total_bytes
+                    got = expect(out, procs, "applied", 1, timeout_s, "fp8 bench")
+                    wrong += [why for _, _, why in got if why]
+    quantize_s = tuple(_quantize_alone(fp8, views, versions)) if form == "fp8" else ()
+    return tuple(samples[warmup:]), nbytes, wrong, quantize_s
 
 
 def _quantize_alone(fp8: BlockFp8, views, times: int):
@@ -215,35 +214,25 @@ def measure_fp8(
     bucket_size_bytes: int | None = None,
     receiver_device: torch.device | None = None,
 ) -> Fp8Run:
-    """Publish ``warmup`` + ``versions`` versions of ``shape`` from ``device`` to a receiver on
+    """Publish ``warmup`` + ``versions`` versions of ``shape`` in bf16, then as many in block
+    FP8 quantized first, then as many quantized in the pack, from ``device`` to a receiver on
     ``receiver_device`` (default: the same device; on another GPU the bytes cross a link, where
-    fewer of them pay) in each form: bf16, block FP8 quantized first, block FP8 quantized in
-    the pack. The forms take turns version by version (each its own sender and receiver, all
-    alive together), so a host's drift in speed weighs on their ratios less than three runs
-    one after another would; the measured versions' times and the bytes of each."""
+    fewer of them pay); the measured ones' times and the bytes of each."""
     specs = hf_specs(shape)
     settings = {} if bucket_size_bytes is None else {"bucket_size_bytes": bucket_size_bytes}
     to = device if receiver_device is None else receiver_device
-    offsets, total = _offsets(specs)
-    views = _views(torch.empty(total, dtype=torch.uint8, device=device), specs, offsets)
-    with ExitStack() as stack:
-        forms = [
-            _Form(stack, form, specs, to, warmup + versions, timeout_s, settings)
-            for form in ("bf16", "fp8", "fp8 packed")
-        ]
-        for version in range(1, warmup + versions + 1):
-            _fill(views, version)
-            for form in forms:
-                form.publish(views, version)
-    bf16, fp8, packed = forms
-    wrong = [line for form in forms for line in form.wrong]
+    runs = {
+        form: _measure(specs, form, device, versions, warmup, timeout_s, settings, to)
+        for form in ("bf16", "fp8", "fp8 packed")
+    }
+    wrong = [line for _, _, lines, _ in runs.values() for line in lines]
     for line in wrong:
         print(f"fp8 bench: NOT bit-exact: {line}", flush=True)
+    (bf16_s, bf16_bytes, _, _), (fp8_s, fp8_bytes, _, quantize_s) = runs["bf16"], runs["fp8"]
     where = str(device) if to == device else f"{device} -> {to}"
     return Fp8Run(
-        where, bf16.nbytes, fp8.nbytes, tuple(bf16.samples[warmup:]),
-        tuple(fp8.samples[warmup:]), not wrong, tuple(_quantize_alone(fp8.fp8, views, versions)),
-        tuple(packed.samples[warmup:]), _weights_ratio(specs),
+        where, bf16_bytes, fp8_bytes, bf16_s, fp8_s, not wrong, quantize_s, runs["fp8 packed"][0],
+        _weights_ratio(specs),
     )  # fmt: skip
 
 
