@@ -293,6 +293,25 @@ def test_trace_is_not_cut_when_piped(tmp_path):
     assert f"detail={long}" in out.stdout and "…" not in out.stdout
 
 
+def test_trace_gaps_shows_only_the_events_that_waited(tmp_path):
+    at_ms = {"publish": 1.0, "sender.begin": 1.2, "receiver.start": 6.2, "receiver.committed": 6.5}
+    events = [
+        {"t_ns": int(ms * 1e6), "thread": "main", "event": name, "version": 1}
+        for name, ms in at_ms.items()
+    ]
+    (tmp_path / "sender-1.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    out = weightsync("trace", str(tmp_path), "--gaps", "1")
+    assert out.returncode == 0, out.stderr
+    rows = [
+        [cell.strip() for cell in line.strip("│ ").split("│")]
+        for line in out.stdout.splitlines()
+        if "version=1" in line
+    ]
+    # The publish (0 ms after the version's start) and the 0.2-0.3 ms steps are left out; the
+    # 5 ms wait is shown with its time from the publish and from the event before it.
+    assert rows == [["5.200", "5.000", "sender-1", "main", "receiver.start", "version=1"]]
+
+
 def test_trace_of_an_empty_folder_says_so(tmp_path):
     out = subprocess.run(
         [f"{BIN}/weightsync", "trace", str(tmp_path)], capture_output=True, text=True, timeout=60

@@ -76,17 +76,19 @@ def _run_trace(args: argparse.Namespace) -> int:
     for e in events:
         if e["t_ns"] < start or (stop is not None and e["t_ns"] >= stop):
             continue
+        waited, last = e["t_ns"] - last, e["t_ns"]
+        if waited < args.gaps * 1e6:
+            continue
         fields = {k: v for k, v in e.items() if k not in ("t_ns", "process", "thread", "event")}
         output.add_row(
             table,
             f"{(e['t_ns'] - start) / 1e6:.3f}",
-            f"{(e['t_ns'] - last) / 1e6:.3f}",
+            f"{waited / 1e6:.3f}",
             e["process"],
             e["thread"],
             e["event"],
             " ".join(f"{k}={v}" for k, v in fields.items()),
         )
-        last = e["t_ns"]
     output.console().print(table)  # the timeline is this command's output: stdout
     return 0
 
@@ -163,6 +165,14 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     p.add_argument("dir", help="the WEIGHTSYNC_TRACE_DIR the processes wrote to")
     p.add_argument(
         "--version", type=int, default=0, help="only this version (from its first publish)"
+    )
+    p.add_argument(
+        "--gaps",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="only the events that came at least MS milliseconds after the one before them "
+        "(+ms still counts from that one, shown or not): where a version waited",
     )
     p.set_defaults(func=_run_trace)
 
