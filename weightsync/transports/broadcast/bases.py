@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from weightsync import trace
 from weightsync.buckets import Bucket
 from weightsync.checksum import finish_all, row_sums
 from weightsync.delta_wire import element_bytes, from_wire, to_wire
@@ -94,7 +95,9 @@ class DeltaBases:
             )
             if delta.kind != "full":
                 out = Encoded(*to_wire(delta))
+            trace.mark("sender.delta_encoded", index=layout.index, kind=delta.kind)
         self._keep(_Base(version, key, packed, members), layout.index)
+        trace.mark("sender.base_kept", index=layout.index)
         return out
 
     def _keep(self, new: _Base, index: int) -> None:
@@ -190,7 +193,9 @@ class AppliedBases:
                         f"receiver holds {held} of it; the sender sends the next in full"
                     )
                 delta = from_wire(msg.delta, payload, msg.layout.nbytes, name)
+                trace.mark("receiver.delta_landed", index=index, kind=delta.kind)
                 decode(delta, kept.data, base_version=kept.version, base_checksum=kept.checksum)
+                trace.mark("receiver.delta_applied", index=index)
             except WeightSyncError as e:
                 self.error = e
                 self._forget()
