@@ -27,9 +27,9 @@ from weightsync.receiver.accepted import Accepted
 from weightsync.receiver.connection import Connection, WeightsState, receiver_hello
 from weightsync.receiver.exports import Exporter
 from weightsync.receiver.links import (
+    HeldAcks,
     Link,
     abandoned,
-    ack_or_fold,
     as_weightsync_error,
     decline,
     in_hand,
@@ -40,6 +40,7 @@ from weightsync.receiver.parts import refuse_split
 from weightsync.receiver.reader import VersionReads
 from weightsync.receiver.several_senders import SeveralSenders
 from weightsync.receiver.target import WeightTarget
+from weightsync.transports.cuda_ipc import QueuedWork
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import error_to_pb
 
@@ -229,16 +230,15 @@ class ReceiverCore(SeveralSenders):
         load: bool,
         launched: Callable[[], None] | None = None,
         written: bool = False,
-        send_ack: bool = True,
-    ) -> pb.BucketAck:
+    ) -> tuple[pb.BucketAck, QueuedWork | None]:
         """Read one bucket into the model (``load``) or only take part in its transfer (its
         version already failed here: the sender and its broadcast group go on in step).
         ``bucket`` has its layout (:meth:`.Link.bucket`: it may be an announcement of an
         earlier version); ``version``: the one it was announced for now. ``launched`` is called
         once its copies are under way. A bucket the sender wrote into the weights itself
-        (``written``: this version let it, protocol §4.3) is only acked. Returns the ack, sent
-        unless ``send_ack`` is false (the caller sends it, or folds it into its applied)."""
-        read_event, index = b"", bucket.layout.index
+        (``written``: this version let it, protocol §4.3) is only acked. Returns the ack, for
+        the caller to send once the reads returned with it are done (:class:`.HeldAcks`)."""
+        read_event, unfinished, index = b"", None, bucket.layout.index
         if bucket.written and not written:
             what = f"bucket {index} of version {version} came as written"
             raise ProtocolError(f"{what} into weights this receiver did not offer the sender")
@@ -258,14 +258,12 @@ class ReceiverCore(SeveralSenders):
                 if launched is not None:
                     launched()
                     launched = None
-                read_event = link.reader.release(bucket, prepared, reads)
+                read_event, unfinished = link.reader.release(bucket, prepared, reads)
         if launched is not None:  # nothing read here: the verdict goes now
             launched()
         trace.mark("receiver.queued", index=index)
         ack = pb.BucketAck(version=version, index=index, ok=True, read_event=read_event)
-        if send_ack:
-            link.connection.send(pb.ReceiverMessage(ack=ack))
-        return ack
+        return ack, unfinished
 
     def _end(self, link: Link, reads: VersionReads, end: pb.VersionEnd) -> None:
         """Every read of the sender's buckets done, and their checksums its own; what the
@@ -344,6 +342,7 @@ class ReceiverCore(SeveralSenders):
         reads = VersionReads(version, manifest.tensors)
         index = -1
         folded: pb.BucketAck | None = None
+        acks = HeldAcks(link)
         waiting_for = f"bucket of version {version}"
         try:
             msg = in_hand(link, waiting_for)
@@ -363,9 +362,9 @@ class ReceiverCore(SeveralSenders):
                     bucket = link.bucket(msg.bucket)
                     index, written = bucket.layout.index, writes is not None
                     at = msg.bucket.version  # announced now (``bucket`` may be kept)
-                    ack = self._bucket(link, bucket, at, reads, True, pending, written, False)
-                    pending, msg = None, in_hand(link, waiting_for)
-                    folded = ack_or_fold(link, ack, msg)
+                    ack, unfinished = self._bucket(link, bucket, at, reads, True, pending, written)
+                    pending = None
+                    folded, msg = acks.after(ack, unfinished, waiting_for)
                     continue
                 elif kind == "end":
                     self._end(link, reads, msg.end)
@@ -376,6 +375,7 @@ class ReceiverCore(SeveralSenders):
                     raise ProtocolError(f"unexpected {kind} inside version {version}")
                 msg = None
         except Exception as e:
+            acks.flush(send=not link.connection.closed)  # its reads end before the rollback
             if folded is not None and not link.connection.closed:
                 link.connection.send(pb.ReceiverMessage(ack=folded))  # before the failure
             where = f"version {version}" + (f", bucket {index}" if index >= 0 else "")

@@ -12,6 +12,7 @@ from weightsync.receiver.exports import Exporter
 from weightsync.receiver.reader import BucketReader
 from weightsync.receiver.target import WeightTarget
 from weightsync.transports.broadcast import BroadcastReceiver
+from weightsync.transports.cuda_ipc import QueuedWork
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import describe, error_to_pb
 
@@ -121,12 +122,19 @@ def as_weightsync_error(error: BaseException, where: str) -> WeightSyncError:
     return WeightSyncError(f"{where}: {type(error).__name__}: {error}")
 
 
-def in_hand(link: Link, waiting_for: str) -> pb.Announcement | None:
-    """The sender's next announcement if it arrived already, else None."""
+def in_hand(link: Link, waiting_for: str, within_s: float = 0.0) -> pb.Announcement | None:
+    """The sender's next announcement if it arrived already (or ``within_s``), else None."""
     try:
-        return link.connection.next(time.monotonic(), waiting_for, in_version=True)
+        return link.connection.next(time.monotonic() + within_s, waiting_for, in_version=True)
     except SyncTimeoutError:
         return None
+
+
+def ack_once_read(link: Link, ack: pb.BucketAck, reads: QueuedWork | None) -> None:
+    """Send ``ack`` once its bucket's ``reads`` (if any) are done."""
+    if reads is not None:
+        reads.wait()
+    link.connection.send(pb.ReceiverMessage(ack=ack))
 
 
 def ack_or_fold(link: Link, ack: pb.BucketAck, nxt: pb.Announcement | None) -> pb.BucketAck | None:
@@ -140,6 +148,49 @@ def ack_or_fold(link: Link, ack: pb.BucketAck, nxt: pb.Announcement | None) -> p
         return ack
     link.connection.send(pb.ReceiverMessage(ack=ack))
     return None
+
+
+_LOOK_S = 50e-6
+"""How long :class:`HeldAcks` waits for the next announcement at a time before it looks
+whether the reads are done (an arrival ends the wait at once)."""
+
+
+class HeldAcks:
+    """A bucket's ack held while its reads of a staging buffer on another GPU still run (the
+    sender reuses the buffer once acked): the next bucket, here already, has its copies queued
+    first, so this GPU does not idle between the two while this process waits and acks."""
+
+    def __init__(self, link: Link) -> None:
+        self._link = link
+        self._held: tuple[pb.BucketAck, QueuedWork] | None = None
+
+    def after(
+        self, ack: pb.BucketAck, reads: QueuedWork | None, waiting_for: str
+    ) -> tuple[pb.BucketAck | None, pb.Announcement | None]:
+        """``ack``'s bucket is launched: the ack held before goes once its reads are done.
+        Returns this ack where it goes with the applied (:func:`ack_or_fold`), and the
+        sender's next announcement where it came before this bucket's ``reads`` were done
+        (else None: the caller waits for it). This ack is held when that is a bucket, else it
+        goes once the reads are done."""
+        self.flush()
+        nxt = in_hand(self._link, waiting_for)
+        while nxt is None and reads is not None and not reads.done():
+            nxt = in_hand(self._link, waiting_for, _LOOK_S)
+        if reads is not None and nxt is not None and nxt.WhichOneof("kind") == "bucket":
+            self._held = (ack, reads)
+            return None, nxt
+        if reads is not None:
+            reads.wait()
+        return ack_or_fold(self._link, ack, nxt), nxt
+
+    def flush(self, send: bool = True) -> None:
+        """Wait for the held ack's reads and send it (unless not ``send``)."""
+        if self._held is not None:
+            (ack, reads), self._held = self._held, None
+            if send:
+                ack_once_read(self._link, ack, reads)
+            else:
+                reads.wait()
 
 
 def decline(link: Link, receiver_id: str, stale: int, wanted: int | None) -> None:

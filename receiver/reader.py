@@ -18,7 +18,7 @@ from weightsync.errors import ChecksumError, ProtocolError, TransportError
 from weightsync.receiver.target import Arrival, TensorBox, WeightTarget
 from weightsync.topology_model import fits
 from weightsync.transports import MappedBuffers
-from weightsync.transports.cuda_ipc import EventCache, new_event, wait_for_streams
+from weightsync.transports.cuda_ipc import EventCache, QueuedWork, new_event, wait_for_streams
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import ParseCache, bucket_from_pb
 
@@ -286,13 +286,16 @@ class BucketReader:
                 raise TransportError(f"waiting for bucket {bucket.index} to be packed: {e}") from e
         return buffer
 
-    def release(self, msg: pb.BucketAnnouncement, load: BucketLoad, reads: VersionReads) -> bytes:
-        """Make the bucket's buffer reusable; returns the event the sender waits for, if any.
+    def release(
+        self, msg: pb.BucketAnnouncement, load: BucketLoad, reads: VersionReads
+    ) -> tuple[bytes, QueuedWork | None]:
+        """Make the bucket's buffer reusable; returns the event the sender waits for, if any,
+        and the reads to wait for before acking, if any.
 
         Direct reads come from trainer memory: they finish here. A staging buffer on our own
         GPU is released by an event recorded behind the reads (no wait); other CUDA buffers
-        by waiting for the reads. Landing buffers are our own (:mod:`.broadcast` orders their
-        reuse).
+        once the reads queued now are done (the caller may queue the next bucket's first).
+        Landing buffers are our own (:mod:`.broadcast` orders their reuse).
         """
         devices = {b.device for b in load.buffers if b.is_cuda}
         if self.device.type == "cuda":
@@ -305,7 +308,7 @@ class BucketReader:
                 self._release_event = new_event(self.device)
             event, handle = self._release_event
             event.record(torch.cuda.current_stream(self.device))
-            return handle
-        elif not msg.group_id:
-            wait_for_streams(devices)
-        return b""
+            return handle, None
+        elif not msg.group_id and devices:
+            return b"", QueuedWork(devices)
+        return b"", None

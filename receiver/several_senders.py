@@ -28,7 +28,7 @@ from weightsync.errors import (
     WeightSyncError,
 )
 from weightsync.manifest import VersionManifest
-from weightsync.receiver.links import Link, abandoned, as_weightsync_error
+from weightsync.receiver.links import Link, abandoned, ack_once_read, as_weightsync_error
 from weightsync.receiver.parts import ArrivedPart, check_part, join_parts
 from weightsync.receiver.reader import VersionReads
 from weightsync.v1 import weightsync_pb2 as pb
@@ -136,7 +136,8 @@ class SeveralSenders:
                     bucket = link.bucket(msg.bucket)
                     where = f"its bucket {bucket.layout.index}"
                     load = not run.failed.is_set()
-                    self._bucket(link, bucket, msg.bucket.version, reads, load=load)
+                    at = msg.bucket.version
+                    ack_once_read(link, *self._bucket(link, bucket, at, reads, load))
                     where = f"after {where}"
                 elif kind == "end":
                     if not run.failed.is_set():

@@ -37,7 +37,7 @@ from weightsync.receiver import target as target_module
 from weightsync.receiver.connection import KeptByStream
 from weightsync.receiver.core import ReceiverCore
 from weightsync.receiver.inbox import Inbox, SenderLost
-from weightsync.receiver.links import ack_or_fold
+from weightsync.receiver.links import HeldAcks, ack_or_fold
 from weightsync.receiver.reader import BucketReader, VersionReads
 from weightsync.receiver.target import Arrival, InPlaceTarget, WeightTarget, assembled
 from weightsync.regions import Region
@@ -197,7 +197,7 @@ def read_all(reader: BucketReader, target: Recorder, staged: Staged) -> VersionR
         msg = staged.bucket_msg(i)
         load = reader.prepare(msg, reads, None)
         load.write(target)
-        assert reader.release(msg, load, reads) == b""  # CPU buffers: nothing to wait for
+        assert reader.release(msg, load, reads) == (b"", None)  # CPU buffers: no wait
     return reads
 
 
@@ -378,6 +378,56 @@ def test_an_ack_whose_reads_are_still_queued_goes_at_once():
     done = pb.BucketAck(version=4, index=2, ok=True)
     assert ack_or_fold(link, done, end) is done
     assert [m.ack for m in connection.sent] == [queued]
+
+
+def test_the_ack_of_reads_of_another_gpus_buffer_waits_for_them_and_the_next_launch():
+    """A staging buffer on another GPU is reused once acked, so its ack waits for the reads;
+    when the next bucket comes while they run, the ack is held until that bucket's copies
+    are queued too (the GPU gets them without a gap)."""
+    connection = MemoryConnection()
+    connection.kept = KeptByStream(acks_in_applied=True)
+    acks = HeldAcks(SimpleNamespace(connection=connection))
+    waited: list[tuple[int, int]] = []  # (bucket, acks sent when its reads were waited for)
+    nxt = pb.Announcement(bucket=pb.BucketAnnouncement(version=4))
+    end = pb.Announcement(end=pb.VersionEnd(version=4))
+
+    class Reads:
+        def __init__(self, index: int, arrives: pb.Announcement | None = None) -> None:
+            self.index, self.arrives = index, arrives
+
+        def done(self) -> bool:  # the next announcement comes while the reads run
+            if self.arrives is None:
+                return True
+            connection.announce(self.arrives)
+            self.arrives = None
+            return False
+
+        def wait(self) -> None:
+            waited.append((self.index, len(connection.sent)))
+
+    def ack(index: int) -> pb.BucketAck:
+        return pb.BucketAck(version=4, index=index, ok=True)
+
+    def sent() -> list[int]:
+        return [m.ack.index for m in connection.sent]
+
+    connection.announce(nxt)
+    assert acks.after(ack(0), Reads(0), "w") == (None, nxt)  # bucket 1 is here: 0 is held
+    assert (waited, sent()) == ([], [])
+    assert acks.after(ack(1), Reads(1, arrives=nxt), "w") == (None, nxt)  # came while read
+    assert (waited, sent()) == ([(0, 0)], [0])  # 1 launched: 0 went once read
+    last = ack(2)
+    connection.announce(end)
+    assert acks.after(last, Reads(2), "w") == (last, end)  # 2 goes with the applied
+    assert (waited, sent()) == ([(0, 0), (1, 1), (2, 2)], [0, 1])
+    assert acks.after(ack(3), Reads(3), "w") == (None, None)  # read, nothing here: sent
+    assert (waited[-1], sent()) == ((3, 2), [0, 1, 3])
+    connection.announce(nxt)
+    assert acks.after(ack(4), None, "w") == (None, nxt)  # no reads left running: sent
+    connection.announce(nxt)
+    assert acks.after(ack(5), Reads(5), "w") == (None, nxt)
+    acks.flush(send=False)  # a failure: the reads end before the rollback, no ack
+    assert (waited[-1], sent()) == ((5, 4), [0, 1, 3, 4])
 
 
 def test_a_held_ack_goes_before_the_failure_when_the_version_fails_at_its_end(stage):

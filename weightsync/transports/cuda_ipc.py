@@ -112,35 +112,53 @@ def wait_for_streams(
     devices: Iterable[torch.device], timeout_s: float | None = None, what: str = "wait"
 ) -> None:
     """Wait for what the current streams of CUDA ``devices`` queued: another process that
-    reads the memory they write is reached by no stream order.
-
-    Raises:
-        SyncTimeoutError: with ``timeout_s``, a device's queued work not done by then (a
-            synchronize cannot be interrupted, so the wait polls an event instead), naming
-            ``what`` and the device.
-    """
+    reads the memory they write is reached by no stream order (:meth:`QueuedWork.wait`)."""
     if timeout_s is None:
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
         return
-    queued = []
-    for device in devices:
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(device))
-        queued.append((device, event))
-    start = time.monotonic()
-    deadline, spin_until = start + timeout_s, start + _SPIN_S
-    for device, event in queued:
-        while not event.query():
-            now = time.monotonic()
-            if now >= deadline:
-                raise SyncTimeoutError(
-                    f"{what}: the work queued on {device}'s current stream was not done "
-                    f"within {timeout_s:g} s (a kernel or collective that never ends?)"
-                )
-            # sleep(0) lets other threads of this process run without the ~0.1 ms a timed
-            # sleep costs (the event just recorded is often done a few microseconds later).
-            time.sleep(0 if now < spin_until else _POLL_S)
+    QueuedWork(devices).wait(timeout_s, what)
+
+
+class QueuedWork:
+    """What the current streams of CUDA ``devices`` have queued now, to wait for later: the
+    caller may queue more work first."""
+
+    def __init__(self, devices: Iterable[torch.device]) -> None:
+        self._events: list[tuple[torch.device, torch.cuda.Event]] = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            self._events.append((device, event))
+
+    def done(self) -> bool:
+        return all(event.query() for _, event in self._events)
+
+    def wait(self, timeout_s: float | None = None, what: str = "wait") -> None:
+        """Wait for that work (at most ``timeout_s``).
+
+        Raises:
+            SyncTimeoutError: with ``timeout_s``, a device's queued work not done by then (a
+                synchronize cannot be interrupted, so the wait polls the event instead),
+                naming ``what`` and the device.
+        """
+        if timeout_s is None:
+            for _, event in self._events:
+                event.synchronize()
+            return
+        start = time.monotonic()
+        deadline, spin_until = start + timeout_s, start + _SPIN_S
+        for device, event in self._events:
+            while not event.query():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise SyncTimeoutError(
+                        f"{what}: the work queued on {device}'s current stream was not done "
+                        f"within {timeout_s:g} s (a kernel or collective that never ends?)"
+                    )
+                # sleep(0) lets other threads of this process run without the ~0.1 ms a timed
+                # sleep costs (the event just recorded is often done a few microseconds later).
+                time.sleep(0 if now < spin_until else _POLL_S)
 
 
 _SPIN_S = 1e-3

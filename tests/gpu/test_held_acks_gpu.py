@@ -1,0 +1,91 @@
+"""A receiver on another GPU than the staging buffers holds a bucket's ack until its reads
+are done, while it queues the next bucket's copies (``receiver.links.HeldAcks``): the
+sender repacks a buffer once acked, so an ack that went before its reads would have them
+read the next bucket's bytes. Here every bucket's reads are slowed on the receiver's GPU (a
+sleep queued before its copies): every version must still be bit-exact, and acks held.
+
+Needs two GPUs: ``python -m pytest -m gpu tests/gpu/test_held_acks_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from tests.support import holder_module
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+]
+
+BUCKET = 64 << 20
+SLEEP_CYCLES = 10_000_000
+"""About 5 ms of a GPU's clock queued before each bucket's copies: far longer than the
+sender takes to repack a buffer."""
+
+
+def make_tensors(version: int, device: str) -> dict[str, torch.Tensor]:
+    """Six 64 MiB bf16 tensors (six buckets through two staging buffers) and a small one."""
+    g = torch.Generator(device=device).manual_seed(version)
+    out = {
+        f"layers.{i}.weight": torch.randn(4096, 8192, generator=g, device=device).to(torch.bfloat16)
+        for i in range(6)
+    }
+    out["norm.weight"] = torch.randn(8192, generator=g, device=device)
+    return out
+
+
+def _receiver(address: str, versions: int, out) -> None:
+    from weightsync.receiver.core import ReceiverCore
+    from weightsync.receiver.links import HeldAcks
+    from weightsync.receiver.torch_receiver import TorchModuleTarget
+
+    device = "cuda:1"
+    held = []
+    after = HeldAcks.after
+
+    def counted(self, *args):
+        folded = after(self, *args)
+        held.append(self._held is not None)
+        return folded
+
+    HeldAcks.after = counted
+
+    class SlowReads(TorchModuleTarget):
+        def load(self, arrival):
+            torch.cuda._sleep(SLEEP_CYCLES)  # on this GPU's stream, before the copies
+            return super().load(arrival)
+
+    holder = holder_module(make_tensors(0, device))
+    receiver = ReceiverCore(SlowReads(holder), address, engine="torch")
+    out.put("ready")
+    for _ in range(versions):
+        v = receiver.sync(timeout=120)
+        expected = make_tensors(v, device)
+        live = holder.state_dict()
+        out.put((v, [n for n in expected if not torch.equal(live[n], expected[n])]))
+    out.put(sum(held))
+
+
+def test_reads_of_another_gpus_buffer_end_before_their_ack_while_the_next_are_queued(sock_dir):
+    from weightsync.sender import Publisher
+    from weightsync.sender.daemon import Sender
+
+    versions = 3
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=BUCKET, num_buffers=2) as sender:
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        proc = ctx.Process(target=_receiver, args=(sender.address, versions, out))
+        proc.start()
+        assert out.get(timeout=120) == "ready"
+        with Publisher(sender.address) as publisher:
+            for v in range(1, versions + 1):
+                publisher.publish(make_tensors(v, "cuda:0"), v, wait=True, timeout_s=120)
+        results = [out.get(timeout=120) for _ in range(versions)]
+        held = out.get(timeout=60)
+        proc.join(60)
+    assert results == [(v, []) for v in range(1, versions + 1)]
+    assert held > 0  # the next bucket was here while a bucket's reads ran
