@@ -173,12 +173,14 @@ class HeldAcks:
         (else None: the caller waits for it). This ack is held when that is a bucket, else it
         goes once the reads are done."""
         self.flush()
+        if reads is not None:
+            self._held = (ack, reads)  # a failure while looking still waits for the reads
         nxt = in_hand(self._link, waiting_for)
         while nxt is None and reads is not None and not reads.done():
             nxt = in_hand(self._link, waiting_for, _LOOK_S)
         if reads is not None and nxt is not None and nxt.WhichOneof("kind") == "bucket":
-            self._held = (ack, reads)
             return None, nxt
+        self._held = None
         if reads is not None:
             reads.wait()
         return ack_or_fold(self._link, ack, nxt), nxt

@@ -392,7 +392,7 @@ def test_the_ack_of_reads_of_another_gpus_buffer_waits_for_them_and_the_next_lau
     end = pb.Announcement(end=pb.VersionEnd(version=4))
 
     class Reads:
-        def __init__(self, index: int, arrives: pb.Announcement | None = None) -> None:
+        def __init__(self, index: int, arrives: pb.Announcement | SenderLost | None = None):
             self.index, self.arrives = index, arrives
 
         def done(self) -> bool:  # the next announcement comes while the reads run
@@ -428,6 +428,11 @@ def test_the_ack_of_reads_of_another_gpus_buffer_waits_for_them_and_the_next_lau
     assert acks.after(ack(5), Reads(5), "w") == (None, nxt)
     acks.flush(send=False)  # a failure: the reads end before the rollback, no ack
     assert (waited[-1], sent()) == ((5, 4), [0, 1, 3, 4])
+    lost = SenderLost("connection reset")  # while the reads run, looking for the next
+    with pytest.raises(TransportError, match="connection reset"):
+        acks.after(ack(6), Reads(6, arrives=lost), "w")
+    acks.flush(send=False)  # the failure's path: the reads it left running end first
+    assert (waited[-1], sent()) == ((6, 4), [0, 1, 3, 4])
 
 
 def test_a_held_ack_goes_before_the_failure_when_the_version_fails_at_its_end(stage):
