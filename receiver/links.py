@@ -157,8 +157,9 @@ whether the reads are done (an arrival ends the wait at once)."""
 
 class HeldAcks:
     """A bucket's ack held while its reads of a staging buffer on another GPU still run (the
-    sender reuses the buffer once acked): the next bucket, here already, has its copies queued
-    first, so this GPU does not idle between the two while this process waits and acks."""
+    sender reuses the buffer once acked): the next bucket, arriving while they run, has its
+    copies queued first, so this GPU does not idle between the two while this process waits
+    and acks."""
 
     def __init__(self, link: Link) -> None:
         self._link = link
