@@ -375,7 +375,7 @@ class ReceiverCore(SeveralSenders):
                     raise ProtocolError(f"unexpected {kind} inside version {version}")
                 msg = None
         except Exception as e:
-            acks.flush(send=not link.connection.closed)  # its reads end before the rollback
+            acks.abandon(send=not link.connection.closed)
             if folded is not None and not link.connection.closed:
                 link.connection.send(pb.ReceiverMessage(ack=folded))  # before the failure
             where = f"version {version}" + (f", bucket {index}" if index >= 0 else "")

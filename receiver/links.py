@@ -3,6 +3,7 @@ single-sender path (:mod:`.core`) and the several-senders path (:mod:`.several_s
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ from weightsync.transports.broadcast import BroadcastReceiver
 from weightsync.transports.cuda_ipc import QueuedWork
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import describe, error_to_pb
+
+log = logging.getLogger("weightsync.receiver")
 
 
 @dataclass(eq=False)
@@ -186,14 +189,25 @@ class HeldAcks:
             reads.wait()
         return ack_or_fold(self._link, ack, nxt), nxt
 
-    def flush(self, send: bool = True) -> None:
-        """Wait for the held ack's reads and send it (unless not ``send``)."""
+    def flush(self) -> None:
+        """Wait for the held ack's reads and send it."""
         if self._held is not None:
             (ack, reads), self._held = self._held, None
-            if send:
-                ack_once_read(self._link, ack, reads)
-            else:
+            ack_once_read(self._link, ack, reads)
+
+    def abandon(self, send: bool) -> None:
+        """The version failed here: the held reads end before the target rolls back, and
+        their ack goes where ``send``. Raises nothing: the failure being handled must reach
+        the sender and the caller (a wait that fails means the GPU is in error, which the
+        next use of it reports)."""
+        if self._held is not None:
+            (ack, reads), self._held = self._held, None
+            try:
                 reads.wait()
+                if send:
+                    self._link.connection.send(pb.ReceiverMessage(ack=ack))
+            except Exception:
+                log.warning("a failed version's last reads did not end cleanly", exc_info=True)
 
 
 def decline(link: Link, receiver_id: str, stale: int, wanted: int | None) -> None:

@@ -426,13 +426,35 @@ def test_the_ack_of_reads_of_another_gpus_buffer_waits_for_them_and_the_next_lau
     assert acks.after(ack(4), None, "w") == (None, nxt)  # no reads left running: sent
     connection.announce(nxt)
     assert acks.after(ack(5), Reads(5), "w") == (None, nxt)
-    acks.flush(send=False)  # a failure: the reads end before the rollback, no ack
+    acks.abandon(send=False)  # a failure: the reads end before the rollback, no ack
     assert (waited[-1], sent()) == ((5, 4), [0, 1, 3, 4])
     lost = SenderLost("connection reset")  # while the reads run, looking for the next
     with pytest.raises(TransportError, match="connection reset"):
         acks.after(ack(6), Reads(6, arrives=lost), "w")
-    acks.flush(send=False)  # the failure's path: the reads it left running end first
+    acks.abandon(send=False)  # the failure's path: the reads it left running end first
     assert (waited[-1], sent()) == ((6, 4), [0, 1, 3, 4])
+
+
+def test_a_failed_versions_held_reads_that_cannot_be_waited_for_leave_the_failure_to_report(
+    caplog,
+):
+    """A GPU in error fails the wait too: the version's own failure must still reach the
+    sender and the caller, so abandoning the held ack raises nothing (and logs the wait's)."""
+    connection = MemoryConnection()
+    acks = HeldAcks(SimpleNamespace(connection=connection))
+
+    class Broken:
+        def done(self) -> bool:
+            return False
+
+        def wait(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    connection.announce(pb.Announcement(bucket=pb.BucketAnnouncement(version=4)))
+    assert acks.after(pb.BucketAck(version=4, index=0, ok=True), Broken(), "w")[0] is None
+    acks.abandon(send=True)
+    assert connection.sent == []
+    assert "illegal memory access" in caplog.text
 
 
 def test_a_held_ack_goes_before_the_failure_when_the_version_fails_at_its_end(stage):
