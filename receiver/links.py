@@ -203,11 +203,12 @@ class HeldAcks:
         if self._held is not None:
             (ack, reads), self._held = self._held, None
             try:
-                reads.wait()
                 if send:
-                    self._link.connection.send(pb.ReceiverMessage(ack=ack))
+                    ack_once_read(self._link, ack, reads)
+                else:
+                    reads.wait()
             except Exception:
-                log.warning("a failed version's last reads did not end cleanly", exc_info=True)
+                log.warning("a failed version's held reads did not end cleanly", exc_info=True)
 
 
 def decline(link: Link, receiver_id: str, stale: int, wanted: int | None) -> None:
