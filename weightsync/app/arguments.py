@@ -21,6 +21,12 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
 
+def bench_alone_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of a bench run alone (``python -m weightsync.app.bench.fp8`` and the like):
+    its ``--help`` gives the module docstring's first paragraph, whole."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0])
+
+
 def one_line(text: str) -> str:
     return " ".join(str(text).split())
 

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from weightsync.app.arguments import bench_alone_parser
 from weightsync.app.bench.children import report
 from weightsync.app.bench.deltas import BETAS, EPS, GRAD_STD, LR, WEIGHT_STD, layer_specs
 from weightsync.app.bench.engine_like import EngineLikeModel, EngineLikeTarget
@@ -194,7 +195,7 @@ def measure(model: str, steps: int, bucket_size_bytes: int, delta_mb: int = 1024
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_alone_parser(__doc__)
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--steps", type=int, default=4, help="versions after the first")
     p.add_argument("--bucket-size-mb", type=int, default=64)

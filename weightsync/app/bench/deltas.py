@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from weightsync.app.arguments import bench_alone_parser
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
 from weightsync.buckets import TensorSpec, pack_entry, plan_buckets
 from weightsync.delta_wire import element_bytes
@@ -218,7 +219,7 @@ def summary(row: DeltaRow) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_alone_parser(__doc__)
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--device", default="cpu")
     p.add_argument("--warmup-steps", type=int, default=10)

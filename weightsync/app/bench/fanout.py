@@ -22,7 +22,6 @@ take turns).
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import statistics
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from weightsync.app.arguments import bench_alone_parser
 from weightsync.app.bench.children import children, expect, reporting, scratch_dir
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
 from weightsync.errors import ConfigError
@@ -292,7 +292,7 @@ def summary(run: FanoutRun) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_alone_parser(__doc__)
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--gpus", type=int, default=2)

@@ -20,7 +20,6 @@ Run alone: ``python -m weightsync.app.bench.fp8`` (prints one JSON line).
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import statistics
@@ -31,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from weightsync.app.arguments import bench_alone_parser
 from weightsync.app.bench.children import children, expect, reporting, scratch_dir
 from weightsync.app.bench.fanout import _module, _offsets, _views
 from weightsync.app.bench.models import ModelShape, hf_specs, model_shape
@@ -259,7 +259,7 @@ def summary(run: Fp8Run) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = bench_alone_parser(__doc__)
     p.add_argument("--model", default="qwen2.5-7b")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--device", default="cuda:0" if torch.cuda.is_available() else "cpu")

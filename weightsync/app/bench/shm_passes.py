@@ -16,7 +16,6 @@ check and the checksums as reads of their own, in the same code and run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing as mp
 import statistics
@@ -26,6 +25,8 @@ from collections import defaultdict
 from contextlib import contextmanager
 
 import torch
+
+from weightsync.app.arguments import bench_alone_parser
 
 PHASES = ("pack", "pack_check", "sender_checksum", "receiver_load", "receiver_checksum")
 
@@ -185,7 +186,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = bench_alone_parser(__doc__)
     parser.add_argument("--model", default="qwen3-dense-cpu")
     parser.add_argument("--versions", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=1)
