@@ -13,9 +13,9 @@ import grpc
 import torch
 
 from weightsync import gc_pause, trace
-from weightsync.buckets import Bucket, TensorSpec, align_up, pack_entry
+from weightsync.buckets import Bucket, TensorSpec, pack_entry
 from weightsync.checksum import verify_entry
-from weightsync.config import ALIGNMENT_BYTES, ClientSettings
+from weightsync.config import ClientSettings
 from weightsync.control.client import connect
 from weightsync.errors import (
     ConfigError,
@@ -31,8 +31,7 @@ from weightsync.sender.placement import Published, WireManifest
 from weightsync.sender.publish_stream import PublishStream
 from weightsync.sender.states import OutcomeState
 from weightsync.tensor_keys import layout_key
-from weightsync.transports import MappedBuffers, get_transport
-from weightsync.transports.base import StagingBuffer
+from weightsync.transports import MappedBuffers
 from weightsync.transports.cuda_ipc import device_uuid, wait_for_streams
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
@@ -231,6 +230,7 @@ class Publisher:
         trace.mark("publish", version=version, rank=self.rank)
         offer = self._exports.offer(regions) if regions else None
         whole = (self._manifest(manifest), offer, direct)
+        previous = self._stream
         stream = self._stream_for(device)
         key = stream.key_of(whole)
         begin = pb.BeginVersion(wait_applied=wait, begin_key=key)
@@ -243,7 +243,7 @@ class Publisher:
         staged: pb.VersionStaged | None = None
         done: pb.VersionStatus | None = None
         start = time.monotonic()
-        staged_s = 0.0
+        staged_s, replied, gone = 0.0, False, False
         # The stream lives on across versions, so the deadline is this version's own.
         expired = stream.watchdog.arm(timeout_s)
         try:
@@ -252,7 +252,7 @@ class Publisher:
             wait_for_streams(gpus, timeout_s, f"{what} (nothing was sent)")
             stream.send_begin(begin)
             for reply in stream.replies:
-                kind = reply.WhichOneof("kind")
+                replied, kind = True, reply.WhichOneof("kind")
                 trace.mark(f"publisher.{kind}", version=version)
                 if kind == "welcome":
                     stream.welcome(reply.welcome)
@@ -273,13 +273,20 @@ class Publisher:
                     f"{what}: the version was not {'applied' if wait else 'staged'} within "
                     f"{timeout_s:.0f} s"
                 ) from None
-            raise error_from_rpc(e, what) from None
+            # An earlier version's stream whose sender went away before this end saw it (a
+            # restart): nothing reached a sender, so the version goes on a new stream, once.
+            gone = stream is previous and not replied and e.code() == grpc.StatusCode.UNAVAILABLE
+            if not gone:
+                raise error_from_rpc(e, what) from None
         except BaseException as e:
             stream.send(pb.PublisherMessage(error=error_to_pb(e)))
             self._drop_stream()
             raise
         finally:
             stream.watchdog.disarm()
+        if gone:
+            left = timeout_s - (time.monotonic() - start)
+            return self._publish(manifest, pack, device, wait, left, regions, direct, gpus)
         if done is not None and staged is None:
             # ``staged_in_done``: the sender sends ``done`` alone to a rank that waits for it.
             staged, staged_s = pb.VersionStaged(receivers=len(done.receivers)), done.staged_s
@@ -374,21 +381,6 @@ class Publisher:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def shm_tensors(specs: Sequence[TensorSpec]) -> tuple[StagingBuffer, dict[str, torch.Tensor]]:
-    """Tensors shaped as ``specs``, in one shm buffer this process allocates, each at a
-    256-byte aligned offset. A CPU trainer that keeps its weights there offers them to a sender
-    on its host, which maps them and packs every bucket itself (and can slice them), as it
-    does CUDA memory. Release the buffer with ``get_transport("shm").release``."""
-    sizes = [align_up(s.nbytes) for s in specs]
-    store = get_transport("shm").allocate(max(sum(sizes), ALIGNMENT_BYTES), torch.device("cpu"))
-    tensors, offset = {}, 0
-    for spec, size in zip(specs, sizes, strict=True):
-        raw = store.tensor[offset : offset + spec.nbytes]
-        tensors[spec.name] = raw.view(spec.torch_dtype).view(spec.shape)
-        offset += size
-    return store, tensors
 
 
 def _raise_for_failures(status: pb.VersionStatus) -> None:

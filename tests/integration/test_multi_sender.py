@@ -278,3 +278,29 @@ def test_a_publisher_kept_across_a_sender_restart_publishes_to_the_new_sender(so
         with Sender(address) as restarted:
             assert publisher.publish(weights, 2).version == 2
             assert [v.version for v in restarted.coordinator.status().versions] == [2]
+
+
+def test_a_publisher_that_has_not_seen_its_stream_end_yet_publishes_to_the_restarted_sender(
+    sock_dir, monkeypatch
+):
+    """The race the test above can lose: the sender restarted, but the publisher's stream
+    does not say it ended yet (gRPC learns it on its own threads), so the next version goes
+    on it and finds the sender unreachable. Nothing of that version reached a sender: it
+    goes again on a new stream, once. The window is forced by having the stream's call
+    report itself not done."""
+    import torch
+
+    from weightsync.sender import Publisher
+    from weightsync.sender.daemon import Sender
+
+    address = f"unix:{sock_dir}/s.sock"
+    weights = {"w": torch.arange(8.0)}
+    with Sender(address) as sender, Publisher(address) as publisher:
+        publisher.publish(weights, 1)
+        stale = publisher._stream
+        sender.close()
+        monkeypatch.setattr(type(stale.call), "done", lambda call: False)
+        with Sender(address) as restarted:
+            assert publisher.publish(weights, 2).version == 2
+            assert publisher._stream is not stale
+            assert [v.version for v in restarted.coordinator.status().versions] == [2]

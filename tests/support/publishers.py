@@ -18,7 +18,7 @@ def offered_copy(tensors: Mapping[str, torch.Tensor]):
     its memory holds them: the sender maps it and packs every bucket itself. Returns the
     buffer (release it with the shm transport) and the copies by name."""
     from weightsync.buckets import TensorSpec
-    from weightsync.sender.publisher import shm_tensors
+    from weightsync.transports import shm_tensors
 
     store, copies = shm_tensors([TensorSpec.of(name, t) for name, t in tensors.items()])
     for name, t in tensors.items():

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
+from weightsync.buckets import TensorSpec, align_up
+from weightsync.config import ALIGNMENT_BYTES
 from weightsync.errors import ConfigError
 from weightsync.transports.base import MappedBuffers, StagingBuffer, Transport
 from weightsync.transports.cuda_ipc import CudaIpcTransport
@@ -41,4 +45,26 @@ def resolve_transport(name: str, device: torch.device) -> str:
     return name
 
 
-__all__ = ["MappedBuffers", "StagingBuffer", "Transport", "get_transport", "resolve_transport"]
+def shm_tensors(specs: Sequence[TensorSpec]) -> tuple[StagingBuffer, dict[str, torch.Tensor]]:
+    """Tensors shaped as ``specs``, in one shm buffer this process allocates, each at a
+    256-byte aligned offset. A CPU trainer that keeps its weights there offers them to a sender
+    on its host, which maps them and packs every bucket itself (and can slice them), as it
+    does CUDA memory. Release the buffer with ``get_transport("shm").release``."""
+    sizes = [align_up(s.nbytes) for s in specs]
+    store = get_transport("shm").allocate(max(sum(sizes), ALIGNMENT_BYTES), torch.device("cpu"))
+    tensors, offset = {}, 0
+    for spec, size in zip(specs, sizes, strict=True):
+        raw = store.tensor[offset : offset + spec.nbytes]
+        tensors[spec.name] = raw.view(spec.torch_dtype).view(spec.shape)
+        offset += size
+    return store, tensors
+
+
+__all__ = [
+    "MappedBuffers",
+    "StagingBuffer",
+    "Transport",
+    "get_transport",
+    "resolve_transport",
+    "shm_tensors",
+]

@@ -176,7 +176,7 @@ def _offered(specs: tuple[TensorSpec, ...], device: torch.device):
     the tensors and the shm buffer to release (None on CUDA)."""
     if device.type == "cuda":
         return _tensors(specs, device), None
-    from weightsync.sender.publisher import shm_tensors
+    from weightsync.transports import shm_tensors
 
     store, tensors = shm_tensors(specs)
     return tensors, store

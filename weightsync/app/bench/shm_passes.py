@@ -111,8 +111,7 @@ def run(
     from weightsync.sender import Publisher
     from weightsync.sender.daemon import Sender
     from weightsync.sender.driver import VersionDriver
-    from weightsync.sender.publisher import shm_tensors
-    from weightsync.transports import get_transport
+    from weightsync.transports import get_transport, shm_tensors
 
     if old:
         old_passes()
