@@ -32,7 +32,10 @@ def rank_offer(begin: pb.BeginVersion, gpu: str) -> bytes:
     on that rank's own stream thread, so the last rank to join does not serialize every
     rank's offer (a millisecond for four ranks of a 7B model) before the version can start."""
     offered = pb.BeginVersion(
-        sources=begin.sources, pieces=begin.pieces, allow_direct=begin.allow_direct
+        sources=begin.sources,
+        pieces=begin.pieces,
+        allow_direct=begin.allow_direct,
+        ready=begin.ready,
     )
     return offered.SerializeToString() + gpu.encode()
 
@@ -101,7 +104,9 @@ class Offer:
         for _, rank, p in chosen.values():
             kept.setdefault(rank, []).append(p)
         pack_from = {
-            rank: pb.BeginVersion(sources=begins[rank].sources, pieces=kept[rank])
+            rank: pb.BeginVersion(
+                sources=begins[rank].sources, pieces=kept[rank], ready=begins[rank].ready
+            )
             for rank in sorted(kept)
         }
         direct = {n: tuple(c) for n, c in whole.items()}

@@ -26,6 +26,7 @@ from weightsync.sender.offer import OfferKey
 from weightsync.sender.slots import PackCopies, Slot
 from weightsync.summed_copies import SummedCopies
 from weightsync.transports import MappedBuffers
+from weightsync.transports.cuda_ipc import EventCache
 from weightsync.transports.shm import map_descriptor, map_offered, without_descriptor
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import regions_from_pb
@@ -46,12 +47,12 @@ class MappedOffers:
     def __init__(self, max_entries: int = 4) -> None:
         # An entry dropped (or cleared) is only dereferenced: its mappings go with their last
         # view (a run still packing from them keeps them).
-        self._mapped: Memo[OfferKey, tuple[Regions | None, MappedBuffers]] = Memo(max_entries)
+        self._mapped: Memo[OfferKey, tuple[Regions | None, tuple]] = Memo(max_entries)
 
     def regions(self, key: OfferKey, begins: Mapping[int, pb.BeginVersion]) -> Regions | None:
-        def mapped() -> tuple[Regions | None, MappedBuffers]:
-            buffers = MappedBuffers()
-            return _map(begins, buffers), buffers
+        def mapped() -> tuple[Regions | None, tuple]:
+            buffers, events = MappedBuffers(), EventCache()
+            return _map(begins, buffers, events), (buffers, events)
 
         return self._mapped.get(key, mapped)[0]
 
@@ -102,7 +103,9 @@ def received_sources(
             os.close(fd)
 
 
-def _map(begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers) -> Regions | None:
+def _map(
+    begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers, events: EventCache
+) -> Regions | None:
     regions: dict[str, list[Region]] = {}
     rank = -1
     try:
@@ -112,7 +115,8 @@ def _map(begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers) -> Regio
             mapped = [
                 map_offered(h) if h.HasField("shm") else buffers.get(h) for h in begin.sources
             ]
-            for name, parts in regions_from_pb(begin.pieces, mapped).items():
+            ready = [events.get(h, _gpu_of(mapped, begin)) for h in begin.ready]
+            for name, parts in regions_from_pb(begin.pieces, mapped, ready).items():
                 regions.setdefault(name, []).extend(parts)
     except (TransportError, ProtocolError) as e:
         log.warning(
@@ -122,6 +126,39 @@ def _map(begins: Mapping[int, pb.BeginVersion], buffers: MappedBuffers) -> Regio
         )
         return None
     return regions
+
+
+def _wait_ready(
+    copies: PackCopies, bucket: Bucket, regions: Regions, stream: torch.cuda.Stream
+) -> None:
+    """Order ``bucket``'s pack after the writes of its pieces still being written (the events
+    of their ``SourcePiece.ready``), on the GPU."""
+    events = copies.ready.get(bucket.index)
+    if events is None:
+        found = {
+            id(r.ready): r.ready
+            for entry in bucket.entries
+            for r in regions.get(entry.name, ())
+            if r.ready is not None
+        }
+        events = copies.ready[bucket.index] = tuple(found.values())
+    for event in events:
+        stream.wait_event(event)
+
+
+def _gpu_of(mapped: Sequence[torch.Tensor], begin: pb.BeginVersion) -> torch.device:
+    """The GPU of a rank's offered memory, whose events its ``ready`` names.
+
+    Raises:
+        ProtocolError: it offered no CUDA memory.
+    """
+    gpu = next((t.device for t in mapped if t.is_cuda), None)
+    if gpu is None:
+        raise ProtocolError(
+            f"the begin names {len(begin.ready)} ready event(s) but offers no CUDA memory; "
+            "pieces in shared memory are written already"
+        )
+    return gpu
 
 
 def pack_bucket(
@@ -164,6 +201,8 @@ def pack_bucket(
             batch = copies.by_bucket[bucket.index] = summed_copies.copies(
                 pairs, buffer, bucket.nbytes, destination=True, names=names
             )
+        if buffer.is_cuda:
+            _wait_ready(copies, bucket, run.regions, torch.cuda.current_stream(buffer.device))
         if isinstance(batch, BlockedCopies):
             # It sums the padding too: zeroed first, as for a bucket summed apart.
             bucket.zero_gaps(buffer)

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 from weightsync.blocked_copies import CheckedPacks
+from weightsync.buckets import TensorSpec
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
-from weightsync.tensor_keys import SameTensors
+from weightsync.regions import whole
+from weightsync.tensor_keys import SameTensors, layout_key
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import manifest_to_pb
 
@@ -40,6 +42,32 @@ class Published:
         """Whether ``mapping`` is the one published, still holding the same tensors where
         they were (:class:`~weightsync.tensor_keys.SameTensors`)."""
         return self._same is not None and self._same.holds(mapping)
+
+
+def placed(
+    last: Published | None,
+    named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    lora: LoraAdapterSpec | None,
+    part: VersionPartSpec | None,
+    version: int,
+) -> Published:
+    """The manifest and regions of ``named_tensors``: ``last``'s while they still describe
+    them (see :meth:`Publisher.publish`)."""
+    mapping = named_tensors if isinstance(named_tensors, Mapping) else None
+    if (
+        last is not None
+        and (last.lora, last.part) == (lora, part)
+        and last.same_tensors(named_tensors)
+    ):
+        return last
+    tensors = dict(named_tensors.items() if mapping is not None else named_tensors)
+    key = layout_key(tensors)
+    if last is None or (last.key, last.lora, last.part) != (key, lora, part):
+        specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
+        manifest, regions = VersionManifest(version, specs, lora, part), whole(tensors)
+    else:
+        manifest, regions = last.manifest, last.regions
+    return Published(mapping, tensors, key, lora, part, manifest, regions)
 
 
 class WireManifest:

@@ -128,8 +128,10 @@ def plan_version(
     """
     paths = data_paths(receivers, settings.transport, staging.device_uuid)
     connected = [c for c in receivers if c.connected]
+    # Receivers cannot wait for pieces still being written (ready events): the sender packs.
     direct = (
         any(b.allow_direct for b in offers.values())
+        and not any(b.ready for b in offers.values())
         and staging.transport == "cuda_ipc"
         and all(paths[c.receiver_id] == MAP for c in connected)
     )

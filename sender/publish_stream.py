@@ -31,10 +31,13 @@ class PublishStream(ClientStream):
         self._keyed: tuple[Whole, bytes] | None = None
         """The last begin's contents keyed, and their key."""
         self.welcomed = False
+        self.waits_ready = False
+        """The sender waits for ``SourcePiece.ready`` events (its welcome said so)."""
 
     def welcome(self, welcome: pb.PublisherWelcome) -> None:
         """The sender's welcome: take the lane it offers, if any."""
         self.welcomed, self.begins_sent.peer_keeps = True, welcome.begin_keys
+        self.waits_ready = welcome.ready_events
         if welcome.HasField("lane"):
             self.take_lane(welcome.lane)
 

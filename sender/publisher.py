@@ -13,7 +13,7 @@ import grpc
 import torch
 
 from weightsync import gc_pause, trace
-from weightsync.buckets import Bucket, TensorSpec, pack_entry
+from weightsync.buckets import Bucket, pack_entry
 from weightsync.checksum import verify_entry
 from weightsync.config import ClientSettings
 from weightsync.control.client import connect
@@ -26,11 +26,10 @@ from weightsync.errors import (
 )
 from weightsync.exports import Exports
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
-from weightsync.regions import Region, whole
-from weightsync.sender.placement import Published, WireManifest
+from weightsync.regions import Region
+from weightsync.sender.placement import Published, WireManifest, placed
 from weightsync.sender.publish_stream import PublishStream
 from weightsync.sender.states import OutcomeState
-from weightsync.tensor_keys import layout_key
 from weightsync.transports import MappedBuffers
 from weightsync.transports.cuda_ipc import device_uuid, wait_for_streams
 from weightsync.v1 import weightsync_pb2 as pb
@@ -111,6 +110,7 @@ class Publisher:
         lora: LoraAdapterSpec | None = None,
         direct: bool = False,
         part: VersionPartSpec | None = None,
+        ready: Mapping[str, torch.cuda.Event] | None = None,
     ) -> PublishResult:
         """Publish ``named_tensors`` as ``version``.
 
@@ -125,6 +125,15 @@ class Publisher:
         ``wait=True``, once every receiver applied the version. ``part``: these tensors are
         this sender's share of a version several senders send together.
 
+        ``ready``: the tensors are still being written by GPU work already queued (a
+        quantization, the last layers of a step): each name's event, made with
+        ``torch.cuda.Event(interprocess=True)`` and recorded once its tensor is written
+        (``BlockFp8.ready``). The version then begins without waiting for that work and the
+        sender's copies of each tensor wait for its event on the GPU, so the first buckets
+        cross the link while the rest is written. Name every tensor. Receivers then read
+        none in place (``direct`` is off). On the first version of a stream, or where the
+        sender packs nothing itself, the call waits for the streams as without.
+
         Every version, the tensors' names, dtypes, shapes, addresses and strides are checked
         against the last version's. Passing the same mapping again, holding the same tensor
         objects at the same addresses, skips most of that: a tensor whose shape, dtype or
@@ -132,15 +141,23 @@ class Publisher:
         of the same memory) must then come in a new mapping.
 
         Raises:
-            ConfigError: ``named_tensors`` is empty (before any call to the sender).
+            ConfigError: ``named_tensors`` is empty (before any call to the sender), or
+                ``ready`` misses one of them or holds an event that is not interprocess.
             VersionError: ``version`` is not greater than the last published one.
             ReceiverFailedError: with ``wait=True``, a receiver failed; names each and why.
             SyncTimeoutError: the sender or receivers took longer than ``timeout_s``.
         """
-        published = self._placed(named_tensors, lora, part, version)
+        published = self._published = placed(self._published, named_tensors, lora, part, version)
         tensors, regions = published.tensors, published.regions
         manifest = published.manifest.at(version)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
+        if ready is not None:
+            missing = next((name for name in tensors if name not in ready), None)
+            if missing is not None:
+                raise ConfigError(
+                    f"publish version {version}: `ready` names no event for {missing!r}; "
+                    "name every tensor (one event may serve many)"
+                )
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             what = f"version {version}, bucket {bucket.index}"
@@ -152,35 +169,8 @@ class Publisher:
 
         with gc_pause.paused():
             return self._publish(
-                manifest, pack, device, wait, timeout_s, regions, direct, published.gpus
+                manifest, pack, device, wait, timeout_s, regions, direct, published.gpus, ready
             )
-
-    def _placed(
-        self,
-        named_tensors: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
-        lora: LoraAdapterSpec | None,
-        part: VersionPartSpec | None,
-        version: int,
-    ) -> Published:
-        """The manifest and regions of ``named_tensors``: the last ones while they still
-        describe them (see :meth:`publish`)."""
-        last = self._published
-        mapping = named_tensors if isinstance(named_tensors, Mapping) else None
-        if (
-            last is not None
-            and (last.lora, last.part) == (lora, part)
-            and last.same_tensors(named_tensors)
-        ):
-            return last
-        tensors = dict(named_tensors.items() if mapping is not None else named_tensors)
-        key = layout_key(tensors)
-        if last is None or (last.key, last.lora, last.part) != (key, lora, part):
-            specs = tuple(TensorSpec.of(n, t) for n, t in tensors.items())
-            manifest, regions = VersionManifest(version, specs, lora, part), whole(tensors)
-        else:
-            manifest, regions = last.manifest, last.regions
-        self._published = Published(mapping, tensors, key, lora, part, manifest, regions)
-        return self._published
 
     def publish_packed(
         self,
@@ -218,6 +208,7 @@ class Publisher:
         regions: Mapping[str, Sequence[Region]] | None,
         direct: bool,
         gpus: Iterable[torch.device],
+        ready: Mapping[str, torch.cuda.Event] | None = None,
     ) -> PublishResult:
         what = f"publish version {manifest.version} to {self.address}"
         version = manifest.version
@@ -228,17 +219,20 @@ class Publisher:
                 "publish at least one"
             )
         trace.mark("publish", version=version, rank=self.rank)
-        offer = self._exports.offer(regions) if regions else None
-        whole = (self._manifest(manifest), offer, direct)
         previous = self._stream
         stream = self._stream_for(device)
+        # Only a sender that said it waits for them gets ready events (known from its welcome).
+        waits = ready if ready and stream.waits_ready else None
+        offer = self._exports.offer(regions, waits) if regions else None
+        pending = self._exports.events if offer is not None and offer.ready else ()
+        whole = (self._manifest(manifest), offer, direct and not pending)
         key = stream.key_of(whole)
         begin = pb.BeginVersion(wait_applied=wait, begin_key=key)
         if not stream.begins_sent.alone(key):
             begin.manifest.CopyFrom(whole[0])
             if whole[1] is not None:
                 begin.MergeFrom(whole[1])
-            begin.allow_direct = direct
+            begin.allow_direct = whole[2]
         begin.manifest.version = version
         staged: pb.VersionStaged | None = None
         done: pb.VersionStatus | None = None
@@ -248,8 +242,10 @@ class Publisher:
         expired = stream.watchdog.arm(timeout_s)
         try:
             # The sender and receivers read the offered memory: what the trainer queued on its
-            # GPUs (its optimizer step, a quantization) must be done first.
-            wait_for_streams(gpus, timeout_s, f"{what} (nothing was sent)")
+            # GPUs (its optimizer step, a quantization) must be done first, or be waited for
+            # by the sender's copies (ready events).
+            if not pending:
+                wait_for_streams(gpus, timeout_s, f"{what} (nothing was sent)")
             stream.send_begin(begin)
             for reply in stream.replies:
                 replied, kind = True, reply.WhichOneof("kind")
@@ -257,7 +253,7 @@ class Publisher:
                 if kind == "welcome":
                     stream.welcome(reply.welcome)
                 elif kind == "pack" and reply.pack.version == version:
-                    self._pack_one(reply.pack, pack, stream, device)
+                    self._pack_one(reply.pack, pack, stream, device, pending)
                 elif kind == "staged" and reply.staged.version == version:
                     staged, staged_s = reply.staged, time.monotonic() - start
                     if not wait:
@@ -326,9 +322,16 @@ class Publisher:
         self._stream = self._stream_closer = None
 
     def _pack_one(
-        self, msg: pb.PackBucket, pack: PackFn, stream: PublishStream, device: torch.device
+        self,
+        msg: pb.PackBucket,
+        pack: PackFn,
+        stream: PublishStream,
+        device: torch.device,
+        pending: Sequence[torch.cuda.Event],
     ) -> None:
         buffer = self._buffers.get(msg.buffer)
+        for event in pending:
+            torch.cuda.current_stream(device).wait_event(event)
         pack(self._layouts(msg.layout), buffer)
         # The sender checksums and receivers read right after `packed`: copies must be done.
         if device.type == "cuda":

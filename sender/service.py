@@ -201,6 +201,7 @@ class WeightSyncServicer(pb_grpc.WeightSyncServicer):
             transport=self._co.settings.transport,
             last_version=self._co.last_version,
             begin_keys=True,
+            ready_events=True,
             lane=out.offer,
         )
         yield from out.deliver(

@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from weightsync import limits
+from weightsync.errors import ConfigError, TransportError
 from weightsync.regions import Region
 from weightsync.transports.base import own_handle, register_own
-from weightsync.transports.cuda_ipc import export_handle
+from weightsync.transports.cuda_ipc import event_handle, export_handle, release_event
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import regions_to_pb
 
@@ -26,18 +27,31 @@ class Exports:
         self._who, self._instead = who, instead
         self._exported: dict[tuple[int, int, str], tuple[pb.BufferHandle, torch.Tensor]] = {}
         """IPC exports by storage (address, size, device); only the last offer's are kept."""
-        self._last: tuple[Mapping, pb.BeginVersion | None] | None = None
-        """The last offer's wire form, by the identity of the regions mapping described."""
+        self._last: tuple[Mapping, Mapping | None, pb.BeginVersion | None] | None = None
+        """The last offer's wire form, by the identity of the regions and ready mappings."""
+        self._handles: list[bytes] = []
+        """The handles of the last offer's ready events (kept for a sender in this process)."""
+        self.events: tuple[torch.cuda.Event, ...] = ()
+        """The last offer's ready events, in the order of its ``ready``."""
 
-    def offer(self, regions: Mapping[str, Sequence[Region]]) -> pb.BeginVersion | None:
+    def offer(
+        self,
+        regions: Mapping[str, Sequence[Region]],
+        ready: Mapping[str, torch.cuda.Event] | None = None,
+    ) -> pb.BeginVersion | None:
         """A begin's ``sources`` and ``pieces`` describing ``regions``: worked out once per
         mapping (by identity, so callers pass the same one while their tensors stay put); each
         storage is exported once (Megatron keeps parameters in a few large buffers). Only
         tensors other processes can map are offered: CUDA memory, or a staging buffer this
         process allocated (shm). None, with a warning, where they lie in more storages than
         one offer may name (``limits.MAX_SOURCES``: a module with a storage per parameter,
-        such as an MoE model in HF layout, has one per expert weight)."""
-        if self._last is None or self._last[0] is not regions:
+        such as an MoE model in HF layout, has one per expert weight). ``ready``: each CUDA
+        tensor's interprocess event, recorded once it is written (``BeginVersion.ready``).
+
+        Raises:
+            ConfigError: an event of ``ready`` is not an interprocess one (names its tensor).
+        """
+        if self._last is None or self._last[0] is not regions or self._last[1] is not ready:
             offered = regions
             regions = {
                 n: rs
@@ -55,7 +69,7 @@ class Exports:
                     limits.MAX_SOURCES,
                     self._instead,
                 )
-                self._exported, self._last = {}, (offered, None)
+                self._exported, self._last = {}, (offered, ready, None)
                 return None
             offer = pb.BeginVersion()
             index: dict[str, int] = {}
@@ -80,9 +94,35 @@ class Exports:
                     offer.sources.append(handle)
                 return index[handle.buffer_id], tensor.storage_offset() * tensor.element_size()
 
-            offer.pieces.extend(regions_to_pb(regions, locate))
-            self._last = (offered, offer)
-        return self._last[1]
+            waits = self._ready(offer, regions, ready or {})
+            offer.pieces.extend(regions_to_pb(regions, locate, waits))
+            self._last = (offered, ready, offer)
+        return self._last[2]
+
+    def _ready(
+        self, offer: pb.BeginVersion, regions: Mapping, ready: Mapping[str, torch.cuda.Event]
+    ) -> dict[str, int]:
+        """Put the events of ``ready`` the CUDA tensors of ``regions`` wait for in
+        ``offer.ready``, once each; returns each such tensor's ``SourcePiece.ready``."""
+        for handle in self._handles:
+            release_event(handle)
+        self._handles, index, waits, events = [], {}, {}, []
+        for name, parts in regions.items():
+            event = ready.get(name)
+            if event is None or not parts or not parts[0].source.is_cuda:
+                continue
+            if id(event) not in index:
+                try:
+                    handle = event_handle(event)
+                except TransportError as e:
+                    raise ConfigError(f"the ready event of {name!r}: {e}") from None
+                self._handles.append(handle)
+                offer.ready.append(handle)
+                events.append(event)
+                index[id(event)] = len(offer.ready)
+            waits[name] = index[id(event)]
+        self.events = tuple(events)
+        return waits
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[int, int, str]:

@@ -93,8 +93,10 @@ class BlockFp8:
     views of one buffer per device, kept from call to call while the tensors' names and shapes
     stay (one storage to offer, not one per tensor: a MoE model has thousands), so a trainer
     that publishes every step offers the same memory every time and the sender maps it once.
-    Quantizes on the tensors' device (the trainer's GPU): bf16 weights on a GPU with CuPy in one
-    launch of :mod:`.fp8_kernel` (one read and one write), others with torch's ops.
+    Quantizes on the tensors' device (the trainer's GPU): bf16 weights on a GPU with CuPy in
+    launches of :mod:`.fp8_kernel` (one read and one write), in the tensors' order and
+    :data:`LAUNCH_BYTES` of weights each, others with torch's ops. On GPUs each launch records
+    an interprocess event, so a version can begin while the later ones run (:attr:`ready`).
 
     Args:
         quantized: which tensors to quantize (default :func:`linear_weight`).
@@ -113,8 +115,12 @@ class BlockFp8:
         self._key: tuple = ()
         self._views: dict[str, torch.Tensor] = {}
         self._where: tuple = ()
-        self._launches: list[fp8_kernel.Quantize] = []
+        self._launches: list[tuple[fp8_kernel.Quantize, torch.cuda.Event, tuple[str, ...]]] = []
         self._launched: frozenset[str] = frozenset()
+        self._marks: dict[tuple[torch.device, str], torch.cuda.Event] = {}
+        """Per GPU, the events recorded before the launches (``inputs``: what passes through
+        is written) and after torch's ops (``rest``)."""
+        self._ready: dict[str, torch.cuda.Event] | None = None
         self._last: tuple[SameTensors, dict[str, torch.Tensor], list] | None = None
         """(the mapping last given, what it gave, its groups for torch's ops)."""
 
@@ -153,7 +159,6 @@ class BlockFp8:
             self._where = ()
         self._plan_launches(picked)
         groups = self._groups([(n, t) for n, t in picked if n not in self._launched])
-        self._run(groups)
         out: dict[str, torch.Tensor] = {}
         for name, tensor in items:
             if name in self._views:
@@ -161,14 +166,55 @@ class BlockFp8:
                 out[scale_name(name)] = self._views[scale_name(name)]
             else:
                 out[name] = tensor
+        self._ready = self._events(items, out) if all(t.is_cuda for t in out.values()) else None
+        self._run(groups)
         self._last = (SameTensors(tensors), out, groups) if isinstance(tensors, Mapping) else None
         return out
 
+    @property
+    def ready(self) -> Mapping[str, torch.cuda.Event] | None:
+        """For ``Publisher.publish(..., ready=fp8.ready)``: each tensor the last call gave,
+        by name, and the interprocess event recorded once it is written (the tensors passed
+        through: before the first launch; the quantized ones: after theirs). None where a
+        tensor is not on a GPU. The same mapping while the tensors' layout stays."""
+        return self._ready
+
+    def _events(self, items, out: Mapping[str, torch.Tensor]) -> dict[str, torch.cuda.Event]:
+        """:attr:`ready` for ``out``: the last mapping again where its events are the same."""
+        by_name = {}
+        for _, event, names in self._launches:
+            by_name.update(dict.fromkeys(names, event))
+        ready = {}
+        for name, tensor in items:
+            if name not in self._views:
+                ready[name] = self._mark(tensor.device, "inputs")
+                continue
+            event = by_name.get(name) or self._mark(tensor.device, "rest")
+            ready[name] = ready[scale_name(name)] = event
+        ready = {name: ready[name] for name in out}
+        last = self._ready
+        same = last is not None and last.keys() == ready.keys()
+        return last if same and all(last[n] is e for n, e in ready.items()) else ready
+
+    def _mark(self, device: torch.device, what: str) -> torch.cuda.Event:
+        key = (device, what)
+        if key not in self._marks:
+            self._marks[key] = torch.cuda.Event(interprocess=True)
+        return self._marks[key]
+
     def _run(self, groups) -> None:
-        for launch in self._launches:
+        self._record("inputs")
+        for launch, event, _ in self._launches:
             launch.run()
+            event.record(torch.cuda.current_stream(launch.device))
         for group in groups:
             self._quantize(group)
+        self._record("rest")
+
+    def _record(self, what: str) -> None:
+        for (device, mark), event in self._marks.items():
+            if mark == what:
+                event.record(torch.cuda.current_stream(device))
 
     @property
     def launched(self) -> frozenset[str]:
@@ -189,8 +235,13 @@ class BlockFp8:
                 if fp8_kernel.fits(*job):
                     by_device.setdefault(t.device, []).append((name, job))
         self._launches = [
-            fp8_kernel.Quantize([job for _, job in jobs], ue8m0=self.ue8m0)
+            (
+                fp8_kernel.Quantize(list(part.values()), ue8m0=self.ue8m0),
+                torch.cuda.Event(interprocess=True),
+                tuple(part),
+            )
             for jobs in by_device.values()
+            for part in _parts(jobs)
         ]
         self._launched = frozenset(name for jobs in by_device.values() for name, _ in jobs)
         self._where = where
@@ -260,6 +311,22 @@ class BlockFp8:
         return views
 
 
+def _parts(jobs: list[tuple[str, fp8_kernel.Job]]) -> list[dict[str, fp8_kernel.Job]]:
+    """``jobs`` in order, cut into launches of about :data:`LAUNCH_BYTES` of weights each."""
+    parts: list[dict[str, fp8_kernel.Job]] = [{}]
+    size = 0
+    for name, job in jobs:
+        if parts[-1] and size >= LAUNCH_BYTES:
+            parts.append({})
+            size = 0
+        parts[-1][name] = job
+        size += job[0].numel() * job[0].element_size()
+    return parts
+
+
+LAUNCH_BYTES = 256 << 20
+"""Weights quantized per launch: the first bucket's weights are ready after about one (0.1 ms
+on an H200), and the launches after it overlap the first buckets' transfer."""
 _ALIGN = 256
 """Each view starts on this byte boundary (the buckets' alignment)."""
 _GROUP_BYTES = 256 << 20

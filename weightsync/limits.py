@@ -52,6 +52,8 @@ MAX_SOURCES = 1 << 12
 """Storages one rank offers (``BeginVersion.sources``)."""
 MAX_PIECES = 1 << 20
 """Pieces one rank offers (``BeginVersion.pieces``)."""
+MAX_READY_EVENTS = 1 << 12
+"""Events one rank's offered pieces wait for (``BeginVersion.ready``)."""
 MAX_WORLD_SIZE = 1 << 16
 """Publisher ranks of one version."""
 MAX_TRANSPORTS = 16
@@ -185,9 +187,16 @@ def check_offer(offer: pb.BeginVersion | pb.WriteOffer) -> None:
     check_count(offer.sources, f"{message}.sources", MAX_SOURCES)
     for i, handle in enumerate(offer.sources):
         check_buffer_handle(handle, f"{message}.sources[{i}]")
+    ready = getattr(offer, "ready", ())  # a WriteOffer's pieces wait for nothing
+    check_count(ready, f"{message}.ready", MAX_READY_EVENTS)
+    for i, handle in enumerate(ready):
+        if len(handle) > MAX_HANDLE_BYTES:
+            raise ConfigError(
+                f"{message}.ready[{i}] is {len(handle)} bytes, over the limit of {MAX_HANDLE_BYTES}"
+            )
     check_count(offer.pieces, f"{message}.pieces", MAX_PIECES)
     for i, piece in enumerate(offer.pieces):
-        check_piece(piece, i, len(offer.sources), message)
+        check_piece(piece, i, len(offer.sources), message, len(ready))
 
 
 def check_buffer_handle(handle: pb.BufferHandle, field: str) -> None:
@@ -206,10 +215,14 @@ def check_buffer_handle(handle: pb.BufferHandle, field: str) -> None:
 
 
 def check_piece(
-    piece: pb.SourcePiece, i: int, num_sources: int, message: str = "BeginVersion"
+    piece: pb.SourcePiece,
+    i: int,
+    num_sources: int,
+    message: str = "BeginVersion",
+    num_ready: int = 0,
 ) -> None:
-    """Bound ``<message>.pieces[i]``: its name, dtype, source, and a box whose ``size``,
-    ``stride`` and ``dst_start`` agree in rank, are non-negative, and span at most
+    """Bound ``<message>.pieces[i]``: its name, dtype, source, ready event, and a box whose
+    ``size``, ``stride`` and ``dst_start`` agree in rank, are non-negative, and span at most
     :data:`MAX_TENSOR_BYTES` of its storage."""
     size, stride, start = piece.size, piece.stride, piece.dst_start
     itemsize = dtype_from_name(piece.dtype).itemsize
@@ -218,6 +231,7 @@ def check_piece(
     if (
         len(piece.name) * 4 <= MAX_NAME_BYTES
         and piece.source < num_sources
+        and piece.ready <= num_ready
         and rank == len(stride) == len(start) <= MAX_DIMS
         and (not rank or min(min(size), min(stride), min(start)) >= 0)
     ):
@@ -230,6 +244,11 @@ def check_piece(
     if piece.source >= num_sources:
         raise ConfigError(
             f"{what}.source {piece.source} names no storage: {message}.sources has {num_sources}"
+        )
+    if piece.ready > num_ready:
+        raise ConfigError(
+            f"{what}.ready {piece.ready} names no event: {message}.ready has {num_ready} "
+            "(0: the piece is written already)"
         )
     if not rank == len(stride) == len(start):
         raise ConfigError(

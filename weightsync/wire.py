@@ -109,9 +109,12 @@ def bucket_from_pb(msg: pb.BucketLayout) -> Bucket:
 def regions_to_pb(
     regions: Mapping[str, Sequence[Region]],
     locate: Callable[[torch.Tensor], tuple[int, int]],
+    ready: Mapping[str, int] | None = None,
 ) -> list[pb.SourcePiece]:
-    """Describe ``regions``; ``locate(tensor)`` gives ``(source index, storage byte offset)``."""
+    """Describe ``regions``; ``locate(tensor)`` gives ``(source index, storage byte offset)``,
+    ``ready`` each tensor's ``SourcePiece.ready`` (default 0: written)."""
     out = []
+    ready = ready or {}
     for name, parts in regions.items():
         for region in parts:
             t = region.source
@@ -125,23 +128,30 @@ def regions_to_pb(
                     size=list(t.shape),
                     stride=list(t.stride()),
                     dst_start=list(region.dst_start),
+                    ready=ready.get(name, 0),
                 )
             )
     return out
 
 
 def regions_from_pb(
-    pieces: Sequence[pb.SourcePiece], sources: Sequence[torch.Tensor]
+    pieces: Sequence[pb.SourcePiece],
+    sources: Sequence[torch.Tensor],
+    events: Sequence[torch.cuda.Event] = (),
 ) -> dict[str, list[Region]]:
-    """Rebuild offered regions as views of the mapped ``sources`` (flat ``uint8``).
+    """Rebuild offered regions as views of the mapped ``sources`` (flat ``uint8``), each
+    waiting for its piece's event of ``events`` (``BeginVersion.ready``, opened).
 
     Raises:
-        ProtocolError: a piece names a missing source or reaches past its end.
+        ProtocolError: a piece names a missing source or event, or reaches past its source's
+            end.
     """
     out: dict[str, list[Region]] = {}
     for p in pieces:
         if p.source >= len(sources):
             raise ProtocolError(f"piece of {p.name!r} names source {p.source} of {len(sources)}")
+        if p.ready > len(events):
+            raise ProtocolError(f"piece of {p.name!r} names ready event {p.ready} of {len(events)}")
         dtype = dtype_from_name(p.dtype)
         size, stride = tuple(p.size), tuple(p.stride)
         span = 0 if 0 in size else 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
@@ -153,7 +163,8 @@ def regions_from_pb(
                 f"{flat.numel()}-byte source"
             )
         view = flat.narrow(0, p.offset, nbytes).view(dtype).as_strided(size, stride)
-        out.setdefault(p.name, []).append(Region(tuple(p.dst_start), view))
+        ready = events[p.ready - 1] if p.ready else None
+        out.setdefault(p.name, []).append(Region(tuple(p.dst_start), view, ready))
     return out
 
 

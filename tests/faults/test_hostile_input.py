@@ -126,6 +126,17 @@ REFUSED_BEGINS = {
         "ConfigError: BeginVersion.pieces[0] (of 'w').source 1 names no storage: "
         "BeginVersion.sources has 1",
     ),
+    "piece naming a missing ready event": (
+        begin(2, sources=[SHM], pieces=[piece(ready=2)], ready=[b"e" * 64]),
+        INVALID,
+        "ConfigError: BeginVersion.pieces[0] (of 'w').ready 2 names no event: "
+        "BeginVersion.ready has 1 (0: the piece is written already)",
+    ),
+    "ready event handle over 4096 bytes": (
+        begin(2, sources=[SHM], pieces=[piece(ready=1)], ready=[b"e" * 5000]),
+        INVALID,
+        "ConfigError: BeginVersion.ready[0] is 5000 bytes, over the limit of 4096",
+    ),
     "piece spanning past the byte limit": (
         begin(2, sources=[SHM], pieces=[piece(size=[2], stride=[BIG])]),
         INVALID,

@@ -60,3 +60,31 @@ def test_block_fp8_on_cuda_equals_the_reference_quantizer(ue8m0):
     _check(fp8, fp8(weights), weights, ue8m0)
     moved = _weights(2)
     _check(fp8, fp8(moved), moved, ue8m0)
+
+
+def test_its_ready_events_name_every_tensor_by_the_launch_that_writes_it(monkeypatch):
+    """``BlockFp8.ready`` (for ``publish(..., ready=...)``): every tensor it gives, the
+    quantized ones by the event of their own launch (several launches here), the rest by
+    the event recorded before the first; the same mapping again for the same tensors, and
+    every event fired once the GPU is done."""
+    from weightsync import fp8 as fp8_module
+
+    monkeypatch.setattr(fp8_module, "LAUNCH_BYTES", 2 << 20)
+    weights = _weights(0)
+    weights["norm.weight"] = torch.ones(64, device="cuda")
+    fp8 = BlockFp8()
+    got = fp8(weights)
+    ready = fp8.ready
+    assert ready is not None and ready.keys() == got.keys()
+    launched = sorted(fp8.launched)
+    events = {id(ready[n]) for n in launched}
+    assert 1 < len(events) < len(launched)  # several launches, each of several weights
+    for name in launched:
+        assert ready[name] is ready[name.removesuffix("weight") + "weight_scale_inv"]
+    assert ready["norm.weight"] is not ready[launched[0]]
+    assert ready["attn.v_proj.weight"] is not ready["norm.weight"]  # float32: torch's ops
+    fp8(dict(weights))
+    assert fp8.ready is ready
+    torch.cuda.synchronize()
+    assert all(event.query() for event in ready.values())
+    _check(fp8, got, {n: w for n, w in weights.items() if n != "norm.weight"}, False)

@@ -5,6 +5,7 @@ every version either way."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.support import TinyNet, step, sync_in_thread
@@ -15,13 +16,11 @@ from weightsync.sender import Publisher, Sender
 def test_a_mapping_published_again_is_checked_again_only_when_its_tensors_moved(
     sock_dir, monkeypatch
 ):
-    import weightsync.sender.publisher as publisher_module
+    import weightsync.sender.placement as placement
 
     checks = []
-    real = publisher_module.layout_key
-    monkeypatch.setattr(
-        publisher_module, "layout_key", lambda tensors: checks.append(1) or real(tensors)
-    )
+    real = placement.layout_key
+    monkeypatch.setattr(placement, "layout_key", lambda tensors: checks.append(1) or real(tensors))
     with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=4096) as sender:
         model, trainer = TinyNet(seed=1), TinyNet(seed=2)
         receiver = TorchReceiver(model, sender.address)
@@ -52,3 +51,13 @@ def test_a_mapping_published_again_is_checked_again_only_when_its_tensors_moved(
         publish(6)
         assert len(checks) == 4
         publisher.close()
+
+
+def test_ready_events_that_miss_a_tensor_are_refused_by_its_name_before_any_call(sock_dir):
+    from weightsync.errors import ConfigError
+
+    with Sender(f"unix:{sock_dir}/s.sock") as sender, Publisher(sender.address) as publisher:
+        tensors = {"a": torch.ones(4), "b": torch.ones(4)}
+        with pytest.raises(ConfigError, match="`ready` names no event for 'b'; name every"):
+            publisher.publish(tensors, 1, ready={"a": None})
+        assert not publisher.status().versions

@@ -98,6 +98,17 @@ def test_regions_round_trip_through_the_wire_as_views_of_the_sources():
             assert torch.equal(got.source, want.source)
 
 
+def test_a_piece_still_being_written_comes_back_with_its_ready_event():
+    regions = whole({"a": torch.zeros(4), "b": torch.ones(4)})
+    pieces = regions_to_pb(regions, lambda t: (0, 0), {"b": 1})
+    assert [p.ready for p in pieces] == [0, 1]
+    event = object()  # an opened CUDA event on a GPU; only passed through here
+    back = regions_from_pb(pieces, [torch.zeros(16, dtype=torch.uint8)], [event])
+    assert (back["a"][0].ready, back["b"][0].ready) == (None, event)
+    with pytest.raises(ProtocolError, match="piece of 'b' names ready event 1 of 0"):
+        regions_from_pb(pieces, [torch.zeros(16, dtype=torch.uint8)])
+
+
 def test_a_piece_reaching_past_its_source_is_refused_by_name():
     pieces = regions_to_pb(whole({"layers.0.w": torch.zeros(4, 4)}), lambda t: (0, 0))
     with pytest.raises(ProtocolError, match="'layers.0.w' reaches byte 64 of a 32-byte source"):

@@ -121,6 +121,8 @@ def test_pieces_that_do_not_tile_a_tensor_in_its_own_dtype_are_staged(pieces):
 
 
 NOT_ALLOWED = offer(*WHOLE_W1_W3[0].pieces, allow_direct=False)
+STILL_BEING_WRITTEN = {0: pb.BeginVersion(ready=[b"event"])}
+STILL_BEING_WRITTEN[0].MergeFrom(WHOLE_W1_W3[0])
 
 
 @pytest.mark.parametrize(
@@ -129,8 +131,14 @@ NOT_ALLOWED = offer(*WHOLE_W1_W3[0].pieces, allow_direct=False)
         (WHOLE_W1_W3, [receiver("a"), receiver("b", remote=True)], "cuda_ipc"),
         (WHOLE_W1_W3, [receiver("a")], "shm"),
         (NOT_ALLOWED, [receiver("a")], "cuda_ipc"),
+        (STILL_BEING_WRITTEN, [receiver("a")], "cuda_ipc"),
     ],
-    ids=["a receiver gets broadcasts", "staging is not cuda_ipc", "no publisher allows it"],
+    ids=[
+        "a receiver gets broadcasts",
+        "staging is not cuda_ipc",
+        "no publisher allows it",
+        "pieces still being written (ready events)",
+    ],
 )
 def test_nothing_goes_direct_unless_allowed_over_cuda_ipc_and_every_receiver_maps(
     offers, receivers, transport

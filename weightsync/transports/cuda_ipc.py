@@ -188,8 +188,28 @@ def new_event(device: torch.device) -> tuple[torch.cuda.Event, bytes]:
     return event, handle
 
 
+def event_handle(event: torch.cuda.Event) -> bytes:
+    """The handle of ``event``, an interprocess event of this process (another process opens
+    it by the handle; one in this process gets ``event`` back), kept until
+    :func:`release_event`.
+
+    Raises:
+        TransportError: ``event`` was not made with ``interprocess=True``.
+    """
+    try:
+        handle = bytes(event.ipc_handle())
+    except RuntimeError as e:
+        raise TransportError(
+            "an event other processes wait for must be made with "
+            f"torch.cuda.Event(interprocess=True): {e}"
+        ) from None
+    _OWN_EVENTS[handle] = event
+    return handle
+
+
 def release_event(handle: bytes) -> None:
-    """Forget an event made by :func:`new_event` (its owner no longer uses it)."""
+    """Forget an event made by :func:`new_event` or handed out by :func:`event_handle` (its
+    owner no longer uses it)."""
     _OWN_EVENTS.pop(handle, None)
 
 

@@ -153,7 +153,7 @@ class PublisherHello(_message.Message):
     def __init__(self, publisher_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., device: _Optional[str] = ..., device_uuid: _Optional[str] = ..., lanes: _Optional[bool] = ..., staged_in_done: _Optional[bool] = ...) -> None: ...
 
 class SourcePiece(_message.Message):
-    __slots__ = ("name", "source", "offset", "dtype", "size", "stride", "dst_start")
+    __slots__ = ("name", "source", "offset", "dtype", "size", "stride", "dst_start", "ready")
     NAME_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
@@ -161,6 +161,7 @@ class SourcePiece(_message.Message):
     SIZE_FIELD_NUMBER: _ClassVar[int]
     STRIDE_FIELD_NUMBER: _ClassVar[int]
     DST_START_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     name: str
     source: int
     offset: int
@@ -168,23 +169,26 @@ class SourcePiece(_message.Message):
     size: _containers.RepeatedScalarFieldContainer[int]
     stride: _containers.RepeatedScalarFieldContainer[int]
     dst_start: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, name: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., size: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dst_start: _Optional[_Iterable[int]] = ...) -> None: ...
+    ready: int
+    def __init__(self, name: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[str] = ..., size: _Optional[_Iterable[int]] = ..., stride: _Optional[_Iterable[int]] = ..., dst_start: _Optional[_Iterable[int]] = ..., ready: _Optional[int] = ...) -> None: ...
 
 class BeginVersion(_message.Message):
-    __slots__ = ("manifest", "sources", "wait_applied", "pieces", "allow_direct", "begin_key")
+    __slots__ = ("manifest", "sources", "wait_applied", "pieces", "allow_direct", "begin_key", "ready")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     WAIT_APPLIED_FIELD_NUMBER: _ClassVar[int]
     PIECES_FIELD_NUMBER: _ClassVar[int]
     ALLOW_DIRECT_FIELD_NUMBER: _ClassVar[int]
     BEGIN_KEY_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
     manifest: Manifest
     sources: _containers.RepeatedCompositeFieldContainer[BufferHandle]
     wait_applied: bool
     pieces: _containers.RepeatedCompositeFieldContainer[SourcePiece]
     allow_direct: bool
     begin_key: bytes
-    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., wait_applied: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[SourcePiece, _Mapping]]] = ..., allow_direct: _Optional[bool] = ..., begin_key: _Optional[bytes] = ...) -> None: ...
+    ready: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, manifest: _Optional[_Union[Manifest, _Mapping]] = ..., sources: _Optional[_Iterable[_Union[BufferHandle, _Mapping]]] = ..., wait_applied: _Optional[bool] = ..., pieces: _Optional[_Iterable[_Union[SourcePiece, _Mapping]]] = ..., allow_direct: _Optional[bool] = ..., begin_key: _Optional[bytes] = ..., ready: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class BucketPacked(_message.Message):
     __slots__ = ("version", "index")
@@ -209,18 +213,20 @@ class PublisherMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[PublisherHello, _Mapping]] = ..., begin: _Optional[_Union[BeginVersion, _Mapping]] = ..., packed: _Optional[_Union[BucketPacked, _Mapping]] = ..., error: _Optional[_Union[ErrorDetail, _Mapping]] = ..., lane: _Optional[_Union[LaneSwitch, _Mapping]] = ...) -> None: ...
 
 class PublisherWelcome(_message.Message):
-    __slots__ = ("bucket_size_bytes", "transport", "last_version", "lane", "begin_keys")
+    __slots__ = ("bucket_size_bytes", "transport", "last_version", "lane", "begin_keys", "ready_events")
     BUCKET_SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
     LANE_FIELD_NUMBER: _ClassVar[int]
     BEGIN_KEYS_FIELD_NUMBER: _ClassVar[int]
+    READY_EVENTS_FIELD_NUMBER: _ClassVar[int]
     bucket_size_bytes: int
     transport: str
     last_version: int
     lane: LaneOffer
     begin_keys: bool
-    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ..., begin_keys: _Optional[bool] = ...) -> None: ...
+    ready_events: bool
+    def __init__(self, bucket_size_bytes: _Optional[int] = ..., transport: _Optional[str] = ..., last_version: _Optional[int] = ..., lane: _Optional[_Union[LaneOffer, _Mapping]] = ..., begin_keys: _Optional[bool] = ..., ready_events: _Optional[bool] = ...) -> None: ...
 
 class PackBucket(_message.Message):
     __slots__ = ("version", "layout", "buffer")
