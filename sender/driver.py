@@ -7,6 +7,7 @@ The thread is started once: a thread per version cost latency on every version.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -38,14 +39,20 @@ class _Queued:
     """A version for the driver thread: its start already made by the thread that began it
     (``started`` set once it was), or left to the driver."""
 
-    def __init__(self, version: Version, device: torch.device, inline: bool) -> None:
-        self.version, self.device = version, device
+    def __init__(
+        self, version: Version, device: torch.device, inline: bool, stream: torch.cuda.Stream | None
+    ) -> None:
+        self.version, self.device, self.stream = version, device, stream
         self.started: threading.Event | None = threading.Event() if inline else None
         self._sends: list[Send] | BaseException = []
 
     def made(self, sends: list[Send] | BaseException) -> None:
         self._sends = sends
         self.started.set()
+
+    def gpu(self) -> contextlib.AbstractContextManager:
+        """Its GPU work on :attr:`stream` (a context per thread that enters it)."""
+        return contextlib.nullcontext() if self.stream is None else torch.cuda.stream(self.stream)
 
     def sends(self) -> list[Send]:
         """What the inline start returned, or the exception it raised."""
@@ -70,6 +77,8 @@ class VersionDriver:
         self._closed = False
         self._lock = threading.Lock()
         """Orders ``start`` and ``close``: nothing is queued behind the thread's end."""
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        """Where the versions' GPU work goes, per staging GPU (``_lock``)."""
 
     def start(self, version: Version, device: torch.device) -> None:
         """Run ``version``, staged on ``device``, after the versions started before it. When
@@ -88,16 +97,28 @@ class VersionDriver:
                 self._thread = threading.Thread(target=self._run_all, name="driver", daemon=True)
                 self._thread.start()
             inline = self._idle and self._slots.fits(largest_bucket(version), device)
-            item = _Queued(version, device, inline)
+            item = _Queued(version, device, inline, self._stream(device))
             self._idle = False
             self._queued.put(item)
         if item.started is not None:
             try:
-                sends = version.start(self, device)
+                with item.gpu():
+                    sends = version.start(self, device)
             except BaseException as e:
                 item.made(e)
             else:
                 item.made(sends)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The versions' GPU work on ``device`` goes to a stream of the sender's own, at high
+        priority (``_lock`` held): on a trainer's stream (a sender in the trainer's process)
+        its packs would queue behind the trainer's work, such as a quantization whose first
+        launches they could follow (``publish(..., ready=...)``)."""
+        if device.type != "cuda":
+            return None
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device, priority=-1)
+        return self._streams[device]
 
     def launch(self, version: Version, device: torch.device) -> None:
         """:meth:`start` (lock not held); a version that cannot start fails."""
@@ -123,7 +144,8 @@ class VersionDriver:
             inline = item.started is not None
             start = item.sends if inline else partial(version.start, self, device)
             try:
-                version.run(self, device, start)
+                with item.gpu():
+                    version.run(self, device, start)
             except Exception as e:
                 # A bug must fail its version, not every later one with the thread.
                 log.exception("version %d: the driver failed", version.version)
