@@ -99,6 +99,8 @@ class Publisher:
         (name, dtype, shape, address, stride) of every tensor, or for the same mapping by its
         tensors' names, identities and addresses; replaced when any changes."""
         self._manifest = WireManifest()
+        self._ready_checked: tuple[Published, Mapping] | None = None
+        """The last (tensors, ready events) found to name every tensor."""
 
     def publish(
         self,
@@ -132,7 +134,8 @@ class Publisher:
         sender's copies of each tensor wait for its event on the GPU, so the first buckets
         cross the link while the rest is written. Name every tensor. Receivers then read
         none in place (``direct`` is off). On the first version of a stream, or where the
-        sender packs nothing itself, the call waits for the streams as without.
+        tensors cannot be offered (not on a GPU), the call waits on the host for the events
+        and the current streams instead.
 
         Every version, the tensors' names, dtypes, shapes, addresses and strides are checked
         against the last version's. Passing the same mapping again, holding the same tensor
@@ -151,13 +154,14 @@ class Publisher:
         tensors, regions = published.tensors, published.regions
         manifest = published.manifest.at(version)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
-        if ready is not None:
+        if ready is not None and self._ready_checked != (published, ready):
             missing = next((name for name in tensors if name not in ready), None)
             if missing is not None:
                 raise ConfigError(
                     f"publish version {version}: `ready` names no event for {missing!r}; "
                     "name every tensor (one event may serve many)"
                 )
+            self._ready_checked = (published, ready)
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             what = f"version {version}, bucket {bucket.index}"
@@ -245,7 +249,8 @@ class Publisher:
             # GPUs (its optimizer step, a quantization) must be done first, or be waited for
             # by the sender's copies (ready events).
             if not pending:
-                wait_for_streams(gpus, timeout_s, f"{what} (nothing was sent)")
+                events = {id(e): e for e in (ready or {}).values()}.values()
+                wait_for_streams(gpus, timeout_s, f"{what} (nothing was sent)", events)
             stream.send_begin(begin)
             for reply in stream.replies:
                 replied, kind = True, reply.WhichOneof("kind")

@@ -109,27 +109,36 @@ def export_handle(tensor: torch.Tensor, buffer_id: str | None = None) -> pb.Buff
 
 
 def wait_for_streams(
-    devices: Iterable[torch.device], timeout_s: float | None = None, what: str = "wait"
+    devices: Iterable[torch.device],
+    timeout_s: float | None = None,
+    what: str = "wait",
+    events: Iterable[torch.cuda.Event] = (),
 ) -> None:
-    """Wait for what the current streams of CUDA ``devices`` queued: another process that
-    reads the memory they write is reached by no stream order (:meth:`QueuedWork.wait`)."""
+    """Wait for what the current streams of CUDA ``devices`` queued, and for ``events``:
+    another process that reads the memory they write is reached by no stream order
+    (:meth:`QueuedWork.wait`)."""
     if timeout_s is None:
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
+        for event in events:
+            event.synchronize()
         return
-    QueuedWork(devices).wait(timeout_s, what)
+    QueuedWork(devices, events).wait(timeout_s, what)
 
 
 class QueuedWork:
-    """What the current streams of CUDA ``devices`` have queued now, to wait for later: the
-    caller may queue more work first."""
+    """What the current streams of CUDA ``devices`` have queued now, and ``events`` (recorded
+    on any stream), to wait for later: the caller may queue more work first."""
 
-    def __init__(self, devices: Iterable[torch.device]) -> None:
-        self._events: list[tuple[torch.device, torch.cuda.Event]] = []
+    def __init__(
+        self, devices: Iterable[torch.device], events: Iterable[torch.cuda.Event] = ()
+    ) -> None:
+        self._events: list[tuple[str, torch.cuda.Event]] = []
         for device in devices:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
-            self._events.append((device, event))
+            self._events.append((f"{device}'s current stream", event))
+        self._events += [("the stream a tensor's ready event was recorded on", e) for e in events]
 
     def done(self) -> bool:
         return all(event.query() for _, event in self._events)
@@ -148,12 +157,12 @@ class QueuedWork:
             return
         start = time.monotonic()
         deadline, spin_until = start + timeout_s, start + _SPIN_S
-        for device, event in self._events:
+        for where, event in self._events:
             while not event.query():
                 now = time.monotonic()
                 if now >= deadline:
                     raise SyncTimeoutError(
-                        f"{what}: the work queued on {device}'s current stream was not done "
+                        f"{what}: the work queued on {where} was not done "
                         f"within {timeout_s:g} s (a kernel or collective that never ends?)"
                     )
                 # sleep(0) lets other threads of this process run without the ~0.1 ms a timed
