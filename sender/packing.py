@@ -26,7 +26,7 @@ from weightsync.sender.offer import OfferKey
 from weightsync.sender.slots import PackCopies, Slot
 from weightsync.summed_copies import SummedCopies
 from weightsync.transports import MappedBuffers
-from weightsync.transports.cuda_ipc import EventCache
+from weightsync.transports.cuda_ipc import EventCache, QueuedWork, named_events
 from weightsync.transports.shm import map_descriptor, map_offered, without_descriptor
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import regions_from_pb
@@ -129,21 +129,23 @@ def _map(
 
 
 def _wait_ready(
-    copies: PackCopies, bucket: Bucket, regions: Regions, stream: torch.cuda.Stream
+    copies: PackCopies, bucket: Bucket, regions: Regions, timeout_s: float, what: str
 ) -> None:
-    """Order ``bucket``'s pack after the writes of its pieces still being written (the events
-    of their ``SourcePiece.ready``), on the GPU."""
+    """Wait until the pieces of ``bucket`` still being written are (the events of their
+    ``SourcePiece.ready`` fired). Polled here, not waited for on the GPU: work that never ends
+    in a publisher fails this version after ``timeout_s`` instead of blocking the sender's
+    stream for every later one, and the events are mostly done long before their bucket's
+    turn (a quantization outruns the link).
+
+    Raises:
+        SyncTimeoutError: naming ``what`` and a tensor whose event did not fire in time.
+    """
     events = copies.ready.get(bucket.index)
     if events is None:
-        found = {
-            id(r.ready): r.ready
-            for entry in bucket.entries
-            for r in regions.get(entry.name, ())
-            if r.ready is not None
-        }
-        events = copies.ready[bucket.index] = tuple(found.values())
-    for event in events:
-        stream.wait_event(event)
+        pairs = ((e.name, r.ready) for e in bucket.entries for r in regions.get(e.name, ()))
+        events = copies.ready[bucket.index] = named_events(pairs)
+    if events:
+        QueuedWork((), events).wait(timeout_s, what)
 
 
 def _gpu_of(mapped: Sequence[torch.Tensor], begin: pb.BeginVersion) -> torch.device:
@@ -201,8 +203,7 @@ def pack_bucket(
             batch = copies.by_bucket[bucket.index] = summed_copies.copies(
                 pairs, buffer, bucket.nbytes, destination=True, names=names
             )
-        if buffer.is_cuda:
-            _wait_ready(copies, bucket, run.regions, torch.cuda.current_stream(buffer.device))
+        _wait_ready(copies, bucket, run.regions, run.shared.settings.pack_timeout_s, what)
         if isinstance(batch, BlockedCopies):
             # It sums the padding too: zeroed first, as for a bucket summed apart.
             bucket.zero_gaps(buffer)

@@ -31,7 +31,7 @@ from weightsync.sender.placement import Published, WireManifest, placed
 from weightsync.sender.publish_stream import PublishStream
 from weightsync.sender.states import OutcomeState
 from weightsync.transports import MappedBuffers
-from weightsync.transports.cuda_ipc import device_uuid, wait_for_streams
+from weightsync.transports.cuda_ipc import device_uuid, named_events, wait_for_streams
 from weightsync.v1 import weightsync_pb2 as pb
 from weightsync.wire import (
     ParseCache,
@@ -131,7 +131,7 @@ class Publisher:
         quantization, the last layers of a step): each name's event, made with
         ``torch.cuda.Event(interprocess=True)`` and recorded once its tensor is written
         (``BlockFp8.ready``). The version then begins without waiting for that work and the
-        sender's copies of each tensor wait for its event on the GPU, so the first buckets
+        sender copies each tensor once its event fired, so the first buckets
         cross the link while the rest is written. Name every tensor. Receivers then read
         none in place (``direct`` is off). On the first version of a stream, or where the
         tensors cannot be offered (not on a GPU), the call waits on the host for the events
@@ -249,7 +249,7 @@ class Publisher:
             # GPUs (its optimizer step, a quantization) must be done first, or be waited for
             # by the sender's copies (ready events).
             if not pending:
-                events = {id(e): e for e in (ready or {}).values()}.values()
+                events = named_events((ready or {}).items())
                 wait_for_streams(gpus, timeout_s, f"{what} (nothing was sent)", events)
             stream.send_begin(begin)
             for reply in stream.replies:

@@ -50,8 +50,9 @@ class PackCopies:
     slices: tuple
     """The version's slice groups (``slices.py``), whose buckets follow the plan's."""
     by_bucket: dict[int, CopyBatch | SummedCopies] = field(default_factory=dict)
-    ready: dict[int, tuple[torch.cuda.Event, ...]] = field(default_factory=dict)
-    """The events each bucket's pieces are written by (``Region.ready``), by bucket index."""
+    ready: dict[int, tuple[tuple[str, torch.cuda.Event], ...]] = field(default_factory=dict)
+    """The events each bucket's pieces are written by (``Region.ready``), each with what it
+    waits for, by bucket index."""
     writes: dict[tuple[str, int, bool], tuple[tuple, object]] = field(default_factory=dict)
     """The copies writing each bucket into a receiver's offered weights, by (receiver, bucket
     index, in the pack's launch), with the offer and pack they were worked out for

@@ -27,7 +27,7 @@ class Region:
     source: torch.Tensor
     ready: torch.cuda.Event | None = None
     """Recorded by the writer's GPU work once ``source`` holds the box (None: it does now):
-    copies from ``source`` wait for it on the GPU first."""
+    copies from ``source`` wait for it first."""
 
 
 def entry_rows(entry: BucketEntry) -> tuple[int, int]:

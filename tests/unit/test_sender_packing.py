@@ -9,6 +9,7 @@ import torch
 
 from tests.support.sender_parts import sender_parts
 from weightsync.buckets import TensorSpec
+from weightsync.errors import TransportError
 from weightsync.manifest import VersionManifest
 from weightsync.regions import Region
 from weightsync.sender.offer import rank_offer
@@ -100,3 +101,49 @@ def test_memory_that_does_not_map_here_leaves_the_packing_to_the_publishers(offe
     begin = pb.BeginVersion(sources=[gone], pieces=begins[0].pieces)
     assert MappedOffers().regions(_offer_key({0: begin}), {0: begin}) is None
     assert "the publishers pack" in caplog.text
+
+
+class _Event:
+    """Stands in for a publisher's ready event (CUDA only): done after ``after`` looks."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.looks = after, 0
+
+    def query(self) -> bool:
+        self.looks += 1
+        return self.looks > self.after
+
+
+def test_a_piece_still_being_written_is_packed_once_its_event_fired_or_fails_the_bucket(
+    offered, slots, monkeypatch
+):
+    begins, want = offered
+    tensors = plan_tensors(MANIFEST, begins, False, 1024)
+    mapped = MappedOffers().regions(_offer_key(begins), begins)
+    soon, never = _Event(after=3), _Event(after=10**9)
+    regions = {
+        name: [Region(r.dst_start, r.source, soon) for r in rs] for name, rs in mapped.items()
+    }
+    shared = sender_parts().shared
+    run = Version(MANIFEST, tensors, "p", "shm", {}, shared=shared, regions=regions)
+    slot = slots.slots[0]
+    bucket = tensors.staged.buckets[0]
+    pack_bucket(run, bucket, slot)
+    assert soon.looks == 4  # polled until it fired, once for every piece of the bucket
+    entry = bucket.entries[0]
+    got = slot.buffer.tensor[entry.offset : entry.offset + entry.nbytes]
+    assert torch.equal(got.view(torch.float32), want[entry.name])
+
+    # Another offer (regions are never changed in place: the copies are kept by their identity).
+    waiting = {
+        **regions,
+        entry.name: [Region(r.dst_start, r.source, never) for r in regions[entry.name]],
+    }
+    monkeypatch.setattr(shared.settings, "pack_timeout_s", 0.05)
+    late = Version(MANIFEST, tensors, "p", "shm", {}, shared=shared, regions=waiting)
+    with pytest.raises(
+        TransportError,
+        match=rf"version 1, bucket 0 \(packed by the sender\): the work queued on the stream of "
+        rf"the ready event of '{entry.name}' was not done within 0.05 s",
+    ):
+        pack_bucket(late, bucket, slot)

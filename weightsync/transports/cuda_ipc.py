@@ -108,11 +108,25 @@ def export_handle(tensor: torch.Tensor, buffer_id: str | None = None) -> pb.Buff
     )
 
 
+Waited = tuple[str, torch.cuda.Event]
+"""An event recorded on a stream, and that stream for an error message."""
+
+
+def named_events(pairs: Iterable[tuple[str, torch.cuda.Event | None]]) -> tuple[Waited, ...]:
+    """Each event of ``(tensor name, ready event)`` pairs once, named by its first tensor
+    (None: written already)."""
+    found: dict[int, Waited] = {}
+    for name, event in pairs:
+        if event is not None:
+            found.setdefault(id(event), (f"the stream of the ready event of {name!r}", event))
+    return tuple(found.values())
+
+
 def wait_for_streams(
     devices: Iterable[torch.device],
     timeout_s: float | None = None,
     what: str = "wait",
-    events: Iterable[torch.cuda.Event] = (),
+    events: Iterable[Waited] = (),
 ) -> None:
     """Wait for what the current streams of CUDA ``devices`` queued, and for ``events``:
     another process that reads the memory they write is reached by no stream order
@@ -120,7 +134,7 @@ def wait_for_streams(
     if timeout_s is None:
         for device in devices:
             torch.cuda.current_stream(device).synchronize()
-        for event in events:
+        for _, event in events:
             event.synchronize()
         return
     QueuedWork(devices, events).wait(timeout_s, what)
@@ -130,15 +144,13 @@ class QueuedWork:
     """What the current streams of CUDA ``devices`` have queued now, and ``events`` (recorded
     on any stream), to wait for later: the caller may queue more work first."""
 
-    def __init__(
-        self, devices: Iterable[torch.device], events: Iterable[torch.cuda.Event] = ()
-    ) -> None:
-        self._events: list[tuple[str, torch.cuda.Event]] = []
+    def __init__(self, devices: Iterable[torch.device], events: Iterable[Waited] = ()) -> None:
+        self._events: list[Waited] = []
         for device in devices:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(device))
             self._events.append((f"{device}'s current stream", event))
-        self._events += [("the stream a tensor's ready event was recorded on", e) for e in events]
+        self._events += events
 
     def done(self) -> bool:
         return all(event.query() for _, event in self._events)
