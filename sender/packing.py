@@ -131,8 +131,8 @@ def _map(
 def _wait_ready(
     copies: PackCopies, bucket: Bucket, regions: Regions, timeout_s: float, what: str
 ) -> None:
-    """Wait until the pieces of ``bucket`` still being written are (the events of their
-    ``SourcePiece.ready`` fired). Polled here, not waited for on the GPU: work that never ends
+    """Wait until the pieces of ``bucket`` still being written are written (the events of
+    their ``SourcePiece.ready`` fired). Polled here, not waited for on the GPU: work that never ends
     in a publisher fails this version after ``timeout_s`` instead of blocking the sender's
     stream for every later one, and the events are mostly done long before their bucket's
     turn (a quantization outruns the link).
