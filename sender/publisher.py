@@ -287,7 +287,7 @@ class Publisher:
             stream.watchdog.disarm()
         if gone:
             left = timeout_s - (time.monotonic() - start)
-            return self._publish(manifest, pack, device, wait, left, regions, direct, gpus)
+            return self._publish(manifest, pack, device, wait, left, regions, direct, gpus, ready)
         if done is not None and staged is None:
             # ``staged_in_done``: the sender sends ``done`` alone to a rank that waits for it.
             staged, staged_s = pb.VersionStaged(receivers=len(done.receivers)), done.staged_s

@@ -287,11 +287,19 @@ def test_a_publisher_that_has_not_seen_its_stream_end_yet_publishes_to_the_resta
     does not say it ended yet (gRPC learns it on its own threads), so the next version goes
     on it and finds the sender unreachable. Nothing of that version reached a sender: it
     goes again on a new stream, once. The window is forced by having the stream's call
-    report itself not done."""
+    report itself not done. Its second go waits for the tensors' ready events too (on the
+    CPU, before the begin: a stand-in event that counts the looks at it)."""
     import torch
 
     from weightsync.sender import Publisher
     from weightsync.sender.daemon import Sender
+
+    class Event:
+        looks = 0
+
+        def query(self) -> bool:
+            Event.looks += 1
+            return True
 
     address = f"unix:{sock_dir}/s.sock"
     weights = {"w": torch.arange(8.0)}
@@ -301,6 +309,7 @@ def test_a_publisher_that_has_not_seen_its_stream_end_yet_publishes_to_the_resta
         sender.close()
         monkeypatch.setattr(type(stale.call), "done", lambda call: False)
         with Sender(address) as restarted:
-            assert publisher.publish(weights, 2).version == 2
+            assert publisher.publish(weights, 2, ready={"w": Event()}).version == 2
+            assert Event.looks == 2  # once before each go
             assert publisher._stream is not stale
             assert [v.version for v in restarted.coordinator.status().versions] == [2]
