@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -88,6 +89,55 @@ def _rows(dst: torch.Tensor, src: torch.Tensor, limit: int) -> list[Pair]:
     return [(dst[i : i + step], src[i : i + step]) for i in range(0, src.shape[0], step)]
 
 
+BRIDGE_BYTES = 64 << 10
+"""A gap of up to this many bytes between two pieces of one source allocation crosses with
+them (landing unused in the window): the padding after a small piece (an FP8 expert's
+384-byte scales, aligned to 256) would otherwise end every run, a copy engine call per piece
+(thousands per MoE bucket, 2-3 ms of queueing each on H200). 64 KiB cross in well under a
+microsecond; the call costs microseconds."""
+
+
+class Piece(NamedTuple):
+    """A source piece to land: its address, size and allocation (gaps are bridged only
+    inside one)."""
+
+    ptr: int
+    nbytes: int
+    allocation: int
+
+
+class Window(NamedTuple):
+    starts: list[int]
+    """Each piece's byte offset in the window (as aligned as its source)."""
+    copies: list[tuple[int, int, int]]
+    """What crosses: (offset in the window, source address, bytes), runs of the source."""
+
+
+def plan_windows(pieces: Sequence[Piece], window_bytes: int) -> list[Window]:
+    """``pieces`` (sorted by address) cut into windows of at most ``window_bytes`` (a larger
+    piece gets one of its own) and each window into as few copies as its source allows:
+    pieces adjacent in the source, or apart by at most :data:`BRIDGE_BYTES` of one
+    allocation, are one copy and lie as far apart in the window. Pure: tested on CPU."""
+    windows: list[Window] = []
+    at, run_end, allocation = 0, -1, None
+    for piece in pieces:
+        gap = piece.ptr - run_end
+        joins = gap == 0 or (piece.allocation == allocation and 0 < gap <= BRIDGE_BYTES)
+        start = at + gap if joins else -(-at // _ALIGN) * _ALIGN + piece.ptr % _ALIGN
+        if not windows or start + piece.nbytes > window_bytes:
+            windows.append(Window([], []))
+            start, joins = piece.ptr % _ALIGN, False
+        window = windows[-1]
+        window.starts.append(start)
+        if joins:
+            offset, src, _ = window.copies[-1]
+            window.copies[-1] = (offset, src, start + piece.nbytes - offset)
+        else:
+            window.copies.append((start, piece.ptr, piece.nbytes))
+        at, run_end, allocation = start + piece.nbytes, piece.ptr + piece.nbytes, piece.allocation
+    return windows
+
+
 class _Landing:
     """The pieces one link lands: windows of them, each a few copies (runs of adjacent
     source memory, which the windows mirror) and one copy kernel launch putting them in place."""
@@ -96,31 +146,21 @@ class _Landing:
         src_device, self.device = pairs[0][1].device, pairs[0][0].device
         parts = [part for dst, src in pairs for part in _rows(dst, src, WINDOW_BYTES)]
         parts.sort(key=lambda pair: pair[1].data_ptr())
-        windows: list[list[tuple[Pair, int]]] = [[]]
-        at, run_end = 0, -1
-        for dst, src in parts:
-            ptr = src.data_ptr()
-            # Adjacent in the source: adjacent here too (one copy); else at the same
-            # alignment as the source, so every landed view is as aligned as its source.
-            start = at if ptr == run_end else -(-at // _ALIGN) * _ALIGN + ptr % _ALIGN
-            if windows[-1] and start + src.nbytes > WINDOW_BYTES:
-                windows.append([])
-                start = ptr % _ALIGN
-            windows[-1].append(((dst, src), start))
-            at, run_end = start + src.nbytes, ptr + src.nbytes
+        pieces = [
+            Piece(src.data_ptr(), src.nbytes, src.untyped_storage().data_ptr()) for _, src in parts
+        ]
+        planned = plan_windows(pieces, WINDOW_BYTES)
+        windows, k = [], 0
+        for window in planned:
+            n = len(window.starts)
+            windows.append(list(zip(parts[k : k + n], window.starts, strict=True)))
+            k += n
         size = max(start + pair[1].nbytes for window in windows for pair, start in window)
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in "ab"]
-        self.copies: list[list[tuple[int, int, int]]] = []  # per window: (offset, source, bytes)
+        self.copies = [window.copies for window in planned]
+        """Per window: (offset, source address, bytes)."""
         self.puts: list[list[copy_kernel.ChunkedCopies]] = []  # per window, per buffer
         for window in windows:
-            runs: list[list[int]] = []
-            for (_, src), start in window:
-                ptr = src.data_ptr()
-                if runs and runs[-1][0] + runs[-1][2] == start and runs[-1][1] + runs[-1][2] == ptr:
-                    runs[-1][2] += src.nbytes
-                else:
-                    runs.append([start, ptr, src.nbytes])
-            self.copies.append([tuple(run) for run in runs])
             self.puts.append(
                 [
                     copy_kernel.ChunkedCopies(

@@ -140,9 +140,14 @@ def _fill(flat: torch.Tensor, version: int) -> None:
     flat.random_(0, 256, generator=g)
 
 
-def _module(specs, device: torch.device) -> torch.nn.Module:
-    """A plain module whose ``state_dict`` names are the HF names."""
+def _module(specs, device: torch.device, flat: bool = False) -> torch.nn.Module:
+    """A plain module whose ``state_dict`` names are the HF names. ``flat``: its parameters are
+    views of one buffer, as an engine keeps a layer's experts in a few fused tensors (so the
+    sender can write them in place however many tensors there are)."""
     root = torch.nn.Module()
+    if flat:
+        offsets, total = _offsets(specs)
+        views = _views(torch.empty(total, dtype=torch.uint8, device=device), specs, offsets)
     for spec in specs:
         *path, leaf = spec.name.split(".")
         mod = root
@@ -150,7 +155,10 @@ def _module(specs, device: torch.device) -> torch.nn.Module:
             if not hasattr(mod, part):
                 mod.add_module(part, torch.nn.Module())
             mod = getattr(mod, part)
-        data = torch.empty(spec.shape, dtype=spec.torch_dtype, device=device)
+        if flat:
+            data = views[spec.name]
+        else:
+            data = torch.empty(spec.shape, dtype=spec.torch_dtype, device=device)
         mod.register_parameter(leaf, torch.nn.Parameter(data, requires_grad=False))
     return root
 

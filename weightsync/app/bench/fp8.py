@@ -4,11 +4,14 @@ as block FP8 (``weightsync.fp8.BlockFp8``: e4m3 projections and their 128 x 128 
 
 The trainer (this process) holds the model's bf16 HF tensors on the device, filled with
 normal values from each version's seed; a ``TorchReceiver`` process on the same device holds a
-plain module of the version's tensors (bf16, or the FP8 checkpoint form). Each version is one
+plain module of the version's tensors (bf16, or the FP8 checkpoint form), views of one buffer
+as an engine keeps fused experts in a few tensors, so the sender writes them in place for MoE
+shapes too (thousands of separate tensors would make the receiver load every bucket itself,
+the per-tensor cost of which no engine pays). Each version is one
 ``publish(wait=True)`` (start -> applied); the FP8 row's time includes quantizing every
 version on the trainer's device. A third row, ``fp8 ready``, publishes the same FP8 versions
-with ``ready=fp8.ready``: the version begins as the quantization is queued, and the sender's
-copies of each weight wait on the GPU for the launch that writes it. A fourth, ``fp8
+with ``ready=fp8.ready``: the version begins as the quantization is queued, and the sender
+packs each bucket once the launches that write its weights have finished. A fourth, ``fp8
 packed``, publishes them through ``Fp8Packs``: no quantization first, each bucket's weights
 quantized into it as the sender asks the trainer to pack it. Every version is checked bit for
 bit on the receiver, which makes the expected tensors itself from the seed (and quantizes them
@@ -126,7 +129,7 @@ def _receiver(specs, quantize: bool, device: str, address: str, versions, timeou
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     received = _received_specs(specs, quantize)
-    model = _module(received, dev)
+    model = _module(received, dev, flat=True)
     live = dict(model.state_dict())
     offsets, total = _offsets(specs)
     expected = _views(torch.empty(total, dtype=torch.uint8, device=dev), specs, offsets)
