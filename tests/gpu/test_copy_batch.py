@@ -166,6 +166,39 @@ def test_peer_copies_land_strided_pieces_through_windows_bit_exact(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_fp8_experts_and_their_padded_scales_cross_as_one_run_and_land_exactly():
+    """A bucket of FP8 experts on GPU 1: each weight, then its 384-byte scales, each entry at
+    a 256-byte boundary. The padding between them crosses with the pieces (one copy per
+    window, not one per piece) and lands nowhere: every parameter on GPU 0 gets its bytes,
+    the padding's bytes (set apart here) reach none of them."""
+    pytest.importorskip("cupy")
+    experts, weight, scale = 24, 256 * 512, 384
+    step = weight + 512
+    bucket = torch.full((experts * step,), 0xEE, dtype=torch.uint8, device="cuda:1")
+    g = torch.Generator("cuda:1").manual_seed(5)
+    pairs, wants = [], []
+    for e in range(experts):
+        for at, nbytes, dtype in (
+            (e * step, weight, torch.uint8),
+            (e * step + weight, scale, torch.float32),
+        ):
+            src = bucket[at : at + nbytes]
+            src.random_(0, 255, generator=g)  # never 0xEE
+            src = src.view(dtype)
+            dst = torch.zeros_like(src, device="cuda:0")
+            pairs.append((dst, src))
+            wants.append(src)
+    batch = CopyBatch.of(pairs)
+    assert batch.peer is not None
+    (landing,) = batch.peer._landings
+    assert [len(window) for window in landing.copies] == [1]
+    batch.run()
+    torch.cuda.synchronize(0)
+    for (dst, _), want in zip(pairs, wants, strict=True):
+        assert torch.equal(dst.cpu().view(torch.uint8), want.cpu().view(torch.uint8))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_peer_copies_wait_for_what_the_source_gpu_stream_writes_first():
     """A staged read from another GPU waits for its bucket's packed event on the source GPU's
     current stream (``BucketReader``), so the peer copies must queue after that stream too: the
