@@ -9,6 +9,7 @@ import torch
 
 from weightsync.blocked_copies import CheckedPacks
 from weightsync.buckets import TensorSpec
+from weightsync.errors import ConfigError
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import whole
 from weightsync.tensor_keys import SameTensors, layout_key
@@ -68,6 +69,29 @@ def placed(
     else:
         manifest, regions = last.manifest, last.regions
     return Published(mapping, tensors, key, lora, part, manifest, regions)
+
+
+class ReadyCheck:
+    """That a publish's ``ready`` names every tensor it offers, looked at once per pair of
+    (tensors, events) objects, by identity: a MoE model's thousands of names are not walked
+    every version (and tensors are never compared by value)."""
+
+    def __init__(self) -> None:
+        self._last: tuple[object, object] | None = None
+
+    def __call__(
+        self, tensors: object, names: Iterable[str], ready: Mapping | None, version: int
+    ) -> None:
+        last = self._last
+        if ready is None or (last is not None and last[0] is tensors and last[1] is ready):
+            return
+        missing = next((name for name in names if name not in ready), None)
+        if missing is not None:
+            raise ConfigError(
+                f"publish version {version}: `ready` names no event for {missing!r}; "
+                "name every tensor (one event may serve many)"
+            )
+        self._last = (tensors, ready)
 
 
 class WireManifest:

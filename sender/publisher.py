@@ -27,7 +27,7 @@ from weightsync.errors import (
 from weightsync.exports import Exports
 from weightsync.manifest import LoraAdapterSpec, VersionManifest, VersionPartSpec
 from weightsync.regions import Region
-from weightsync.sender.placement import Published, WireManifest, placed
+from weightsync.sender.placement import Published, ReadyCheck, WireManifest, placed
 from weightsync.sender.publish_stream import PublishStream
 from weightsync.sender.states import OutcomeState
 from weightsync.transports import MappedBuffers
@@ -99,8 +99,7 @@ class Publisher:
         (name, dtype, shape, address, stride) of every tensor, or for the same mapping by its
         tensors' names, identities and addresses; replaced when any changes."""
         self._manifest = WireManifest()
-        self._ready_checked: tuple[Published, Mapping] | None = None
-        """The last (tensors, ready events) found to name every tensor."""
+        self._ready_check = ReadyCheck()
 
     def publish(
         self,
@@ -154,14 +153,7 @@ class Publisher:
         tensors, regions = published.tensors, published.regions
         manifest = published.manifest.at(version)
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
-        if ready is not None and self._ready_checked != (published, ready):
-            missing = next((name for name in tensors if name not in ready), None)
-            if missing is not None:
-                raise ConfigError(
-                    f"publish version {version}: `ready` names no event for {missing!r}; "
-                    "name every tensor (one event may serve many)"
-                )
-            self._ready_checked = (published, ready)
+        self._ready_check(published, tensors, ready, version)
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
             what = f"version {version}, bucket {bucket.index}"
@@ -186,6 +178,7 @@ class Publisher:
         timeout_s: float = 600.0,
         regions: Mapping[str, Sequence[Region]] | None = None,
         direct: bool = False,
+        ready: Mapping[str, torch.cuda.Event] | None = None,
     ) -> PublishResult:
         """Publish a version whose buckets ``pack`` fills (this rank's part of each bucket).
 
@@ -196,11 +189,15 @@ class Publisher:
         buckets itself and ``pack`` is not called. With ``direct``, receivers on this host
         may read in place the tensors that contiguous regions hold whole, or tile together
         (TP shards of every rank). The sender decides both per version. On CUDA it first
-        waits for ``device``'s current stream, as :meth:`publish` does.
+        waits for ``device``'s current stream, or, given ``ready`` (naming every tensor of
+        ``regions``), for the events :meth:`publish` says.
         """
+        self._ready_check(regions, regions or {}, ready, manifest.version)
         gpus = (device,) if device.type == "cuda" else ()
         with gc_pause.paused():
-            return self._publish(manifest, pack, device, wait, timeout_s, regions, direct, gpus)
+            return self._publish(
+                manifest, pack, device, wait, timeout_s, regions, direct, gpus, ready
+            )
 
     def _publish(
         self,

@@ -179,6 +179,15 @@ class BlockFp8:
         tensor is not on a GPU. The same mapping while the tensors' layout stays."""
         return self._ready
 
+    def last_ready(self, names: Iterable[str]) -> torch.cuda.Event:
+        """Of :attr:`ready`'s events for ``names`` (on one GPU), the one recorded last: once
+        it fired, all of them did (one stream records them, in this order)."""
+        marks = [(what, e) for (_, what), e in self._marks.items()]
+        order = [e for what, e in marks if what == "inputs"] + [e for _, e, _ in self._launches]
+        rank = {id(e): i for i, e in enumerate(order)}  # "rest" (after torch's ops): last
+        assert self._ready is not None
+        return max((self._ready[n] for n in names), key=lambda e: rank.get(id(e), len(order)))
+
     def _events(self, items, out: Mapping[str, torch.Tensor]) -> dict[str, torch.cuda.Event]:
         """:attr:`ready` for ``out``: the last mapping again where its events are the same."""
         by_name = {}

@@ -53,6 +53,9 @@ class RankFp8:
         self._taken: tuple[Regions, Regions, dict[str, torch.Tensor], Regions, Regions] | None
         self._taken = None
         """(offered, packed, the pieces to quantize by key, offered and packed quantized)."""
+        self._written: torch.cuda.Event | None = None
+        """Recorded before each quantization: what passes through is written by then."""
+        self._ready: tuple[Regions, dict[str, torch.cuda.Event]] | None = None
 
     def picks(self, spec: TensorSpec) -> bool:
         """Whether HF tensor ``spec`` travels as block FP8.
@@ -126,6 +129,11 @@ class RankFp8:
         ``offered`` and ``packed`` with those tensors' regions replaced by regions of the
         values and the scales. ``packed``'s pieces are among ``offered``'s; both come as new
         mappings when the trainer's memory moved, and the result is kept while they stay."""
+        device = next((r.source.device for rs in offered.values() for r in rs), None)
+        if device is not None and device.type == "cuda":
+            if self._written is None:
+                self._written = torch.cuda.Event(interprocess=True)
+            self._written.record(torch.cuda.current_stream(device))
         taken = self._taken
         if taken is None or taken[0] is not offered or taken[1] is not packed:
             sources = {
@@ -148,6 +156,24 @@ class RankFp8:
         elif taken[2]:
             self._pieces(taken[2])
         return taken[3], taken[4]
+
+    def ready(self) -> dict[str, torch.cuda.Event] | None:
+        """For the last :meth:`quantize` (on a GPU; else None), each tensor's event, for
+        ``publish(..., ready=)``: a quantized tensor's (values and scales) the last launch
+        that writes one of this rank's pieces of it, any other's the event recorded before
+        the quantization. The same mapping while the regions stay."""
+        taken = self._taken
+        if taken is None or self._written is None or self._pieces.ready is None:
+            return None
+        if self._ready is None or self._ready[0] is not taken[3]:
+            ready = dict.fromkeys(taken[3], self._written)
+            for name, regions in taken[0].items():
+                if name in self._wired:
+                    keys = [_key(name, r) for r in regions]
+                    last = self._pieces.last_ready(keys + [scale_name(k) for k in keys])
+                    ready[name] = ready[scale_name(name)] = last
+            self._ready = (taken[3], ready)
+        return self._ready[1]
 
     def _swap(self, regions: Regions, views: Mapping[str, torch.Tensor]) -> Regions:
         """``regions`` with each quantized tensor's regions as regions of its values and of

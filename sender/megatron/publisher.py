@@ -73,7 +73,11 @@ class MegatronPublisher:
             (e4m3 values under the HF name, float32 ``weight_scale_inv`` block scales), as
             ``BlockFp8`` makes of the gathered HF tensors: each rank quantizes its own pieces
             on its device, every version. Each piece must cover whole blocks (TP splits in
-            multiples of the block; head_dim 128 and FFN widths of 128 x TP do).
+            multiples of the block; head_dim 128 and FFN widths of 128 x TP do). On GPUs,
+            unless ``direct``, the version begins while the ranks quantize: each piece is
+            packed once the launch that writes it is done (``Publisher.publish``'s
+            ``ready``), so the first buckets cross while the rest is quantized. With
+            ``direct`` they quantize first, so receivers on the host may read in place.
 
     Raises:
         PlanError: a parameter without a rule, a shape the config contradicts, missing ranks
@@ -188,6 +192,7 @@ class MegatronPublisher:
             return PublishResult(version, 0.0, 0)
         manifest = self._manifest.at(version)
         regions, packed = self._offers()
+        ready = self._fp8.ready() if self._fp8 is not None and not self._direct else None
         what = f"version {version}, rank {self.publisher.rank}"
 
         def pack(bucket: Bucket, buffer: torch.Tensor) -> None:
@@ -206,6 +211,7 @@ class MegatronPublisher:
             timeout_s=timeout_s,
             regions=regions,
             direct=self._direct,
+            ready=ready,
         )
 
     @property

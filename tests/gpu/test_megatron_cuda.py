@@ -84,3 +84,42 @@ def test_megatron_tp2_across_two_gpus_over_cuda_ipc(tmp_path, sock_dir, direct):
         want = convert_megatron_to_hf(state, config)
         for name, tensor in want.items():
             assert torch.equal(held[version][name], tensor.cpu()), f"v{version + 1}: {name}"
+
+
+def test_megatron_tp2_fp8_begun_while_each_gpu_quantizes_its_shards(tmp_path, sock_dir):
+    """Each rank quantizes its shards on its GPU and publishes with their launches' ready
+    events (``MegatronPublisher(fp8=...)`` without ``direct``): the version begins while they
+    run and the sender packs each piece once its launch is done. A TorchReceiver on GPU 0
+    holding the FP8 checkpoint's names must equal ``BlockFp8`` of the gathered tensors."""
+    pytest.importorskip("megatron.core")
+    from tests.support import holder_module
+    from tests.support import megatron as ms
+    from weightsync.fp8 import FP8, BlockFp8
+    from weightsync.receiver import TorchReceiver
+    from weightsync.sender.daemon import Sender
+    from weightsync.sender.megatron import convert_megatron_to_hf, hf_manifest
+
+    config = ms.hf_config(ms.FP8_CASE)
+    meta = {
+        s.name: torch.empty(s.shape, dtype=s.torch_dtype) for s in hf_manifest(config, "float32")
+    }
+    form = BlockFp8()(meta)
+    model = holder_module({n: torch.zeros_like(t, device="cuda:0") for n, t in form.items()})
+    fp8 = (True, None, ms.VERSIONS, True, False, True)  # cuda, fp8, not direct
+    with Sender(f"unix:{sock_dir}/s.sock", bucket_size_bytes=64 * 1024) as sender:
+        receiver = TorchReceiver(model, sender.address, receiver_id="fp8-cuda0")
+        with ms.held_versions(receiver, model, ms.VERSIONS) as held:
+            states = ms.launch(
+                tmp_path, {"tp": 2, "pp": 1}, ms.publish_worker, ms.FP8_CASE.name,
+                sender.address, *fp8,
+            )[0]  # fmt: skip
+        status = sender.coordinator.status()
+    assert [v.state for v in status.versions] == ["complete"] * ms.VERSIONS
+    assert {sender.coordinator.run_of(v.version).transport for v in status.versions} == {"cuda_ipc"}
+    for version, state in enumerate(states):
+        want = BlockFp8()(convert_megatron_to_hf(state, config))
+        assert list(held[version]) == list(want), f"version {version + 1}: names"
+        for name, tensor in want.items():
+            bits = torch.uint8 if tensor.dtype == FP8 else torch.int32
+            got = held[version][name].cpu()
+            assert torch.equal(got.view(bits), tensor.cpu().view(bits)), f"v{version + 1}: {name}"

@@ -61,3 +61,41 @@ def test_ready_events_that_miss_a_tensor_are_refused_by_its_name_before_any_call
         with pytest.raises(ConfigError, match="`ready` names no event for 'b'; name every"):
             publisher.publish(tensors, 1, ready={"a": None})
         assert not publisher.status().versions
+
+
+def test_publish_packed_refuses_ready_events_that_miss_an_offered_tensor(sock_dir):
+    from weightsync.buckets import TensorSpec
+    from weightsync.errors import ConfigError
+    from weightsync.manifest import VersionManifest
+    from weightsync.regions import Region
+
+    with Sender(f"unix:{sock_dir}/s.sock") as sender, Publisher(sender.address) as publisher:
+        a, b = torch.ones(4), torch.ones(4)
+        manifest = VersionManifest(1, (TensorSpec.of("a", a), TensorSpec.of("b", b)))
+        regions = {"a": [Region((0,), a)], "b": [Region((0,), b)]}
+        with pytest.raises(ConfigError, match="`ready` names no event for 'b'; name every"):
+            publisher.publish_packed(
+                manifest, lambda *_: None, device=a.device, regions=regions, ready={"a": None}
+            )
+        assert not publisher.status().versions
+
+
+def test_ready_names_are_looked_at_once_per_mapping_and_tensors_only_by_identity():
+    """A new mapping of new tensors under the same names is checked again (its tensors are
+    never compared by value: that raised for tensors of more than one element)."""
+    from weightsync.errors import ConfigError
+    from weightsync.sender.placement import ReadyCheck
+
+    check, ready = ReadyCheck(), {"a": None, "b": None}
+    first = {"a": torch.ones(4), "b": torch.ones(4)}
+    check(first, first, ready, 1)
+
+    def refuse():
+        raise AssertionError("looked at again")
+        yield
+
+    check(first, refuse(), ready, 2)  # the same pair: not looked at
+    second = {"a": torch.zeros(4), "b": torch.zeros(4)}
+    check(second, second, ready, 3)
+    with pytest.raises(ConfigError, match="no event for 'c'"):
+        check({"c": torch.ones(2)}, ["c"], ready, 4)
