@@ -125,6 +125,10 @@ class Writes:
             return None
 
         sums = pack_bucket(version, bucket, slot, also if granted else None)
+        if sums is None and granted:
+            # The writes below sum the slot's padding too, and the sum taken apart after them
+            # sees it zeroed (stale bytes of an earlier bucket failed the check).
+            bucket.zero_gaps(slot.buffer.tensor)
         wrote = list(fused)
         for rid, offered in granted:
             batch = None if rid in fused else _batch(slot, rid, offered, bucket)
