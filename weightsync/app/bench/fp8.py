@@ -5,9 +5,9 @@ as block FP8 (``weightsync.fp8.BlockFp8``: e4m3 projections and their 128 x 128 
 The trainer (this process) holds the model's bf16 HF tensors on the device, filled with
 normal values from each version's seed; a ``TorchReceiver`` process on the same device holds a
 plain module of the version's tensors (bf16, or the FP8 checkpoint form), views of one buffer
-as an engine keeps fused experts in a few tensors, so the sender writes them in place for MoE
-shapes too (thousands of separate tensors would make the receiver load every bucket itself,
-the per-tensor cost of which no engine pays). Each version is one
+as an engine keeps fused experts in a few tensors: on the sender's GPU the sender writes them
+in place for MoE shapes too (thousands of separate storages are more than a write offer may
+name); on another GPU (``--receiver-device``) the receiver reads the buckets. Each version is one
 ``publish(wait=True)`` (start -> applied); the FP8 row's time includes quantizing every
 version on the trainer's device. A third row, ``fp8 ready``, publishes the same FP8 versions
 with ``ready=fp8.ready``: the version begins as the quantization is queued, and the sender
