@@ -164,10 +164,43 @@ def test_a_write_that_fails_fails_only_its_receiver_naming_bucket_and_receiver(m
     monkeypatch.setattr(
         writes_module, "_batch", lambda slot, rid, offered, bucket, pack=None: Copies(rid == "a")
     )
-    bucket = SimpleNamespace(index=3)
-    sums, wrote = writes.pack(version, bucket, SimpleNamespace(device="cpu"), True)
+    bucket = SimpleNamespace(index=3, zero_gaps=lambda buffer: None)
+    slot = SimpleNamespace(device="cpu", buffer=SimpleNamespace(tensor=None))
+    sums, wrote = writes.pack(version, bucket, slot, True)
     assert sums is None and wrote == {"b"}
     assert writes.counts == {"b": 1}  # reported as its ReceiverOutcome.written_buckets
     assert list(failed) == ["a"] and outcomes["a"].wrote
     assert "version 7: writing bucket 3 into receiver a's weights failed" in str(failed["a"])
     assert "illegal memory access" in str(failed["a"])
+
+
+def test_writes_from_the_slot_sum_its_padding_zeroed_when_the_pack_did_not_sum_it(monkeypatch):
+    """A pack that cannot take the checksum (pieces from another GPU) leaves it to be taken
+    apart, over the bucket with its padding zeroed; the writes from the slot sum the padding
+    too, so it must be zeroed before they run, not after (an earlier bucket's bytes there
+    failed the version on 2 x H200)."""
+    from weightsync.sender import writes as writes_module
+    from weightsync.sender.states import OutcomeState
+
+    tensors = {"w": torch.zeros(8, 8, dtype=torch.float8_e4m3fn), "s": torch.zeros(3)}
+    (bucket,) = plan_buckets(tuple(TensorSpec.of(n, t) for n, t in tensors.items()), 4096).buckets
+    assert len(bucket.gaps), "the case needs padding"
+    slot = SimpleNamespace(
+        buffer=SimpleNamespace(tensor=torch.full((4096,), 0xEE, dtype=torch.uint8))
+    )
+    seen = []
+
+    class Copies:
+        def run(self):
+            seen.append(slot.buffer.tensor[bucket.gaps].clone())
+
+    outcomes = {"r": SimpleNamespace(state=OutcomeState.PENDING, wrote=False)}
+    version = SimpleNamespace(shared=SimpleNamespace(cond=threading.Condition()), outcomes=outcomes)
+    writes = Writes(granted={"r": Offered({}, torch.device("cpu"), None)})
+    monkeypatch.setattr(writes_module, "pack_bucket", lambda *args: None)
+    monkeypatch.setattr(writes_module, "_batch", lambda *args, **kwargs: Copies())
+    slot.device = "cpu"
+    sums, wrote = writes.pack(version, bucket, slot, True)
+    assert sums is None and wrote == {"r"}
+    (padding,) = seen
+    assert not padding.any()
