@@ -222,11 +222,12 @@ class Publisher:
         trace.mark("publish", version=version, rank=self.rank)
         previous = self._stream
         stream = self._stream_for(device)
-        # Only a sender that said it waits for them gets ready events (known from its welcome).
-        waits = ready if ready and stream.waits_ready else None
-        offer = self._exports.offer(regions, waits) if regions else None
-        pending = self._exports.events if offer is not None and offer.ready else ()
-        whole = (self._manifest(manifest), offer, direct and not pending)
+        # The offer names the events on a stream's first version too (then planned once for
+        # every version); they are left to the sender only where its welcome said it waits.
+        offer = self._exports.offer(regions, ready) if regions else None
+        named = offer is not None and len(offer.ready) > 0
+        pending = self._exports.events if named and stream.waits_ready else ()
+        whole = (self._manifest(manifest), offer, direct and not named)
         key = stream.key_of(whole)
         begin = pb.BeginVersion(wait_applied=wait, begin_key=key)
         if not stream.begins_sent.alone(key):
