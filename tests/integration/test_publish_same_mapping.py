@@ -99,3 +99,22 @@ def test_ready_names_are_looked_at_once_per_mapping_and_tensors_only_by_identity
     check(second, second, ready, 3)
     with pytest.raises(ConfigError, match="no event for 'c'"):
         check({"c": torch.ones(2)}, ["c"], ready, 4)
+
+
+def test_a_new_mapping_of_new_tensors_publishes_with_the_same_ready_events(sock_dir):
+    """The second publish used to raise ``RuntimeError: Boolean value of Tensor ...`` from the
+    ready check (CPU tensors: the stand-in events are polled on the host before each begin)."""
+
+    class Event:
+        looks = 0
+
+        def query(self) -> bool:
+            Event.looks += 1
+            return True
+
+    ready = {"a": Event(), "b": Event()}
+    with Sender(f"unix:{sock_dir}/s.sock") as sender, Publisher(sender.address) as publisher:
+        publisher.publish({"a": torch.ones(4), "b": torch.ones(4)}, 1, ready=ready)
+        publisher.publish({"a": torch.zeros(4), "b": torch.zeros(4)}, 2, ready=ready)
+        assert [v.version for v in sender.coordinator.status().versions] == [1, 2]
+    assert Event.looks == 4
