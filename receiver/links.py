@@ -159,10 +159,11 @@ whether the reads are done (an arrival ends the wait at once)."""
 
 
 class HeldAcks:
-    """A bucket's ack held while its reads of a staging buffer on another GPU still run (the
-    sender reuses the buffer once acked): the next bucket, arriving while they run, has its
-    copies queued first, so this GPU does not idle between the two while this process waits
-    and acks."""
+    """A bucket's ack held while its reads still run, where it cannot carry a read event (a
+    CUDA buffer read into host memory, buffers on several GPUs, an announcement without a
+    packed event; the sender reuses the buffer once acked): the next bucket, arriving while
+    they run, has its copies queued first, so the GPU does not idle between the two while
+    this process waits and acks."""
 
     def __init__(self, link: Link) -> None:
         self._link = link

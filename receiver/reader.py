@@ -178,8 +178,9 @@ class BucketReader:
         checked against."""
         self._forgot = False
         """Landing buffers' views were dropped since the last bucket prepared."""
-        self._release_event: tuple[torch.cuda.Event, bytes] | None = None
-        """Recorded behind each staged bucket's reads on our GPU; the sender waits for it."""
+        self._read_events: dict[str, tuple[torch.cuda.Event, bytes]] = {}
+        """By staging buffer id (a few per sender, like the mapped buffers): recorded behind
+        each of its buckets' reads (:meth:`_read_event`)."""
 
     def prepare(
         self, msg: pb.BucketAnnouncement, reads: VersionReads, landed: torch.Tensor | None
@@ -292,23 +293,38 @@ class BucketReader:
         """Make the bucket's buffer reusable; returns the event the sender waits for, if any,
         and the reads to wait for before acking, if any.
 
-        Direct reads come from trainer memory: they finish here. A staging buffer on our own
-        GPU is released by an event recorded behind the reads (no wait); other CUDA buffers
-        once the reads queued now are done (the caller may queue the next bucket's first).
-        Landing buffers are our own (:mod:`.broadcast` orders their reuse).
+        Direct reads come from trainer memory: they finish here. A staging buffer on one GPU
+        (ours or another) read into our GPU is released by an event recorded behind the reads
+        (no wait): :meth:`_read_event`. Other CUDA buffers (on several GPUs, read into host
+        memory, or announced without a packed event) once the reads queued now are done (the
+        caller may queue the next bucket's first). Landing buffers are our own
+        (:mod:`.broadcast` orders their reuse).
         """
-        devices = {b.device for b in load.buffers if b.is_cuda}
-        if self.device.type == "cuda":
-            devices.add(self.device)
+        homes = {b.device for b in load.buffers if b.is_cuda}
+        devices = homes | ({self.device} if self.device.type == "cuda" else set())
         reads.devices |= devices
         if msg.sources:
             wait_for_streams(devices)
-        elif msg.ready_event and devices == {self.device}:
-            if self._release_event is None:
-                self._release_event = new_event(self.device)
-            event, handle = self._release_event
-            event.record(torch.cuda.current_stream(self.device))
-            return handle, None
+        elif msg.ready_event and self.device.type == "cuda" and len(homes) <= 1:
+            home = next(iter(homes), self.device)
+            return self._read_event(msg.buffer.buffer_id, home, devices), None
         elif not msg.group_id and devices:
             return b"", QueuedWork(devices)
         return b"", None
+
+    def _read_event(self, buffer_id: str, home: torch.device, devices: set[torch.device]) -> bytes:
+        """The handle of an interprocess event on the buffer's GPU (``home``), recorded behind
+        every read of it queued so far on ``devices`` (reads into another GPU ordered in by a
+        stream wait): the sender's stream waits for it before packing the buffer again, so
+        neither process waits for the reads and the next buckets' packs and reads queue
+        behind them (a receiver on another GPU waited for its reads before it acked: its host
+        work per bucket then added to the GPUs'). One event per buffer: a record for the next
+        bucket must not hold back the repacking of this one's."""
+        stream = torch.cuda.current_stream(home)
+        for device in devices - {home}:
+            stream.wait_stream(torch.cuda.current_stream(device))
+        if buffer_id not in self._read_events:
+            self._read_events[buffer_id] = new_event(home)
+        event, handle = self._read_events[buffer_id]
+        event.record(stream)
+        return handle

@@ -1,10 +1,11 @@
-"""A receiver on another GPU than the staging buffers holds a bucket's ack until its reads
-are done, while it queues the next bucket's copies (``receiver.links.HeldAcks``): the
-sender repacks a buffer once acked, so an ack that went before its reads would have them
-read the next bucket's bytes. Here every bucket's reads are slowed on the receiver's GPU (a
-sleep queued before its copies): every version must still be bit-exact, and acks held.
+"""A receiver on another GPU than the staging buffers acks each bucket as soon as its reads
+are queued, with a read event recorded behind them on the buffer's GPU
+(``BucketReader._read_event``): the sender's stream waits for it before repacking the buffer,
+so were the event recorded too early, or not waited for, the reads would take the next
+bucket's bytes. Here every bucket's reads are slowed on the receiver's GPU (a sleep queued
+before its copies): every version must still be bit-exact, and every ack carry its event.
 
-Needs two GPUs: ``python -m pytest -m gpu tests/gpu/test_held_acks_gpu.py``.
+Needs two GPUs: ``python -m pytest -m gpu tests/gpu/test_read_events_gpu.py``.
 """
 
 from __future__ import annotations
@@ -40,19 +41,19 @@ def make_tensors(version: int, device: str) -> dict[str, torch.Tensor]:
 
 def _receiver(address: str, versions: int, out) -> None:
     from weightsync.receiver.core import ReceiverCore
-    from weightsync.receiver.links import HeldAcks
+    from weightsync.receiver.reader import BucketReader
     from weightsync.receiver.torch_receiver import TorchModuleTarget
 
     device = "cuda:1"
-    held = []
-    after = HeldAcks.after
+    acks = []
+    release = BucketReader.release
 
-    def counted(self, *args):
-        folded = after(self, *args)
-        held.append(self._held is not None)
-        return folded
+    def noted(self, *args):
+        event, unfinished = release(self, *args)
+        acks.append((bool(event), unfinished is None))
+        return event, unfinished
 
-    HeldAcks.after = counted
+    BucketReader.release = noted
 
     class SlowReads(TorchModuleTarget):
         def load(self, arrival):
@@ -67,10 +68,10 @@ def _receiver(address: str, versions: int, out) -> None:
         expected = make_tensors(v, device)
         live = holder.state_dict()
         out.put((v, [n for n in expected if not torch.equal(live[n], expected[n])]))
-    out.put(sum(held))
+    out.put(acks)
 
 
-def test_reads_of_another_gpus_buffer_end_before_their_ack_while_the_next_are_queued(sock_dir):
+def test_reads_of_another_gpus_buffer_are_acked_by_an_event_the_repack_waits_for(sock_dir):
     from weightsync.sender import Publisher
     from weightsync.sender.daemon import Sender
 
@@ -85,7 +86,8 @@ def test_reads_of_another_gpus_buffer_end_before_their_ack_while_the_next_are_qu
             for v in range(1, versions + 1):
                 publisher.publish(make_tensors(v, "cuda:0"), v, wait=True, timeout_s=120)
         results = [out.get(timeout=120) for _ in range(versions)]
-        held = out.get(timeout=60)
+        acks = out.get(timeout=60)
         proc.join(60)
     assert results == [(v, []) for v in range(1, versions + 1)]
-    assert held > 0  # the next bucket was here while a bucket's reads ran
+    assert len(acks) >= 6 * versions
+    assert acks == [(True, True)] * len(acks)  # an event each, no ack waiting for its reads
