@@ -4,7 +4,8 @@ torch's ``copy_`` across GPUs puts a two-way barrier between both GPUs' streams 
 copy; a direct read of a sharded trainer's tensors is hundreds (MoE: thousands) of pieces from
 a peer, and those barriers kept 4 x H200 node reads near half the NVLink bandwidth. Here the
 pieces of one batch are plain asynchronous copies (``cudaMemcpyAsync``) queued on the source
-GPU's stream, ordered once after the destinations' streams and once before them.
+GPU's stream, ordered after the sources' streams (and, where they write a destination, its
+stream) and once before the destinations' streams.
 
 Copy engines, not a kernel: copies from another process's memory then run beside that GPU's
 own copy kernels, where a kernel would share its SMs with the other process's by time slices.
@@ -185,8 +186,9 @@ class _Landing:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         for k, (copies, puts) in enumerate(zip(self.copies, self.puts, strict=True)):
             slot = k % 2
-            if k >= 2:
-                source.wait_event(self._put[slot])  # window k - 2 is out of this buffer
+            # The window last put from this buffer (k - 2, or the last run's) is out of it; not
+            # recorded yet (a first run's first two), the wait is none.
+            source.wait_event(self._put[slot])
             base = self.buffers[slot].data_ptr()
             for offset, src, nbytes in copies:
                 runtime.memcpyAsync(base + offset, src, nbytes, _MEMCPY_DEFAULT, handle)
@@ -237,21 +239,26 @@ class PeerCopies:
         self._done = {device: torch.cuda.Event() for device in self._rounds}
 
     def start(self) -> None:
-        """Queue every copy, after what the sources' and the destinations' streams hold so
-        far (a staged read waits for its bucket's packed event on the source GPU's stream)."""
+        """Queue every copy after what the sources' streams hold so far (a staged read waits
+        for its bucket's packed event on the source GPU's stream); what writes a destination
+        (a put, a direct copy) after what its stream holds too. Crossings into landing
+        windows do not wait for the destinations: the next bucket's bytes cross while the
+        destination GPU still puts the last one's in place and sums them (2 x H200, FP8 MoE:
+        the link idled between buckets)."""
         cupy = copy_kernel.cupy()
         last = None
         for device in self._rounds:
             stream = self._streams[device]
             stream.wait_stream(torch.cuda.current_stream(device))
-            for target in self._targets[device]:
-                stream.wait_stream(torch.cuda.current_stream(target))
             if last is not None:  # the next round crosses once the last one has
                 stream.wait_event(last)
             with cupy.cuda.Device(device.index):
                 for landing in self._landings:  # first: the puts overlap what crosses next
                     if landing.source == device:
                         landing.start(cupy.cuda.runtime, stream)
+                if device in self._direct:
+                    for target in self._targets[device]:
+                        stream.wait_stream(torch.cuda.current_stream(target))
                 for dst, src, nbytes in self._direct.get(device, ()):
                     cupy.cuda.runtime.memcpyAsync(
                         dst, src, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream

@@ -225,6 +225,49 @@ def test_peer_copies_wait_for_what_the_source_gpu_stream_writes_first():
     assert bool((big_dst == 7).all()) and bool((small_dst == 9).all())
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_peer_copies_write_destinations_after_their_stream_and_reuse_windows_after_puts():
+    """Crossings into landing windows wait only for the source; what writes a destination
+    waits for its stream. GPU 0's stream sleeps, then sets the destinations: a piece put from
+    a window and one crossing straight must both land after that. Then a batch of one window
+    runs twice while its first put still waits behind a sleep: the second run's bytes must
+    wait for that put to cross (a snapshot queued between the runs keeps the first's)."""
+    pytest.importorskip("cupy")
+    from weightsync import peer_copies
+
+    big = torch.full((peer_copies.DIRECT_MIN_BYTES,), 3, dtype=torch.uint8, device="cuda:1")
+    small = torch.full((64, 32), 4, dtype=torch.int16, device="cuda:1")
+    big_dst = torch.zeros_like(big, device="cuda:0")
+    wide = torch.zeros(64, 48, dtype=torch.int16, device="cuda:0")
+    batch = CopyBatch.of([(big_dst, big), (wide[:, 16:], small)])
+    assert batch.peer is not None and len(batch.peer._landings) == 1
+    torch.cuda.synchronize(1)
+    with torch.cuda.device(0):
+        torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU time
+        big_dst.fill_(1)
+        wide.fill_(2)
+    batch.run()
+    torch.cuda.synchronize(0)
+    assert bool((big_dst == 3).all())
+    assert bool((wide[:, 16:] == 4).all()) and bool((wide[:, :16] == 2).all())
+
+    solo = CopyBatch.of([(wide[:, 16:], small)])
+    (landing,) = solo.peer._landings
+    assert len(landing.copies) == 1
+    snapshot = torch.empty_like(wide)
+    with torch.cuda.device(0):
+        torch.cuda._sleep(200_000_000)
+    solo.run()
+    with torch.cuda.device(0):
+        snapshot.copy_(wide)
+    torch.cuda.synchronize(1)  # the first run's bytes crossed; its put still waits
+    small.fill_(5)
+    solo.run()
+    torch.cuda.synchronize(0)
+    assert bool((snapshot[:, 16:] == 4).all())
+    assert bool((wide[:, 16:] == 5).all())
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 GPUs")
 def test_peer_copies_from_several_gpus_go_in_rounds_and_all_land():
     """GPU 0 reading from GPUs 1 and 2 takes them one after another (round ``0 ^ s``: GPU 1,
