@@ -242,9 +242,8 @@ class PeerCopies:
         """Queue every copy after what the sources' streams hold so far (a staged read waits
         for its bucket's packed event on the source GPU's stream); what writes a destination
         (a put, a direct copy) after what its stream holds too. Crossings into landing
-        windows do not wait for the destinations: the next bucket's bytes cross while the
-        destination GPU still puts the last one's in place and sums them (2 x H200, FP8 MoE:
-        the link idled between buckets)."""
+        windows do not wait for the destinations, so the next bucket's bytes may cross while
+        the destination GPU still puts the last one's in place and sums them."""
         cupy = copy_kernel.cupy()
         last = None
         for device in self._rounds:
