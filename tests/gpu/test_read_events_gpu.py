@@ -3,7 +3,9 @@ are queued, with a read event recorded behind them on the buffer's GPU
 (``BucketReader._read_event``): the sender's stream waits for it before repacking the buffer,
 so were the event recorded too early, or not waited for, the reads would take the next
 bucket's bytes. Here every bucket's reads are slowed on the receiver's GPU (a sleep queued
-before its copies): every version must still be bit-exact, and every ack carry its event.
+before its copies): every version must still be bit-exact, and every ack carry its event. The
+event's wait for the receiver's GPU must not hold the buffer GPU's current stream, where the
+next bucket's crossings start.
 
 Needs two GPUs: ``python -m pytest -m gpu tests/gpu/test_read_events_gpu.py``.
 """
@@ -91,3 +93,24 @@ def test_reads_of_another_gpus_buffer_are_acked_by_an_event_the_repack_waits_for
     assert results == [(v, []) for v in range(1, versions + 1)]
     assert len(acks) >= 6 * versions
     assert acks == [(True, True)] * len(acks)  # an event each, no ack waiting for its reads
+
+
+def test_the_read_event_does_not_hold_the_buffer_gpus_current_stream():
+    from weightsync.receiver.reader import BucketLoad, BucketReader, VersionReads
+    from weightsync.v1 import weightsync_pb2 as pb
+
+    reader = BucketReader(torch.device("cuda:1"), chunks_in_place=False, verify_checksums=False)
+    buffer = torch.empty(1 << 20, dtype=torch.uint8, device="cuda:0")
+    msg = pb.BucketAnnouncement(ready_event=b"packed", buffer=pb.BufferHandle(buffer_id="slot0"))
+    torch.cuda.synchronize(0)
+    with torch.cuda.device(1):
+        torch.cuda._sleep(4 * 10**9)  # seconds of "reads" queued on the receiver's GPU
+        reads_done = torch.cuda.Event()
+        reads_done.record()
+    handle, unfinished = reader.release(msg, BucketLoad({}, [], [buffer]), VersionReads(1))
+    assert handle and unfinished is None
+    next_crossing = torch.cuda.Event()
+    next_crossing.record(torch.cuda.current_stream(0))
+    next_crossing.synchronize()
+    assert not reads_done.query()  # GPU 0 went on while GPU 1 still "read"
+    torch.cuda.synchronize(1)
