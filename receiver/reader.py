@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from weightsync.buckets import Bucket, BucketEntry, ChunkAssembler, TensorSpec, entry_view
-from weightsync.checksum import ALGORITHM, finish_all, row_sums
+from weightsync.checksum import ALGORITHM, Sums, finish_all, row_sums
 from weightsync.errors import ChecksumError, ProtocolError, TransportError
 from weightsync.receiver.target import Arrival, TensorBox, WeightTarget
 from weightsync.topology_model import fits
@@ -87,7 +87,7 @@ class VersionReads:
         self._by_name: dict[str, TensorSpec] | None = None
         self.assembler = ChunkAssembler()
         self.devices: set[torch.device] = set()
-        self._sums: list[tuple[Bucket, torch.Tensor]] = []
+        self._sums: list[tuple[Bucket, Sums]] = []
 
     def box(self, entry: BucketEntry, data: torch.Tensor) -> TensorBox:
         """``data`` as the box of its tensor that ``entry`` says (:attr:`BucketEntry.box_start`).
@@ -106,7 +106,7 @@ class VersionReads:
             )
         return TensorBox(entry.name, spec.shape, start, data)
 
-    def checksum(self, bucket: Bucket, buffer: torch.Tensor, sums: torch.Tensor | None) -> None:
+    def checksum(self, bucket: Bucket, buffer: torch.Tensor, sums: Sums | None) -> None:
         """Queue the bucket's checksum: ``sums`` when the loads took it, else a read of it."""
         self._sums.append((bucket, sums if sums is not None else row_sums(buffer, bucket.nbytes)))
 

@@ -15,6 +15,7 @@ import torch
 
 from weightsync import summed_copies
 from weightsync.buckets import BucketEntry, byte_view
+from weightsync.checksum import Sums
 from weightsync.dtypes import dtype_name
 from weightsync.errors import ManifestMismatchError, WeightSyncError
 from weightsync.manifest import VersionManifest
@@ -136,9 +137,7 @@ class Batches(Memo[Hashable, "CopyBatch | SummedCopies"]):
     def __init__(self, max_entries: int = KEPT_BATCHES) -> None:
         super().__init__(max_entries)
 
-    def run(
-        self, key: Hashable, build: Callable[[], CopyBatch | SummedCopies]
-    ) -> torch.Tensor | None:
+    def run(self, key: Hashable, build: Callable[[], CopyBatch | SummedCopies]) -> Sums | None:
         """Run the batch kept for ``key`` (built on first use; None: built, run, not kept);
         returns what it returns (a summed batch's checksum reduction)."""
         return (build() if key is None else self.get(key, build)).run()
@@ -205,7 +204,7 @@ class WeightTarget(ABC):
         """Prepare for loading (e.g. vLLM's layerwise reload setup)."""
 
     @abstractmethod
-    def load(self, arrival: Arrival) -> torch.Tensor | None:
+    def load(self, arrival: Arrival) -> Sums | None:
         """Load one bucket's :class:`Arrival`; returns the checksum reduction of
         :attr:`Arrival.bucket` where it took one, else None. A target that loads only
         complete tensors loads :meth:`Arrival.whole`."""
@@ -278,7 +277,7 @@ class InPlaceTarget(WeightTarget):
     def begin(self, manifest: VersionManifest) -> None:
         pass
 
-    def load(self, arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+    def load(self, arrival: Arrival | Iterable[tuple[str, torch.Tensor]]) -> Sums | None:
         arrival = Arrival.of(arrival)
         if self._batches is None or arrival.replaced:
             self._batches = Batches()

@@ -23,7 +23,7 @@ nothing: that would be a second read of every byte on the GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -73,14 +73,24 @@ def finish(sums: torch.Tensor, nbytes: int) -> int:
     return (a * 0x9E3779B97F4A7C15 + b * 0xC2B2AE3D27D4EB4F + nbytes) & _MASK64
 
 
-def finish_all(sums: list[torch.Tensor], sizes: list[int]) -> list[int]:
-    """:func:`finish` for many buckets at once, with one copy to the CPU per device."""
+Sums = torch.Tensor | tuple[torch.Tensor, ...]
+"""A bucket's :func:`row_sums`, or parts of them on several devices that add up to them
+(:class:`~weightsync.summed_copies.LandedSums`: adding them on one GPU would make its stream wait
+for the others')."""
+
+
+def finish_all(sums: Sequence[Sums], sizes: Sequence[int]) -> list[int]:
+    """:func:`finish` for many buckets at once, with one copy to the CPU per device; parts of
+    one bucket's sums are added there (wrapping, as on the GPU)."""
     if not sums:
         return []
-    if len({s.device for s in sums}) == 1:
-        values = torch.stack(sums).cpu()
-    else:
-        values = torch.stack([s.cpu() for s in sums])
+    parts = [s if isinstance(s, tuple) else (s,) for s in sums]
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for bucket in parts:
+        for part in bucket:
+            by_device.setdefault(part.device, []).append(part)
+    on_host = {device: iter(torch.stack(got).cpu()) for device, got in by_device.items()}
+    values = [torch.stack([next(on_host[p.device]) for p in bucket]).sum(dim=0) for bucket in parts]
     return [finish(v, n) for v, n in zip(values, sizes, strict=True)]
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.support import kernel_cases
-from weightsync.checksum import finish, row_sums
+from weightsync.checksum import finish, finish_all, row_sums
 from weightsync.regions import _BITS, CopyBatch
 from weightsync.summed_copies import SummedCopies
 
@@ -80,10 +80,10 @@ def test_reads_from_a_bucket_on_another_gpu_are_checked_where_they_landed():
     assert isinstance(copies, summed_copies.LandedSums)
     want = finish(row_sums(bucket, nbytes), nbytes)
     for _ in range(2):  # built once, run every version
-        assert finish(copies.run(), nbytes) == want
+        assert finish_all([copies.run()], [nbytes]) == [want]
     torch.cuda.synchronize(0)
     assert all(torch.equal(_bits(d).cpu(), _bits(s).cpu()) for d, s in pairs)  # NaNs as bits
     for missed in range(len(pairs)):
         pairs[missed][0].zero_()
         copies.batch = CopyBatch.of(pairs[:missed] + pairs[missed + 1 :])
-        assert finish(copies.run(), nbytes) != want, f"copy {missed} did not land"
+        assert finish_all([copies.run()], [nbytes]) != [want], f"copy {missed} did not land"

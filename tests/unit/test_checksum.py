@@ -1,6 +1,6 @@
 import torch
 
-from weightsync.checksum import finish, row_sums
+from weightsync.checksum import finish, finish_all, row_sums
 
 
 def bucket_checksum(buffer, nbytes):
@@ -78,3 +78,18 @@ def test_wrapping_arithmetic_matches_the_reference_at_the_extremes():
     words = torch.randint(-(2**63), 2**63 - 1, (2 * 8192 + 64,), generator=g)
     b = words.view(torch.uint8)
     assert bucket_checksum(b, b.numel()) == _reference(b)
+
+
+def test_sums_in_parts_finish_as_their_whole_wrapping_like_the_gpu():
+    """A bucket's sums may come as parts (one per GPU, ``LandedSums``), beside whole ones: each
+    bucket finishes to the checksum of its bytes, parts added with int64 wrap-around."""
+    g = torch.Generator().manual_seed(8)
+    words = torch.randint(-(2**63), 2**63 - 1, (2 * 8192 + 64,), generator=g)
+    b = words.view(torch.uint8)
+    n = b.numel()
+    whole = row_sums(b, n)
+    near_limit = torch.tensor([2**63 - 5, -(2**63) + 3])
+    parts = (whole - near_limit, near_limit)  # each sum overflows when the parts are added
+    other = buf(4096, seed=3)
+    got = finish_all([parts, row_sums(other, 4096), (whole,)], [n, 4096, n])
+    assert got == [_reference(b), _reference(other), _reference(b)]
