@@ -102,12 +102,14 @@ def starts(version: Version) -> Message:
         n = counts.get(conn.receiver_id, len(version.tensors.staged.buckets))
         whole = not conn.manifests_sent.alone(version.manifest_key)
         if (n, whole) not in made:
-            manifest = _manifest(version) if whole else pb.Manifest(version=version.version)
-            made[n, whole] = pb.Announcement(
-                start=pb.VersionStart(
-                    manifest=manifest, num_buckets=n, manifest_key=version.manifest_key
-                )
-            )
+            msg = pb.Announcement()  # filled in place: each nesting in a constructor copies
+            start = msg.start
+            start.num_buckets, start.manifest_key = n, version.manifest_key
+            if whole:
+                start.manifest.CopyFrom(_manifest(version))
+            else:
+                start.manifest.version = version.version
+            made[n, whole] = msg
         return made[n, whole]
 
     return start
@@ -132,21 +134,20 @@ def direct_buckets(version: Version) -> Message:
 
     def own(conn: ReceiverConn) -> pb.Announcement:
         read = version.direct_reads.get(conn.receiver_id)
+        msg = pb.Announcement()
+        bucket = msg.bucket
+        bucket.version = version.version
         if read is None:
-            return pb.Announcement(
-                bucket=pb.BucketAnnouncement(
-                    version=version.version,
-                    layout=tensors.layouts[tensors.direct.index],
-                    sources=tensors.direct_sources,
-                )
-            )
-        bucket = pb.BucketAnnouncement(version=version.version, layout_key=read.key)
+            bucket.layout.CopyFrom(tensors.layouts[tensors.direct.index])
+            bucket.sources.extend(tensors.direct_sources)
+            return msg
+        bucket.layout_key = read.key
         # A receiver that keeps layouts gets the key alone once it has the layout: listing
         # every tensor again costs the sender and each receiver per version.
         if not conn.layouts_sent.alone(read.key):
             bucket.layout.CopyFrom(read.layout)
             bucket.sources.extend(read.sources)
-        return pb.Announcement(bucket=bucket)
+        return msg
 
     return own
 
@@ -172,7 +173,13 @@ def packed_bucket(
         return "written" if conn.receiver_id in wrote else "mapped"
 
     def build(kind: str) -> pb.Announcement:
-        bucket = pb.BucketAnnouncement(version=version.version, layout=layout)
+        # Filled in place: a layout given to a constructor, and the bucket given to the
+        # announcement's, are each copied again (1,000 FP8 MoE entries: 0.6-1.3 ms a bucket on
+        # a 2-core box, against 0.1-0.16 ms in place).
+        msg = pb.Announcement()
+        bucket = msg.bucket
+        bucket.version = version.version
+        bucket.layout.CopyFrom(layout)
         if kind == "written":
             bucket.written = True
         elif kind == "mapped":
@@ -182,7 +189,7 @@ def packed_bucket(
             bucket.group_id = group_id
             if delta is not None:
                 bucket.delta.CopyFrom(delta.msg)
-        return pb.Announcement(bucket=bucket)
+        return msg
 
     def message(conn: ReceiverConn) -> pb.Announcement:
         kind = form(conn)

@@ -33,7 +33,11 @@ def batched(item: pb.Announcement | list[pb.Announcement]) -> pb.Announcement:
     """A receiver's announcements sent together (``Outcomes.together``) as one message."""
     if isinstance(item, Message):
         return item
-    return item[0] if len(item) == 1 else pb.Announcement(batch=pb.AnnouncementBatch(items=item))
+    if len(item) == 1:
+        return item[0]
+    msg = pb.Announcement()
+    msg.batch.items.extend(item)  # one copy of each (a nested constructor makes two)
+    return msg
 
 
 class Outbox(queue.Queue):

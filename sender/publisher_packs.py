@@ -52,9 +52,10 @@ class PublisherPacks:
     def ask(self, layout: pb.BucketLayout, slot: Slot) -> None:
         """Every rank packs its part of the bucket of ``layout`` into ``slot``."""
         self._stamps.stamp(layout, slot)
-        pack = pb.SenderReply(
-            pack=pb.PackBucket(version=self._run.version, layout=layout, buffer=slot.buffer.handle)
-        )
+        pack = pb.SenderReply()  # filled in place: nested constructors copy the layout twice
+        pack.pack.version = self._run.version
+        pack.pack.layout.CopyFrom(layout)
+        pack.pack.buffer.CopyFrom(slot.buffer.handle)
         for rank in self._run.ranks.values():
             rank.outbox.put(pack)
 
