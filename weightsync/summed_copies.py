@@ -314,7 +314,6 @@ class LandedSums:
 
     def __init__(self, pairs: Sequence[Pair], rows: list[Row], buffer: torch.Tensor, nbytes: int):
         self.batch = CopyBatch.of(pairs, reused=True)
-        self.device = buffer.device
         self.whole = whole_row_words(nbytes)
         starts = [(d.data_ptr(), d.device) for d, _ in pairs] + [(buffer.data_ptr(), buffer.device)]
         self._tables = [
