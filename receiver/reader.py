@@ -328,7 +328,7 @@ class BucketReader:
         stream = self._ack_streams.get(home)
         if stream is None:
             stream = self._ack_streams[home] = torch.cuda.Stream(home)
-        for device in devices | {home}:
+        for device in devices:  # the buffer's GPU among them
             stream.wait_stream(torch.cuda.current_stream(device))
         if buffer_id not in self._read_events:
             self._read_events[buffer_id] = new_event(home)
